@@ -1,0 +1,291 @@
+"""LLMEngine: one in-process engine. Each step reads schedule -> run -> update."""
+
+import logging
+import uuid
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from pdserve.config import EngineConfig
+from pdserve.engine.detokenizer import IncrementalDetokenizer
+from pdserve.engine.request import Request, RequestStatus, SamplingParams
+from pdserve.engine.sampler import Sampler
+from pdserve.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from pdserve.errors import (
+    IntegrityError,
+    InvalidRequestError,
+    PromptTooLongError,
+    RequestNotFoundError,
+)
+from pdserve.kvcache.events import KVEventSink
+from pdserve.kvcache.hashing import BlockHasher
+from pdserve.kvcache.manager import KVCacheManager
+from pdserve.model.loader import LoadedModel, load_model
+from pdserve.model.runner import ModelRunner, SequenceChunk
+from pdserve.model.tiny import default_model_dir
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class RequestOutput:
+    """What one step produced for one request (deltas), plus totals for usage reporting."""
+
+    request_id: str
+    new_token_ids: tuple[int, ...]
+    new_text: str
+    finished: bool
+    finish_reason: str | None  # stop | length | abort
+    stop_reason: str | int | None  # the stop string or stop token that ended it
+    num_prompt_tokens: int
+    num_output_tokens: int
+    num_cached_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class Completion:
+    """A finished request, as `LLMEngine.generate` returns it."""
+
+    request_id: str
+    token_ids: tuple[int, ...]
+    text: str
+    finish_reason: str | None
+    num_cached_tokens: int
+
+
+class LLMEngine:
+    """Continuous-batching engine over a paged, prefix-cached KV cache. Not thread-safe: one
+    thread drives `add_request`, `abort_request` and `step`."""
+
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        kv_cache: KVCacheManager,
+        scheduler: Scheduler,
+        runner: ModelRunner,
+        sampler: Sampler,
+    ) -> None:
+        self.loaded = loaded
+        self.tokenizer = loaded.tokenizer
+        self.kv_cache = kv_cache
+        self.scheduler = scheduler
+        self.runner = runner
+        self.sampler = sampler
+        self.hasher = BlockHasher.for_model(kv_cache.block_size, loaded.model_tag)
+        self.max_model_len = min(loaded.max_model_len, kv_cache.num_blocks * kv_cache.block_size)
+        self._detokenizers: dict[str, IncrementalDetokenizer] = {}
+
+    @classmethod
+    def from_config(
+        cls, config: EngineConfig, event_sink: KVEventSink | None = None
+    ) -> "LLMEngine":
+        if config.torch_threads is not None:
+            torch.set_num_threads(config.torch_threads)
+        model_dir = config.model or default_model_dir()
+        loaded = load_model(
+            model_dir, dtype=config.dtype, device=config.device, max_model_len=config.max_model_len
+        )
+        num_blocks = config.num_kv_blocks or max(
+            1,
+            config.kv_cache_bytes
+            // (loaded.config.kv_bytes_per_token(loaded.dtype) * config.block_size),
+        )
+        kv_cache = KVCacheManager(
+            num_blocks,
+            config.block_size,
+            enable_prefix_caching=config.enable_prefix_caching,
+            event_sink=event_sink,
+        )
+        scheduler = Scheduler(
+            SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens), kv_cache
+        )
+        runner = ModelRunner.create(loaded.model, num_blocks, config.block_size, loaded.dtype)
+        logger.info("engine ready: %d KV blocks of %d tokens", num_blocks, config.block_size)
+        return cls(loaded, kv_cache, scheduler, runner, Sampler(loaded.device, config.seed))
+
+    # -- requests -----------------------------------------------------------------------------
+
+    def add_request(
+        self,
+        prompt: str | Sequence[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+    ) -> str:
+        """Queue a request; raises InvalidRequestError / PromptTooLongError for bad input."""
+        token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        self._validate_prompt(token_ids)
+        params = params or SamplingParams()
+        request = Request(
+            request_id=request_id or uuid.uuid4().hex,
+            prompt_token_ids=tuple(token_ids),
+            sampling_params=params,
+            hasher=self.hasher,
+            eos_token_ids=() if params.ignore_eos else self.loaded.eos_token_ids,
+        )
+        self.scheduler.add_request(request)
+        self._detokenizers[request.request_id] = IncrementalDetokenizer(self.tokenizer, params.stop)
+        return request.request_id
+
+    def abort_request(self, request_id: str) -> None:
+        """Stop a request and free its blocks; raises RequestNotFoundError if it is not live."""
+        request = self.scheduler.requests.get(request_id)
+        if request is None:
+            raise RequestNotFoundError(f"no live request with id {request_id!r}")
+        self._finish(request, RequestStatus.FINISHED_ABORTED)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    # -- the loop -----------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Run one batch: schedule -> run -> update. Returns the outputs of this step."""
+        scheduled = self.scheduler.schedule()
+        sampled = self._run(scheduled)
+        return self._update(scheduled, sampled)
+
+    def _run(self, scheduled: SchedulerOutput) -> list[int]:
+        """Forward the scheduled chunks, then sample for those that completed their tokens."""
+        if not scheduled.chunks:
+            return []
+        chunks = [
+            SequenceChunk(
+                token_ids=c.request.all_token_ids[
+                    c.request.num_computed_tokens : c.request.num_computed_tokens + c.num_new_tokens
+                ],
+                start_pos=c.request.num_computed_tokens,
+                block_table=self.kv_cache.block_table(c.request.request_id),
+                needs_logits=c.completes_known_tokens,
+            )
+            for c in scheduled.chunks
+        ]
+        logits = self.runner.execute(chunks)
+        sampling = [c.request for c in scheduled.chunks if c.completes_known_tokens]
+        return self.sampler.sample(
+            logits, [r.request_id for r in sampling], [r.sampling_params for r in sampling]
+        )
+
+    def _update(self, scheduled: SchedulerOutput, sampled: list[int]) -> list[RequestOutput]:
+        """Advance computed counts, publish computed blocks, append sampled tokens, stop."""
+        tokens = iter(sampled)
+        outputs = []
+        for chunk in scheduled.chunks:
+            request = chunk.request
+            samples = chunk.completes_known_tokens
+            request.num_computed_tokens += chunk.num_new_tokens
+            self.kv_cache.update_cache_blocks(request, request.num_computed_tokens)
+            if samples:
+                request.append_output_token(next(tokens))
+                outputs.append(self._emit(request, self._check_stop(request)))
+        return outputs
+
+    def _check_stop(self, request: Request) -> RequestStatus | None:
+        token = request.output_token_ids[-1]
+        params = request.sampling_params
+        if token in params.stop_token_ids or token in request.eos_token_ids:
+            return RequestStatus.FINISHED_STOPPED
+        if (
+            request.num_output_tokens >= params.max_tokens
+            or request.num_tokens >= self.max_model_len
+        ):
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def _emit(self, request: Request, status: RequestStatus | None) -> RequestOutput:
+        detokenizer = self._detokenizers[request.request_id]
+        token_ids = request.output_token_ids
+        stop_reason: str | int | None = None
+        if status == RequestStatus.FINISHED_STOPPED:
+            stop_reason, token_ids = token_ids[-1], token_ids[:-1]
+        new_text = detokenizer.update(token_ids, finished=status is not None)
+        if detokenizer.stop_reason is not None:
+            status, stop_reason = RequestStatus.FINISHED_STOPPED, detokenizer.stop_reason
+        if status is not None:
+            self._finish(request, status)
+        return RequestOutput(
+            request_id=request.request_id,
+            new_token_ids=(request.output_token_ids[-1],),
+            new_text=new_text,
+            finished=status is not None,
+            finish_reason=status.finish_reason if status is not None else None,
+            stop_reason=stop_reason,
+            num_prompt_tokens=request.num_prompt_tokens,
+            num_output_tokens=request.num_output_tokens,
+            num_cached_tokens=request.num_cached_tokens or 0,
+        )
+
+    def _finish(self, request: Request, status: RequestStatus) -> None:
+        self.scheduler.finish(request, status)
+        self.sampler.release(request.request_id)
+        self._detokenizers.pop(request.request_id, None)
+
+    # -- conveniences -------------------------------------------------------------------------
+
+    def generate(
+        self, prompts: Sequence[str | Sequence[int]], params: SamplingParams | None = None
+    ) -> list[Completion]:
+        """Run `prompts` to completion together; results in prompt order."""
+        ids = [self.add_request(p, params) for p in prompts]
+        tokens: dict[str, list[int]] = {i: [] for i in ids}
+        texts: dict[str, list[str]] = {i: [] for i in ids}
+        finals: dict[str, RequestOutput] = {}
+        while self.has_unfinished_requests():
+            for out in self.step():
+                if out.request_id in tokens:
+                    tokens[out.request_id].extend(out.new_token_ids)
+                    texts[out.request_id].append(out.new_text)
+                    if out.finished:
+                        finals[out.request_id] = out
+        return [
+            Completion(
+                i,
+                tuple(tokens[i]),
+                "".join(texts[i]),
+                finals[i].finish_reason,
+                finals[i].num_cached_tokens,
+            )
+            for i in ids
+        ]
+
+    def stream(
+        self, prompt: str | Sequence[int], params: SamplingParams | None = None
+    ) -> Iterator[RequestOutput]:
+        """Yield one request's outputs as they are produced (drives the loop itself)."""
+        request_id = self.add_request(prompt, params)
+        try:
+            while self.has_unfinished_requests():
+                for out in self.step():
+                    if out.request_id == request_id:
+                        yield out
+                        if out.finished:
+                            return
+        finally:
+            if request_id in self.scheduler.requests:
+                self.abort_request(request_id)
+
+    def check_integrity(self) -> None:
+        """Raise IntegrityError unless the KV cache and scheduler bookkeeping agree."""
+        self.kv_cache.check_integrity()
+        for request_id, request in self.scheduler.requests.items():
+            table = self.kv_cache.block_table(request_id)
+            running = request.status == RequestStatus.RUNNING
+            if running and len(table) * self.kv_cache.block_size < request.num_computed_tokens:
+                raise IntegrityError(f"running request {request_id} lacks blocks for its KV")
+            if not running and table:
+                raise IntegrityError(
+                    f"request {request_id} holds blocks while {request.status.name}"
+                )
+
+    def _validate_prompt(self, token_ids: Sequence[int]) -> None:
+        if not token_ids:
+            raise InvalidRequestError("the prompt is empty: send at least one token")
+        vocab = self.loaded.config.vocab_size
+        bad = next((t for t in token_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise InvalidRequestError(f"token id {bad} is outside the vocabulary [0, {vocab})")
+        if len(token_ids) >= self.max_model_len:
+            raise PromptTooLongError(
+                f"the prompt has {len(token_ids)} tokens but the context window is "
+                f"{self.max_model_len} tokens (at least one is needed for output); shorten it"
+            )

@@ -1,0 +1,129 @@
+"""Request: one generation, its state machine, sampling parameters and token bookkeeping."""
+
+import itertools
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from enum import IntEnum
+
+from pdserve.errors import InvalidRequestError
+from pdserve.kvcache.hashing import BlockHash, BlockHasher
+
+
+class RequestStatus(IntEnum):
+    """WAITING -> RUNNING -> FINISHED_*; RUNNING -> PREEMPTED -> RUNNING when blocks run out."""
+
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2
+    FINISHED_STOPPED = 3
+    FINISHED_LENGTH = 4
+    FINISHED_ABORTED = 5
+
+    @property
+    def is_finished(self) -> bool:
+        return self >= RequestStatus.FINISHED_STOPPED
+
+    @property
+    def finish_reason(self) -> str | None:
+        """OpenAI's names: `stop`, `length`, `abort`; None while unfinished."""
+        return _FINISH_REASONS.get(self)
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """How to pick tokens and when to stop. Validated on construction (InvalidRequestError)."""
+
+    max_tokens: int = 16
+    temperature: float = 0.0  # 0 = greedy
+    top_k: int | None = None  # None = no limit
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1:
+            raise InvalidRequestError(f"max_tokens must be at least 1, got {self.max_tokens}")
+        if not (math.isfinite(self.temperature) and 0.0 <= self.temperature <= 100.0):
+            raise InvalidRequestError(f"temperature must be in [0, 100], got {self.temperature}")
+        if self.top_k is not None and self.top_k < 1:
+            raise InvalidRequestError(f"top_k must be at least 1 (or unset), got {self.top_k}")
+        if not (0.0 < self.top_p <= 1.0):
+            raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p}")
+        if any(not s for s in self.stop):
+            raise InvalidRequestError("stop strings must be non-empty")
+        if any(t < 0 for t in self.stop_token_ids):
+            raise InvalidRequestError("stop_token_ids must be non-negative token ids")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+
+_arrival_counter = itertools.count()
+
+
+@dataclass(slots=True, eq=False)
+class Request:
+    """A generation in flight. `prompt_token_ids` is immutable; generated tokens are appended.
+
+    `num_computed_tokens` counts tokens whose KV is in this instance's cache; `block_hashes` is
+    the hash chain of every full block of prompt + output, extended as tokens are appended.
+    """
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    sampling_params: SamplingParams
+    hasher: BlockHasher
+    eos_token_ids: tuple[int, ...] = ()
+    status: RequestStatus = RequestStatus.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int | None = None  # prefix hit at first admission
+    num_preemptions: int = 0
+    arrival_order: int = field(default_factory=lambda: next(_arrival_counter))
+    block_hashes: list[BlockHash] = field(default_factory=list)
+    _all_token_ids: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not self.prompt_token_ids:
+            raise InvalidRequestError("the prompt is empty: send at least one token")
+        self.prompt_token_ids = tuple(self.prompt_token_ids)
+        self._all_token_ids = list(self.prompt_token_ids)
+        self.hasher.extend(self.block_hashes, self._all_token_ids)
+
+    @property
+    def all_token_ids(self) -> Sequence[int]:
+        """Prompt followed by generated tokens (a read-only view by contract)."""
+        return self._all_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self._all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    def append_output_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self._all_token_ids.append(token_id)
+        if len(self._all_token_ids) % self.hasher.block_size == 0:
+            self.hasher.extend(self.block_hashes, self._all_token_ids)

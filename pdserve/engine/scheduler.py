@@ -1,0 +1,146 @@
+"""Scheduler: continuous batching with a token budget, chunked prefill and preemption.
+
+Each step it first continues running requests (oldest first: a decode token, or the next prefill
+chunk), then admits waiting requests in arrival order while the budget, the sequence limit and the
+KV pool allow. When a running request cannot get a block, the newest running request is preempted
+(its blocks freed, its KV recomputed later: published blocks usually still hit the prefix cache).
+"""
+
+import bisect
+import logging
+from collections import deque
+from dataclasses import dataclass, field
+
+from pdserve.engine.request import Request, RequestStatus
+from pdserve.errors import DuplicateRequestError
+from pdserve.kvcache.manager import KVCacheManager
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+
+
+@dataclass(frozen=True, slots=True)
+class ScheduledChunk:
+    request: Request
+    num_new_tokens: int
+
+    @property
+    def completes_known_tokens(self) -> bool:
+        """After this chunk every known token is computed: its logits give the next token."""
+        return self.request.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(c.num_new_tokens for c in self.chunks)
+
+
+@dataclass(slots=True)
+class SchedulerStats:
+    num_preemptions: int = 0
+    prefix_cache_queries: int = 0  # prompt tokens of requests admitted for the first time
+    prefix_cache_hits: int = 0  # of which were found in the prefix cache
+
+
+class Scheduler:
+    """Owns the waiting queue and the running batch. Not thread-safe: the engine loop calls it."""
+
+    def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager) -> None:
+        self.config = config
+        self.kv_cache = kv_cache
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # sorted by arrival_order
+        self.requests: dict[str, Request] = {}
+        self.stats = SchedulerStats()
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise DuplicateRequestError(f"request id {request.request_id!r} is already in flight")
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def schedule(self) -> SchedulerOutput:
+        """Choose this step's chunks and allocate their KV blocks."""
+        output = SchedulerOutput()
+        budget = self._schedule_running(output, self.config.max_num_batched_tokens)
+        if not output.preempted:
+            self._schedule_waiting(output, budget)
+        return output
+
+    def finish(self, request: Request, status: RequestStatus) -> None:
+        """Move a request to a finished state and release its blocks. Idempotent."""
+        if request.request_id not in self.requests:
+            return
+        del self.requests[request.request_id]
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        request.status = status
+        self.kv_cache.free(request.request_id)
+
+    def _schedule_running(self, output: SchedulerOutput, budget: int) -> int:
+        index = 0
+        while index < len(self.running) and budget > 0:
+            request = self.running[index]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if not self._make_room(request, request.num_computed_tokens + num_new, output):
+                break  # `request` itself was preempted; everything after it too
+            self.kv_cache.allocate(request, request.num_computed_tokens + num_new)
+            output.chunks.append(ScheduledChunk(request, num_new))
+            budget -= num_new
+            index += 1
+        return budget
+
+    def _make_room(self, request: Request, num_tokens: int, output: SchedulerOutput) -> bool:
+        """Preempt the newest running requests until `request` can cover `num_tokens`.
+        Returns False when `request` had to be preempted itself."""
+        while not self.kv_cache.can_allocate(request, num_tokens):
+            victim = self.running[-1]
+            self._preempt(victim)
+            output.preempted.append(victim)
+            if victim is request:
+                return False
+        return True
+
+    def _preempt(self, request: Request) -> None:
+        self.running.pop()
+        self.kv_cache.free(request.request_id)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.stats.num_preemptions += 1
+        self.waiting.appendleft(request)
+        logger.info("preempted request %s (%d tokens)", request.request_id, request.num_tokens)
+
+    def _schedule_waiting(self, output: SchedulerOutput, budget: int) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            prefix = self.kv_cache.match_prefix(request)
+            num_new = min(request.num_tokens - prefix.num_tokens, budget)
+            if not self.kv_cache.can_allocate(request, prefix.num_tokens + num_new, prefix):
+                break
+            self.kv_cache.allocate(request, prefix.num_tokens + num_new, prefix)
+            self.waiting.popleft()
+            request.num_computed_tokens = prefix.num_tokens
+            if request.num_cached_tokens is None:
+                request.num_cached_tokens = prefix.num_tokens
+                self.stats.prefix_cache_queries += request.num_prompt_tokens
+                self.stats.prefix_cache_hits += prefix.num_tokens
+            request.status = RequestStatus.RUNNING
+            bisect.insort(self.running, request, key=lambda r: r.arrival_order)
+            output.chunks.append(ScheduledChunk(request, num_new))
+            budget -= num_new

@@ -1,0 +1,173 @@
+"""ModelConfig: the architecture of a Llama-family checkpoint, parsed from its `config.json`."""
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pdserve.errors import ModelLoadError
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True, slots=True)
+class ArchitectureTraits:
+    """What distinguishes a supported architecture from plain Llama."""
+
+    qkv_bias_key: str | None  # config key that switches q/k/v bias, None = always on
+    o_bias_key: str | None  # config key that switches o_proj bias, None = always off
+
+
+ARCHITECTURES: dict[str, ArchitectureTraits] = {
+    "LlamaForCausalLM": ArchitectureTraits(
+        qkv_bias_key="attention_bias", o_bias_key="attention_bias"
+    ),
+    "Qwen2ForCausalLM": ArchitectureTraits(qkv_bias_key=None, o_bias_key=None),
+}
+
+
+@dataclass(frozen=True, slots=True)
+class RopeConfig:
+    theta: float
+    rope_type: str = "default"  # default | linear | llama3
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+    def inverse_frequencies(self, head_dim: int) -> torch.Tensor:
+        """Per-pair rotation frequencies (fp32), as the reference implementation computes them."""
+        exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).to(torch.float32) / head_dim
+        inv_freq = 1.0 / (self.theta**exponents)
+        if self.rope_type == "linear":
+            return inv_freq / self.factor
+        if self.rope_type == "llama3":
+            return self._llama3_scaled(inv_freq)
+        return inv_freq
+
+    def _llama3_scaled(self, inv_freq: torch.Tensor) -> torch.Tensor:
+        old_len = self.original_max_position_embeddings
+        low_wavelen = old_len / self.low_freq_factor
+        high_wavelen = old_len / self.high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / self.factor, inv_freq)
+        smooth = (old_len / wavelen - self.low_freq_factor) / (
+            self.high_freq_factor - self.low_freq_factor
+        )
+        smoothed = (1 - smooth) * scaled / self.factor + smooth * scaled
+        is_medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+        return torch.where(is_medium, smoothed, scaled)
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope: RopeConfig
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    dtype: torch.dtype
+    bos_token_id: int | None
+    eos_token_ids: tuple[int, ...]
+
+    @classmethod
+    def from_dir(cls, path: Path) -> "ModelConfig":
+        config_file = path / "config.json"
+        try:
+            raw = json.loads(config_file.read_text())
+        except FileNotFoundError as e:
+            raise ModelLoadError(
+                f"{config_file} not found: is {path} a Hugging Face model directory?"
+            ) from e
+        except json.JSONDecodeError as e:
+            raise ModelLoadError(f"{config_file} is not valid JSON: {e}") from e
+        return cls.from_hf_dict(raw)
+
+    @classmethod
+    def from_hf_dict(cls, raw: dict[str, Any]) -> "ModelConfig":
+        architecture = (raw.get("architectures") or ["?"])[0]
+        traits = ARCHITECTURES.get(architecture)
+        if traits is None:
+            raise ModelLoadError(
+                f"unsupported architecture {architecture!r}; supported: {', '.join(ARCHITECTURES)}"
+            )
+        try:
+            return cls._parse(raw, architecture, traits)
+        except KeyError as e:
+            raise ModelLoadError(f"config.json lacks required key {e.args[0]!r}") from e
+
+    @classmethod
+    def _parse(
+        cls, raw: dict[str, Any], architecture: str, traits: ArchitectureTraits
+    ) -> "ModelConfig":
+        num_heads = int(raw["num_attention_heads"])
+        hidden = int(raw["hidden_size"])
+        eos = raw.get("eos_token_id")
+        return cls(
+            architecture=architecture,
+            vocab_size=int(raw["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(raw["intermediate_size"]),
+            num_layers=int(raw["num_hidden_layers"]),
+            num_heads=num_heads,
+            num_kv_heads=int(raw.get("num_key_value_heads") or num_heads),
+            head_dim=int(raw.get("head_dim") or hidden // num_heads),
+            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            rope=_parse_rope(raw),
+            max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            qkv_bias=traits.qkv_bias_key is None or bool(raw.get(traits.qkv_bias_key, False)),
+            o_bias=traits.o_bias_key is not None and bool(raw.get(traits.o_bias_key, False)),
+            mlp_bias=bool(raw.get("mlp_bias", False)),
+            dtype=_parse_dtype(raw.get("dtype") or raw.get("torch_dtype") or "float32"),
+            bos_token_id=raw.get("bos_token_id"),
+            eos_token_ids=tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,)),
+        )
+
+    def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
+        """Bytes of K and V for one token across all layers."""
+        element = torch.empty((), dtype=dtype).element_size()
+        return self.num_layers * 2 * self.num_kv_heads * self.head_dim * element
+
+
+def parse_dtype(name: str) -> torch.dtype:
+    """Map a dtype name (`float32`, `bfloat16`, `float16`) to torch; raises ModelLoadError."""
+    return _parse_dtype(name)
+
+
+def _parse_dtype(name: str) -> torch.dtype:
+    dtype = _DTYPES.get(str(name).removeprefix("torch."))
+    if dtype is None:
+        raise ModelLoadError(f"unsupported dtype {name!r}; use one of {', '.join(_DTYPES)}")
+    return dtype
+
+
+def _parse_rope(raw: dict[str, Any]) -> RopeConfig:
+    params = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
+    theta = float(params.get("rope_theta", raw.get("rope_theta", 10000.0)))
+    rope_type = str(params.get("rope_type", params.get("type", "default")))
+    if rope_type not in ("default", "linear", "llama3"):
+        raise ModelLoadError(
+            f"unsupported rope type {rope_type!r}; supported: default, linear, llama3"
+        )
+    return RopeConfig(
+        theta=theta,
+        rope_type=rope_type,
+        factor=float(params.get("factor", 1.0)),
+        low_freq_factor=float(params.get("low_freq_factor", 1.0)),
+        high_freq_factor=float(params.get("high_freq_factor", 4.0)),
+        original_max_position_embeddings=int(params.get("original_max_position_embeddings", 8192)),
+    )

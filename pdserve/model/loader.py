@@ -1,0 +1,129 @@
+"""Load a Hugging Face model directory: config, safetensors weights, tokenizer, chat template."""
+
+import hashlib
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from pdserve.errors import ModelLoadError
+from pdserve.model.config import ModelConfig, parse_dtype
+from pdserve.model.llama import CausalLM, RotaryEmbedding
+from pdserve.model.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class LoadedModel:
+    path: Path
+    config: ModelConfig
+    model: CausalLM
+    tokenizer: Tokenizer
+    dtype: torch.dtype
+    device: torch.device
+    max_model_len: int
+    model_tag: str
+    """Identifies weights + dtype; the root of block hashes, so different models never share KV."""
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        if self.config.eos_token_ids:
+            return self.config.eos_token_ids
+        eos = self.tokenizer.eos_token_id
+        return () if eos is None else (eos,)
+
+
+def load_model(
+    path: str | Path,
+    *,
+    dtype: str = "auto",
+    device: str = "cpu",
+    max_model_len: int | None = None,
+) -> LoadedModel:
+    """Load `path`; raises ModelLoadError with a one-line reason when it cannot."""
+    model_dir = Path(path).expanduser()
+    if not model_dir.is_dir():
+        raise ModelLoadError(f"model directory {str(model_dir)!r} does not exist")
+    config = ModelConfig.from_dir(model_dir)
+    torch_dtype = config.dtype if dtype == "auto" else parse_dtype(dtype)
+    context = min(max_model_len or config.max_position_embeddings, config.max_position_embeddings)
+    torch_device = torch.device(device)
+    with torch.device("meta"):
+        model = CausalLM(config, context)
+    model.to_empty(device=torch_device)
+    model.tie_weights()
+    _load_weights(model, model_dir, torch_dtype, torch_device)
+    model.rotary = RotaryEmbedding(config, context).to(torch_device)  # meta buffers, rebuilt
+    model.eval()
+    tag = _model_tag(model_dir, torch_dtype)
+    logger.info(
+        "loaded %s from %s (%s, %s, context %d)",
+        config.architecture,
+        model_dir,
+        torch_dtype,
+        device,
+        context,
+    )
+    return LoadedModel(
+        model_dir,
+        config,
+        model,
+        Tokenizer.from_dir(model_dir),
+        torch_dtype,
+        torch_device,
+        context,
+        tag,
+    )
+
+
+def _weight_files(model_dir: Path) -> list[Path]:
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [model_dir / shard for shard in shards]
+    single = model_dir / "model.safetensors"
+    if single.is_file():
+        return [single]
+    raise ModelLoadError(f"no model.safetensors (or sharded index) in {model_dir}")
+
+
+def _load_weights(
+    model: CausalLM, model_dir: Path, dtype: torch.dtype, device: torch.device
+) -> None:
+    params = dict(model.named_parameters(remove_duplicate=False))
+    loaded: set[str] = set()
+    for file in _weight_files(model_dir):
+        with safe_open(str(file), framework="pt") as shard:
+            for name in shard.keys():  # noqa: SIM118  (safe_open is not a dict)
+                if name not in params or (
+                    name == "lm_head.weight" and model.config.tie_word_embeddings
+                ):
+                    if "rotary_emb" in name or name == "lm_head.weight":
+                        continue
+                    raise ModelLoadError(f"unexpected weight {name!r} in {file.name}")
+                tensor = shard.get_tensor(name)
+                if tensor.shape != params[name].shape:
+                    raise ModelLoadError(
+                        f"weight {name!r} has shape {tuple(tensor.shape)}, "
+                        f"config.json implies {tuple(params[name].shape)}"
+                    )
+                with torch.no_grad():
+                    params[name].data = tensor.to(device=device, dtype=dtype)
+                loaded.add(name)
+    if model.config.tie_word_embeddings:
+        loaded.add("lm_head.weight")  # the same Parameter as the embedding
+    missing = sorted(set(params) - loaded)
+    if missing:
+        raise ModelLoadError(f"checkpoint lacks {len(missing)} weights, e.g. {missing[0]!r}")
+
+
+def _model_tag(model_dir: Path, dtype: torch.dtype) -> str:
+    digest = hashlib.sha256((model_dir / "config.json").read_bytes())
+    for file in _weight_files(model_dir):
+        digest.update(f"{file.name}:{file.stat().st_size}".encode())
+    digest.update(str(dtype).encode())
+    return digest.hexdigest()[:16]

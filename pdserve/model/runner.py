@@ -1,0 +1,87 @@
+"""ModelRunner: owns the paged KV cache and runs one forward pass over a batch of chunks."""
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from pdserve.model.attention import AttentionMetadata
+from pdserve.model.llama import CausalLM
+
+
+@dataclass(frozen=True, slots=True)
+class SequenceChunk:
+    """One sequence's share of a forward pass: tokens at positions `start_pos ...`."""
+
+    token_ids: Sequence[int]
+    start_pos: int  # tokens of this sequence already in the KV cache
+    block_table: Sequence[int]  # covers at least start_pos + len(token_ids) tokens
+    needs_logits: bool  # compute logits for the last token (end of prefill, or decode)
+
+
+def kv_cache_shape(model: CausalLM, num_blocks: int, block_size: int) -> tuple[int, ...]:
+    """``[num_blocks, num_layers, 2, block_size, kv_heads, head_dim]``: each block is contiguous."""
+    config = model.config
+    return (num_blocks, config.num_layers, 2, block_size, config.num_kv_heads, config.head_dim)
+
+
+class ModelRunner:
+    """Builds batch tensors from chunks, runs the model, returns logits. Not thread-safe."""
+
+    def __init__(self, model: CausalLM, kv_cache: torch.Tensor) -> None:
+        self.model = model
+        self.kv_cache = kv_cache
+        self.block_size = kv_cache.shape[3]
+        self.device = kv_cache.device
+
+    @classmethod
+    def create(
+        cls, model: CausalLM, num_blocks: int, block_size: int, dtype: torch.dtype
+    ) -> "ModelRunner":
+        device = next(model.parameters()).device
+        shape = kv_cache_shape(model, num_blocks, block_size)
+        return cls(model, torch.zeros(shape, dtype=dtype, device=device))
+
+    @torch.inference_mode()
+    def execute(self, chunks: Sequence[SequenceChunk]) -> torch.Tensor:
+        """Write the chunks' KV into their slots and return fp32 logits `[n, vocab]` for the
+        chunks with `needs_logits`, in order. Mutates the KV cache slots of the new tokens only."""
+        input_ids, positions, meta = self._prepare(chunks)
+        hidden = self.model(input_ids, positions, self.kv_cache, meta)
+        ends = torch.tensor(meta.query_lens, device=self.device).cumsum(0) - 1
+        wanted = torch.tensor([c.needs_logits for c in chunks], device=self.device)
+        return self.model.compute_logits(hidden[ends[wanted]])
+
+    def _prepare(
+        self, chunks: Sequence[SequenceChunk]
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        token_ids: list[int] = []
+        positions: list[int] = []
+        slot_blocks: list[int] = []
+        slot_offsets: list[int] = []
+        size = self.block_size
+        for chunk in chunks:
+            token_ids.extend(chunk.token_ids)
+            chunk_positions = range(chunk.start_pos, chunk.start_pos + len(chunk.token_ids))
+            positions.extend(chunk_positions)
+            slot_blocks.extend(chunk.block_table[p // size] for p in chunk_positions)
+            slot_offsets.extend(p % size for p in chunk_positions)
+        context_lens = [c.start_pos + len(c.token_ids) for c in chunks]
+        max_blocks = max(-(-n // size) for n in context_lens)
+        tables = [list(c.block_table[:max_blocks]) for c in chunks]
+        padded = [t + [0] * (max_blocks - len(t)) for t in tables]
+        query_lens = [len(c.token_ids) for c in chunks]
+
+        def tensor(values: list[int] | list[list[int]]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.long, device=self.device)
+
+        meta = AttentionMetadata(
+            slot_blocks=tensor(slot_blocks),
+            slot_offsets=tensor(slot_offsets),
+            query_lens=query_lens,
+            context_lens=context_lens,
+            block_tables=tensor(padded),
+            context_lens_tensor=tensor(context_lens),
+            decode_only=all(n == 1 for n in query_lens),
+        )
+        return tensor(token_ids), tensor(positions), meta

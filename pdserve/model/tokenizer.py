@@ -1,0 +1,93 @@
+"""Tokenizer: a Hugging Face `tokenizer.json` (via `tokenizers`) plus the chat template."""
+
+import json
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer as HFTokenizer
+
+from pdserve.errors import InvalidRequestError, ModelLoadError
+
+
+def _token_content(value: Any) -> str | None:
+    if isinstance(value, dict):
+        content = value.get("content")
+        return str(content) if content is not None else None
+    return str(value) if value is not None else None
+
+
+class Tokenizer:
+    """Encode, decode and render chat messages. Thread-safe for concurrent reads."""
+
+    def __init__(
+        self,
+        tokenizer: HFTokenizer,
+        chat_template: str | None,
+        special_tokens: Mapping[str, str | None],
+    ) -> None:
+        self._tokenizer = tokenizer
+        self._chat_template = chat_template
+        self._special_tokens = dict(special_tokens)
+        self._template_env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+
+    @classmethod
+    def from_dir(cls, path: Path) -> "Tokenizer":
+        tokenizer_file = path / "tokenizer.json"
+        if not tokenizer_file.is_file():
+            raise ModelLoadError(f"{tokenizer_file} not found: the model needs a fast tokenizer")
+        try:
+            tokenizer = HFTokenizer.from_file(str(tokenizer_file))
+        except Exception as e:  # tokenizers raises bare Exception subclasses
+            raise ModelLoadError(f"cannot read {tokenizer_file}: {e}") from e
+        config_file = path / "tokenizer_config.json"
+        config: dict[str, Any] = (
+            json.loads(config_file.read_text()) if config_file.is_file() else {}
+        )
+        special = {
+            name: _token_content(config.get(name))
+            for name in ("bos_token", "eos_token", "pad_token")
+        }
+        return cls(tokenizer, config.get("chat_template"), special)
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self._tokenizer.get_vocab_size(with_added_tokens=True))
+
+    def token_id(self, token: str) -> int | None:
+        token_id = self._tokenizer.token_to_id(token)
+        return None if token_id is None else int(token_id)
+
+    @property
+    def eos_token_id(self) -> int | None:
+        eos = self._special_tokens.get("eos_token")
+        return None if eos is None else self.token_id(eos)
+
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        ids: list[int] = self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+        return ids
+
+    def decode(self, token_ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
+        text: str = self._tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
+        return text
+
+    def apply_chat_template(
+        self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True
+    ) -> str:
+        """Render `messages` (dicts with `role` and `content`) with the model's chat template."""
+        if self._chat_template is None:
+            raise InvalidRequestError(
+                "this model has no chat template; use a completion prompt instead of messages"
+            )
+        template = self._template_env.from_string(self._chat_template)
+        return template.render(
+            messages=list(messages),
+            add_generation_prompt=add_generation_prompt,
+            bos_token=self._special_tokens.get("bos_token") or "",
+            eos_token=self._special_tokens.get("eos_token") or "",
+        )
+
+    def encode_chat(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
+        """Token ids of the rendered chat; the template already carries any special tokens."""
+        return self.encode(self.apply_chat_template(messages), add_special_tokens=False)

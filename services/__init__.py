@@ -1,0 +1,1 @@
+"""Deployable services built on the pdserve library."""

@@ -1,0 +1,1 @@
+"""The controller: `pdserve` command line, cluster placement and lifecycle."""
