@@ -2,8 +2,8 @@
 
 A block's hash is ``sha256(parent_hash || token ids as little-endian uint32)``; the chain starts at
 a root hash derived from extra keys (the model tag, ...), so equal hashes mean equal token prefixes
-of the same model, on any machine, in any process. Python's ``hash()`` is never used: it is salted per
-process. Only full blocks have hashes.
+of the same model, on any machine, in any process. Python's ``hash()`` is never used: it is salted
+per process. Only full blocks have hashes.
 """
 
 import hashlib

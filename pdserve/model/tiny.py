@@ -6,8 +6,8 @@ every UTF-8 byte is a token, plus a few special tokens used by the chat template
 """
 
 import json
-import math
 import logging
+import math
 import os
 import tempfile
 from pathlib import Path
