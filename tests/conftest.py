@@ -1,0 +1,35 @@
+"""Shared fixtures: the tiny model written once per session into a temporary directory."""
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from pdserve.config import EngineConfig
+from pdserve.engine import LLMEngine
+from pdserve.model.tiny import write_tiny_model
+
+torch.set_num_threads(1)  # two cores shared with other processes: avoid OpenMP spin contention
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny_model(tmp_path_factory.mktemp("models") / "tiny", seed=0)
+
+
+@pytest.fixture
+def make_engine(tiny_model_dir: Path) -> Iterator[object]:
+    """Factory for engines on the tiny model; every engine's integrity is checked at teardown."""
+    engines: list[LLMEngine] = []
+
+    def make(**overrides: object) -> LLMEngine:
+        settings: dict[str, object] = {"model": str(tiny_model_dir), **overrides}
+        config = EngineConfig(**settings)  # type: ignore[arg-type]
+        engine = LLMEngine.from_config(config)
+        engines.append(engine)
+        return engine
+
+    yield make
+    for engine in engines:
+        engine.check_integrity()

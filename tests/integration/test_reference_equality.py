@@ -1,0 +1,199 @@
+"""pdserve's decoder against Hugging Face `transformers` on the same weights (fp32).
+
+Logits must agree within 1e-4 and greedy tokens must be identical: for one prompt, a batch of
+prompts of different lengths, chunked prefill, a continuation that hits the prefix cache and 200
+decode steps; for Llama (tied and untied), Qwen2 (q/k/v bias), llama3 RoPE scaling, and a
+checkpoint written by `transformers` itself.
+"""
+
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+from pdserve.engine import LLMEngine, SamplingParams
+from pdserve.model.loader import load_model
+from pdserve.model.runner import ModelRunner, SequenceChunk
+from pdserve.model.tiny import write_tiny_model
+
+ATOL = 1e-4
+BLOCK = 16
+
+
+def hf_model(path: Path) -> torch.nn.Module:
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+@torch.no_grad()
+def hf_logits(model: torch.nn.Module, token_ids: Sequence[int]) -> torch.Tensor:
+    """Logits at every position of one sequence."""
+    return model(torch.tensor([list(token_ids)])).logits[0].float()
+
+
+@torch.no_grad()
+def hf_greedy(model: torch.nn.Module, token_ids: Sequence[int], steps: int) -> list[int]:
+    """Greedy decoding with transformers' own KV cache, eos ignored."""
+    out = model(torch.tensor([list(token_ids)]), use_cache=True)
+    generated = [int(out.logits[0, -1].argmax())]
+    for _ in range(steps - 1):
+        out = model(torch.tensor([[generated[-1]]]), cache=out.past_key_values, use_cache=True)
+        generated.append(int(out.logits[0, -1].argmax()))
+    return generated
+
+
+def prompt(n: int, offset: int = 0) -> list[int]:
+    return [(7 * i + 3 * offset + 11) % 250 for i in range(n)]
+
+
+def greedy(max_tokens: int) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model_dir: Path) -> torch.nn.Module:
+    return hf_model(tiny_model_dir)
+
+
+def runner_for(path: Path, num_blocks: int = 64) -> ModelRunner:
+    loaded = load_model(path)
+    return ModelRunner.create(loaded.model, num_blocks, BLOCK, loaded.dtype)
+
+
+def test_logits_match_reference_single_prompt(
+    tiny_model_dir: Path, reference: torch.nn.Module
+) -> None:
+    tokens = prompt(45)
+    runner = runner_for(tiny_model_dir)
+    logits = runner.execute([SequenceChunk(tokens, 0, [3, 1, 4], needs_logits=True)])
+    torch.testing.assert_close(logits[0], hf_logits(reference, tokens)[-1], atol=ATOL, rtol=0)
+
+
+def test_logits_match_reference_batch_of_different_lengths(
+    tiny_model_dir: Path, reference: torch.nn.Module
+) -> None:
+    prompts = [prompt(n, offset=n) for n in (1, 15, 16, 17, 40)]
+    runner = runner_for(tiny_model_dir)
+    tables = [[0], [1], [2], [3, 4], [5, 6, 7]]
+    chunks = [
+        SequenceChunk(p, 0, t, needs_logits=True) for p, t in zip(prompts, tables, strict=True)
+    ]
+    logits = runner.execute(chunks)
+    for row, tokens in enumerate(prompts):
+        torch.testing.assert_close(logits[row], hf_logits(reference, tokens)[-1], atol=ATOL, rtol=0)
+
+
+def test_logits_match_reference_chunked_prefill_and_decode(
+    tiny_model_dir: Path, reference: torch.nn.Module
+) -> None:
+    tokens = prompt(70)
+    table = [9, 2, 30, 5, 11]
+    runner = runner_for(tiny_model_dir)
+    runner.execute([SequenceChunk(tokens[:20], 0, table, needs_logits=False)])
+    runner.execute([SequenceChunk(tokens[20:33], 20, table, needs_logits=False)])
+    last = runner.execute([SequenceChunk(tokens[33:], 33, table, needs_logits=True)])
+    expected = hf_logits(reference, tokens)
+    torch.testing.assert_close(last[0], expected[-1], atol=ATOL, rtol=0)
+    step = runner.execute([SequenceChunk([42], 70, table, needs_logits=True)])
+    torch.testing.assert_close(step[0], hf_logits(reference, [*tokens, 42])[-1], atol=ATOL, rtol=0)
+
+
+def test_logits_match_reference_over_200_decode_steps(
+    tiny_model_dir: Path, reference: torch.nn.Module
+) -> None:
+    tokens = prompt(30)
+    table = list(range(20))
+    runner = runner_for(tiny_model_dir)
+    sequence = list(tokens)
+    step_logits = [runner.execute([SequenceChunk(tokens, 0, table, needs_logits=True)])[0]]
+    for _ in range(200):
+        sequence.append(int(step_logits[-1].argmax()))
+        chunk = SequenceChunk([sequence[-1]], len(sequence) - 1, table, needs_logits=True)
+        step_logits.append(runner.execute([chunk])[0])
+    expected = hf_logits(reference, sequence)[len(tokens) - 1 :]
+    torch.testing.assert_close(torch.stack(step_logits), expected, atol=ATOL, rtol=0)
+
+
+def test_greedy_tokens_match_reference_for_200_steps_in_a_batch(
+    tiny_model_dir: Path, reference: torch.nn.Module, make_engine: Callable[..., LLMEngine]
+) -> None:
+    prompts = [prompt(n, offset=n) for n in (5, 23, 48)]
+    engine = make_engine()
+    completions = engine.generate(prompts, greedy(200))
+    for tokens, completion in zip(prompts, completions, strict=True):
+        assert list(completion.token_ids) == hf_greedy(reference, tokens, 200)
+        assert completion.finish_reason == "length"
+
+
+def test_greedy_tokens_match_reference_with_chunked_prefill(
+    tiny_model_dir: Path, reference: torch.nn.Module, make_engine: Callable[..., LLMEngine]
+) -> None:
+    tokens = prompt(150)
+    engine = make_engine(max_num_batched_tokens=32)
+    [completion] = engine.generate([tokens], greedy(20))
+    assert list(completion.token_ids) == hf_greedy(reference, tokens, 20)
+
+
+def test_greedy_tokens_match_reference_on_prefix_cache_hit(
+    tiny_model_dir: Path, reference: torch.nn.Module, make_engine: Callable[..., LLMEngine]
+) -> None:
+    first = prompt(64)
+    continuation = [*first, *prompt(21, offset=5)]
+    engine = make_engine()
+    engine.generate([first], greedy(4))
+    [completion] = engine.generate([continuation], greedy(30))
+    assert completion.num_cached_tokens == 64
+    assert list(completion.token_ids) == hf_greedy(reference, continuation, 30)
+
+
+@pytest.mark.parametrize(
+    ("architecture", "tied"),
+    [("LlamaForCausalLM", True), ("Qwen2ForCausalLM", False), ("Qwen2ForCausalLM", True)],
+)
+def test_model_variants_match_reference(tmp_path: Path, architecture: str, tied: bool) -> None:
+    path = write_tiny_model(tmp_path / "m", seed=3, architecture=architecture, tied=tied)
+    reference = hf_model(path)
+    tokens = prompt(37)
+    logits = runner_for(path).execute([SequenceChunk(tokens, 0, [0, 1, 2], needs_logits=True)])
+    torch.testing.assert_close(logits[0], hf_logits(reference, tokens)[-1], atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize(
+    "rope",
+    [
+        {"rope_type": "default", "rope_theta": 500000.0},
+        {"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0},
+        {
+            "rope_type": "llama3",
+            "rope_theta": 500000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
+    ],
+)
+def test_checkpoint_written_by_transformers_loads_and_matches(
+    tmp_path: Path, tiny_model_dir: Path, rope: dict[str, object]
+) -> None:
+    torch.manual_seed(5)
+    config = LlamaConfig(
+        vocab_size=262,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        rope_parameters=rope,
+        tie_word_embeddings=False,
+    )
+    reference = LlamaForCausalLM(config).eval()
+    reference.save_pretrained(tmp_path)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (tmp_path / name).write_bytes((tiny_model_dir / name).read_bytes())
+    tokens = prompt(200)
+    runner = runner_for(tmp_path)
+    logits = runner.execute([SequenceChunk(tokens, 0, list(range(13)), needs_logits=True)])
+    torch.testing.assert_close(logits[0], hf_logits(reference, tokens)[-1], atol=ATOL, rtol=0)

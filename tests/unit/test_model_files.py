@@ -1,0 +1,125 @@
+"""Tiny model writer, loader errors, tokenizer and chat template, configuration sources."""
+
+import hashlib
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from pdserve.config import EngineConfig, load_engine_config
+from pdserve.errors import ConfigError, InvalidRequestError, ModelLoadError
+from pdserve.model.config import ModelConfig
+from pdserve.model.loader import load_model
+from pdserve.model.tiny import write_tiny_model
+from pdserve.model.tokenizer import Tokenizer
+
+
+def digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def test_tiny_model_is_deterministic_per_seed(tmp_path: Path, tiny_model_dir: Path) -> None:
+    again = write_tiny_model(tmp_path / "again", seed=0)
+    other = write_tiny_model(tmp_path / "other", seed=1)
+    for name in ("model.safetensors", "config.json", "tokenizer.json", "tokenizer_config.json"):
+        assert digest(again / name) == digest(tiny_model_dir / name)
+    assert digest(other / "model.safetensors") != digest(again / "model.safetensors")
+
+
+def test_tiny_model_has_the_documented_shape(tiny_model_dir: Path) -> None:
+    config = ModelConfig.from_dir(tiny_model_dir)
+    assert config.architecture == "LlamaForCausalLM"
+    assert (config.num_layers, config.hidden_size, config.num_heads, config.num_kv_heads) == (
+        4,
+        256,
+        8,
+        4,
+    )
+    assert config.vocab_size == Tokenizer.from_dir(tiny_model_dir).vocab_size
+
+
+def test_loader_reads_bfloat16_weights(tiny_model_dir: Path) -> None:
+    loaded = load_model(tiny_model_dir, dtype="bfloat16")
+    assert loaded.dtype == torch.bfloat16
+    assert all(p.dtype == torch.bfloat16 for p in loaded.model.parameters())
+    assert loaded.model_tag != load_model(tiny_model_dir).model_tag
+
+
+def test_loader_rejects_a_missing_directory(tmp_path: Path) -> None:
+    with pytest.raises(ModelLoadError, match="does not exist"):
+        load_model(tmp_path / "nope")
+
+
+def test_loader_rejects_unsupported_architecture(tmp_path: Path, tiny_model_dir: Path) -> None:
+    config = json.loads((tiny_model_dir / "config.json").read_text())
+    config["architectures"] = ["GPT2LMHeadModel"]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelLoadError, match="unsupported architecture 'GPT2LMHeadModel'"):
+        load_model(tmp_path)
+
+
+def test_loader_rejects_weights_that_do_not_fit_the_config(
+    tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    for name in ("model.safetensors", "tokenizer.json"):
+        (tmp_path / name).write_bytes((tiny_model_dir / name).read_bytes())
+    config = json.loads((tiny_model_dir / "config.json").read_text())
+    config["intermediate_size"] = 512
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelLoadError, match="shape"):
+        load_model(tmp_path)
+
+
+def test_chat_template_renders_roles_and_generation_prompt(tiny_model_dir: Path) -> None:
+    tokenizer = Tokenizer.from_dir(tiny_model_dir)
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    text = tokenizer.apply_chat_template(messages)
+    assert text == "<s><|system|>be brief<|end|><|user|>hi<|end|><|assistant|>"
+    ids = tokenizer.encode_chat(messages)
+    assert ids[0] == tokenizer.token_id("<s>")
+    assert ids.count(tokenizer.token_id("<s>")) == 1
+    assert tokenizer.decode(ids, skip_special_tokens=False) == text
+
+
+def test_missing_chat_template_is_a_clear_error(tmp_path: Path, tiny_model_dir: Path) -> None:
+    (tmp_path / "tokenizer.json").write_bytes((tiny_model_dir / "tokenizer.json").read_bytes())
+    with pytest.raises(InvalidRequestError, match="no chat template"):
+        Tokenizer.from_dir(tmp_path).apply_chat_template([{"role": "user", "content": "x"}])
+
+
+def test_config_layers_yaml_then_env_then_overrides(tmp_path: Path) -> None:
+    path = tmp_path / "pdserve.yaml"
+    path.write_text("engine:\n  block_size: 32\n  max_num_seqs: 8\n  dtype: bfloat16\n")
+    env = {"PDSERVE_MAX_NUM_SEQS": "16", "PDSERVE_ENABLE_PREFIX_CACHING": "false"}
+    config = load_engine_config(path, env=env, overrides={"dtype": "float32", "model": None})
+    assert config == EngineConfig(
+        block_size=32, max_num_seqs=16, dtype="float32", enable_prefix_caching=False
+    )
+
+
+@pytest.mark.parametrize(
+    ("yaml_text", "message"),
+    [
+        ("engine:\n  blok_size: 4\n", "unknown engine setting"),
+        ("engine:\n  block_size: many\n", "engine.block_size must be int"),
+        ("engine:\n  block_size: -4\n", "must be positive"),
+        ("engine:\n  dtype: int8\n", "engine.dtype"),
+        ("- a list\n", "mapping"),
+    ],
+)
+def test_config_errors_name_the_setting(tmp_path: Path, yaml_text: str, message: str) -> None:
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml_text)
+    with pytest.raises(ConfigError, match=message):
+        load_engine_config(path, env={})
+
+
+def test_config_error_for_a_bad_environment_value() -> None:
+    with pytest.raises(ConfigError, match=r"\$PDSERVE_NUM_KV_BLOCKS"):
+        load_engine_config(env={"PDSERVE_NUM_KV_BLOCKS": "lots"})
+
+
+def test_shipped_local_config_loads_with_defaults() -> None:
+    path = Path(__file__).parents[2] / "deploy" / "config" / "local.yaml"
+    assert load_engine_config(path, env={}) == EngineConfig()

@@ -1,0 +1,102 @@
+"""Sampler, sampling parameter validation and incremental detokenization."""
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from pdserve.engine.detokenizer import IncrementalDetokenizer
+from pdserve.engine.request import SamplingParams
+from pdserve.engine.sampler import Sampler, _top_p_filter
+from pdserve.errors import InvalidRequestError
+from pdserve.model.tokenizer import Tokenizer
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model_dir: Path) -> Tokenizer:
+    return Tokenizer.from_dir(tiny_model_dir)
+
+
+def test_greedy_rows_take_the_argmax() -> None:
+    logits = torch.tensor([[0.1, 2.0, -1.0], [3.0, 0.0, 2.9]])
+    sampler = Sampler(torch.device("cpu"))
+    assert sampler.sample(logits, ["a", "b"], [SamplingParams(), SamplingParams()]) == [1, 0]
+
+
+def test_top_k_never_samples_outside_the_k_best() -> None:
+    logits = torch.tensor([[5.0, 4.9, 4.8, -1.0, 4.7]])
+    sampler = Sampler(torch.device("cpu"))
+    params = SamplingParams(temperature=5.0, top_k=2)
+    drawn = {sampler.sample(logits, ["r"], [params])[0] for _ in range(200)}
+    assert drawn == {0, 1}
+
+
+def test_top_p_keeps_the_smallest_set_reaching_the_mass() -> None:
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    kept = _top_p_filter(probs.log(), 0.8).isfinite()
+    assert kept.tolist() == [True, True, False, False]
+    kept = _top_p_filter(probs.log(), 0.81).isfinite()
+    assert kept.tolist() == [True, True, True, False]
+    assert _top_p_filter(probs.log(), 1e-9).isfinite().tolist() == [True, False, False, False]
+
+
+def test_seeded_request_draws_the_same_tokens_in_any_company() -> None:
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(0))
+    seeded = SamplingParams(temperature=1.0, seed=7)
+    first = Sampler(torch.device("cpu"))
+    second = Sampler(torch.device("cpu"), seed=123)
+    draws_a = [first.sample(logits[1:2], ["x"], [seeded])[0] for _ in range(20)]
+    draws_b = [
+        second.sample(logits, ["y", "x", "z"], [SamplingParams(temperature=1.0), seeded, seeded])[1]
+        for _ in range(20)
+    ]
+    assert draws_a == draws_b
+    assert len(set(draws_a)) > 1
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"max_tokens": 0},
+        {"temperature": -0.1},
+        {"temperature": float("nan")},
+        {"top_p": 0.0},
+        {"top_p": 1.5},
+        {"top_k": 0},
+        {"stop": ("",)},
+        {"stop_token_ids": (-1,)},
+    ],
+)
+def test_sampling_params_reject_out_of_range_values(kwargs: dict[str, object]) -> None:
+    with pytest.raises(InvalidRequestError):
+        SamplingParams(**kwargs)  # type: ignore[arg-type]
+
+
+def test_detokenizer_holds_back_incomplete_utf8(tokenizer: Tokenizer) -> None:
+    ids = tokenizer.encode("aé€b", add_special_tokens=False)  # 1 + 2 + 3 + 1 bytes
+    detok = IncrementalDetokenizer(tokenizer)
+    deltas = [detok.update(ids[: i + 1], finished=False) for i in range(len(ids))]
+    assert deltas == ["a", "", "é", "", "", "€", "b"]
+    assert detok.text == "aé€b"
+
+
+def test_detokenizer_finds_a_stop_string_split_across_tokens(tokenizer: Tokenizer) -> None:
+    ids = tokenizer.encode("hello STOP world", add_special_tokens=False)
+    detok = IncrementalDetokenizer(tokenizer, stop=("STOP",))
+    streamed = ""
+    for i in range(len(ids)):
+        streamed += detok.update(ids[: i + 1], finished=False)
+        if detok.stop_reason:
+            break
+    assert streamed == "hello "
+    assert detok.stop_reason == "STOP"
+    assert detok.text == "hello "
+
+
+def test_detokenizer_flushes_held_back_text_when_finished(tokenizer: Tokenizer) -> None:
+    ids = tokenizer.encode("abcST", add_special_tokens=False)
+    detok = IncrementalDetokenizer(tokenizer, stop=("STOP",))
+    partial = detok.update(ids, finished=False)
+    assert partial == "ab"
+    assert detok.update(ids, finished=True) == "cST"
+    assert detok.stop_reason is None
