@@ -58,6 +58,12 @@ class BlockHasher:
         """
         parent = hashes[-1] if hashes else self.root
         size = self.block_size
-        for start in range(len(hashes) * size, len(token_ids) - size + 1, size):
-            parent = hash_block(parent, token_ids[start : start + size])
+        start = len(hashes) * size
+        num_new = (len(token_ids) - start) // size
+        if num_new <= 0:
+            return
+        payload = struct.pack(f"<{num_new * size}I", *token_ids[start : start + num_new * size])
+        stride = 4 * size
+        for offset in range(0, len(payload), stride):
+            parent = BlockHash(hashlib.sha256(parent + payload[offset : offset + stride]).digest())
             hashes.append(parent)
