@@ -106,7 +106,7 @@ class KVCacheManager:
         """Longest published prefix of `request`, never covering its last token."""
         if not self.enable_prefix_caching:
             return NO_MATCH
-        max_blocks = (request.num_tokens - 1) // self.block_size
+        max_blocks = max(0, request.num_tokens - 1) // self.block_size
         block_ids = self.prefix_cache.lookup(request.block_hashes[:max_blocks])
         return PrefixMatch(tuple(block_ids), self.block_size)
 
@@ -228,7 +228,10 @@ class KVCacheManager:
     # -- internals ----------------------------------------------------------------------------
 
     def _start_table(self, request: CacheRequest, prefix: PrefixMatch) -> list[int]:
-        for block_id, block_hash in zip(prefix.block_ids, request.block_hashes, strict=False):
+        hashes = request.block_hashes
+        if len(prefix.block_ids) > len(hashes):
+            raise IntegrityError(f"prefix of {len(prefix.block_ids)} blocks exceeds the request")
+        for block_id, block_hash in zip(prefix.block_ids, hashes, strict=False):
             if self.prefix_cache.hash_of(block_id) != block_hash:
                 raise IntegrityError(f"prefix block {block_id} was evicted since it was matched")
         self.pool.touch(prefix.block_ids)
