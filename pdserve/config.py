@@ -4,12 +4,13 @@ Each later source wins. Unknown keys and values of the wrong type are ConfigErro
 key and the source, so a typo in a deployment file fails at start-up, not at the first request.
 """
 
+import dataclasses
 import os
 import types
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Union, get_args, get_origin, get_type_hints
+from typing import Any, TypeVar, Union, get_args, get_origin, get_type_hints
 
 import yaml
 
@@ -47,6 +48,70 @@ class EngineConfig:
             )
 
 
+@dataclass(frozen=True, slots=True)
+class PrefillConfig:
+    """A prefill instance (PD mode)."""
+
+    replicas: int = 1
+    num_cpus: float = 1.0  # Ray resources per instance
+    num_gpus: float = 0.0
+    reserve_max_attempts: int = 5  # Reserve calls to a decode instance before giving up
+    reserve_max_backoff_s: float = 1.0  # cap on the wait between attempts (decode suggests one)
+    transfer_chunk_bytes: int = 4 * 2**20  # gRPC KV message size
+    kv_ready_timeout_s: float = 300.0  # longest wait for a prompt's prefill to complete
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeConfig:
+    """A decode instance (PD mode)."""
+
+    replicas: int = 1
+    num_cpus: float = 1.0
+    num_gpus: float = 0.0
+    # Reserve = sum over running (and reserved) requests of the blocks each still needs to grow
+    # by min(its remaining max_tokens, reserve_horizon_tokens) tokens; unset = no horizon.
+    reserve_horizon_tokens: int | None = 256
+    reservation_timeout_s: float = 30.0  # a reservation whose KV never completes is freed
+    retry_after_ms: int = 200  # suggested to a refused prefill instance
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterConfig:
+    """`pdserve up`: where Ray runs and how many instances of each role it places."""
+
+    engine: EngineConfig = EngineConfig()
+    prefill: PrefillConfig = PrefillConfig()
+    decode: DecodeConfig = DecodeConfig()
+    ray_address: str | None = None  # None = start a local Ray; "auto" or host:port = join
+    namespace: str = "pdserve"
+    host: str = "127.0.0.1"  # interface the instances' gRPC servers bind to
+    placement_strategy: str = "PACK"  # PACK | SPREAD | STRICT_PACK | STRICT_SPREAD
+    state_dir: str | None = None  # where `up` writes cluster.json; None = user state dir
+
+
+def load_cluster_config(
+    path: str | Path | None = None,
+    *,
+    env: Mapping[str, str] | None = None,
+    overrides: Mapping[str, Any] | None = None,
+) -> ClusterConfig:
+    """ClusterConfig from a YAML file (sections `engine`, `prefill`, `decode`, `cluster`), then
+    `PDSERVE_<FIELD>` (engine and cluster fields), `PDSERVE_PREFILL_<FIELD>`,
+    `PDSERVE_DECODE_<FIELD>`, then `overrides` of cluster fields."""
+    env = os.environ if env is None else env
+    document = _yaml_document(Path(path)) if path is not None else {}
+    unknown = sorted(set(document) - {"engine", "prefill", "decode", "cluster"})
+    if unknown:
+        raise ConfigError(f"unknown config section(s): {', '.join(unknown)}")
+    sections = {
+        "engine": load_engine_config(path, env=env),
+        "prefill": _build(PrefillConfig, _section(document, "prefill", path), env, "PREFILL_"),
+        "decode": _build(DecodeConfig, _section(document, "decode", path), env, "DECODE_"),
+    }
+    cluster = _section(document, "cluster", path)
+    return _build(ClusterConfig, cluster, env, "", {**dict(overrides or {}), **sections})
+
+
 def load_engine_config(
     path: str | Path | None = None,
     *,
@@ -55,25 +120,47 @@ def load_engine_config(
 ) -> EngineConfig:
     """Build an EngineConfig from the `engine:` section of a YAML file, then `PDSERVE_<FIELD>`
     variables, then `overrides` (e.g. CLI flags; None values are ignored)."""
-    values: dict[str, Any] = {}
-    if path is not None:
-        values |= _yaml_section(Path(path), "engine")
+    document = _yaml_document(Path(path)) if path is not None else {}
     env = os.environ if env is None else env
-    hints = get_type_hints(EngineConfig)
-    for name in hints:
-        raw = env.get(ENV_PREFIX + name.upper())
-        if raw is not None:
-            values[name] = _coerce(raw, hints[name], f"${ENV_PREFIX}{name.upper()}")
-    values |= {k: v for k, v in (overrides or {}).items() if v is not None}
-    unknown = sorted(set(values) - set(hints))
+    return _build(EngineConfig, _section(document, "engine", path), env, "", overrides)
+
+
+T = TypeVar("T")
+
+
+def _build(
+    cls: type[T],
+    file_values: dict[str, Any],
+    env: Mapping[str, str],
+    env_prefix: str,
+    overrides: Mapping[str, Any] | None = None,
+) -> T:
+    """Instantiate dataclass `cls`: file values, then `PDSERVE_<prefix><FIELD>` variables, then
+    `overrides` (None values ignored); each later source wins."""
+    hints = get_type_hints(cls)
+    section = cls.__name__.removesuffix("Config").lower()
+    unknown = sorted(set(file_values) - set(hints))
     if unknown:
-        raise ConfigError(f"unknown engine setting(s): {', '.join(unknown)}")
-    for name, value in values.items():
-        values[name] = _coerce(value, hints[name], f"engine.{name}")
-    return EngineConfig(**values)
+        raise ConfigError(f"unknown {section} setting(s): {', '.join(unknown)}")
+    values: dict[str, Any] = {}
+    for name, hint in hints.items():
+        variable = f"{ENV_PREFIX}{env_prefix}{name.upper()}"
+        if dataclasses.is_dataclass(hint):
+            continue
+        if variable in env:
+            values[name] = _coerce(env[variable], hint, f"${variable}")
+        elif name in file_values:
+            values[name] = _coerce(file_values[name], hint, f"{section}.{name}")
+    for name, value in (overrides or {}).items():
+        if value is not None:
+            if name not in hints:
+                raise ConfigError(f"unknown {section} setting: {name}")
+            is_section = dataclasses.is_dataclass(hints[name])
+            values[name] = value if is_section else _coerce(value, hints[name], f"{section}.{name}")
+    return cls(**values)
 
 
-def _yaml_section(path: Path, section: str) -> dict[str, Any]:
+def _yaml_document(path: Path) -> dict[str, Any]:
     try:
         document = yaml.safe_load(path.read_text()) or {}
     except OSError as e:
@@ -82,6 +169,10 @@ def _yaml_section(path: Path, section: str) -> dict[str, Any]:
         raise ConfigError(f"config file {path} is not valid YAML: {e}") from e
     if not isinstance(document, dict):
         raise ConfigError(f"config file {path} must be a mapping of sections")
+    return document
+
+
+def _section(document: dict[str, Any], section: str, path: str | Path | None) -> dict[str, Any]:
     content = document.get(section) or {}
     if not isinstance(content, dict):
         raise ConfigError(f"section {section!r} of {path} must be a mapping")
@@ -106,6 +197,11 @@ def _coerce(value: Any, hint: Any, where: str) -> Any:
 
 
 def _convert(value: Any, target: type) -> Any:
+    if target is float and not isinstance(value, bool):
+        try:
+            return float(value)
+        except (TypeError, ValueError):
+            return None
     if target is bool:
         if isinstance(value, bool):
             return value

@@ -36,6 +36,7 @@ class RequestOutput:
     new_token_ids: tuple[int, ...]
     new_text: str
     finished: bool
+    kv_ready: bool  # prefill-only request: KV computed and pinned, first token sampled
     finish_reason: str | None  # stop | length | abort
     stop_reason: str | int | None  # the stop string or stop token that ended it
     num_prompt_tokens: int
@@ -106,6 +107,28 @@ class LLMEngine:
 
     # -- requests -----------------------------------------------------------------------------
 
+    def make_request(
+        self,
+        prompt: str | Sequence[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        *,
+        prefill_only: bool = False,
+    ) -> Request:
+        """Validate and build a request without queueing it; raises InvalidRequestError /
+        PromptTooLongError for bad input."""
+        token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        self._validate_prompt(token_ids)
+        params = params or SamplingParams()
+        return Request(
+            request_id=request_id or uuid.uuid4().hex,
+            prompt_token_ids=tuple(token_ids),
+            sampling_params=params,
+            hasher=self.hasher,
+            eos_token_ids=() if params.ignore_eos else self.loaded.eos_token_ids,
+            prefill_only=prefill_only,
+        )
+
     def add_request(
         self,
         prompt: str | Sequence[int],
@@ -113,19 +136,55 @@ class LLMEngine:
         request_id: str | None = None,
     ) -> str:
         """Queue a request; raises InvalidRequestError / PromptTooLongError for bad input."""
-        token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        self._validate_prompt(token_ids)
-        params = params or SamplingParams()
-        request = Request(
-            request_id=request_id or uuid.uuid4().hex,
-            prompt_token_ids=tuple(token_ids),
-            sampling_params=params,
-            hasher=self.hasher,
-            eos_token_ids=() if params.ignore_eos else self.loaded.eos_token_ids,
-        )
-        self.scheduler.add_request(request)
-        self._detokenizers[request.request_id] = IncrementalDetokenizer(self.tokenizer, params.stop)
+        request = self.make_request(prompt, params, request_id)
+        self.submit(request)
         return request.request_id
+
+    def submit(self, request: Request) -> None:
+        """Queue a request built by `make_request` (its blocks may be preallocated)."""
+        self.scheduler.add_request(request)
+        self._detokenizers[request.request_id] = IncrementalDetokenizer(
+            self.tokenizer, request.sampling_params.stop
+        )
+
+    def preallocate(self, request: Request) -> bool:
+        """Match the request's prefix and allocate blocks for its whole prompt now.
+
+        Sets `num_computed_tokens` to the hit. Returns False (changing nothing) when the pool
+        cannot hold the prompt at the moment; the scheduler then allocates at admission.
+        """
+        prefix = self.kv_cache.match_prefix(request)
+        if not self.kv_cache.can_allocate(request, request.num_prompt_tokens, prefix):
+            return False
+        self.kv_cache.allocate(request, request.num_prompt_tokens, prefix)
+        request.num_computed_tokens = prefix.num_tokens
+        return True
+
+    def admit_prefilled(self, request: Request, first_token_id: int) -> RequestOutput:
+        """Start decoding a request whose prompt KV is already in its (allocated) blocks.
+
+        Publishes the prompt's full blocks, appends the first token (sampled by the prefill
+        instance), applies the stop conditions to it and returns its output.
+        """
+        request.num_computed_tokens = request.num_prompt_tokens
+        if request.num_cached_tokens is None:
+            request.num_cached_tokens = 0
+        self.kv_cache.update_cache_blocks(request, request.num_prompt_tokens)
+        self.scheduler.admit_running(request)
+        self._detokenizers[request.request_id] = IncrementalDetokenizer(
+            self.tokenizer, request.sampling_params.stop
+        )
+        request.append_output_token(first_token_id)
+        return self._emit(request, self._check_stop(request))
+
+    def release(self, request_id: str) -> None:
+        """Free a TRANSFERRING request after its KV was handed over (or the handoff failed),
+        or the preallocated blocks of a request that was never queued. Idempotent."""
+        request = self.scheduler.requests.get(request_id)
+        if request is not None:
+            self._finish(request, RequestStatus.FINISHED_STOPPED)
+        else:
+            self.kv_cache.free(request_id)
 
     def abort_request(self, request_id: str) -> None:
         """Stop a request and free its blocks; raises RequestNotFoundError if it is not live."""
@@ -163,7 +222,7 @@ class LLMEngine:
         logits = self.runner.execute(chunks)
         sampling = [c.request for c in scheduled.chunks if c.completes_known_tokens]
         return self.sampler.sample(
-            logits, [r.request_id for r in sampling], [r.sampling_params for r in sampling]
+            logits, [r.sampling_params for r in sampling], [r.num_output_tokens for r in sampling]
         )
 
     def _update(self, scheduled: SchedulerOutput, sampled: list[int]) -> list[RequestOutput]:
@@ -175,8 +234,13 @@ class LLMEngine:
             samples = chunk.completes_known_tokens
             request.num_computed_tokens += chunk.num_new_tokens
             self.kv_cache.update_cache_blocks(request, request.num_computed_tokens)
-            if samples:
-                request.append_output_token(next(tokens))
+            if not samples:
+                continue
+            request.append_output_token(next(tokens))
+            if request.prefill_only:
+                self.scheduler.hold_for_transfer(request)
+                outputs.append(self._kv_ready(request))
+            else:
                 outputs.append(self._emit(request, self._check_stop(request)))
         return outputs
 
@@ -208,6 +272,7 @@ class LLMEngine:
             new_token_ids=(request.output_token_ids[-1],),
             new_text=new_text,
             finished=status is not None,
+            kv_ready=False,
             finish_reason=status.finish_reason if status is not None else None,
             stop_reason=stop_reason,
             num_prompt_tokens=request.num_prompt_tokens,
@@ -215,9 +280,22 @@ class LLMEngine:
             num_cached_tokens=request.num_cached_tokens or 0,
         )
 
+    def _kv_ready(self, request: Request) -> RequestOutput:
+        return RequestOutput(
+            request_id=request.request_id,
+            new_token_ids=(request.output_token_ids[-1],),
+            new_text="",
+            finished=False,
+            kv_ready=True,
+            finish_reason=None,
+            stop_reason=None,
+            num_prompt_tokens=request.num_prompt_tokens,
+            num_output_tokens=request.num_output_tokens,
+            num_cached_tokens=request.num_cached_tokens or 0,
+        )
+
     def _finish(self, request: Request, status: RequestStatus) -> None:
         self.scheduler.finish(request, status)
-        self.sampler.release(request.request_id)
         self._detokenizers.pop(request.request_id, None)
 
     # -- conveniences -------------------------------------------------------------------------

@@ -11,14 +11,19 @@ from pdserve.kvcache.hashing import BlockHash, BlockHasher
 
 
 class RequestStatus(IntEnum):
-    """WAITING -> RUNNING -> FINISHED_*; RUNNING -> PREEMPTED -> RUNNING when blocks run out."""
+    """WAITING -> RUNNING -> FINISHED_*; RUNNING -> PREEMPTED -> RUNNING when blocks run out.
+
+    A prefill-only request (PD prefill role) goes RUNNING -> TRANSFERRING once its first token is
+    sampled: its blocks stay pinned until its KV has been handed to a decode instance.
+    """
 
     WAITING = 0
     RUNNING = 1
     PREEMPTED = 2
-    FINISHED_STOPPED = 3
-    FINISHED_LENGTH = 4
-    FINISHED_ABORTED = 5
+    TRANSFERRING = 3
+    FINISHED_STOPPED = 4
+    FINISHED_LENGTH = 5
+    FINISHED_ABORTED = 6
 
     @property
     def is_finished(self) -> bool:
@@ -85,6 +90,7 @@ class Request:
     sampling_params: SamplingParams
     hasher: BlockHasher
     eos_token_ids: tuple[int, ...] = ()
+    prefill_only: bool = False  # stop after the first token and hold the KV for transfer
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0

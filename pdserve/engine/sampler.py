@@ -8,37 +8,33 @@ from pdserve.engine.request import SamplingParams
 
 
 class Sampler:
-    """Pick one token per row of logits. Greedy rows are batched; random rows draw from their
-    request's generator (seeded when the request gives a seed), so a seeded request samples the
-    same tokens whatever else shares its batch."""
+    """Pick one token per row of logits. Greedy rows are batched.
+
+    A seeded request draws its n-th output token from a generator seeded by (seed, n): the same
+    tokens whatever shares its batch, on whichever instance (prefill samples the first token,
+    decode the rest) and after preemption. Unseeded requests share the engine's generator.
+    """
 
     def __init__(self, device: torch.device, seed: int = 0) -> None:
         self.device = device
         self._default_generator = torch.Generator(device=device).manual_seed(seed)
-        self._generators: dict[str, torch.Generator] = {}
 
     def sample(
-        self, logits: torch.Tensor, request_ids: Sequence[str], params: Sequence[SamplingParams]
+        self, logits: torch.Tensor, params: Sequence[SamplingParams], output_indices: Sequence[int]
     ) -> list[int]:
-        """`logits` is fp32 `[len(params), vocab]`; returns the chosen token id per row."""
+        """`logits` is fp32 `[len(params), vocab]`; `output_indices[i]` is how many tokens row
+        i's request has generated so far. Returns the chosen token id per row."""
         tokens = torch.argmax(logits, dim=-1)
-        for row, (request_id, p) in enumerate(zip(request_ids, params, strict=True)):
+        for row, (p, index) in enumerate(zip(params, output_indices, strict=True)):
             if not p.greedy:
-                tokens[row] = self._sample_row(logits[row], p, self._generator(request_id, p))
+                tokens[row] = self._sample_row(logits[row], p, self._generator(p, index))
         return [int(t) for t in tokens.tolist()]
 
-    def release(self, request_id: str) -> None:
-        """Forget a finished request's generator."""
-        self._generators.pop(request_id, None)
-
-    def _generator(self, request_id: str, params: SamplingParams) -> torch.Generator:
+    def _generator(self, params: SamplingParams, output_index: int) -> torch.Generator:
         if params.seed is None:
             return self._default_generator
-        generator = self._generators.get(request_id)
-        if generator is None:
-            generator = torch.Generator(device=self.device).manual_seed(params.seed)
-            self._generators[request_id] = generator
-        return generator
+        seed = (params.seed * 1_000_003 + output_index) % 2**63
+        return torch.Generator(device=self.device).manual_seed(seed)
 
     @staticmethod
     def _sample_row(

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from pdserve.engine.request import Request, RequestStatus
 from pdserve.errors import DuplicateRequestError
-from pdserve.kvcache.manager import KVCacheManager
+from pdserve.kvcache.manager import NO_MATCH, KVCacheManager
 
 logger = logging.getLogger(__name__)
 
@@ -85,12 +85,29 @@ class Scheduler:
         if request.request_id not in self.requests:
             return
         del self.requests[request.request_id]
+        self._unqueue(request)
+        request.status = status
+        self.kv_cache.free(request.request_id)
+
+    def hold_for_transfer(self, request: Request) -> None:
+        """Take a request out of the batch but keep its blocks pinned (status TRANSFERRING)."""
+        self._unqueue(request)
+        request.status = RequestStatus.TRANSFERRING
+
+    def admit_running(self, request: Request) -> None:
+        """Add a request whose KV is already in its blocks (received from a prefill instance)
+        straight to the running batch."""
+        if request.request_id in self.requests:
+            raise DuplicateRequestError(f"request id {request.request_id!r} is already in flight")
+        self.requests[request.request_id] = request
+        request.status = RequestStatus.RUNNING
+        bisect.insort(self.running, request, key=lambda r: r.arrival_order)
+
+    def _unqueue(self, request: Request) -> None:
         if request.status == RequestStatus.RUNNING:
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
-        request.status = status
-        self.kv_cache.free(request.request_id)
 
     def _schedule_running(self, output: SchedulerOutput, budget: int) -> int:
         index = 0
@@ -129,17 +146,21 @@ class Scheduler:
     def _schedule_waiting(self, output: SchedulerOutput, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
-            prefix = self.kv_cache.match_prefix(request)
-            num_new = min(request.num_tokens - prefix.num_tokens, budget)
-            if not self.kv_cache.can_allocate(request, prefix.num_tokens + num_new, prefix):
+            if self.kv_cache.has_request(request.request_id):  # preallocated: prefix is set
+                prefix, num_computed = NO_MATCH, request.num_computed_tokens
+            else:
+                prefix = self.kv_cache.match_prefix(request)
+                num_computed = prefix.num_tokens
+            num_new = min(request.num_tokens - num_computed, budget)
+            if not self.kv_cache.can_allocate(request, num_computed + num_new, prefix):
                 break
-            self.kv_cache.allocate(request, prefix.num_tokens + num_new, prefix)
+            self.kv_cache.allocate(request, num_computed + num_new, prefix)
             self.waiting.popleft()
-            request.num_computed_tokens = prefix.num_tokens
+            request.num_computed_tokens = num_computed
             if request.num_cached_tokens is None:
-                request.num_cached_tokens = prefix.num_tokens
+                request.num_cached_tokens = num_computed
                 self.stats.prefix_cache_queries += request.num_prompt_tokens
-                self.stats.prefix_cache_hits += prefix.num_tokens
+                self.stats.prefix_cache_hits += num_computed
             request.status = RequestStatus.RUNNING
             bisect.insort(self.running, request, key=lambda r: r.arrival_order)
             output.chunks.append(ScheduledChunk(request, num_new))

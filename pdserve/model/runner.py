@@ -3,6 +3,8 @@
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import warnings
+
 import torch
 
 from pdserve.model.attention import AttentionMetadata
@@ -85,3 +87,34 @@ class ModelRunner:
             decode_only=all(n == 1 for n in query_lens),
         )
         return tensor(token_ids), tensor(positions), meta
+
+
+class BlockIO:
+    """Byte-level access to whole KV blocks, for transfers. A block is one contiguous range.
+
+    Reads return views (CPU) or host copies (GPU). Callers must only touch blocks they own
+    exclusively (reserved for them) or that are pinned and published (immutable).
+    """
+
+    def __init__(self, kv_cache: torch.Tensor) -> None:
+        self._bytes = kv_cache.view(kv_cache.shape[0], -1).view(torch.uint8)
+        self.block_bytes = int(self._bytes.shape[1])
+
+    def read(self, block_ids: Sequence[int]) -> list[memoryview]:
+        host = self._bytes if self._bytes.device.type == "cpu" else None
+        views = []
+        for block_id in block_ids:
+            row = host[block_id] if host is not None else self._bytes[block_id].cpu()
+            views.append(memoryview(row.numpy()))
+        return views
+
+    def write(self, block_ids: Sequence[int], data: memoryview) -> None:
+        """Copy `data` (len(block_ids) whole blocks) into `block_ids`."""
+        if len(data) != len(block_ids) * self.block_bytes:
+            raise ValueError(f"{len(data)} bytes is not {len(block_ids)} blocks of {self.block_bytes}")
+        with warnings.catch_warnings():  # read-only source buffers are only read
+            warnings.simplefilter("ignore", UserWarning)
+            source = torch.frombuffer(data, dtype=torch.uint8)
+        rows = source.view(len(block_ids), self.block_bytes).to(self._bytes.device)
+        index = torch.tensor(list(block_ids), dtype=torch.long, device=self._bytes.device)
+        self._bytes.index_copy_(0, index, rows)

@@ -20,14 +20,14 @@ def tokenizer(tiny_model_dir: Path) -> Tokenizer:
 def test_greedy_rows_take_the_argmax() -> None:
     logits = torch.tensor([[0.1, 2.0, -1.0], [3.0, 0.0, 2.9]])
     sampler = Sampler(torch.device("cpu"))
-    assert sampler.sample(logits, ["a", "b"], [SamplingParams(), SamplingParams()]) == [1, 0]
+    assert sampler.sample(logits, [SamplingParams(), SamplingParams()], [0, 0]) == [1, 0]
 
 
 def test_top_k_never_samples_outside_the_k_best() -> None:
     logits = torch.tensor([[5.0, 4.9, 4.8, -1.0, 4.7]])
     sampler = Sampler(torch.device("cpu"))
     params = SamplingParams(temperature=5.0, top_k=2)
-    drawn = {sampler.sample(logits, ["r"], [params])[0] for _ in range(200)}
+    drawn = {sampler.sample(logits, [params], [0])[0] for _ in range(200)}
     assert drawn == {0, 1}
 
 
@@ -45,10 +45,10 @@ def test_seeded_request_draws_the_same_tokens_in_any_company() -> None:
     seeded = SamplingParams(temperature=1.0, seed=7)
     first = Sampler(torch.device("cpu"))
     second = Sampler(torch.device("cpu"), seed=123)
-    draws_a = [first.sample(logits[1:2], ["x"], [seeded])[0] for _ in range(20)]
+    draws_a = [first.sample(logits[1:2], [seeded], [i])[0] for i in range(20)]
     draws_b = [
-        second.sample(logits, ["y", "x", "z"], [SamplingParams(temperature=1.0), seeded, seeded])[1]
-        for _ in range(20)
+        second.sample(logits, [SamplingParams(temperature=1.0), seeded, seeded], [0, i, 5])[1]
+        for i in range(20)
     ]
     assert draws_a == draws_b
     assert len(set(draws_a)) > 1

@@ -1,0 +1,96 @@
+"""EngineLoop: runs an LLMEngine on a dedicated thread.
+
+The engine is not thread-safe; gRPC handler threads never touch it directly. They `call` small
+functions that run on the loop thread between steps, and receive outputs through `on_outputs`.
+Blocking I/O (transfers, RPCs to peers) stays on the caller's thread, never on the loop.
+"""
+
+import logging
+import queue
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import TypeVar
+
+from pdserve.engine.engine import LLMEngine, RequestOutput
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+OutputHandler = Callable[[list[RequestOutput]], None]
+
+
+class EngineLoop:
+    def __init__(
+        self,
+        engine: LLMEngine,
+        on_outputs: OutputHandler,
+        *,
+        on_tick: Callable[[], None] | None = None,
+        tick_s: float = 0.05,
+    ) -> None:
+        self.engine = engine
+        self._on_outputs = on_outputs
+        self._on_tick = on_tick
+        self._tick_s = tick_s
+        self._commands: queue.SimpleQueue[tuple[Callable[[LLMEngine], object], Future[object]]] = (
+            queue.SimpleQueue()
+        )
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        self._stopped.set()
+        self._commands.put((lambda _: None, Future()))
+        if self._thread.is_alive():
+            self._thread.join(timeout_s)
+
+    def submit(self, fn: Callable[[LLMEngine], T]) -> "Future[T]":
+        """Run `fn(engine)` on the loop thread; the future carries its result or exception."""
+        if self._stopped.is_set():
+            raise RuntimeError("engine loop is stopped")
+        future: Future[T] = Future()
+        self._commands.put((fn, future))  # type: ignore[arg-type]
+        return future
+
+    def call(self, fn: Callable[[LLMEngine], T], timeout_s: float | None = 30.0) -> T:
+        """`submit` and wait for the result (re-raising `fn`'s exception)."""
+        return self.submit(fn).result(timeout_s)
+
+    def _run(self) -> None:
+        while not self._stopped.is_set():
+            idle = not self.engine.has_unfinished_requests()
+            self._drain_commands(block=idle)
+            if self._on_tick is not None:
+                self._on_tick()
+            if self.engine.has_unfinished_requests():
+                try:
+                    outputs = self.engine.step()
+                except Exception:  # a bug: keep the loop alive, surface it in the log
+                    logger.exception("engine step failed")
+                    continue
+                if outputs:
+                    self._on_outputs(outputs)
+
+    def _drain_commands(self, block: bool) -> None:
+        try:
+            command = self._commands.get(timeout=self._tick_s) if block else self._commands.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            self._execute(*command)
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+
+    def _execute(self, fn: Callable[[LLMEngine], object], future: "Future[object]") -> None:
+        if not future.set_running_or_notify_cancel():
+            return
+        try:
+            future.set_result(fn(self.engine))
+        except BaseException as e:  # delivered to the caller's thread
+            future.set_exception(e)

@@ -1,0 +1,1 @@
+"""gRPC plumbing: server and channel factories, proto <-> dataclass conversion."""

@@ -1,0 +1,128 @@
+"""Proto <-> dataclass conversion shared by the instance services, and error mapping.
+
+The only place where pdserve's typed objects meet generated messages.
+"""
+
+import grpc
+
+from pdserve.engine.engine import RequestOutput
+from pdserve.engine.request import SamplingParams
+from pdserve.errors import (
+    InvalidRequestError,
+    OutOfBlocksError,
+    PdserveError,
+    RequestNotFoundError,
+)
+from pdserve.transfer.base import KVTransferError
+from pdserve.v1 import common_pb2, decode_pb2
+
+FINISH_REASONS = {
+    "stop": common_pb2.FINISH_REASON_STOP,
+    "length": common_pb2.FINISH_REASON_LENGTH,
+    "abort": common_pb2.FINISH_REASON_ABORT,
+}
+FINISH_REASON_NAMES = {code: name for name, code in FINISH_REASONS.items()}
+
+
+class ResourceExhaustedError(PdserveError):
+    """No capacity now; retry after `retry_after_ms`."""
+
+    def __init__(self, message: str, retry_after_ms: int) -> None:
+        super().__init__(message)
+        self.retry_after_ms = retry_after_ms
+
+
+def sampling_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
+    message = common_pb2.SamplingParams(
+        max_tokens=params.max_tokens,
+        temperature=params.temperature,
+        top_p=params.top_p,
+        stop=list(params.stop),
+        stop_token_ids=list(params.stop_token_ids),
+        ignore_eos=params.ignore_eos,
+    )
+    if params.top_k is not None:
+        message.top_k = params.top_k
+    if params.seed is not None:
+        message.seed = params.seed
+    return message
+
+
+def sampling_from_proto(message: common_pb2.SamplingParams) -> SamplingParams:
+    """Raises InvalidRequestError for out-of-range values."""
+    return SamplingParams(
+        max_tokens=message.max_tokens,
+        temperature=message.temperature,
+        top_k=message.top_k if message.HasField("top_k") else None,
+        top_p=message.top_p or 1.0,
+        seed=message.seed if message.HasField("seed") else None,
+        stop=tuple(message.stop),
+        stop_token_ids=tuple(message.stop_token_ids),
+        ignore_eos=message.ignore_eos,
+    )
+
+
+def generate_request(
+    request_id: str, prompt_token_ids: list[int], params: SamplingParams
+) -> common_pb2.GenerateRequest:
+    return common_pb2.GenerateRequest(
+        request_id=request_id,
+        prompt_token_ids=prompt_token_ids,
+        sampling=sampling_to_proto(params),
+    )
+
+
+def token_reply(output: RequestOutput) -> list[decode_pb2.TokenReply]:
+    """One engine output as stream replies: a chunk, then a final reply when finished."""
+    replies = [
+        decode_pb2.TokenReply(
+            chunk=decode_pb2.TokenChunk(token_ids=list(output.new_token_ids), text=output.new_text)
+        )
+    ]
+    if output.finished:
+        final = decode_pb2.TokenFinal(
+            finish_reason=FINISH_REASONS.get(output.finish_reason or "", 0),
+            stop_reason="" if output.stop_reason is None else str(output.stop_reason),
+            num_prompt_tokens=output.num_prompt_tokens,
+            num_output_tokens=output.num_output_tokens,
+            num_cached_tokens=output.num_cached_tokens,
+        )
+        replies.append(decode_pb2.TokenReply(final=final))
+    return replies
+
+
+def error_proto(error: Exception) -> common_pb2.Error:
+    """A typed exception as a stream error reply (bugs become INTERNAL without details)."""
+    code, retry_after_ms = _error_code(error)
+    message = str(error) if isinstance(error, PdserveError) else "internal error"
+    return common_pb2.Error(code=code, message=message, retry_after_ms=retry_after_ms)
+
+
+def grpc_status(error: Exception) -> grpc.StatusCode:
+    """The gRPC status for a typed exception raised by a unary handler."""
+    code, _ = _error_code(error)
+    return _STATUS[code]
+
+
+def _error_code(error: Exception) -> tuple[int, int]:
+    if isinstance(error, ResourceExhaustedError):
+        return common_pb2.ERROR_CODE_RESOURCE_EXHAUSTED, error.retry_after_ms
+    if isinstance(error, OutOfBlocksError):
+        return common_pb2.ERROR_CODE_RESOURCE_EXHAUSTED, 0
+    if isinstance(error, InvalidRequestError):
+        return common_pb2.ERROR_CODE_INVALID_REQUEST, 0
+    if isinstance(error, RequestNotFoundError):
+        return common_pb2.ERROR_CODE_NOT_FOUND, 0
+    if isinstance(error, KVTransferError):
+        return common_pb2.ERROR_CODE_TRANSFER_FAILED, 0
+    return common_pb2.ERROR_CODE_INTERNAL, 0
+
+
+_STATUS = {
+    common_pb2.ERROR_CODE_RESOURCE_EXHAUSTED: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    common_pb2.ERROR_CODE_INVALID_REQUEST: grpc.StatusCode.INVALID_ARGUMENT,
+    common_pb2.ERROR_CODE_NOT_FOUND: grpc.StatusCode.NOT_FOUND,
+    common_pb2.ERROR_CODE_TRANSFER_FAILED: grpc.StatusCode.UNAVAILABLE,
+    common_pb2.ERROR_CODE_ABORTED: grpc.StatusCode.CANCELLED,
+    common_pb2.ERROR_CODE_INTERNAL: grpc.StatusCode.INTERNAL,
+}

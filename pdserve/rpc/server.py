@@ -1,0 +1,38 @@
+"""gRPC server factory: thread pool, message limits, health and reflection services."""
+
+from collections.abc import Callable, Sequence
+from concurrent import futures
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from pdserve.rpc.channels import CHANNEL_OPTIONS
+
+
+def create_server(
+    register: Callable[[grpc.Server], None],
+    service_names: Sequence[str],
+    host: str = "127.0.0.1",
+    port: int = 0,
+    max_workers: int = 32,
+) -> tuple[grpc.Server, int]:
+    """Build and start a server; `register` adds the servicers. Returns (server, bound port).
+
+    Port 0 picks a free port (tests). Health reports SERVING for every name in
+    `service_names` and for the empty name (the whole server).
+    """
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=CHANNEL_OPTIONS)
+    register(server)
+    health_servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    for name in ("", *service_names):
+        health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    reflection.enable_server_reflection(
+        (*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME), server
+    )
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise OSError(f"cannot bind gRPC server to {host}:{port}")
+    server.start()
+    return server, bound

@@ -1,0 +1,24 @@
+"""FakeKVTransport: in-process delivery to registered receivers, for unit tests."""
+
+import time
+from collections.abc import Sequence
+
+from pdserve.transfer.base import KVReceiver, KVTransferError, KVTransport, TransferResult
+
+
+class FakeKVTransport(KVTransport):
+    name = "fake"
+
+    def __init__(self) -> None:
+        self.receivers: dict[str, KVReceiver] = {}
+
+    def send(
+        self, peer: str, request_id: str, first_block: int, blocks: Sequence[memoryview]
+    ) -> TransferResult:
+        receiver = self.receivers.get(peer)
+        if receiver is None:
+            raise KVTransferError(f"no receiver registered for peer {peer!r}")
+        start = time.perf_counter()
+        data = memoryview(b"".join(blocks))
+        written = receiver.receive_blocks(request_id, first_block, data)
+        return TransferResult(written, len(data), time.perf_counter() - start)

@@ -1,0 +1,1 @@
+"""The decode instance: reservations, KV reception, token generation and streaming."""

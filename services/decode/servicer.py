@@ -1,0 +1,121 @@
+"""DecodeService servicer: convert -> delegate to DecodeInstance -> convert."""
+
+import logging
+from collections.abc import Iterator
+
+import grpc
+
+from pdserve.config import DecodeConfig, EngineConfig
+from pdserve.errors import PdserveError
+from pdserve.rpc.convert import error_proto, grpc_status, sampling_from_proto, token_reply
+from pdserve.rpc.convert import ResourceExhaustedError
+from pdserve.rpc.server import create_server
+from pdserve.transfer.base import KVTransferError
+from pdserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc
+from services.decode.instance import DecodeInstance
+
+logger = logging.getLogger(__name__)
+
+SERVICE_NAME = "pdserve.v1.DecodeService"
+
+
+class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
+    def __init__(self, instance: DecodeInstance) -> None:
+        self.instance = instance
+
+    def Reserve(
+        self, request: decode_pb2.ReserveRequest, context: grpc.ServicerContext
+    ) -> decode_pb2.ReserveReply:
+        generate = request.request
+        try:
+            grant = self.instance.preallocate_resource_in_d(
+                generate.request_id,
+                list(generate.prompt_token_ids),
+                sampling_from_proto(generate.sampling),
+            )
+        except ResourceExhaustedError as e:
+            return decode_pb2.ReserveReply(granted=False, retry_after_ms=e.retry_after_ms, reason=str(e))
+        except PdserveError as e:
+            context.abort(grpc_status(e), str(e))
+        return decode_pb2.ReserveReply(
+            granted=True,
+            num_cached_tokens=grant.num_cached_tokens,
+            num_blocks=grant.num_blocks,
+            block_bytes=grant.block_bytes,
+        )
+
+    def PushKV(
+        self, request_iterator: Iterator[decode_pb2.KVChunk], context: grpc.ServicerContext
+    ) -> decode_pb2.PushKVReply:
+        blocks = received = 0
+        request_id = ""
+        try:
+            for chunk in request_iterator:
+                request_id = chunk.request_id
+                blocks += self.instance.receive_blocks(chunk.request_id, chunk.first_block, memoryview(chunk.data))
+                received += len(chunk.data)
+        except KVTransferError as e:
+            if request_id:
+                self.instance.transfer_failed(request_id)
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+        except Exception:  # the sender went away mid-stream (cancelled, connection lost)
+            if request_id:
+                self.instance.transfer_failed(request_id)
+            raise
+        return decode_pb2.PushKVReply(blocks_received=blocks, bytes_received=received)
+
+    def StartDecode(
+        self, request: decode_pb2.StartDecodeRequest, context: grpc.ServicerContext
+    ) -> decode_pb2.StartDecodeReply:
+        try:
+            self.instance.start_decode(request.request_id, request.first_token_id)
+        except PdserveError as e:
+            context.abort(grpc_status(e), str(e))
+        return decode_pb2.StartDecodeReply()
+
+    def StreamTokens(
+        self, request: decode_pb2.StreamTokensRequest, context: grpc.ServicerContext
+    ) -> Iterator[decode_pb2.TokenReply]:
+        request_id = request.request_id
+
+        def on_disconnect() -> None:
+            if not finished:
+                self.instance.abort(request_id)
+
+        finished = False
+        context.add_callback(on_disconnect)
+        try:
+            for output in self.instance.stream_outputs(request_id):
+                finished = output.finished
+                yield from token_reply(output)
+        except PdserveError as e:
+            finished = True
+            yield decode_pb2.TokenReply(error=error_proto(e))
+
+    def Abort(self, request: common_pb2.AbortRequest, context: grpc.ServicerContext) -> common_pb2.AbortReply:
+        return common_pb2.AbortReply(found=self.instance.abort(request.request_id))
+
+    def GetStats(self, request: common_pb2.StatsRequest, context: grpc.ServicerContext) -> common_pb2.InstanceStats:
+        return self.instance.stats()
+
+    def SubscribeKVEvents(
+        self, request: common_pb2.KVEventsRequest, context: grpc.ServicerContext
+    ) -> Iterator[common_pb2.KVEvent]:
+        return self.instance.core.kv_event_stream(context)
+
+
+def serve_decode(
+    engine_config: EngineConfig, config: DecodeConfig, host: str = "127.0.0.1", port: int = 0
+) -> tuple[DecodeInstance, grpc.Server, int]:
+    """Start a decode instance and its gRPC server; returns (instance, server, port)."""
+    instance = DecodeInstance(engine_config, config)
+    instance.start()
+    servicer = DecodeServicer(instance)
+    server, bound = create_server(
+        lambda s: decode_pb2_grpc.add_DecodeServiceServicer_to_server(servicer, s),
+        [SERVICE_NAME],
+        host,
+        port,
+    )
+    logger.info("decode instance serving on %s:%d", host, bound)
+    return instance, server, bound

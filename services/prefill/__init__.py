@@ -1,0 +1,1 @@
+"""The prefill instance: computes prompts' KV and hands it to decode instances."""
