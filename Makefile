@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 PROMPT ?= Once upon a time
 MAX_TOKENS ?= 32
 
-.PHONY: install run test lint unit bench lock clean
+.PHONY: install run test lint unit bench lock clean proto
 
 install: $(STAMP)
 
@@ -26,6 +26,11 @@ run: install
 	@echo "  $(VENV)/bin/pdserve generate 'your prompt' --max-tokens 64"
 	@echo "  $(VENV)/bin/pdserve generate 'hello' --chat --temperature 0.8 --seed 1"
 	@echo "  $(VENV)/bin/pdserve generate 'hello' --model /path/to/hf-llama-dir"
+
+# Regenerate pdserve/v1/ (stubs and .pyi) from proto/; tests/unit/test_proto.py fails when stale.
+proto: install
+	PATH=$(abspath $(VENV))/bin:$$PATH $(PY) -m grpc_tools.protoc -Iproto --python_out=. \
+	  --grpc_python_out=. --mypy_out=. --mypy_grpc_out=. proto/pdserve/v1/*.proto
 
 lint: install
 	$(VENV)/bin/ruff check pdserve services tests benchmarks

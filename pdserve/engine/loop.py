@@ -77,7 +77,9 @@ class EngineLoop:
 
     def _drain_commands(self, block: bool) -> None:
         try:
-            command = self._commands.get(timeout=self._tick_s) if block else self._commands.get_nowait()
+            command = (
+                self._commands.get(timeout=self._tick_s) if block else self._commands.get_nowait()
+            )
         except queue.Empty:
             return
         while True:

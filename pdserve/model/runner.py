@@ -1,9 +1,8 @@
 """ModelRunner: owns the paged KV cache and runs one forward pass over a batch of chunks."""
 
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
-
-import warnings
 
 import torch
 
@@ -105,13 +104,15 @@ class BlockIO:
         views = []
         for block_id in block_ids:
             row = host[block_id] if host is not None else self._bytes[block_id].cpu()
-            views.append(memoryview(row.numpy()))
+            views.append(memoryview(row.numpy().data))
         return views
 
     def write(self, block_ids: Sequence[int], data: memoryview) -> None:
         """Copy `data` (len(block_ids) whole blocks) into `block_ids`."""
         if len(data) != len(block_ids) * self.block_bytes:
-            raise ValueError(f"{len(data)} bytes is not {len(block_ids)} blocks of {self.block_bytes}")
+            raise ValueError(
+                f"{len(data)} bytes is not {len(block_ids)} blocks of {self.block_bytes}"
+            )
         with warnings.catch_warnings():  # read-only source buffers are only read
             warnings.simplefilter("ignore", UserWarning)
             source = torch.frombuffer(data, dtype=torch.uint8)

@@ -81,7 +81,9 @@ def token_reply(output: RequestOutput) -> list[decode_pb2.TokenReply]:
     ]
     if output.finished:
         final = decode_pb2.TokenFinal(
-            finish_reason=FINISH_REASONS.get(output.finish_reason or "", 0),
+            finish_reason=FINISH_REASONS.get(
+                output.finish_reason or "", common_pb2.FINISH_REASON_UNSPECIFIED
+            ),
             stop_reason="" if output.stop_reason is None else str(output.stop_reason),
             num_prompt_tokens=output.num_prompt_tokens,
             num_output_tokens=output.num_output_tokens,
@@ -104,7 +106,7 @@ def grpc_status(error: Exception) -> grpc.StatusCode:
     return _STATUS[code]
 
 
-def _error_code(error: Exception) -> tuple[int, int]:
+def _error_code(error: Exception) -> tuple[common_pb2.ErrorCode.ValueType, int]:
     if isinstance(error, ResourceExhaustedError):
         return common_pb2.ERROR_CODE_RESOURCE_EXHAUSTED, error.retry_after_ms
     if isinstance(error, OutOfBlocksError):

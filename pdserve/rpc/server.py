@@ -22,7 +22,9 @@ def create_server(
     Port 0 picks a free port (tests). Health reports SERVING for every name in
     `service_names` and for the empty name (the whole server).
     """
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=CHANNEL_OPTIONS)
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=max_workers), options=CHANNEL_OPTIONS
+    )
     register(server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

@@ -43,5 +43,5 @@ class KVTransport(ABC):
         """Write `blocks` into the reservation of `request_id` on `peer`; blocks until the
         receiver acknowledged every byte. Raises KVTransferError."""
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027  (optional hook: most transports hold nothing)
         """Release connections; the transport is unusable afterwards."""

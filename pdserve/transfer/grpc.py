@@ -33,10 +33,13 @@ class GrpcKVTransport(KVTransport):
         stub = decode_pb2_grpc.DecodeServiceStub(self._channels.get(peer))
         start = time.perf_counter()
         try:
-            reply = stub.PushKV(self._chunks(request_id, first_block, blocks), timeout=self._timeout_s)
+            reply = stub.PushKV(
+                self._chunks(request_id, first_block, blocks), timeout=self._timeout_s
+            )
         except grpc.RpcError as e:
             raise KVTransferError(
-                f"KV transfer of request {request_id} to {peer} failed: {e.code().name}: {e.details()}"
+                f"KV transfer of request {request_id} to {peer} failed: "
+                f"{e.code().name}: {e.details()}"
             ) from e
         expected = sum(len(b) for b in blocks)
         if reply.blocks_received != len(blocks) or reply.bytes_received != expected:
@@ -53,7 +56,10 @@ class GrpcKVTransport(KVTransport):
         while index < len(blocks):
             batch = [blocks[index]]
             size = len(blocks[index])
-            while index + len(batch) < len(blocks) and size + len(blocks[index + len(batch)]) <= self._chunk_bytes:
+            while (
+                index + len(batch) < len(blocks)
+                and size + len(blocks[index + len(batch)]) <= self._chunk_bytes
+            ):
                 size += len(blocks[index + len(batch)])
                 batch.append(blocks[index + len(batch)])
             yield decode_pb2.KVChunk(

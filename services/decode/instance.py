@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from pdserve.config import DecodeConfig, EngineConfig
 from pdserve.engine.engine import LLMEngine, RequestOutput
-from pdserve.engine.request import Request, SamplingParams
+from pdserve.engine.request import SamplingParams
 from pdserve.errors import InvalidRequestError, RequestNotFoundError
 from pdserve.rpc.convert import ResourceExhaustedError
 from pdserve.rpc.instance import InstanceCore
@@ -58,13 +58,19 @@ class DecodeInstance:
         Raises ResourceExhaustedError (with a retry-after) when it would not, and
         InvalidRequestError for a bad request.
         """
-        grant = self.core.loop.call(lambda engine: self._reserve(engine, request_id, prompt_token_ids, params))
+        grant = self.core.loop.call(
+            lambda engine: self._reserve(engine, request_id, prompt_token_ids, params)
+        )
         with self._outputs_lock:
             self._outputs[request_id] = queue.SimpleQueue()
         return grant
 
     def _reserve(
-        self, engine: LLMEngine, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+        self,
+        engine: LLMEngine,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
     ) -> ReservationGrant:
         if request_id in engine.scheduler.requests or any(
             r.request_id == request_id for r in self.reservations.requests()
@@ -84,7 +90,9 @@ class DecodeInstance:
         kv.allocate(request, request.num_prompt_tokens, prefix)
         request.num_cached_tokens = prefix.num_tokens
         block_ids = tuple(kv.block_table(request_id))
-        self.reservations.add(request, block_ids, len(prefix.block_ids), self.config.reservation_timeout_s)
+        self.reservations.add(
+            request, block_ids, len(prefix.block_ids), self.config.reservation_timeout_s
+        )
         return ReservationGrant(prefix.num_tokens, len(block_ids), self.core.block_io.block_bytes)
 
     def reserve_blocks(self, engine: LLMEngine) -> int:
@@ -104,10 +112,13 @@ class DecodeInstance:
     # -- KV reception -----------------------------------------------------------------------------
 
     def receive_blocks(self, request_id: str, first_block: int, data: memoryview) -> int:
-        """Write whole blocks into the request's reservation (KVReceiver). Raises KVTransferError."""
+        """Write whole blocks into the request's reservation (the KVReceiver contract).
+        Raises KVTransferError."""
         block_bytes = self.core.block_io.block_bytes
         if len(data) == 0 or len(data) % block_bytes:
-            raise KVTransferError(f"{len(data)} bytes is not a whole number of {block_bytes}-byte blocks")
+            raise KVTransferError(
+                f"{len(data)} bytes is not a whole number of {block_bytes}-byte blocks"
+            )
         num_blocks = len(data) // block_bytes
         block_ids = self.reservations.begin_write(request_id, first_block, num_blocks)
         ok = False
@@ -139,7 +150,11 @@ class DecodeInstance:
         if reservation is None:
             raise RequestNotFoundError(f"no reservation for request {request_id} (expired?)")
         if not reservation.complete:
-            missing = len(reservation.block_ids) - reservation.num_cached_blocks - len(reservation.received)
+            missing = (
+                len(reservation.block_ids)
+                - reservation.num_cached_blocks
+                - len(reservation.received)
+            )
             engine.kv_cache.free(request_id)
             self._close_stream(request_id, "abort")
             raise KVTransferError(f"request {request_id} started with {missing} KV blocks missing")

@@ -49,7 +49,9 @@ class ReservationTable:
         with self._lock:
             return sum(len(r.block_ids) - r.num_cached_blocks for r in self._reservations.values())
 
-    def add(self, request: Request, block_ids: tuple[int, ...], num_cached_blocks: int, lease_s: float) -> None:
+    def add(
+        self, request: Request, block_ids: tuple[int, ...], num_cached_blocks: int, lease_s: float
+    ) -> None:
         with self._lock:
             self._reservations[request.request_id] = Reservation(
                 request, block_ids, num_cached_blocks, self._clock() + lease_s
@@ -61,9 +63,15 @@ class ReservationTable:
         with self._lock:
             reservation = self._reservations.get(request_id)
             if reservation is None:
-                raise KVTransferError(f"no reservation for request {request_id} (expired or aborted?)")
+                raise KVTransferError(
+                    f"no reservation for request {request_id} (expired or aborted?)"
+                )
             last = first_block + num_blocks
-            if num_blocks <= 0 or first_block < reservation.num_cached_blocks or last > len(reservation.block_ids):
+            if (
+                num_blocks <= 0
+                or first_block < reservation.num_cached_blocks
+                or last > len(reservation.block_ids)
+            ):
                 raise KVTransferError(
                     f"request {request_id}: blocks [{first_block}, {last}) outside the writable "
                     f"range [{reservation.num_cached_blocks}, {len(reservation.block_ids)})"

@@ -7,8 +7,13 @@ import grpc
 
 from pdserve.config import DecodeConfig, EngineConfig
 from pdserve.errors import PdserveError
-from pdserve.rpc.convert import error_proto, grpc_status, sampling_from_proto, token_reply
-from pdserve.rpc.convert import ResourceExhaustedError
+from pdserve.rpc.convert import (
+    ResourceExhaustedError,
+    error_proto,
+    grpc_status,
+    sampling_from_proto,
+    token_reply,
+)
 from pdserve.rpc.server import create_server
 from pdserve.transfer.base import KVTransferError
 from pdserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc
@@ -34,7 +39,9 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
                 sampling_from_proto(generate.sampling),
             )
         except ResourceExhaustedError as e:
-            return decode_pb2.ReserveReply(granted=False, retry_after_ms=e.retry_after_ms, reason=str(e))
+            return decode_pb2.ReserveReply(
+                granted=False, retry_after_ms=e.retry_after_ms, reason=str(e)
+            )
         except PdserveError as e:
             context.abort(grpc_status(e), str(e))
         return decode_pb2.ReserveReply(
@@ -52,7 +59,9 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         try:
             for chunk in request_iterator:
                 request_id = chunk.request_id
-                blocks += self.instance.receive_blocks(chunk.request_id, chunk.first_block, memoryview(chunk.data))
+                blocks += self.instance.receive_blocks(
+                    chunk.request_id, chunk.first_block, memoryview(chunk.data)
+                )
                 received += len(chunk.data)
         except KVTransferError as e:
             if request_id:
@@ -92,10 +101,14 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
             finished = True
             yield decode_pb2.TokenReply(error=error_proto(e))
 
-    def Abort(self, request: common_pb2.AbortRequest, context: grpc.ServicerContext) -> common_pb2.AbortReply:
+    def Abort(
+        self, request: common_pb2.AbortRequest, context: grpc.ServicerContext
+    ) -> common_pb2.AbortReply:
         return common_pb2.AbortReply(found=self.instance.abort(request.request_id))
 
-    def GetStats(self, request: common_pb2.StatsRequest, context: grpc.ServicerContext) -> common_pb2.InstanceStats:
+    def GetStats(
+        self, request: common_pb2.StatsRequest, context: grpc.ServicerContext
+    ) -> common_pb2.InstanceStats:
         return self.instance.stats()
 
     def SubscribeKVEvents(

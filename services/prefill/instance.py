@@ -19,9 +19,9 @@ from dataclasses import dataclass, field
 import grpc
 
 from pdserve.config import EngineConfig, PrefillConfig
-from pdserve.engine.engine import LLMEngine, RequestOutput
+from pdserve.engine.engine import RequestOutput
 from pdserve.engine.request import Request, SamplingParams
-from pdserve.errors import PdserveError, RequestNotFoundError
+from pdserve.errors import PdserveError
 from pdserve.rpc.channels import ChannelPool
 from pdserve.rpc.convert import ResourceExhaustedError, generate_request
 from pdserve.rpc.instance import InstanceCore
@@ -84,7 +84,11 @@ class PrefillInstance:
         self.channels.close()
 
     def prefill(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, decode_address: str
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        decode_address: str,
     ) -> Iterator[common_pb2.Error | str | PrefillOutcome]:
         """Run one request's prefill and handoff, yielding progress stages then the outcome.
 
@@ -94,7 +98,9 @@ class PrefillInstance:
         outcome = PrefillOutcome(0, len(prompt_token_ids), 0, 0, 0, 0)
         start = time.perf_counter()
         request = self.core.loop.call(
-            lambda engine: engine.make_request(prompt_token_ids, params, request_id, prefill_only=True)
+            lambda engine: engine.make_request(
+                prompt_token_ids, params, request_id, prefill_only=True
+            )
         )
         ready: Future[RequestOutput] = Future()
         self._kv_ready[request_id] = ready
@@ -112,13 +118,17 @@ class PrefillInstance:
             yield "transferred"
             handoff = time.perf_counter()
             self._decode_stub(decode_address).StartDecode(
-                decode_pb2.StartDecodeRequest(request_id=request_id, first_token_id=output.new_token_ids[0])
+                decode_pb2.StartDecodeRequest(
+                    request_id=request_id, first_token_id=output.new_token_ids[0]
+                )
             )
             outcome.timings.handoff_s = time.perf_counter() - handoff
             outcome.first_token_id = output.new_token_ids[0]
             decode_reserved = False
         except grpc.RpcError as e:
-            raise KVTransferError(f"handoff of request {request_id} to {decode_address} failed: {e.details()}") from e
+            raise KVTransferError(
+                f"handoff of request {request_id} to {decode_address} failed: {e.details()}"
+            ) from e
         finally:
             self._kv_ready.pop(request_id, None)
             self.core.drop_sink(request_id)
@@ -133,7 +143,9 @@ class PrefillInstance:
         self.core.loop.call(lambda engine: engine.preallocate(request))
         stub = self._decode_stub(decode_address)
         message = decode_pb2.ReserveRequest(
-            request=generate_request(request.request_id, list(request.prompt_token_ids), request.sampling_params)
+            request=generate_request(
+                request.request_id, list(request.prompt_token_ids), request.sampling_params
+            )
         )
         for attempt in range(1, self.config.reserve_max_attempts + 1):
             reply = stub.Reserve(message, timeout=30)
@@ -141,7 +153,10 @@ class PrefillInstance:
                 return DecodeReservation(reply.num_cached_tokens, reply.num_blocks)
             logger.info(
                 "decode %s refused request %s (attempt %d): %s",
-                decode_address, request.request_id, attempt, reply.reason,
+                decode_address,
+                request.request_id,
+                attempt,
+                reply.reason,
             )
             if attempt < self.config.reserve_max_attempts:
                 time.sleep(min(reply.retry_after_ms / 1000, self.config.reserve_max_backoff_s))
@@ -151,7 +166,9 @@ class PrefillInstance:
             reply.retry_after_ms,
         )
 
-    def _compute(self, request: Request, ready: "Future[RequestOutput]", outcome: PrefillOutcome) -> RequestOutput:
+    def _compute(
+        self, request: Request, ready: "Future[RequestOutput]", outcome: PrefillOutcome
+    ) -> RequestOutput:
         queued = time.perf_counter()
         self.core.loop.call(lambda engine: engine.submit(request))
         output = ready.result(timeout=self.config.kv_ready_timeout_s)
@@ -160,11 +177,17 @@ class PrefillInstance:
         return output
 
     def _send_kv(
-        self, request: Request, reservation: DecodeReservation, decode_address: str, outcome: PrefillOutcome
+        self,
+        request: Request,
+        reservation: DecodeReservation,
+        decode_address: str,
+        outcome: PrefillOutcome,
     ) -> None:
         started = time.perf_counter()
         first_block = reservation.num_cached_tokens // self.core.engine.kv_cache.block_size
-        table = self.core.loop.call(lambda engine: list(engine.kv_cache.block_table(request.request_id)))
+        table = self.core.loop.call(
+            lambda engine: list(engine.kv_cache.block_table(request.request_id))
+        )
         block_ids = table[first_block : reservation.num_blocks]
         if block_ids:
             result = self.transport.send(
@@ -185,9 +208,13 @@ class PrefillInstance:
 
     def _abort_on_decode(self, request_id: str, decode_address: str) -> None:
         try:
-            self._decode_stub(decode_address).Abort(common_pb2.AbortRequest(request_id=request_id), timeout=5)
+            self._decode_stub(decode_address).Abort(
+                common_pb2.AbortRequest(request_id=request_id), timeout=5
+            )
         except grpc.RpcError as e:  # decode gone: its lease expiry frees the reservation
-            logger.warning("could not abort request %s on %s: %s", request_id, decode_address, e.details())
+            logger.warning(
+                "could not abort request %s on %s: %s", request_id, decode_address, e.details()
+            )
 
     def _decode_stub(self, address: str) -> decode_pb2_grpc.DecodeServiceStub:
         return decode_pb2_grpc.DecodeServiceStub(self.channels.get(address))
@@ -197,4 +224,3 @@ class PrefillInstance:
 
     def check_integrity(self) -> None:
         self.core.check_integrity()
-

@@ -31,7 +31,11 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         self, request: prefill_pb2.PrefillRequest, context: grpc.ServicerContext
     ) -> Iterator[prefill_pb2.PrefillReply]:
         generate = request.request
-        context.add_callback(lambda: self.instance.abort(generate.request_id))
+
+        def abort_on_exit() -> None:  # runs when the RPC ends; a no-op after a handoff
+            self.instance.abort(generate.request_id)
+
+        context.add_callback(abort_on_exit)
         if not request.decode_address:
             yield _error(PdserveError("decode_address is required"), context)
             return
@@ -44,15 +48,21 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
                 if isinstance(step, PrefillOutcome):
                     yield prefill_pb2.PrefillReply(final=_result(step))
                 elif isinstance(step, str):
-                    yield prefill_pb2.PrefillReply(chunk=prefill_pb2.PrefillProgress(stage=STAGES[step]))
+                    yield prefill_pb2.PrefillReply(
+                        chunk=prefill_pb2.PrefillProgress(stage=STAGES[step])
+                    )
         except PdserveError as e:
             logger.info("prefill of request %s failed: %s", generate.request_id, e)
             yield _error(e, context)
 
-    def Abort(self, request: common_pb2.AbortRequest, context: grpc.ServicerContext) -> common_pb2.AbortReply:
+    def Abort(
+        self, request: common_pb2.AbortRequest, context: grpc.ServicerContext
+    ) -> common_pb2.AbortReply:
         return common_pb2.AbortReply(found=self.instance.abort(request.request_id))
 
-    def GetStats(self, request: common_pb2.StatsRequest, context: grpc.ServicerContext) -> common_pb2.InstanceStats:
+    def GetStats(
+        self, request: common_pb2.StatsRequest, context: grpc.ServicerContext
+    ) -> common_pb2.InstanceStats:
         return self.instance.stats()
 
     def SubscribeKVEvents(

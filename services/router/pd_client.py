@@ -106,8 +106,12 @@ class PDClient:
                 if kind == "error":
                     raise_error(reply.error)
         except grpc.RpcError as e:
-            raise KVTransferError(f"prefill instance {prefill_address} failed: {e.details()}") from e
-        raise PdserveError(f"prefill instance {prefill_address} ended request {request_id} without a result")
+            raise KVTransferError(
+                f"prefill instance {prefill_address} failed: {e.details()}"
+            ) from e
+        raise PdserveError(
+            f"prefill instance {prefill_address} ended request {request_id} without a result"
+        )
 
     def close(self) -> None:
         self.channels.close()
