@@ -1,18 +1,29 @@
 """The `pdserve` command line.
 
-`pdserve generate` runs a single in-process engine (no Ray, no network) and streams the output.
+`pdserve generate` runs a single in-process engine (no Ray, no network) and streams the output;
+`pdserve up` places prefill and decode instances on Ray and stays in the foreground until Ctrl-C
+or `pdserve down`.
 Errors caused by the user's input are one line on stderr and exit status 2; nothing else prints a
 traceback unless `--debug` is given.
 """
 
 import argparse
+import json
 import logging
+import os
+import signal
 import sys
-from collections.abc import Sequence
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
-from pdserve.config import load_engine_config
+from pdserve.config import load_cluster_config, load_engine_config
 from pdserve.engine import LLMEngine, SamplingParams
-from pdserve.errors import PdserveError
+from pdserve.errors import ConfigError, PdserveError
+
+if TYPE_CHECKING:
+    from services.controller.cluster import Cluster
 
 EXIT_USAGE = 2
 
@@ -36,6 +47,14 @@ def _build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--chat", action="store_true", help="wrap the prompt as a user chat message")
     gen.add_argument("--dtype", default=None, help="auto | float32 | bfloat16 | float16")
     gen.add_argument("--device", default=None, help="cpu | cuda")
+    up = commands.add_parser("up", help="start prefill and decode instances on Ray (foreground)")
+    up.add_argument("--config", help="YAML config file (sections engine, prefill, decode, cluster)")
+    up.add_argument("--address", help="Ray cluster to join (e.g. auto); default: start local Ray")
+    up.add_argument("--state-dir", help="where to write cluster.json (default: user state dir)")
+    up.add_argument("--health-interval", type=float, default=5.0, help="seconds between checks")
+    down = commands.add_parser("down", help="stop the cluster started by `pdserve up`")
+    down.add_argument("--config", help="the config file given to `up` (for state_dir)")
+    down.add_argument("--state-dir", help="where `up` wrote cluster.json")
     return parser
 
 
@@ -68,6 +87,71 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _up(args: argparse.Namespace) -> int:
+    from services.controller.cluster import Cluster, state_path
+
+    config = load_cluster_config(
+        args.config, overrides={"ray_address": args.address, "state_dir": args.state_dir}
+    )
+    stop = threading.Event()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, lambda *_: stop.set())
+    cluster = Cluster(config)
+    path = state_path(config)
+    print("starting pdserve: placing instances on Ray ...", flush=True)
+    try:
+        instances = cluster.up()
+        cluster.write_state(path)
+        for info in instances:
+            print(f"{info.name:<12} {info.role:<8} grpc://{info.address}", flush=True)
+        print(f"pdserve is up ({path}); Ctrl-C or `pdserve down` stops it", flush=True)
+        _watch(cluster, stop, args.health_interval)
+    finally:
+        cluster.down()
+        path.unlink(missing_ok=True)
+        print("pdserve is down", flush=True)
+    return 0
+
+
+def _watch(cluster: "Cluster", stop: threading.Event, interval_s: float) -> None:
+    known_dead: set[str] = set()
+    while not stop.wait(interval_s):
+        for name in set(cluster.dead_instances()) - known_dead:
+            known_dead.add(name)
+            logging.getLogger("pdserve").error("instance %s is dead", name)
+            print(f"instance {name} is dead", file=sys.stderr, flush=True)
+
+
+def _down(args: argparse.Namespace) -> int:
+    from services.controller.cluster import state_path
+
+    config = load_cluster_config(args.config, overrides={"state_dir": args.state_dir})
+    path = state_path(config)
+    try:
+        state = json.loads(path.read_text())
+    except FileNotFoundError as e:
+        raise ConfigError(f"no running cluster: {path} does not exist") from e
+    pid = int(state["pid"])
+    try:
+        os.kill(pid, signal.SIGTERM)
+    except ProcessLookupError:
+        path.unlink(missing_ok=True)
+        print(f"`pdserve up` (pid {pid}) is gone; removed stale {path}")
+        return 0
+    deadline = time.monotonic() + 120
+    while path.exists() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    print("pdserve is down" if not path.exists() else f"pid {pid} did not stop within 120 s")
+    return 0 if not path.exists() else 1
+
+
+COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
+    "generate": _generate,
+    "up": _up,
+    "down": _down,
+}
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = _build_parser().parse_args(argv)
     logging.basicConfig(
@@ -75,7 +159,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     try:
-        return _generate(args)
+        return COMMANDS[args.command](args)
     except PdserveError as e:
         if args.debug:
             raise

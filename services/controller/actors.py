@@ -1,0 +1,77 @@
+"""InstanceActor: one prefill or decode instance inside a Ray actor process.
+
+A plain class: the controller applies `ray.remote(...)` with the resources from config, so the
+same class runs in a unit test without Ray. Ray carries only lifecycle calls; KV bytes and tokens
+go over the instance's own gRPC server.
+"""
+
+import logging
+import socket
+
+import grpc
+import torch
+
+from pdserve.config import ClusterConfig
+from pdserve.v1 import common_pb2
+from services.decode.instance import DecodeInstance
+from services.decode.servicer import serve_decode
+from services.prefill.instance import PrefillInstance
+from services.prefill.servicer import serve_prefill
+
+logger = logging.getLogger(__name__)
+
+ROLES = ("prefill", "decode")
+
+
+class InstanceActor:
+    def __init__(self, role: str, config: ClusterConfig) -> None:
+        if role not in ROLES:
+            raise ValueError(f"unknown role {role!r}; expected one of {ROLES}")
+        logging.basicConfig(
+            level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+        )
+        if config.engine.torch_threads is not None:
+            torch.set_num_threads(config.engine.torch_threads)
+        self.role = role
+        self.instance: PrefillInstance | DecodeInstance
+        self.server: grpc.Server
+        if role == "prefill":
+            self.instance, self.server, port = serve_prefill(
+                config.engine, config.prefill, config.host
+            )
+        else:
+            self.instance, self.server, port = serve_decode(
+                config.engine, config.decode, config.host
+            )
+        self._address = f"{advertised_host(config.host)}:{port}"
+
+    def address(self) -> str:
+        """host:port of this instance's gRPC server."""
+        return self._address
+
+    def ping(self) -> bool:
+        return True
+
+    def stats(self) -> bytes:
+        """Serialized `pdserve.v1.InstanceStats`."""
+        stats: common_pb2.InstanceStats = self.instance.stats()
+        return stats.SerializeToString()
+
+    def check_integrity(self) -> None:
+        self.instance.check_integrity()
+
+    def stop(self) -> None:
+        self.server.stop(grace=2).wait()
+        self.instance.stop()
+
+
+def advertised_host(bind_host: str) -> str:
+    """The address peers should dial: the bind address, or this node's IP for 0.0.0.0."""
+    if bind_host not in ("0.0.0.0", "::", ""):
+        return bind_host
+    try:
+        import ray
+
+        return str(ray.util.get_node_ip_address())  # type: ignore[no-untyped-call]
+    except Exception:  # not in Ray: best effort
+        return socket.gethostbyname(socket.gethostname())

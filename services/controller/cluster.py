@@ -1,0 +1,173 @@
+"""Cluster: places prefill and decode instances as Ray actors, watches them, stops them.
+
+Ray is used for placement and lifecycle only. `up` joins the Ray cluster at `ray_address` (or
+starts a local one), reserves a placement group with one bundle per instance, creates named
+actors in the configured namespace, and waits until every instance's gRPC server answers.
+"""
+
+import json
+import logging
+import os
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import platformdirs
+import ray
+from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from pdserve.config import ClusterConfig, DecodeConfig, PrefillConfig
+from pdserve.errors import PdserveError
+from services.controller.actors import InstanceActor
+
+logger = logging.getLogger(__name__)
+
+READY_TIMEOUT_S = 600.0
+
+
+class ClusterError(PdserveError):
+    """The cluster cannot be started (resources, actors failing to start)."""
+
+
+@dataclass(frozen=True, slots=True)
+class InstanceInfo:
+    name: str
+    role: str
+    address: str
+
+
+class Cluster:
+    def __init__(self, config: ClusterConfig) -> None:
+        self.config = config
+        self.instances: list[InstanceInfo] = []
+        self._actors: dict[str, Any] = {}
+        self._placement_group: PlacementGroup | None = None
+        self._started_ray = False
+
+    def up(self) -> list[InstanceInfo]:
+        """Place every instance and wait until all serve. Raises ClusterError."""
+        self._connect()
+        roles = ["prefill"] * self.config.prefill.replicas + [
+            "decode"
+        ] * self.config.decode.replicas
+        counters = {"prefill": 0, "decode": 0}
+        self._placement_group = self._reserve(roles)
+        pending = {}
+        for bundle, role in enumerate(roles):
+            name = f"{role}-{counters[role]}"
+            counters[role] += 1
+            actor = self._create_actor(name, role, bundle)
+            self._actors[name] = actor
+            pending[name] = (role, actor.address.remote())
+        try:
+            for name, (role, ref) in pending.items():
+                self.instances.append(
+                    InstanceInfo(name, role, ray.get(ref, timeout=READY_TIMEOUT_S))
+                )
+        except (ray.exceptions.RayError, TimeoutError) as e:
+            self.down()
+            raise ClusterError(f"an instance failed to start: {e}") from e
+        return self.instances
+
+    def _connect(self) -> None:
+        if ray.is_initialized():
+            return
+        ray.init(
+            address=self.config.ray_address,
+            namespace=self.config.namespace,
+            include_dashboard=False,
+            log_to_driver=True,
+        )
+        self._started_ray = self.config.ray_address is None
+
+    def _reserve(self, roles: list[str]) -> PlacementGroup:
+        bundles = [self._bundle(role) for role in roles]
+        group: PlacementGroup = placement_group(bundles, strategy=self.config.placement_strategy)
+        try:
+            ray.get(group.ready(), timeout=READY_TIMEOUT_S)
+        except Exception as e:
+            remove_placement_group(group)
+            available = ray.available_resources()  # type: ignore[no-untyped-call]
+            raise ClusterError(
+                f"Ray cannot place {len(bundles)} instances ({bundles}) with strategy "
+                f"{self.config.placement_strategy}: {available} available; "
+                "lower replicas/num_cpus/num_gpus or add nodes"
+            ) from e
+        return group
+
+    def _bundle(self, role: str) -> dict[str, float]:
+        settings: PrefillConfig | DecodeConfig = (
+            self.config.prefill if role == "prefill" else self.config.decode
+        )
+        bundle = {"CPU": settings.num_cpus}
+        if settings.num_gpus:
+            bundle["GPU"] = settings.num_gpus
+        return bundle
+
+    def _create_actor(self, name: str, role: str, bundle: int) -> Any:
+        assert self._placement_group is not None  # internal: `up` reserved it first
+        settings = self.config.prefill if role == "prefill" else self.config.decode
+        remote_class = ray.remote(InstanceActor)
+        return remote_class.options(
+            name=f"pdserve-{name}",
+            namespace=self.config.namespace,
+            num_cpus=settings.num_cpus,
+            num_gpus=settings.num_gpus,
+            max_concurrency=8,
+            lifetime=None if self._started_ray else "detached",
+            scheduling_strategy=PlacementGroupSchedulingStrategy(
+                placement_group=self._placement_group, placement_group_bundle_index=bundle
+            ),
+        ).remote(role, self.config)
+
+    def actor(self, name: str) -> Any:
+        return self._actors[name]
+
+    def dead_instances(self, timeout_s: float = 10.0) -> list[str]:
+        """Names of instances whose actor no longer answers."""
+        dead = []
+        for name, actor in self._actors.items():
+            try:
+                ray.get(actor.ping.remote(), timeout=timeout_s)
+            except (ray.exceptions.RayError, TimeoutError):
+                dead.append(name)
+        return dead
+
+    def down(self) -> None:
+        """Stop every instance, release the placement group, and stop Ray if `up` started it."""
+        for name, actor in self._actors.items():
+            try:
+                ray.get(actor.stop.remote(), timeout=30)
+            except (ray.exceptions.RayError, TimeoutError):
+                logger.warning("instance %s did not stop cleanly", name)
+            ray.kill(actor)
+        self._actors.clear()
+        self.instances.clear()
+        if self._placement_group is not None:
+            remove_placement_group(self._placement_group)
+            self._placement_group = None
+        if self._started_ray:
+            ray.shutdown()
+            self._started_ray = False
+
+    def write_state(self, path: Path) -> None:
+        state = {
+            "pid": os.getpid(),
+            "namespace": self.config.namespace,
+            "ray_address": self.config.ray_address,
+            "started_at": time.time(),
+            "instances": [asdict(i) for i in self.instances],
+        }
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(state, indent=2))
+        tmp.replace(path)
+
+
+def state_path(config: ClusterConfig) -> Path:
+    base = (
+        Path(config.state_dir) if config.state_dir else Path(platformdirs.user_state_dir("pdserve"))
+    )
+    return base / "cluster.json"
