@@ -1,5 +1,8 @@
 """Shared fixtures: the tiny model written once per session into a temporary directory."""
 
+import os
+import shutil
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -33,3 +36,22 @@ def make_engine(tiny_model_dir: Path) -> Iterator[object]:
     yield make
     for engine in engines:
         engine.check_integrity()
+
+
+@pytest.fixture(scope="session")
+def ray_session(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """One local Ray instance for the whole test session (auth off, private temp dir)."""
+    os.environ["RAY_AUTH_MODE"] = "disabled"
+    import ray
+
+    temp_dir = tempfile.mkdtemp(prefix="ray-", dir="/tmp")  # short: Ray's socket paths
+    ray.init(
+        num_cpus=8,
+        include_dashboard=False,
+        _temp_dir=temp_dir,
+        namespace="pdserve-test",
+        log_to_driver=False,
+    )
+    yield
+    ray.shutdown()
+    shutil.rmtree(temp_dir, ignore_errors=True)

@@ -55,22 +55,26 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         self, request_iterator: Iterator[decode_pb2.KVChunk], context: grpc.ServicerContext
     ) -> decode_pb2.PushKVReply:
         blocks = received = 0
-        request_id = ""
+        request_ids: set[str] = set()
+        completed = False
+
+        def release_if_broken() -> None:  # runs when the RPC ends, however it ends
+            if not completed:
+                for request_id in request_ids:
+                    self.instance.transfer_failed(request_id)
+
+        context.add_callback(release_if_broken)
         try:
             for chunk in request_iterator:
-                request_id = chunk.request_id
-                blocks += self.instance.receive_blocks(
-                    chunk.request_id, chunk.first_block, memoryview(chunk.data)
-                )
+                request_ids.add(chunk.request_id)
+                data = memoryview(chunk.data)
+                blocks += self.instance.receive_blocks(chunk.request_id, chunk.first_block, data)
                 received += len(chunk.data)
         except KVTransferError as e:
-            if request_id:
+            for request_id in request_ids:  # settle now, before the sender sees the error
                 self.instance.transfer_failed(request_id)
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
-        except Exception:  # the sender went away mid-stream (cancelled, connection lost)
-            if request_id:
-                self.instance.transfer_failed(request_id)
-            raise
+        completed = context.is_active()
         return decode_pb2.PushKVReply(blocks_received=blocks, bytes_received=received)
 
     def StartDecode(

@@ -6,12 +6,13 @@ decode steps; for Llama (tied and untied), Qwen2 (q/k/v bias), llama3 RoPE scali
 checkpoint written by `transformers` itself.
 """
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+from reference import hf_greedy, hf_logits, hf_model
+from transformers import LlamaConfig, LlamaForCausalLM
 
 from pdserve.engine import LLMEngine, SamplingParams
 from pdserve.model.loader import load_model
@@ -20,27 +21,6 @@ from pdserve.model.tiny import write_tiny_model
 
 ATOL = 1e-4
 BLOCK = 16
-
-
-def hf_model(path: Path) -> torch.nn.Module:
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-
-
-@torch.no_grad()
-def hf_logits(model: torch.nn.Module, token_ids: Sequence[int]) -> torch.Tensor:
-    """Logits at every position of one sequence."""
-    return model(torch.tensor([list(token_ids)])).logits[0].float()
-
-
-@torch.no_grad()
-def hf_greedy(model: torch.nn.Module, token_ids: Sequence[int], steps: int) -> list[int]:
-    """Greedy decoding with transformers' own KV cache, eos ignored."""
-    out = model(torch.tensor([list(token_ids)]), use_cache=True)
-    generated = [int(out.logits[0, -1].argmax())]
-    for _ in range(steps - 1):
-        out = model(torch.tensor([[generated[-1]]]), cache=out.past_key_values, use_cache=True)
-        generated.append(int(out.logits[0, -1].argmax()))
-    return generated
 
 
 def prompt(n: int, offset: int = 0) -> list[int]:

@@ -21,8 +21,7 @@ def test_generated_stubs_are_up_to_date(tmp_path: Path) -> None:
     )  # fmt: skip
     generated = {p.relative_to(tmp_path): p.read_bytes() for p in tmp_path.rglob("*.py*")}
     committed = {
-        p.relative_to(ROOT): p.read_bytes()
-        for p in (ROOT / "pdserve" / "v1").glob("*_pb2*.py*")
+        p.relative_to(ROOT): p.read_bytes() for p in (ROOT / "pdserve" / "v1").glob("*_pb2*.py*")
     }
     assert len(generated) == 3 * 4
     stale = sorted(str(path) for path in generated if committed.get(path) != generated[path])

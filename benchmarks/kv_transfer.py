@@ -1,0 +1,410 @@
+"""KV transfer: the gRPC transport against bare grpcio, and a TTFT breakdown of one PD request.
+
+    python benchmarks/kv_transfer.py [--quick] [--blocks N] [--block-bytes B] [--prompt-len N]
+
+Transfer: `--blocks` KV blocks (1,000) are moved over loopback by `GrpcKVTransport.send` into
+reservations of a real decode instance (`serve_decode`, built-in tiny model, fp32, block size 16
+tokens: 64 KiB per block). The tiny model's context window is 4,096 tokens, so one prompt covers at
+most 255 blocks: the 1,000 blocks are split over 4 reservations of 250 blocks (4,000-token
+prompts), sent one after the other; the timed span is the 4 `send` calls. The baseline is bare
+grpcio in the same process: a generic stream-unary handler (identity serializers) that counts the
+bytes of a client stream of prebuilt `bytes` messages of exactly the transport's sizes (blocks
+packed into messages of at most `DEFAULT_CHUNK_BYTES`, one stream per reservation) and returns the
+count, on a server and channel with the same options (`CHANNEL_OPTIONS`, 32 worker threads).
+Transport and baseline alternate round by round (the order flipping every round);
+`ratio_grpc` = median over rounds of transport GB/s ÷ baseline GB/s (GB = 10^9 bytes); target
+>= 0.8. `--block-bytes B` repeats the comparison with blocks of B bytes (a multiple of the tiny
+model's 4 KiB of fp32 KV per token; 2097152 = a Llama-3-8B bf16 block of 16 tokens): the decode
+instance then runs with block size B / 4 KiB tokens, so its real blocks are B bytes.
+
+TTFT: one `--prompt-len`-token prompt (2,048; distinct every round: no prefix-cache hits) through
+in-process `serve_prefill` + `serve_decode` instances (tiny model, block size 16) with
+`PDClient.generate`: reserve, queue, prefill compute, KV transfer and handoff come from
+`PrefillResult.timings`; the client measures TTFT (call to first token) and the first decode step
+(first token to second). `--threads` (default 1) sets torch threads: on the shared 2-core box two
+OpenMP threads slow a forward pass ~10x whenever another process holds a core.
+"""
+
+import argparse
+import time
+from collections.abc import Iterator, Sequence
+from concurrent import futures
+from dataclasses import dataclass
+
+import grpc
+import torch
+from _common import finish, median, parse_args, print_table, repeats
+
+from pdserve.config import DecodeConfig, EngineConfig, PrefillConfig
+from pdserve.engine.request import SamplingParams
+from pdserve.model.config import ModelConfig
+from pdserve.model.tiny import default_model_dir
+from pdserve.rpc.channels import CHANNEL_OPTIONS, ChannelPool
+from pdserve.transfer.grpc import DEFAULT_CHUNK_BYTES, GrpcKVTransport
+from services.decode.instance import DecodeInstance
+from services.decode.servicer import serve_decode
+from services.prefill.servicer import serve_prefill
+from services.router.pd_client import Finished, PDClient, TokenDelta
+
+NAME = "kv_transfer"
+RATIO_TARGET = 0.8
+DEFAULT_BLOCK_SIZE = 16  # tokens per block (the engine default)
+SERVER_WORKERS = 32  # as pdserve.rpc.server.create_server
+SINK_METHOD = "/pdserve.bench.ByteSink/Push"
+GB = 1e9
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--blocks", type=int, default=1000, help="KV blocks per transfer round")
+    parser.add_argument(
+        "--block-bytes",
+        type=int,
+        default=None,
+        help="bytes per block (a multiple of the tiny model's fp32 KV bytes per token); default "
+        f"the block of {DEFAULT_BLOCK_SIZE} tokens (64 KiB)",
+    )
+    parser.add_argument(
+        "--chunk-bytes", type=int, default=DEFAULT_CHUNK_BYTES, help="transport message size"
+    )
+    parser.add_argument("--prompt-len", type=int, default=2048, help="TTFT prompt tokens")
+    parser.add_argument(
+        "--threads", type=int, default=1, help="torch threads of both instances (default 1)"
+    )
+    parser.add_argument("--skip-ttft", action="store_true", help="only the transfer comparison")
+
+
+# -- transfer ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class TransferPlan:
+    """How `num_blocks` blocks of `block_bytes` are split into reservations and messages."""
+
+    block_bytes: int
+    block_size: int  # tokens per block
+    blocks_per_request: list[int]
+    blocks_per_message: int
+
+    @property
+    def num_blocks(self) -> int:
+        return sum(self.blocks_per_request)
+
+    @property
+    def total_bytes(self) -> int:
+        return self.num_blocks * self.block_bytes
+
+    def message_sizes(self, blocks: int) -> list[int]:
+        """Bytes of each message of one reservation's stream (as `GrpcKVTransport._chunks`)."""
+        full, rest = divmod(blocks, self.blocks_per_message)
+        sizes = [self.blocks_per_message * self.block_bytes] * full
+        return sizes + ([rest * self.block_bytes] if rest else [])
+
+
+def plan_transfer(
+    num_blocks: int, block_bytes: int | None, chunk_bytes: int, context: int, token_bytes: int
+) -> TransferPlan:
+    """Block size in tokens for `block_bytes`, and the fewest reservations (prompts shorter than
+    the context window) that cover `num_blocks`, split as evenly as possible."""
+    block_bytes = block_bytes or DEFAULT_BLOCK_SIZE * token_bytes
+    if block_bytes <= 0 or block_bytes % token_bytes:
+        raise SystemExit(f"--block-bytes must be a positive multiple of {token_bytes}")
+    block_size = block_bytes // token_bytes
+    per_prompt = max(1, (context - 1) // block_size)  # a prompt leaves room for one output token
+    num_requests = -(-num_blocks // per_prompt)
+    base, extra = divmod(num_blocks, num_requests)
+    split = [base + (1 if i < extra else 0) for i in range(num_requests)]
+    return TransferPlan(block_bytes, block_size, split, max(1, chunk_bytes // block_bytes))
+
+
+class Prompts:
+    """Distinct token sequences (every call gives fresh ones): no prefix-cache hits anywhere."""
+
+    def __init__(self) -> None:
+        self._serial = 0
+
+    def take(self, length: int) -> list[int]:
+        self._serial += 1
+        seed = self._serial * 1_000_003
+        return [32 + (seed + 7 * i * i + 13 * i) % 95 for i in range(length)]
+
+
+class TransportSide:
+    """`GrpcKVTransport.send` of the plan's blocks into fresh reservations of a decode instance."""
+
+    def __init__(self, plan: TransferPlan, instance: DecodeInstance, address: str) -> None:
+        self.plan = plan
+        self.instance = instance
+        self.address = address
+        self.channels = ChannelPool()
+        self.transport = GrpcKVTransport(self.channels)
+        self.prompts = Prompts()
+        self._source = torch.randint(0, 256, (plan.total_bytes,), dtype=torch.uint8)
+        view = memoryview(self._source.numpy()).cast("B")
+        size = plan.block_bytes
+        self.blocks = [view[i * size : (i + 1) * size] for i in range(plan.num_blocks)]
+        self.rounds = 0
+
+    def _reserve(self) -> list[str]:
+        request_ids = []
+        params = SamplingParams(max_tokens=1, ignore_eos=True)
+        for i, blocks in enumerate(self.plan.blocks_per_request):
+            request_id = f"kv-{self.rounds}-{i}"
+            prompt = self.prompts.take(blocks * self.plan.block_size)
+            grant = self.instance.preallocate_resource_in_d(request_id, prompt, params)
+            if grant.num_blocks != blocks or grant.num_cached_tokens != 0:
+                raise RuntimeError(f"reservation {request_id}: {grant}, expected {blocks} blocks")
+            if grant.block_bytes != self.plan.block_bytes:
+                raise RuntimeError(f"decode blocks are {grant.block_bytes} bytes")
+            request_ids.append(request_id)
+        self.rounds += 1
+        return request_ids
+
+    def run(self, verify: bool = False) -> float:
+        """Seconds for the `send` calls of one round (reservation and release untimed)."""
+        request_ids = self._reserve()
+        counters = self.instance.core.counters
+        before = counters.bytes_received
+        try:
+            start = time.perf_counter()
+            first = 0
+            for request_id, blocks in zip(request_ids, self.plan.blocks_per_request, strict=True):
+                self.transport.send(self.address, request_id, 0, self.blocks[first : first + blocks])
+                first += blocks
+            seconds = time.perf_counter() - start
+            if counters.bytes_received - before != self.plan.total_bytes:
+                raise RuntimeError(f"decode counted {counters.bytes_received - before} bytes")
+            if verify:
+                self._verify(request_ids)
+        finally:
+            for request_id in request_ids:
+                self.instance.abort(request_id)
+        return seconds
+
+    def _verify(self, request_ids: Sequence[str]) -> None:
+        """The bytes in decode's KV cache are the bytes sent, block for block."""
+        core = self.instance.core
+        first = 0
+        for request_id in request_ids:
+            table = core.loop.call(lambda engine, r=request_id: list(engine.kv_cache.block_table(r)))
+            for offset, received in enumerate(core.block_io.read(table)):
+                if received != self.blocks[first + offset]:
+                    raise RuntimeError(f"block {offset} of {request_id} arrived corrupted")
+            first += len(table)
+
+    def close(self) -> None:
+        self.transport.close()
+        self.channels.close()
+
+
+def _count_bytes(request_iterator: Iterator[bytes], context: grpc.ServicerContext) -> bytes:
+    received = 0
+    for message in request_iterator:
+        received += len(message)
+    return received.to_bytes(8, "little")
+
+
+class BaselineSide:
+    """Bare grpcio: the same bytes in the same message sizes, prebuilt, no protobuf, no copy out."""
+
+    def __init__(self, plan: TransferPlan, source: Sequence[memoryview]) -> None:
+        self.plan = plan
+        handler = grpc.method_handlers_generic_handler(
+            "pdserve.bench.ByteSink", {"Push": grpc.stream_unary_rpc_method_handler(_count_bytes)}
+        )
+        self.server = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=SERVER_WORKERS),
+            handlers=[handler],
+            options=CHANNEL_OPTIONS,
+        )
+        port = self.server.add_insecure_port("127.0.0.1:0")
+        self.server.start()
+        self.channel = grpc.insecure_channel(f"127.0.0.1:{port}", options=CHANNEL_OPTIONS)
+        self.push = self.channel.stream_unary(SINK_METHOD)
+        blocks = iter(source)
+        self.streams: list[list[bytes]] = []
+        for count in plan.blocks_per_request:
+            messages = []
+            for size in plan.message_sizes(count):
+                messages.append(b"".join(next(blocks) for _ in range(size // plan.block_bytes)))
+            self.streams.append(messages)
+
+    def run(self) -> float:
+        start = time.perf_counter()
+        for messages in self.streams:
+            reply = self.push(iter(messages))
+            if int.from_bytes(reply, "little") != sum(len(m) for m in messages):
+                raise RuntimeError("baseline server counted a different number of bytes")
+        return time.perf_counter() - start
+
+    def close(self) -> None:
+        self.channel.close()
+        self.server.stop(0).wait()
+
+
+def bench_transfer(args: argparse.Namespace, repeat: int) -> dict[str, object]:
+    model_config = ModelConfig.from_dir(default_model_dir())
+    token_bytes = model_config.kv_bytes_per_token(torch.float32)
+    context = int(model_config.max_position_embeddings)
+    plan = plan_transfer(args.blocks, args.block_bytes, args.chunk_bytes, context, token_bytes)
+    engine_config = EngineConfig(
+        dtype="float32",
+        block_size=plan.block_size,
+        num_kv_blocks=max(1100, plan.num_blocks + plan.num_blocks // 10 + 2 * len(plan.blocks_per_request)),
+        enable_prefix_caching=False,
+        torch_threads=args.threads,
+    )
+    instance, server, port = serve_decode(engine_config, DecodeConfig())
+    transport: TransportSide | None = None
+    baseline: BaselineSide | None = None
+    try:
+        transport = TransportSide(plan, instance, f"127.0.0.1:{port}")
+        baseline = BaselineSide(plan, transport.blocks)
+        transport.run(verify=True)  # warm-up, and a check that the bytes land intact
+        baseline.run()
+        samples: dict[str, list[float]] = {"transport": [], "baseline": []}
+        for i in range(repeat):
+            order = ("transport", "baseline") if i % 2 == 0 else ("baseline", "transport")
+            for side in order:
+                seconds = transport.run() if side == "transport" else baseline.run()
+                samples[side].append(plan.total_bytes / seconds / GB)
+    finally:
+        if transport is not None:
+            transport.close()
+        if baseline is not None:
+            baseline.close()
+        server.stop(0).wait()
+        instance.stop()
+    ratios = [t / b for t, b in zip(samples["transport"], samples["baseline"], strict=True)]
+    return {
+        "num_blocks": plan.num_blocks,
+        "block_bytes": plan.block_bytes,
+        "block_size_tokens": plan.block_size,
+        "total_bytes": plan.total_bytes,
+        "reservations": plan.blocks_per_request,
+        "blocks_per_message": plan.blocks_per_message,
+        "chunk_bytes": args.chunk_bytes,
+        "grpc_gbps": median(samples["transport"]),
+        "baseline_gbps": median(samples["baseline"]),
+        "ratio_grpc": median(ratios),
+        "grpc_gbps_samples": samples["transport"],
+        "baseline_gbps_samples": samples["baseline"],
+        "ratios": ratios,
+    }
+
+
+# -- TTFT ----------------------------------------------------------------------------------------
+
+STAGES = ("reserve", "queue", "compute", "transfer", "handoff")
+
+
+def one_request(
+    client: PDClient, prefill: str, decode: str, prompt: list[int]
+) -> dict[str, float]:
+    """Milliseconds of each stage of one request; the prefill's from its reported timings."""
+    params = SamplingParams(max_tokens=2, ignore_eos=True)
+    token_times: list[float] = []
+    finished: Finished | None = None
+    start = time.perf_counter()
+    for event in client.generate(prefill, decode, prompt, params):
+        if isinstance(event, TokenDelta):
+            token_times.extend(time.perf_counter() for _ in event.token_ids)
+        else:
+            finished = event
+    if finished is None or len(token_times) != 2:
+        raise RuntimeError(f"request ended with {len(token_times)} tokens, expected 2")
+    timings = finished.prefill.timings
+    stages = {
+        "reserve": timings.reserve_s,
+        "queue": timings.queue_s,
+        "compute": timings.compute_s,
+        "transfer": timings.transfer_s,
+        "handoff": timings.handoff_s,
+    }
+    result = {f"{name}_ms": 1e3 * seconds for name, seconds in stages.items()}
+    result["ttft_ms"] = 1e3 * (token_times[0] - start)
+    result["other_ms"] = result["ttft_ms"] - sum(1e3 * s for s in stages.values())
+    result["first_decode_step_ms"] = 1e3 * (token_times[1] - token_times[0])
+    result["kv_bytes"] = float(finished.prefill.kv_bytes_sent)
+    return result
+
+
+def bench_ttft(args: argparse.Namespace, repeat: int) -> dict[str, object]:
+    engine_config = EngineConfig(torch_threads=args.threads)
+    decode, decode_server, decode_port = serve_decode(engine_config, DecodeConfig())
+    prefill, prefill_server, prefill_port = serve_prefill(engine_config, PrefillConfig())
+    client = PDClient()
+    prompts = Prompts()
+    addresses = (f"127.0.0.1:{prefill_port}", f"127.0.0.1:{decode_port}")
+    try:
+        one_request(client, *addresses, prompts.take(args.prompt_len))  # warm-up
+        rounds = [
+            one_request(client, *addresses, prompts.take(args.prompt_len)) for _ in range(repeat)
+        ]
+    finally:
+        client.close()
+        prefill_server.stop(0).wait()
+        decode_server.stop(0).wait()
+        prefill.stop()
+        decode.stop()
+    figures = {key: median([r[key] for r in rounds]) for key in rounds[0]}
+    return {"prompt_len": args.prompt_len, "medians": figures, "rounds": rounds}
+
+
+# -- main ----------------------------------------------------------------------------------------
+
+
+def main() -> None:
+    args = parse_args(__doc__ or NAME, configure)
+    repeat = repeats(args, quick=3, full=9)
+    torch.set_num_threads(args.threads)
+
+    transfer = bench_transfer(args, repeat)
+    verdict = "PASS" if float(transfer["ratio_grpc"]) >= RATIO_TARGET else "FAIL"  # type: ignore[arg-type]
+    print_table(
+        f"KV transfer over loopback: {transfer['num_blocks']} blocks of "
+        f"{transfer['block_bytes']} bytes ({transfer['total_bytes'] / 2**20:.1f} MiB, "
+        f"reservations {transfer['reservations']}), median of {repeat}",
+        ["path", "GB/s", "note"],
+        [
+            ["GrpcKVTransport.send", transfer["grpc_gbps"], "into a decode instance's KV cache"],
+            ["bare grpcio stream", transfer["baseline_gbps"], "same message sizes, raw bytes"],
+            ["ratio", transfer["ratio_grpc"], f"target >= {RATIO_TARGET}: {verdict}"],
+        ],
+    )
+    metrics: dict[str, float] = {
+        "ratio_grpc": float(transfer["ratio_grpc"]),  # type: ignore[arg-type]
+        "grpc_gbps": float(transfer["grpc_gbps"]),  # type: ignore[arg-type]
+        "baseline_gbps": float(transfer["baseline_gbps"]),  # type: ignore[arg-type]
+    }
+    results: dict[str, object] = {"transfer": transfer, "ratio_target": RATIO_TARGET}
+
+    if not args.skip_ttft:
+        ttft = bench_ttft(args, repeat)
+        figures: dict[str, float] = ttft["medians"]  # type: ignore[assignment]
+        rows: list[list[str | int | float]] = [
+            [name, figures[f"{name}_ms"], "PrefillResult.timings"] for name in STAGES
+        ]
+        rows += [
+            ["other", figures["other_ms"], "TTFT - stages: RPCs, StreamTokens, client"],
+            ["TTFT", figures["ttft_ms"], "client: generate() to first token"],
+            ["first decode step", figures["first_decode_step_ms"], "client: token 1 to token 2"],
+        ]
+        print_table(
+            f"TTFT of a {args.prompt_len}-token prompt, prefill + decode in-process, tiny model, "
+            f"{args.threads} thread(s), median of {repeat}",
+            ["stage", "ms", "source"],
+            rows,
+        )
+        results["ttft"] = ttft
+        metrics["ttft_ms"] = figures["ttft_ms"]
+        for name in STAGES:
+            metrics[f"ttft_{name}_ms"] = figures[f"{name}_ms"]
+        metrics["ttft_other_ms"] = figures["other_ms"]
+        metrics["first_decode_step_ms"] = figures["first_decode_step_ms"]
+
+    print(f"\nratio_grpc {metrics['ratio_grpc']:.3f}: target >= {RATIO_TARGET} -> {verdict}")
+    finish(NAME, args, results, metrics)
+
+
+if __name__ == "__main__":
+    main()
