@@ -112,8 +112,8 @@ def test_second_request_with_the_same_prefix_moves_fewer_bytes(
     make_pair: Callable[..., PDPair],
 ) -> None:
     pair = make_pair()
-    first_tokens, first = pair.generate(prompt(100), GREEDY)
-    second_tokens, second = pair.generate(prompt(100) + [7, 8, 9], GREEDY)
+    _, first = pair.generate(prompt(100), GREEDY)
+    _, second = pair.generate([*prompt(100), 7, 8, 9], GREEDY)
     assert first.prefill.kv_blocks_sent == 7  # ceil(100 / 16)
     assert second.prefill.num_decode_cached_tokens == 96
     assert second.prefill.num_cached_tokens == 96  # prefill's own device cache hit
