@@ -6,6 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 PROMPT ?= Once upon a time
 MAX_TOKENS ?= 32
+export RAY_AUTH_MODE ?= disabled
 
 .PHONY: install run test lint unit bench lock clean proto
 
@@ -19,13 +20,13 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m pip install --quiet -c constraints.txt -e '.[dev]'
 	touch $@
 
+# Starts one prefill and one decode instance on a local Ray (foreground; Ctrl-C stops it).
 run: install
-	$(VENV)/bin/pdserve generate "$(PROMPT)" --max-tokens $(MAX_TOKENS)
-	@echo
-	@echo "pdserve is installed in $(VENV). Try:"
-	@echo "  $(VENV)/bin/pdserve generate 'your prompt' --max-tokens 64"
-	@echo "  $(VENV)/bin/pdserve generate 'hello' --chat --temperature 0.8 --seed 1"
-	@echo "  $(VENV)/bin/pdserve generate 'hello' --model /path/to/hf-llama-dir"
+	@echo "Starting pdserve. In another terminal:"
+	@echo "  $(VENV)/bin/pdserve generate '$(PROMPT)' --cluster --max-tokens $(MAX_TOKENS)"
+	@echo "  $(VENV)/bin/pdserve generate 'hello' --max-tokens 32   # in-process engine, no cluster"
+	@echo "  $(VENV)/bin/pdserve down"
+	RAY_AUTH_MODE=disabled $(VENV)/bin/pdserve up --config deploy/config/local.yaml
 
 # Regenerate pdserve/v1/ (stubs and .pyi) from proto/; tests/unit/test_proto.py fails when stale.
 proto: install

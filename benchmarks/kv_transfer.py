@@ -26,16 +26,18 @@ OpenMP threads slow a forward pass ~10x whenever another process holds a core.
 """
 
 import argparse
+import random
 import time
 from collections.abc import Iterator, Sequence
 from concurrent import futures
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import grpc
 import torch
 from _common import finish, median, parse_args, print_table, repeats
 
 from pdserve.config import DecodeConfig, EngineConfig, PrefillConfig
+from pdserve.engine.engine import LLMEngine
 from pdserve.engine.request import SamplingParams
 from pdserve.model.config import ModelConfig
 from pdserve.model.tiny import default_model_dir
@@ -84,6 +86,7 @@ class TransferPlan:
     block_size: int  # tokens per block
     blocks_per_request: list[int]
     blocks_per_message: int
+    chunk_bytes: int
 
     @property
     def num_blocks(self) -> int:
@@ -113,7 +116,8 @@ def plan_transfer(
     num_requests = -(-num_blocks // per_prompt)
     base, extra = divmod(num_blocks, num_requests)
     split = [base + (1 if i < extra else 0) for i in range(num_requests)]
-    return TransferPlan(block_bytes, block_size, split, max(1, chunk_bytes // block_bytes))
+    per_message = max(1, chunk_bytes // block_bytes)
+    return TransferPlan(block_bytes, block_size, split, per_message, chunk_bytes)
 
 
 class Prompts:
@@ -136,10 +140,9 @@ class TransportSide:
         self.instance = instance
         self.address = address
         self.channels = ChannelPool()
-        self.transport = GrpcKVTransport(self.channels)
+        self.transport = GrpcKVTransport(self.channels, plan.chunk_bytes)
         self.prompts = Prompts()
-        self._source = torch.randint(0, 256, (plan.total_bytes,), dtype=torch.uint8)
-        view = memoryview(self._source.numpy()).cast("B")
+        view = memoryview(random.Random(0).randbytes(plan.total_bytes))
         size = plan.block_bytes
         self.blocks = [view[i * size : (i + 1) * size] for i in range(plan.num_blocks)]
         self.rounds = 0
@@ -168,7 +171,9 @@ class TransportSide:
             start = time.perf_counter()
             first = 0
             for request_id, blocks in zip(request_ids, self.plan.blocks_per_request, strict=True):
-                self.transport.send(self.address, request_id, 0, self.blocks[first : first + blocks])
+                self.transport.send(
+                    self.address, request_id, 0, self.blocks[first : first + blocks]
+                )
                 first += blocks
             seconds = time.perf_counter() - start
             if counters.bytes_received - before != self.plan.total_bytes:
@@ -185,7 +190,11 @@ class TransportSide:
         core = self.instance.core
         first = 0
         for request_id in request_ids:
-            table = core.loop.call(lambda engine, r=request_id: list(engine.kv_cache.block_table(r)))
+
+            def block_table(engine: LLMEngine, request_id: str = request_id) -> list[int]:
+                return list(engine.kv_cache.block_table(request_id))
+
+            table = core.loop.call(block_table)
             for offset, received in enumerate(core.block_io.read(table)):
                 if received != self.blocks[first + offset]:
                     raise RuntimeError(f"block {offset} of {request_id} arrived corrupted")
@@ -219,7 +228,9 @@ class BaselineSide:
         port = self.server.add_insecure_port("127.0.0.1:0")
         self.server.start()
         self.channel = grpc.insecure_channel(f"127.0.0.1:{port}", options=CHANNEL_OPTIONS)
-        self.push = self.channel.stream_unary(SINK_METHOD)
+        self.push: grpc.StreamUnaryMultiCallable[bytes, bytes] = self.channel.stream_unary(
+            SINK_METHOD
+        )
         blocks = iter(source)
         self.streams: list[list[bytes]] = []
         for count in plan.blocks_per_request:
@@ -241,27 +252,45 @@ class BaselineSide:
         self.server.stop(0).wait()
 
 
-def bench_transfer(args: argparse.Namespace, repeat: int) -> dict[str, object]:
+@dataclass(frozen=True, slots=True)
+class TransferFigures:
+    num_blocks: int
+    block_bytes: int
+    block_size_tokens: int
+    total_bytes: int
+    reservations: list[int]  # blocks per reservation (one `send` each)
+    blocks_per_message: int
+    chunk_bytes: int
+    grpc_gbps: float  # medians
+    baseline_gbps: float
+    ratio_grpc: float
+    grpc_gbps_samples: list[float]
+    baseline_gbps_samples: list[float]
+    ratios: list[float]  # per round
+
+
+def bench_transfer(args: argparse.Namespace, repeat: int) -> TransferFigures:
     model_config = ModelConfig.from_dir(default_model_dir())
     token_bytes = model_config.kv_bytes_per_token(torch.float32)
     context = int(model_config.max_position_embeddings)
     plan = plan_transfer(args.blocks, args.block_bytes, args.chunk_bytes, context, token_bytes)
+    num_requests = len(plan.blocks_per_request)
     engine_config = EngineConfig(
         dtype="float32",
         block_size=plan.block_size,
-        num_kv_blocks=max(1100, plan.num_blocks + plan.num_blocks // 10 + 2 * len(plan.blocks_per_request)),
+        num_kv_blocks=max(1100, plan.num_blocks + plan.num_blocks // 10 + 2 * num_requests),
         enable_prefix_caching=False,
         torch_threads=args.threads,
     )
     instance, server, port = serve_decode(engine_config, DecodeConfig())
     transport: TransportSide | None = None
     baseline: BaselineSide | None = None
+    samples: dict[str, list[float]] = {"transport": [], "baseline": []}
     try:
         transport = TransportSide(plan, instance, f"127.0.0.1:{port}")
         baseline = BaselineSide(plan, transport.blocks)
         transport.run(verify=True)  # warm-up, and a check that the bytes land intact
         baseline.run()
-        samples: dict[str, list[float]] = {"transport": [], "baseline": []}
         for i in range(repeat):
             order = ("transport", "baseline") if i % 2 == 0 else ("baseline", "transport")
             for side in order:
@@ -275,21 +304,21 @@ def bench_transfer(args: argparse.Namespace, repeat: int) -> dict[str, object]:
         server.stop(0).wait()
         instance.stop()
     ratios = [t / b for t, b in zip(samples["transport"], samples["baseline"], strict=True)]
-    return {
-        "num_blocks": plan.num_blocks,
-        "block_bytes": plan.block_bytes,
-        "block_size_tokens": plan.block_size,
-        "total_bytes": plan.total_bytes,
-        "reservations": plan.blocks_per_request,
-        "blocks_per_message": plan.blocks_per_message,
-        "chunk_bytes": args.chunk_bytes,
-        "grpc_gbps": median(samples["transport"]),
-        "baseline_gbps": median(samples["baseline"]),
-        "ratio_grpc": median(ratios),
-        "grpc_gbps_samples": samples["transport"],
-        "baseline_gbps_samples": samples["baseline"],
-        "ratios": ratios,
-    }
+    return TransferFigures(
+        num_blocks=plan.num_blocks,
+        block_bytes=plan.block_bytes,
+        block_size_tokens=plan.block_size,
+        total_bytes=plan.total_bytes,
+        reservations=plan.blocks_per_request,
+        blocks_per_message=plan.blocks_per_message,
+        chunk_bytes=args.chunk_bytes,
+        grpc_gbps=median(samples["transport"]),
+        baseline_gbps=median(samples["baseline"]),
+        ratio_grpc=median(ratios),
+        grpc_gbps_samples=samples["transport"],
+        baseline_gbps_samples=samples["baseline"],
+        ratios=ratios,
+    )
 
 
 # -- TTFT ----------------------------------------------------------------------------------------
@@ -297,9 +326,7 @@ def bench_transfer(args: argparse.Namespace, repeat: int) -> dict[str, object]:
 STAGES = ("reserve", "queue", "compute", "transfer", "handoff")
 
 
-def one_request(
-    client: PDClient, prefill: str, decode: str, prompt: list[int]
-) -> dict[str, float]:
+def one_request(client: PDClient, prefill: str, decode: str, prompt: list[int]) -> dict[str, float]:
     """Milliseconds of each stage of one request; the prefill's from its reported timings."""
     params = SamplingParams(max_tokens=2, ignore_eos=True)
     token_times: list[float] = []
@@ -328,29 +355,78 @@ def one_request(
     return result
 
 
-def bench_ttft(args: argparse.Namespace, repeat: int) -> dict[str, object]:
+@dataclass(frozen=True, slots=True)
+class TTFTFigures:
+    prompt_len: int
+    medians: dict[str, float]  # ms per stage (keys of `one_request`)
+    rounds: list[dict[str, float]]
+
+
+def bench_ttft(args: argparse.Namespace, repeat: int) -> TTFTFigures:
     engine_config = EngineConfig(torch_threads=args.threads)
     decode, decode_server, decode_port = serve_decode(engine_config, DecodeConfig())
-    prefill, prefill_server, prefill_port = serve_prefill(engine_config, PrefillConfig())
+    try:
+        prefill, prefill_server, prefill_port = serve_prefill(engine_config, PrefillConfig())
+    except BaseException:
+        decode_server.stop(0).wait()
+        decode.stop()
+        raise
     client = PDClient()
     prompts = Prompts()
-    addresses = (f"127.0.0.1:{prefill_port}", f"127.0.0.1:{decode_port}")
+    prefill_address, decode_address = f"127.0.0.1:{prefill_port}", f"127.0.0.1:{decode_port}"
+
+    def run() -> dict[str, float]:
+        return one_request(client, prefill_address, decode_address, prompts.take(args.prompt_len))
+
     try:
-        one_request(client, *addresses, prompts.take(args.prompt_len))  # warm-up
-        rounds = [
-            one_request(client, *addresses, prompts.take(args.prompt_len)) for _ in range(repeat)
-        ]
+        run()  # warm-up (channels, first forward passes)
+        rounds = [run() for _ in range(repeat)]
     finally:
         client.close()
         prefill_server.stop(0).wait()
         decode_server.stop(0).wait()
         prefill.stop()
         decode.stop()
-    figures = {key: median([r[key] for r in rounds]) for key in rounds[0]}
-    return {"prompt_len": args.prompt_len, "medians": figures, "rounds": rounds}
+    medians = {key: median([r[key] for r in rounds]) for key in rounds[0]}
+    return TTFTFigures(args.prompt_len, medians, rounds)
 
 
 # -- main ----------------------------------------------------------------------------------------
+
+
+def report_transfer(transfer: TransferFigures, repeat: int) -> str:
+    verdict = "PASS" if transfer.ratio_grpc >= RATIO_TARGET else "FAIL"
+    print_table(
+        f"KV transfer over loopback: {transfer.num_blocks} blocks of {transfer.block_bytes} bytes "
+        f"({transfer.total_bytes / 2**20:.1f} MiB in {len(transfer.reservations)} reservations, "
+        f"{transfer.blocks_per_message} blocks per message), median of {repeat}",
+        ["path", "GB/s", "note"],
+        [
+            ["GrpcKVTransport.send", transfer.grpc_gbps, "into a decode instance's KV cache"],
+            ["bare grpcio stream", transfer.baseline_gbps, "same message sizes, raw bytes"],
+            ["ratio_grpc", transfer.ratio_grpc, f"target >= {RATIO_TARGET}: {verdict}"],
+        ],
+    )
+    return verdict
+
+
+def report_ttft(ttft: TTFTFigures, threads: int, repeat: int) -> None:
+    figures = ttft.medians
+    rows: list[list[str | int | float]] = [
+        [name, figures[f"{name}_ms"], "PrefillResult.timings"] for name in STAGES
+    ]
+    rows += [
+        ["other", figures["other_ms"], "TTFT - stages: RPCs, StreamTokens, client"],
+        ["TTFT", figures["ttft_ms"], "client: generate() to first token"],
+        ["first decode step", figures["first_decode_step_ms"], "client: token 1 to token 2"],
+    ]
+    kv_mib = figures["kv_bytes"] / 2**20
+    print_table(
+        f"TTFT of a {ttft.prompt_len}-token prompt ({kv_mib:.1f} MiB of KV), prefill + decode "
+        f"in-process, tiny model, {threads} thread(s), median of {repeat}",
+        ["stage", "ms", "source"],
+        rows,
+    )
 
 
 def main() -> None:
@@ -359,50 +435,28 @@ def main() -> None:
     torch.set_num_threads(args.threads)
 
     transfer = bench_transfer(args, repeat)
-    verdict = "PASS" if float(transfer["ratio_grpc"]) >= RATIO_TARGET else "FAIL"  # type: ignore[arg-type]
-    print_table(
-        f"KV transfer over loopback: {transfer['num_blocks']} blocks of "
-        f"{transfer['block_bytes']} bytes ({transfer['total_bytes'] / 2**20:.1f} MiB, "
-        f"reservations {transfer['reservations']}), median of {repeat}",
-        ["path", "GB/s", "note"],
-        [
-            ["GrpcKVTransport.send", transfer["grpc_gbps"], "into a decode instance's KV cache"],
-            ["bare grpcio stream", transfer["baseline_gbps"], "same message sizes, raw bytes"],
-            ["ratio", transfer["ratio_grpc"], f"target >= {RATIO_TARGET}: {verdict}"],
-        ],
-    )
+    verdict = report_transfer(transfer, repeat)
     metrics: dict[str, float] = {
-        "ratio_grpc": float(transfer["ratio_grpc"]),  # type: ignore[arg-type]
-        "grpc_gbps": float(transfer["grpc_gbps"]),  # type: ignore[arg-type]
-        "baseline_gbps": float(transfer["baseline_gbps"]),  # type: ignore[arg-type]
+        "ratio_grpc": transfer.ratio_grpc,
+        "grpc_gbps": transfer.grpc_gbps,
+        "baseline_gbps": transfer.baseline_gbps,
     }
-    results: dict[str, object] = {"transfer": transfer, "ratio_target": RATIO_TARGET}
-
+    results: dict[str, object] = {
+        "transfer": asdict(transfer),
+        "ratio_target": RATIO_TARGET,
+        "verdict": verdict,
+        "repeat": repeat,
+    }
     if not args.skip_ttft:
         ttft = bench_ttft(args, repeat)
-        figures: dict[str, float] = ttft["medians"]  # type: ignore[assignment]
-        rows: list[list[str | int | float]] = [
-            [name, figures[f"{name}_ms"], "PrefillResult.timings"] for name in STAGES
-        ]
-        rows += [
-            ["other", figures["other_ms"], "TTFT - stages: RPCs, StreamTokens, client"],
-            ["TTFT", figures["ttft_ms"], "client: generate() to first token"],
-            ["first decode step", figures["first_decode_step_ms"], "client: token 1 to token 2"],
-        ]
-        print_table(
-            f"TTFT of a {args.prompt_len}-token prompt, prefill + decode in-process, tiny model, "
-            f"{args.threads} thread(s), median of {repeat}",
-            ["stage", "ms", "source"],
-            rows,
-        )
-        results["ttft"] = ttft
-        metrics["ttft_ms"] = figures["ttft_ms"]
-        for name in STAGES:
-            metrics[f"ttft_{name}_ms"] = figures[f"{name}_ms"]
-        metrics["ttft_other_ms"] = figures["other_ms"]
-        metrics["first_decode_step_ms"] = figures["first_decode_step_ms"]
+        report_ttft(ttft, args.threads, repeat)
+        results["ttft"] = asdict(ttft)
+        metrics["ttft_ms"] = ttft.medians["ttft_ms"]
+        for name in (*STAGES, "other"):
+            metrics[f"ttft_{name}_ms"] = ttft.medians[f"{name}_ms"]
+        metrics["first_decode_step_ms"] = ttft.medians["first_decode_step_ms"]
 
-    print(f"\nratio_grpc {metrics['ratio_grpc']:.3f}: target >= {RATIO_TARGET} -> {verdict}")
+    print(f"\nratio_grpc {transfer.ratio_grpc:.3f}: target >= {RATIO_TARGET} -> {verdict}")
     finish(NAME, args, results, metrics)
 
 

@@ -8,7 +8,6 @@ traceback unless `--debug` is given.
 """
 
 import argparse
-import json
 import logging
 import os
 import signal
@@ -16,11 +15,14 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING
 
-from pdserve.config import load_cluster_config, load_engine_config
+from pdserve.config import EngineConfig, load_cluster_config, load_engine_config
 from pdserve.engine import LLMEngine, SamplingParams
-from pdserve.errors import ConfigError, PdserveError
+from pdserve.errors import PdserveError
+from pdserve.model.tiny import default_model_dir
+from pdserve.model.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
     from services.controller.cluster import Cluster
@@ -47,6 +49,12 @@ def _build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--chat", action="store_true", help="wrap the prompt as a user chat message")
     gen.add_argument("--dtype", default=None, help="auto | float32 | bfloat16 | float16")
     gen.add_argument("--device", default=None, help="cpu | cuda")
+    gen.add_argument(
+        "--cluster",
+        action="store_true",
+        help="send the request through the PD cluster started by `pdserve up` instead",
+    )
+    gen.add_argument("--state-dir", help="where `pdserve up` wrote cluster.json (with --cluster)")
     up = commands.add_parser("up", help="start prefill and decode instances on Ray (foreground)")
     up.add_argument("--config", help="YAML config file (sections engine, prefill, decode, cluster)")
     up.add_argument("--address", help="Ray cluster to join (e.g. auto); default: start local Ray")
@@ -70,21 +78,51 @@ def _generate(args: argparse.Namespace) -> int:
         seed=args.seed,
         stop=tuple(args.stop),
     )
-    engine = LLMEngine.from_config(config)
-    tokenizer = engine.tokenizer
-    prompt = (
-        tokenizer.encode_chat([{"role": "user", "content": args.prompt}])
-        if args.chat
-        else args.prompt
-    )
-    finish_reason = None
-    for output in engine.stream(prompt, params):
-        sys.stdout.write(output.new_text)
-        sys.stdout.flush()
-        finish_reason = output.finish_reason
+    if args.cluster:
+        finish_reason = _generate_on_cluster(args, config, params)
+    else:
+        engine = LLMEngine.from_config(config)
+        finish_reason = None
+        for output in engine.stream(_prompt_ids(engine.tokenizer, args), params):
+            sys.stdout.write(output.new_text)
+            sys.stdout.flush()
+            finish_reason = output.finish_reason
     sys.stdout.write("\n")
     print(f"[finish_reason={finish_reason}]", file=sys.stderr)
     return 0
+
+
+def _prompt_ids(tokenizer: Tokenizer, args: argparse.Namespace) -> list[int]:
+    if args.chat:
+        return tokenizer.encode_chat([{"role": "user", "content": args.prompt}])
+    return tokenizer.encode(args.prompt)
+
+
+def _generate_on_cluster(
+    args: argparse.Namespace, config: EngineConfig, params: SamplingParams
+) -> str | None:
+    """Tokenize here, then prefill on the first prefill instance and decode on the first decode
+    instance of the running cluster."""
+    from services.controller.cluster import read_state
+    from services.router.pd_client import Finished, PDClient, TokenDelta
+
+    cluster = load_cluster_config(args.config, overrides={"state_dir": args.state_dir})
+    instances = read_state(cluster)["instances"]
+    address = {i["role"]: i["address"] for i in reversed(instances)}
+    tokenizer = Tokenizer.from_dir(Path(config.model) if config.model else default_model_dir())
+    client = PDClient()
+    finish_reason = None
+    try:
+        prompt = _prompt_ids(tokenizer, args)
+        for event in client.generate(address["prefill"], address["decode"], prompt, params):
+            if isinstance(event, TokenDelta):
+                sys.stdout.write(event.text)
+                sys.stdout.flush()
+            elif isinstance(event, Finished):
+                finish_reason = event.finish_reason
+    finally:
+        client.close()
+    return finish_reason
 
 
 def _up(args: argparse.Namespace) -> int:
@@ -105,6 +143,7 @@ def _up(args: argparse.Namespace) -> int:
         for info in instances:
             print(f"{info.name:<12} {info.role:<8} grpc://{info.address}", flush=True)
         print(f"pdserve is up ({path}); Ctrl-C or `pdserve down` stops it", flush=True)
+        print("try: pdserve generate 'Once upon a time' --cluster --max-tokens 32", flush=True)
         _watch(cluster, stop, args.health_interval)
     finally:
         cluster.down()
@@ -123,14 +162,11 @@ def _watch(cluster: "Cluster", stop: threading.Event, interval_s: float) -> None
 
 
 def _down(args: argparse.Namespace) -> int:
-    from services.controller.cluster import state_path
+    from services.controller.cluster import read_state, state_path
 
     config = load_cluster_config(args.config, overrides={"state_dir": args.state_dir})
     path = state_path(config)
-    try:
-        state = json.loads(path.read_text())
-    except FileNotFoundError as e:
-        raise ConfigError(f"no running cluster: {path} does not exist") from e
+    state = read_state(config)
     pid = int(state["pid"])
     try:
         os.kill(pid, signal.SIGTERM)

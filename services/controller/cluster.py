@@ -166,6 +166,18 @@ class Cluster:
         tmp.replace(path)
 
 
+def read_state(config: ClusterConfig) -> dict[str, Any]:
+    """The running cluster's state file; raises ClusterError when there is none."""
+    path = state_path(config)
+    try:
+        state: dict[str, Any] = json.loads(path.read_text())
+    except FileNotFoundError as e:
+        raise ClusterError(
+            f"no running cluster: {path} does not exist (is `pdserve up` running?)"
+        ) from e
+    return state
+
+
 def state_path(config: ClusterConfig) -> Path:
     base = (
         Path(config.state_dir) if config.state_dir else Path(platformdirs.user_state_dir("pdserve"))

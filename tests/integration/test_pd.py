@@ -200,11 +200,13 @@ def test_broken_kv_stream_releases_the_reservation_at_once(
         hang.wait(30)
 
     call = stub.PushKV.future(chunks())
-    first_sent.wait(10)
-    wait_for(lambda: pair.decode.stats().kv_blocks_received == 1)
-    call.cancel()
-    hang.set()
-    wait_for(lambda: pair.decode.stats().num_reservations == 0)
+    try:
+        first_sent.wait(10)
+        wait_for(lambda: pair.decode.stats().kv_blocks_received == 1)
+        call.cancel()  # the stream stays open until now: only the cancellation can end it
+        wait_for(lambda: pair.decode.stats().num_reservations == 0)
+    finally:
+        hang.set()
     assert pair.decode.stats().num_expired_reservations == 0
 
 

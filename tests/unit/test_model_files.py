@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pdserve.config import EngineConfig, load_engine_config
+from pdserve.config import ClusterConfig, EngineConfig, load_cluster_config, load_engine_config
 from pdserve.errors import ConfigError, InvalidRequestError, ModelLoadError
 from pdserve.model.config import ModelConfig
 from pdserve.model.loader import load_model
@@ -123,3 +123,20 @@ def test_config_error_for_a_bad_environment_value() -> None:
 def test_shipped_local_config_loads_with_defaults() -> None:
     path = Path(__file__).parents[2] / "deploy" / "config" / "local.yaml"
     assert load_engine_config(path, env={}) == EngineConfig()
+    assert load_cluster_config(path, env={}) == ClusterConfig()
+
+
+def test_cluster_config_sections_and_environment(tmp_path: Path) -> None:
+    path = tmp_path / "c.yaml"
+    path.write_text("engine:\n  block_size: 8\ndecode:\n  replicas: 2\ncluster:\n  host: 0.0.0.0\n")
+    env = {"PDSERVE_PREFILL_NUM_CPUS": "0.5", "PDSERVE_DECODE_REPLICAS": "3"}
+    config = load_cluster_config(path, env=env, overrides={"ray_address": "auto"})
+    assert (config.engine.block_size, config.decode.replicas, config.prefill.num_cpus) == (
+        8,
+        3,
+        0.5,
+    )
+    assert (config.host, config.ray_address) == ("0.0.0.0", "auto")
+    path.write_text("router: {}\n")
+    with pytest.raises(ConfigError, match="unknown config section"):
+        load_cluster_config(path, env={})
