@@ -132,13 +132,13 @@ def _up(args: argparse.Namespace) -> int:
         args.config, overrides={"ray_address": args.address, "state_dir": args.state_dir}
     )
     stop = threading.Event()
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(signum, lambda *_: stop.set())
     cluster = Cluster(config)
     path = state_path(config)
     print("starting pdserve: placing instances on Ray ...", flush=True)
     try:
         instances = cluster.up()
+        for signum in (signal.SIGINT, signal.SIGTERM):  # after ray.init, which installs its own
+            signal.signal(signum, lambda *_: stop.set())
         cluster.write_state(path)
         for info in instances:
             print(f"{info.name:<12} {info.role:<8} grpc://{info.address}", flush=True)
