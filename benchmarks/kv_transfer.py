@@ -4,24 +4,31 @@
 
 Transfer: `--blocks` KV blocks (1,000) are moved over loopback by `GrpcKVTransport.send` into
 reservations of a real decode instance (`serve_decode`, built-in tiny model, fp32, block size 16
-tokens: 64 KiB per block). The tiny model's context window is 4,096 tokens, so one prompt covers at
-most 255 blocks: the 1,000 blocks are split over 4 reservations of 250 blocks (4,000-token
-prompts), sent one after the other; the timed span is the 4 `send` calls. The baseline is bare
-grpcio in the same process: a generic stream-unary handler (identity serializers) that counts the
-bytes of a client stream of prebuilt `bytes` messages of exactly the transport's sizes (blocks
-packed into messages of at most `DEFAULT_CHUNK_BYTES`, one stream per reservation) and returns the
-count, on a server and channel with the same options (`CHANNEL_OPTIONS`, 32 worker threads).
-Transport and baseline alternate round by round (the order flipping every round);
-`ratio_grpc` = median over rounds of transport GB/s ÷ baseline GB/s (GB = 10^9 bytes); target
->= 0.8. `--block-bytes B` repeats the comparison with blocks of B bytes (a multiple of the tiny
-model's 4 KiB of fp32 KV per token; 2097152 = a Llama-3-8B bf16 block of 16 tokens): the decode
-instance then runs with block size B / 4 KiB tokens, so its real blocks are B bytes.
+tokens: 64 KiB per block, the engine's real block). The tiny model's context window is 4,096
+tokens, so one prompt covers at most 255 blocks: the 1,000 blocks go to 4 reservations of 250
+blocks (4,000-token prompts, reserved through `preallocate_resource_in_d`, the Reserve RPC's
+call), sent one after the other; the timed span is the 4 `send` calls. Reservations are aborted
+and made afresh every round; the first round checks that every byte landed in the right block.
+
+The baseline is bare grpcio in the same process: a generic stream-unary handler (identity
+serializers: raw bytes) counting a client stream of prebuilt `bytes` messages of exactly the
+transport's sizes (blocks packed into messages of at most `--chunk-bytes`, default
+`DEFAULT_CHUNK_BYTES`; one stream per reservation), server and channel with the same options
+(`CHANNEL_OPTIONS`, 32 worker threads). A third side, for reference, adds to that the two copies
+any grpcio transport of block views must make: the sender joins each message from the block views,
+the receiver copies it into a buffer ("floor"). Sides run in turn, the order rotating each round.
+`ratio_grpc` = median over rounds of transport GB/s ÷ baseline GB/s (GB = 10^9 bytes), target
+>= 0.8; `ratio_floor` = the same for the floor. `--block-bytes B` runs the comparison with blocks
+of B bytes (a multiple of the tiny model's 4 KiB of fp32 KV per token; 2097152 = a Llama-3-8B
+bf16 block of 16 tokens): the decode instance then runs with a block size of B / 4 KiB tokens, so
+its real blocks are B bytes (2 MiB: 512 tokens, 7 blocks per reservation).
 
 TTFT: one `--prompt-len`-token prompt (2,048; distinct every round: no prefix-cache hits) through
 in-process `serve_prefill` + `serve_decode` instances (tiny model, block size 16) with
-`PDClient.generate`: reserve, queue, prefill compute, KV transfer and handoff come from
-`PrefillResult.timings`; the client measures TTFT (call to first token) and the first decode step
-(first token to second). `--threads` (default 1) sets torch threads: on the shared 2-core box two
+`PDClient.generate` (max 2 tokens): reserve, queue, prefill compute, KV transfer and handoff come
+from `PrefillResult.timings`; the client measures TTFT (call to first token) and the first decode
+step (first token to second; the step starts at the handoff, so it may partly overlap the
+StreamTokens call). `--threads` (default 1) sets torch threads: on the shared 2-core box two
 OpenMP threads slow a forward pass ~10x whenever another process holds a core.
 """
 
@@ -52,7 +59,8 @@ NAME = "kv_transfer"
 RATIO_TARGET = 0.8
 DEFAULT_BLOCK_SIZE = 16  # tokens per block (the engine default)
 SERVER_WORKERS = 32  # as pdserve.rpc.server.create_server
-SINK_METHOD = "/pdserve.bench.ByteSink/Push"
+SINK_SERVICE = "pdserve.bench.ByteSink"
+RECEIVE_BUFFER_BYTES = 256 * 2**20  # the floor's receive buffer (a ring): bigger than caches
 GB = 1e9
 
 
@@ -87,6 +95,7 @@ class TransferPlan:
     blocks_per_request: list[int]
     blocks_per_message: int
     chunk_bytes: int
+    context: int  # the model's context window (tokens)
 
     @property
     def num_blocks(self) -> int:
@@ -111,13 +120,15 @@ def plan_transfer(
     block_bytes = block_bytes or DEFAULT_BLOCK_SIZE * token_bytes
     if block_bytes <= 0 or block_bytes % token_bytes:
         raise SystemExit(f"--block-bytes must be a positive multiple of {token_bytes}")
+    if num_blocks < 1:
+        raise SystemExit("--blocks must be at least 1")
     block_size = block_bytes // token_bytes
     per_prompt = max(1, (context - 1) // block_size)  # a prompt leaves room for one output token
     num_requests = -(-num_blocks // per_prompt)
     base, extra = divmod(num_blocks, num_requests)
     split = [base + (1 if i < extra else 0) for i in range(num_requests)]
     per_message = max(1, chunk_bytes // block_bytes)
-    return TransferPlan(block_bytes, block_size, split, per_message, chunk_bytes)
+    return TransferPlan(block_bytes, block_size, split, per_message, chunk_bytes, context)
 
 
 class Prompts:
@@ -132,6 +143,16 @@ class Prompts:
         return [32 + (seed + 7 * i * i + 13 * i) % 95 for i in range(length)]
 
 
+def random_bytes(size: int, seed: int = 0) -> bytearray:
+    """`size` pseudo-random bytes (KV-like: nothing compresses or repeats)."""
+    data = bytearray(size)
+    rng = random.Random(seed)
+    step = 16 * 2**20
+    for offset in range(0, size, step):
+        data[offset : offset + step] = rng.randbytes(min(step, size - offset))
+    return data
+
+
 class TransportSide:
     """`GrpcKVTransport.send` of the plan's blocks into fresh reservations of a decode instance."""
 
@@ -142,32 +163,34 @@ class TransportSide:
         self.channels = ChannelPool()
         self.transport = GrpcKVTransport(self.channels, plan.chunk_bytes)
         self.prompts = Prompts()
-        view = memoryview(random.Random(0).randbytes(plan.total_bytes))
+        view = memoryview(random_bytes(plan.total_bytes))
         size = plan.block_bytes
         self.blocks = [view[i * size : (i + 1) * size] for i in range(plan.num_blocks)]
         self.rounds = 0
 
-    def _reserve(self) -> list[str]:
-        request_ids = []
+    def _reserve(self, request_ids: list[str]) -> None:
+        """Reserve the round's requests (through the same call as the Reserve RPC), appending
+        their ids to `request_ids` as they are granted."""
         params = SamplingParams(max_tokens=1, ignore_eos=True)
         for i, blocks in enumerate(self.plan.blocks_per_request):
             request_id = f"kv-{self.rounds}-{i}"
-            prompt = self.prompts.take(blocks * self.plan.block_size)
+            length = min(blocks * self.plan.block_size, self.plan.context - 1)
+            prompt = self.prompts.take(length)
             grant = self.instance.preallocate_resource_in_d(request_id, prompt, params)
+            request_ids.append(request_id)
             if grant.num_blocks != blocks or grant.num_cached_tokens != 0:
                 raise RuntimeError(f"reservation {request_id}: {grant}, expected {blocks} blocks")
             if grant.block_bytes != self.plan.block_bytes:
                 raise RuntimeError(f"decode blocks are {grant.block_bytes} bytes")
-            request_ids.append(request_id)
         self.rounds += 1
-        return request_ids
 
     def run(self, verify: bool = False) -> float:
         """Seconds for the `send` calls of one round (reservation and release untimed)."""
-        request_ids = self._reserve()
+        request_ids: list[str] = []
         counters = self.instance.core.counters
         before = counters.bytes_received
         try:
+            self._reserve(request_ids)
             start = time.perf_counter()
             first = 0
             for request_id, blocks in zip(request_ids, self.plan.blocks_per_request, strict=True):
@@ -205,20 +228,25 @@ class TransportSide:
         self.channels.close()
 
 
-def _count_bytes(request_iterator: Iterator[bytes], context: grpc.ServicerContext) -> bytes:
-    received = 0
-    for message in request_iterator:
-        received += len(message)
-    return received.to_bytes(8, "little")
+class BareGrpc:
+    """Bare grpcio in the same process: a generic stream-unary service of raw `bytes` messages.
 
+    `run_baseline`: the plan's bytes as prebuilt messages of the transport's sizes; the server
+    counts them (the cost of grpcio alone). `run_floor`: the same streams, but each message is
+    joined from the block views as it is sent and the server copies it into a buffer: the two
+    copies any grpcio transport of block views into memory makes (a reference, not the target).
+    """
 
-class BaselineSide:
-    """Bare grpcio: the same bytes in the same message sizes, prebuilt, no protobuf, no copy out."""
-
-    def __init__(self, plan: TransferPlan, source: Sequence[memoryview]) -> None:
+    def __init__(self, plan: TransferPlan, blocks: Sequence[memoryview]) -> None:
         self.plan = plan
+        self.sink = bytearray(min(plan.total_bytes, RECEIVE_BUFFER_BYTES))
+        self._sink_offset = 0
         handler = grpc.method_handlers_generic_handler(
-            "pdserve.bench.ByteSink", {"Push": grpc.stream_unary_rpc_method_handler(_count_bytes)}
+            SINK_SERVICE,
+            {
+                "Count": grpc.stream_unary_rpc_method_handler(self._count),
+                "Store": grpc.stream_unary_rpc_method_handler(self._store),
+            },
         )
         self.server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=SERVER_WORKERS),
@@ -228,28 +256,68 @@ class BaselineSide:
         port = self.server.add_insecure_port("127.0.0.1:0")
         self.server.start()
         self.channel = grpc.insecure_channel(f"127.0.0.1:{port}", options=CHANNEL_OPTIONS)
-        self.push: grpc.StreamUnaryMultiCallable[bytes, bytes] = self.channel.stream_unary(
-            SINK_METHOD
+        self.count: grpc.StreamUnaryMultiCallable[bytes, bytes] = self.channel.stream_unary(
+            f"/{SINK_SERVICE}/Count"
         )
-        blocks = iter(source)
-        self.streams: list[list[bytes]] = []
+        self.store: grpc.StreamUnaryMultiCallable[bytes, bytes] = self.channel.stream_unary(
+            f"/{SINK_SERVICE}/Store"
+        )
+        # per stream (reservation), per message: its block views
+        self.streams: list[list[Sequence[memoryview]]] = []
+        first = 0
         for count in plan.blocks_per_request:
             messages = []
             for size in plan.message_sizes(count):
-                messages.append(b"".join(next(blocks) for _ in range(size // plan.block_bytes)))
+                num = size // plan.block_bytes
+                messages.append(blocks[first : first + num])
+                first += num
             self.streams.append(messages)
+        self.prebuilt = [[b"".join(m) for m in stream] for stream in self.streams]
 
-    def run(self) -> float:
+    @staticmethod
+    def _count(request_iterator: Iterator[bytes], context: grpc.ServicerContext) -> bytes:
+        received = 0
+        for message in request_iterator:
+            received += len(message)
+        return received.to_bytes(8, "little")
+
+    def _store(self, request_iterator: Iterator[bytes], context: grpc.ServicerContext) -> bytes:
+        received = 0
+        sink = memoryview(self.sink)
+        for message in request_iterator:
+            if self._sink_offset + len(message) > len(sink):
+                self._sink_offset = 0
+            sink[self._sink_offset : self._sink_offset + len(message)] = message
+            self._sink_offset += len(message)
+            received += len(message)
+        return received.to_bytes(8, "little")
+
+    def run_baseline(self) -> float:
         start = time.perf_counter()
-        for messages in self.streams:
-            reply = self.push(iter(messages))
-            if int.from_bytes(reply, "little") != sum(len(m) for m in messages):
-                raise RuntimeError("baseline server counted a different number of bytes")
+        for messages in self.prebuilt:
+            self._check(self.count(iter(messages)), sum(len(m) for m in messages))
         return time.perf_counter() - start
+
+    def run_floor(self) -> float:
+        start = time.perf_counter()
+        for stream in self.streams:
+            self._check(
+                self.store(b"".join(m) for m in stream),
+                self.plan.block_bytes * sum(map(len, stream)),
+            )
+        return time.perf_counter() - start
+
+    @staticmethod
+    def _check(reply: bytes, expected: int) -> None:
+        if int.from_bytes(reply, "little") != expected:
+            raise RuntimeError(f"bare grpcio server counted {reply!r} bytes, sent {expected}")
 
     def close(self) -> None:
         self.channel.close()
         self.server.stop(0).wait()
+
+
+SIDES = ("transport", "baseline", "floor")
 
 
 @dataclass(frozen=True, slots=True)
@@ -258,15 +326,16 @@ class TransferFigures:
     block_bytes: int
     block_size_tokens: int
     total_bytes: int
-    reservations: list[int]  # blocks per reservation (one `send` each)
+    reservations: list[int]  # blocks per reservation (one `send` / stream each)
     blocks_per_message: int
     chunk_bytes: int
-    grpc_gbps: float  # medians
+    grpc_gbps: float  # medians over rounds
     baseline_gbps: float
-    ratio_grpc: float
-    grpc_gbps_samples: list[float]
-    baseline_gbps_samples: list[float]
-    ratios: list[float]  # per round
+    floor_gbps: float
+    ratio_grpc: float  # median of per-round transport / baseline
+    ratio_floor: float  # median of per-round floor / baseline
+    samples_gbps: dict[str, list[float]]  # per side, per round
+    ratios: list[float]
 
 
 def bench_transfer(args: argparse.Namespace, repeat: int) -> TransferFigures:
@@ -278,32 +347,34 @@ def bench_transfer(args: argparse.Namespace, repeat: int) -> TransferFigures:
     engine_config = EngineConfig(
         dtype="float32",
         block_size=plan.block_size,
-        num_kv_blocks=max(1100, plan.num_blocks + plan.num_blocks // 10 + 2 * num_requests),
+        # a margin over the blocks sent: each reservation may grow by one block (its output)
+        num_kv_blocks=plan.num_blocks + max(plan.num_blocks // 10, 2 * num_requests) + 16,
         enable_prefix_caching=False,
         torch_threads=args.threads,
     )
     instance, server, port = serve_decode(engine_config, DecodeConfig())
     transport: TransportSide | None = None
-    baseline: BaselineSide | None = None
-    samples: dict[str, list[float]] = {"transport": [], "baseline": []}
+    bare: BareGrpc | None = None
+    samples: dict[str, list[float]] = {side: [] for side in SIDES}
     try:
         transport = TransportSide(plan, instance, f"127.0.0.1:{port}")
-        baseline = BaselineSide(plan, transport.blocks)
+        bare = BareGrpc(plan, transport.blocks)
+        runs = {"transport": transport.run, "baseline": bare.run_baseline, "floor": bare.run_floor}
         transport.run(verify=True)  # warm-up, and a check that the bytes land intact
-        baseline.run()
-        for i in range(repeat):
-            order = ("transport", "baseline") if i % 2 == 0 else ("baseline", "transport")
-            for side in order:
-                seconds = transport.run() if side == "transport" else baseline.run()
-                samples[side].append(plan.total_bytes / seconds / GB)
+        bare.run_baseline()
+        bare.run_floor()
+        for i in range(repeat):  # the order rotates round by round: each side sees the same load
+            for side in SIDES[i % 3 :] + SIDES[: i % 3]:
+                samples[side].append(plan.total_bytes / runs[side]() / GB)
     finally:
         if transport is not None:
             transport.close()
-        if baseline is not None:
-            baseline.close()
+        if bare is not None:
+            bare.close()
         server.stop(0).wait()
         instance.stop()
     ratios = [t / b for t, b in zip(samples["transport"], samples["baseline"], strict=True)]
+    floors = [f / b for f, b in zip(samples["floor"], samples["baseline"], strict=True)]
     return TransferFigures(
         num_blocks=plan.num_blocks,
         block_bytes=plan.block_bytes,
@@ -311,12 +382,13 @@ def bench_transfer(args: argparse.Namespace, repeat: int) -> TransferFigures:
         total_bytes=plan.total_bytes,
         reservations=plan.blocks_per_request,
         blocks_per_message=plan.blocks_per_message,
-        chunk_bytes=args.chunk_bytes,
+        chunk_bytes=plan.chunk_bytes,
         grpc_gbps=median(samples["transport"]),
         baseline_gbps=median(samples["baseline"]),
+        floor_gbps=median(samples["floor"]),
         ratio_grpc=median(ratios),
-        grpc_gbps_samples=samples["transport"],
-        baseline_gbps_samples=samples["baseline"],
+        ratio_floor=median(floors),
+        samples_gbps=samples,
         ratios=ratios,
     )
 
@@ -403,8 +475,10 @@ def report_transfer(transfer: TransferFigures, repeat: int) -> str:
         ["path", "GB/s", "note"],
         [
             ["GrpcKVTransport.send", transfer.grpc_gbps, "into a decode instance's KV cache"],
-            ["bare grpcio stream", transfer.baseline_gbps, "same message sizes, raw bytes"],
+            ["bare grpcio (baseline)", transfer.baseline_gbps, "same message sizes, prebuilt"],
+            ["bare grpcio + 2 copies", transfer.floor_gbps, "join blocks, copy into a buffer"],
             ["ratio_grpc", transfer.ratio_grpc, f"target >= {RATIO_TARGET}: {verdict}"],
+            ["ratio_floor", transfer.ratio_floor, "copies floor / baseline (reference)"],
         ],
     )
     return verdict
@@ -440,6 +514,7 @@ def main() -> None:
         "ratio_grpc": transfer.ratio_grpc,
         "grpc_gbps": transfer.grpc_gbps,
         "baseline_gbps": transfer.baseline_gbps,
+        "ratio_floor": transfer.ratio_floor,
     }
     results: dict[str, object] = {
         "transfer": asdict(transfer),

@@ -76,12 +76,27 @@ class DecodeConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class RouterConfig:
+    """The OpenAI-compatible HTTP router."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000  # 0 = any free port
+    model_name: str | None = None  # the id clients send as `model`; None = model dir name
+    prefill_policy: str = "cache_aware"  # round_robin | least_load | cache_aware
+    max_attempts: int = 3  # tries on other instances when a step fails before the first token
+    retry_backoff_s: float = 0.1  # doubles after each failed attempt
+    max_body_bytes: int = 4 * 2**20  # larger request bodies get 413
+    stats_interval_s: float = 0.5  # how often decode load is refreshed
+
+
+@dataclass(frozen=True, slots=True)
 class ClusterConfig:
     """`pdserve up`: where Ray runs and how many instances of each role it places."""
 
     engine: EngineConfig = EngineConfig()
     prefill: PrefillConfig = PrefillConfig()
     decode: DecodeConfig = DecodeConfig()
+    router: RouterConfig = RouterConfig()
     ray_address: str | None = None  # None = start a local Ray; "auto" or host:port = join
     namespace: str = "pdserve"
     host: str = "127.0.0.1"  # interface the instances' gRPC servers bind to
@@ -95,18 +110,19 @@ def load_cluster_config(
     env: Mapping[str, str] | None = None,
     overrides: Mapping[str, Any] | None = None,
 ) -> ClusterConfig:
-    """ClusterConfig from a YAML file (sections `engine`, `prefill`, `decode`, `cluster`), then
-    `PDSERVE_<FIELD>` (engine and cluster fields), `PDSERVE_PREFILL_<FIELD>`,
-    `PDSERVE_DECODE_<FIELD>`, then `overrides` of cluster fields."""
+    """ClusterConfig from a YAML file (sections `engine`, `prefill`, `decode`, `router`,
+    `cluster`), then `PDSERVE_<FIELD>` (engine and cluster fields), `PDSERVE_PREFILL_<FIELD>`,
+    `PDSERVE_DECODE_<FIELD>`, `PDSERVE_ROUTER_<FIELD>`, then `overrides` of cluster fields."""
     env = os.environ if env is None else env
     document = _yaml_document(Path(path)) if path is not None else {}
-    unknown = sorted(set(document) - {"engine", "prefill", "decode", "cluster"})
+    unknown = sorted(set(document) - {"engine", "prefill", "decode", "router", "cluster"})
     if unknown:
         raise ConfigError(f"unknown config section(s): {', '.join(unknown)}")
     sections = {
         "engine": load_engine_config(path, env=env),
         "prefill": _build(PrefillConfig, _section(document, "prefill", path), env, "PREFILL_"),
         "decode": _build(DecodeConfig, _section(document, "decode", path), env, "DECODE_"),
+        "router": _build(RouterConfig, _section(document, "router", path), env, "ROUTER_"),
     }
     cluster = _section(document, "cluster", path)
     return _build(ClusterConfig, cluster, env, "", {**dict(overrides or {}), **sections})

@@ -121,6 +121,13 @@ def _load_weights(
         raise ModelLoadError(f"checkpoint lacks {len(missing)} weights, e.g. {missing[0]!r}")
 
 
+def model_tag(path: str | Path, dtype: str = "auto") -> str:
+    """The tag `load_model(path, dtype=dtype)` gives, without loading weights (for the router)."""
+    model_dir = Path(path).expanduser()
+    config = ModelConfig.from_dir(model_dir)
+    return _model_tag(model_dir, config.dtype if dtype == "auto" else parse_dtype(dtype))
+
+
 def _model_tag(model_dir: Path, dtype: torch.dtype) -> str:
     digest = hashlib.sha256((model_dir / "config.json").read_bytes())
     for file in _weight_files(model_dir):

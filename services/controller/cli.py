@@ -131,21 +131,38 @@ def _up(args: argparse.Namespace) -> int:
     config = load_cluster_config(
         args.config, overrides={"ray_address": args.address, "state_dir": args.state_dir}
     )
+    from services.router.server import RunningRouter, serve_router
+
     stop = threading.Event()
     cluster = Cluster(config)
+    router: RunningRouter | None = None
     path = state_path(config)
     print("starting pdserve: placing instances on Ray ...", flush=True)
     try:
         instances = cluster.up()
         for signum in (signal.SIGINT, signal.SIGTERM):  # after ray.init, which installs its own
             signal.signal(signum, lambda *_: stop.set())
-        cluster.write_state(path)
+        router = serve_router(
+            config.router,
+            config.engine,
+            [i.address for i in instances if i.role == "prefill"],
+            [i.address for i in instances if i.role == "decode"],
+        )
+        cluster.write_state(path, router_url=router.url)
         for info in instances:
             print(f"{info.name:<12} {info.role:<8} grpc://{info.address}", flush=True)
+        print(f"{'router':<12} {'openai':<8} {router.url}/v1", flush=True)
         print(f"pdserve is up ({path}); Ctrl-C or `pdserve down` stops it", flush=True)
-        print("try: pdserve generate 'Once upon a time' --cluster --max-tokens 32", flush=True)
+        print(
+            f"try: curl {router.url}/v1/completions -H 'Content-Type: application/json' "
+            f'-d \'{{"model": "{router.router.model_id}", "prompt": "Once upon a time", '
+            f'"max_tokens": 32}}\'',
+            flush=True,
+        )
         _watch(cluster, stop, args.health_interval)
     finally:
+        if router is not None:
+            router.stop()
         cluster.down()
         path.unlink(missing_ok=True)
         print("pdserve is down", flush=True)

@@ -152,8 +152,9 @@ class Cluster:
             ray.shutdown()
             self._started_ray = False
 
-    def write_state(self, path: Path) -> None:
+    def write_state(self, path: Path, router_url: str | None = None) -> None:
         state = {
+            "router_url": router_url,
             "pid": os.getpid(),
             "namespace": self.config.namespace,
             "ray_address": self.config.ray_address,

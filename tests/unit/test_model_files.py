@@ -137,6 +137,6 @@ def test_cluster_config_sections_and_environment(tmp_path: Path) -> None:
         0.5,
     )
     assert (config.host, config.ray_address) == ("0.0.0.0", "auto")
-    path.write_text("router: {}\n")
+    path.write_text("routing: {}\n")
     with pytest.raises(ConfigError, match="unknown config section"):
         load_cluster_config(path, env={})

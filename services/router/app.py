@@ -1,0 +1,319 @@
+"""The OpenAI-compatible HTTP API (FastAPI): convert -> delegate to Router -> convert.
+
+Errors use OpenAI's schema `{"error": {"message", "type", "param", "code"}}` with a 4xx status
+for the caller's mistakes and 503 (with Retry-After) when the cluster has no capacity.
+"""
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from typing import Any
+
+import anyio
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.concurrency import run_in_threadpool
+
+from pdserve.config import RouterConfig
+from pdserve.errors import InvalidRequestError, PdserveError, PromptTooLongError
+from pdserve.rpc.convert import ResourceExhaustedError
+from services.router.openai_schema import ChatCompletionRequest, CompletionRequest, OpenAIRequest
+from services.router.pd_client import Finished, TokenDelta
+from services.router.router import ModelNotFoundError, NoCapacityError, Router
+
+logger = logging.getLogger(__name__)
+
+Event = TokenDelta | Finished
+
+
+def create_app(router: Router, config: RouterConfig) -> FastAPI:
+    app = FastAPI(title="pdserve", docs_url=None, redoc_url=None)
+    _install_error_handlers(app)
+    _install_body_limit(app, config.max_body_bytes)
+
+    @app.get("/health")
+    async def health() -> dict[str, Any]:
+        return {"status": "ok", "prefill": router.num_prefill, "decode": router.num_decode}
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        card = {"id": router.model_id, "object": "model", "created": 0, "owned_by": "pdserve"}
+        return {"object": "list", "data": [card]}
+
+    @app.post("/v1/completions", response_model=None)
+    async def completions(body: CompletionRequest, http: Request) -> Response:
+        router.check_model(body.model)
+        prompt = body.single_prompt()
+        ids = router.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
+        return await _serve(router, http, body, ids, _CompletionFormat(router.model_id))
+
+    @app.post("/v1/chat/completions", response_model=None)
+    async def chat(body: ChatCompletionRequest, http: Request) -> Response:
+        router.check_model(body.model)
+        ids = router.tokenize_chat(body.chat_messages())
+        return await _serve(router, http, body, ids, _ChatFormat(router.model_id))
+
+    return app
+
+
+async def _serve(
+    router: Router, http: Request, body: OpenAIRequest, ids: list[int], fmt: "_Format"
+) -> Response:
+    params = body.params()  # type: ignore[attr-defined]
+    router.validate(ids, params)
+    request_id = uuid.uuid4().hex
+    events = router.generate(request_id, ids, params)
+    if body.stream:
+        first = await run_in_threadpool(next, events)  # errors before the first token -> HTTP
+        state = _StreamState()
+        stream = _sse(state, first, events, fmt, request_id, body.include_usage, len(ids))
+        return _AbortingStream(stream, state, lambda: router.abort(request_id))
+    collected = await _until_done_or_disconnected(router, http, request_id, lambda: list(events))
+    return JSONResponse(fmt.complete(request_id, collected, len(ids)))
+
+
+async def _until_done_or_disconnected(
+    router: Router, http: Request, request_id: str, work: Callable[[], list[Event]]
+) -> list[Event]:
+    task = asyncio.ensure_future(run_in_threadpool(work))
+    while True:
+        done, _ = await asyncio.wait({task}, timeout=0.25)
+        if done:
+            return task.result()
+        if await http.is_disconnected():
+            await run_in_threadpool(router.abort, request_id)
+            return await task
+
+
+class _StreamState:
+    finished = False
+
+
+class _AbortingStream(StreamingResponse):
+    """An SSE response that aborts its request when it ends before the generation did (the
+    client went away): Starlette does not reliably close the body iterator on disconnect."""
+
+    def __init__(
+        self, content: AsyncIterator[bytes], state: _StreamState, abort: Callable[[], None]
+    ) -> None:
+        super().__init__(content, media_type="text/event-stream")
+        self._state = state
+        self._abort = abort
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            if not self._state.finished:
+                with anyio.CancelScope(shield=True):
+                    await run_in_threadpool(self._abort)
+
+
+async def _sse(
+    state: _StreamState,
+    first: Event,
+    events: Iterator[Event],
+    fmt: "_Format",
+    request_id: str,
+    include_usage: bool,
+    num_prompt_tokens: int,
+) -> AsyncIterator[bytes]:
+    try:
+        event: Event | None = first
+        for chunk in fmt.stream_start(request_id):
+            yield _data(chunk)
+        while event is not None:
+            if isinstance(event, Finished):
+                state.finished = True
+                yield _data(fmt.stream_finish(request_id, event))
+                if include_usage:
+                    yield _data(fmt.usage_chunk(request_id, event, num_prompt_tokens))
+                break
+            yield _data(fmt.stream_delta(request_id, event))
+            event = await run_in_threadpool(next, events, None)
+        yield b"data: [DONE]\n\n"
+    except PdserveError as e:
+        state.finished = True
+        yield _data({"error": _error_body(e)[1]["error"]})
+        yield b"data: [DONE]\n\n"
+
+
+def _data(payload: dict[str, Any]) -> bytes:
+    return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n".encode()
+
+
+class _Format:
+    object_name = ""
+
+    def __init__(self, model_id: str) -> None:
+        self.model_id = model_id
+        self.created = int(time.time())
+
+    def envelope(self, request_id: str, choice: dict[str, Any], chunk: bool) -> dict[str, Any]:
+        suffix = ".chunk" if chunk else ""
+        return {
+            "id": f"{self.prefix}-{request_id}",
+            "object": f"{self.object_name}{suffix}",
+            "created": self.created,
+            "model": self.model_id,
+            "choices": [{"index": 0, **choice}],
+        }
+
+    prefix = ""
+
+    def stream_start(self, request_id: str) -> list[dict[str, Any]]:
+        return []
+
+    def stream_delta(self, request_id: str, event: TokenDelta) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def stream_finish(self, request_id: str, event: Finished) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def complete(self, request_id: str, events: list[Event], num_prompt: int) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def usage_chunk(self, request_id: str, event: Finished, num_prompt: int) -> dict[str, Any]:
+        payload = self.envelope(request_id, {}, chunk=True)
+        payload["choices"] = []
+        payload["usage"] = _usage(num_prompt, event)
+        return payload
+
+
+class _CompletionFormat(_Format):
+    object_name = "text_completion"
+    prefix = "cmpl"
+
+    def stream_delta(self, request_id: str, event: TokenDelta) -> dict[str, Any]:
+        return self._text(request_id, event.text, None)
+
+    def stream_finish(self, request_id: str, event: Finished) -> dict[str, Any]:
+        return self._text(request_id, "", event.finish_reason)
+
+    def _text(self, request_id: str, text: str, reason: str | None) -> dict[str, Any]:
+        payload = self.envelope(
+            request_id, {"text": text, "logprobs": None, "finish_reason": reason}, False
+        )
+        return payload
+
+    def complete(self, request_id: str, events: list[Event], num_prompt: int) -> dict[str, Any]:
+        text, final = _collect(events)
+        payload = self._text(request_id, text, final.finish_reason)
+        payload["usage"] = _usage(num_prompt, final)
+        return payload
+
+
+class _ChatFormat(_Format):
+    object_name = "chat.completion"
+    prefix = "chatcmpl"
+
+    def stream_start(self, request_id: str) -> list[dict[str, Any]]:
+        choice = {
+            "delta": {"role": "assistant", "content": ""},
+            "logprobs": None,
+            "finish_reason": None,
+        }
+        return [self.envelope(request_id, choice, chunk=True)]
+
+    def stream_delta(self, request_id: str, event: TokenDelta) -> dict[str, Any]:
+        choice = {"delta": {"content": event.text}, "logprobs": None, "finish_reason": None}
+        return self.envelope(request_id, choice, chunk=True)
+
+    def stream_finish(self, request_id: str, event: Finished) -> dict[str, Any]:
+        choice: dict[str, Any] = {
+            "delta": {},
+            "logprobs": None,
+            "finish_reason": event.finish_reason,
+        }
+        return self.envelope(request_id, choice, chunk=True)
+
+    def complete(self, request_id: str, events: list[Event], num_prompt: int) -> dict[str, Any]:
+        text, final = _collect(events)
+        message = {"role": "assistant", "content": text}
+        choice = {"message": message, "logprobs": None, "finish_reason": final.finish_reason}
+        payload = self.envelope(request_id, choice, chunk=False)
+        payload["usage"] = _usage(num_prompt, final)
+        return payload
+
+
+def _collect(events: list[Event]) -> tuple[str, Finished]:
+    final = events[-1]
+    if not isinstance(final, Finished):
+        raise PdserveError("the generation ended without a final event")
+    return "".join(e.text for e in events if isinstance(e, TokenDelta)), final
+
+
+def _usage(num_prompt: int, final: Finished) -> dict[str, int]:
+    completion = final.num_output_tokens
+    return {
+        "prompt_tokens": num_prompt,
+        "completion_tokens": completion,
+        "total_tokens": num_prompt + completion,
+    }
+
+
+# -- errors --------------------------------------------------------------------------------------
+
+_STATUS: list[tuple[type[Exception], int, str, str | None]] = [
+    (ModelNotFoundError, 404, "invalid_request_error", "model_not_found"),
+    (PromptTooLongError, 400, "invalid_request_error", "context_length_exceeded"),
+    (InvalidRequestError, 400, "invalid_request_error", None),
+    (ResourceExhaustedError, 503, "server_overloaded", "no_capacity"),
+    (NoCapacityError, 503, "server_overloaded", "no_capacity"),
+]
+
+
+def _error_body(error: Exception) -> tuple[int, dict[str, Any]]:
+    for kind, status, error_type, code in _STATUS:
+        if isinstance(error, kind):
+            return status, _openai_error(str(error), error_type, code)
+    if isinstance(error, PdserveError):
+        return 503, _openai_error(f"the request failed: {error}", "server_error", "upstream_error")
+    return 500, _openai_error("internal server error", "server_error", None)
+
+
+def _openai_error(
+    message: str, error_type: str, code: str | None, param: str | None = None
+) -> dict[str, Any]:
+    return {"error": {"message": message, "type": error_type, "param": param, "code": code}}
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(RequestValidationError)
+    async def validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+        first = exc.errors()[0] if exc.errors() else {}
+        location = ".".join(str(part) for part in first.get("loc", ()) if part != "body")
+        if first.get("type") == "json_invalid":
+            message = "the request body is not valid JSON"
+        else:
+            message = f"{location or 'body'}: {first.get('msg', 'invalid value')}"
+        return JSONResponse(
+            _openai_error(message, "invalid_request_error", None, location or None), 400
+        )
+
+    @app.exception_handler(PdserveError)
+    async def pdserve_error(_: Request, exc: PdserveError) -> JSONResponse:
+        status, body = _error_body(exc)
+        headers = {}
+        retry_after_ms = getattr(exc, "retry_after_ms", None)
+        if status == 503:
+            headers["Retry-After"] = str(max(1, round((retry_after_ms or 1000) / 1000)))
+        return JSONResponse(body, status, headers=headers)
+
+
+def _install_body_limit(app: FastAPI, max_bytes: int) -> None:
+    @app.middleware("http")
+    async def limit(
+        request: Request, call_next: Callable[[Request], Awaitable[Response]]
+    ) -> Response:
+        length = request.headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > max_bytes:
+            message = f"the request body is larger than {max_bytes} bytes"
+            return JSONResponse(
+                _openai_error(message, "invalid_request_error", "request_too_large"), 413
+            )
+        return await call_next(request)

@@ -1,0 +1,294 @@
+"""Router: picks a prefill and a decode instance per request, holds their load leases, retries.
+
+Threads: HTTP handlers call `generate` (a blocking iterator) from a thread pool; one background
+thread per prefill instance follows its KV-event stream into the KVEventIndex; one thread
+refreshes decode load. Every lease is released exactly once on every path (success, error, retry,
+abort, client disconnect): `Lease.release` is idempotent and both the generator's `finally` and
+`abort` call it.
+"""
+
+import logging
+import threading
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+
+import grpc
+
+from pdserve.config import RouterConfig
+from pdserve.engine.request import SamplingParams
+from pdserve.errors import InvalidRequestError, PdserveError, PromptTooLongError
+from pdserve.kvcache.events import BlockRemoved, BlockStored
+from pdserve.kvcache.hashing import BlockHash, BlockHasher
+from pdserve.model.tokenizer import Tokenizer
+from pdserve.rpc.convert import ResourceExhaustedError
+from pdserve.v1 import common_pb2, decode_pb2_grpc, prefill_pb2_grpc
+from services.router.kv_index import KVEventIndex
+from services.router.load import Lease, LoadTracker
+from services.router.pd_client import Finished, PDClient, TokenDelta
+from services.router.policies import (
+    DecodeCapacity,
+    NoCandidateError,
+    RouteRequest,
+    make_decode_policy,
+    make_policy,
+)
+
+logger = logging.getLogger(__name__)
+
+UNHEALTHY_COOLDOWN_S = 5.0
+
+
+class ModelNotFoundError(InvalidRequestError):
+    """The request names a model this router does not serve."""
+
+
+class NoCapacityError(PdserveError):
+    """Every attempt failed or no instance is available; retry later."""
+
+    def __init__(self, message: str, retry_after_ms: int = 1000) -> None:
+        super().__init__(message)
+        self.retry_after_ms = retry_after_ms
+
+
+@dataclass(frozen=True, slots=True)
+class ModelInfo:
+    model_id: str
+    tokenizer: Tokenizer
+    hasher: BlockHasher
+    max_model_len: int
+    vocab_size: int
+
+
+@dataclass(slots=True)
+class _Active:
+    prefill: str
+    decode: str
+    leases: tuple[Lease, ...]
+
+
+class Router:
+    def __init__(
+        self,
+        config: RouterConfig,
+        model: ModelInfo,
+        prefill: Sequence[str],
+        decode: Sequence[str],
+        client: PDClient | None = None,
+    ) -> None:
+        self.config = config
+        self.model = model
+        self.prefill = list(prefill)
+        self.decode = list(decode)
+        self.client = client or PDClient()
+        self.index = KVEventIndex()
+        self.load = LoadTracker()
+        self.policy = make_policy(config.prefill_policy)
+        self.decode_policy = make_decode_policy("least_kv_usage")
+        self._decode_load: dict[str, DecodeCapacity] = {}
+        self._unhealthy_until: dict[str, float] = {}
+        self._active: dict[str, _Active] = {}
+        self._lock = threading.Lock()
+        self._stopped = threading.Event()
+        self._threads: list[threading.Thread] = []
+
+    # -- lifecycle ----------------------------------------------------------------------------
+
+    def start(self) -> None:
+        for address in self.prefill:
+            self._spawn(self._follow_kv_events, address)
+        self._spawn(self._poll_decode_load)
+
+    def stop(self) -> None:
+        self._stopped.set()
+        self.client.close()
+        for thread in self._threads:
+            thread.join(5)
+
+    def _spawn(self, target: object, *args: object) -> None:
+        thread = threading.Thread(target=target, args=args, daemon=True)  # type: ignore[arg-type]
+        thread.start()
+        self._threads.append(thread)
+
+    # -- request edge ---------------------------------------------------------------------------
+
+    @property
+    def model_id(self) -> str:
+        return self.model.model_id
+
+    @property
+    def num_prefill(self) -> int:
+        return len(self.prefill)
+
+    @property
+    def num_decode(self) -> int:
+        return len(self.decode)
+
+    def check_model(self, name: str) -> None:
+        if name != self.model.model_id:
+            raise ModelNotFoundError(
+                f"the model {name!r} does not exist; this server serves {self.model.model_id!r}"
+            )
+
+    def tokenize(self, prompt: str) -> list[int]:
+        return self.model.tokenizer.encode(prompt)
+
+    def tokenize_chat(self, messages: Sequence[Mapping[str, str]]) -> list[int]:
+        return self.model.tokenizer.encode_chat(messages)
+
+    def validate(self, token_ids: Sequence[int], params: SamplingParams) -> None:
+        if not token_ids:
+            raise InvalidRequestError("the prompt is empty")
+        if any(not 0 <= t < self.model.vocab_size for t in token_ids):
+            raise InvalidRequestError(f"prompt token ids must be in [0, {self.model.vocab_size})")
+        if len(token_ids) >= self.model.max_model_len:
+            raise PromptTooLongError(
+                f"this model's maximum context length is {self.model.max_model_len} tokens; "
+                f"the prompt has {len(token_ids)} tokens (at least one is needed for output)"
+            )
+
+    # -- generation -------------------------------------------------------------------------------
+
+    def generate(
+        self, request_id: str, token_ids: list[int], params: SamplingParams
+    ) -> Iterator[TokenDelta | Finished]:
+        """Route and run one request; errors before the first token are retried on other
+        instances (bounded, with backoff), then raised as NoCapacityError."""
+        hashes = self.model.hasher.hash_tokens(token_ids)
+        excluded: set[str] = set()
+        backoff = self.config.retry_backoff_s
+        failure: Exception | None = None
+        for attempt in range(1, self.config.max_attempts + 1):
+            prefill, decode = self._choose(request_id, token_ids, hashes, excluded)
+            leases = (self.load.acquire(prefill, len(token_ids)), self.load.acquire(decode, 0))
+            self._active[request_id] = _Active(prefill, decode, leases)
+            try:
+                events = self.client.generate(prefill, decode, token_ids, params, request_id)
+                try:
+                    first = next(events)
+                except InvalidRequestError:
+                    raise
+                except PdserveError as e:
+                    failure = e
+                    excluded |= self._blame(e, prefill, decode)
+                    logger.warning(
+                        "request %s attempt %d on %s -> %s failed: %s",
+                        request_id,
+                        attempt,
+                        prefill,
+                        decode,
+                        e,
+                    )
+                    self._release(request_id)
+                    time.sleep(backoff)
+                    backoff *= 2
+                    continue
+                leases[0].release()  # prefill is done once the first token exists
+                yield first
+                yield from events
+                return
+            finally:
+                self._release(request_id)
+        retry_ms = getattr(failure, "retry_after_ms", 0) or 1000
+        raise NoCapacityError(
+            f"the request failed on {self.config.max_attempts} attempts; last error: {failure}; "
+            "retry later",
+            retry_ms,
+        )
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request on every instance that holds it and release its leases."""
+        active = self._active.get(request_id)
+        if active is None:
+            return
+        message = common_pb2.AbortRequest(request_id=request_id)
+        for stub in (
+            decode_pb2_grpc.DecodeServiceStub(self.client.channels.get(active.decode)),
+            prefill_pb2_grpc.PrefillServiceStub(self.client.channels.get(active.prefill)),
+        ):
+            try:
+                stub.Abort(message, timeout=5)
+            except grpc.RpcError as e:
+                logger.warning("abort of request %s failed: %s", request_id, e.details())
+        self._release(request_id)
+
+    def _release(self, request_id: str) -> None:
+        active = self._active.pop(request_id, None)
+        if active is not None:
+            for lease in active.leases:
+                lease.release()
+
+    def _blame(self, error: Exception, prefill: str, decode: str) -> set[str]:
+        """Instances not to retry on, marked unhealthy for a while (their index dropped)."""
+        if isinstance(error, ResourceExhaustedError):
+            return {decode}
+        now = time.monotonic()
+        for address in (prefill, decode):
+            self._unhealthy_until[address] = now + UNHEALTHY_COOLDOWN_S
+        self.index.drop_instance(prefill)
+        return {prefill, decode}
+
+    def _choose(
+        self,
+        request_id: str,
+        token_ids: Sequence[int],
+        hashes: Sequence[BlockHash],
+        excluded: set[str],
+    ) -> tuple[str, str]:
+        prefills = self._candidates(self.prefill, excluded)
+        decodes = self._candidates(self.decode, excluded)
+        request = RouteRequest(request_id, len(token_ids), self.model.hasher.block_size)
+        try:
+            overlaps = self.index.overlaps(hashes, prefills)
+            prefill = self.policy.choose(prefills, request, self.load.snapshot(), overlaps)
+            decode = self.decode_policy.choose(decodes, request, dict(self._decode_load))
+        except NoCandidateError as e:
+            raise NoCapacityError(str(e)) from e
+        logger.debug(
+            "request %s -> prefill %s (%s, %d blocks cached) -> decode %s",
+            request_id, prefill.instance_id, prefill.reason, prefill.overlap_blocks,
+            decode.instance_id,
+        )  # fmt: skip
+        return prefill.instance_id, decode.instance_id
+
+    def _candidates(self, instances: list[str], excluded: set[str]) -> list[str]:
+        now = time.monotonic()
+        healthy = [i for i in instances if self._unhealthy_until.get(i, 0.0) <= now]
+        preferred = [i for i in healthy if i not in excluded]
+        chosen = preferred or healthy or [i for i in instances if i not in excluded] or instances
+        if not chosen:
+            raise NoCapacityError("no instance is configured")
+        return chosen
+
+    # -- background -------------------------------------------------------------------------------
+
+    def _follow_kv_events(self, address: str) -> None:
+        """Mirror one prefill instance's KV events; on disconnect drop its view, resubscribe."""
+        while not self._stopped.is_set():
+            stub = prefill_pb2_grpc.PrefillServiceStub(self.client.channels.get(address))
+            stream = stub.SubscribeKVEvents(common_pb2.KVEventsRequest())
+            try:
+                for event in stream:
+                    self._unhealthy_until.pop(address, None)
+                    hashes = tuple(event.stored.block_hashes or event.removed.block_hashes)
+                    kind = BlockStored if event.WhichOneof("event") == "stored" else BlockRemoved
+                    self.index.apply(address, kind(tuple(BlockHash(h) for h in hashes)))
+                    if self._stopped.is_set():
+                        stream.cancel()
+            except grpc.RpcError:
+                pass
+            self.index.drop_instance(address)
+            self._stopped.wait(1.0)
+
+    def _poll_decode_load(self) -> None:
+        while not self._stopped.wait(self.config.stats_interval_s):
+            for address in self.decode:
+                stub = decode_pb2_grpc.DecodeServiceStub(self.client.channels.get(address))
+                try:
+                    stats = stub.GetStats(common_pb2.StatsRequest(), timeout=2)
+                except grpc.RpcError:
+                    self._decode_load.pop(address, None)
+                    continue
+                self._decode_load[address] = DecodeCapacity(
+                    stats.num_free_blocks, stats.num_running
+                )

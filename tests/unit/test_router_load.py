@@ -1,0 +1,224 @@
+"""LoadTracker: in-flight counters through leases released exactly once, on every path."""
+
+import threading
+from collections.abc import Callable, Iterator
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pdserve.errors import IntegrityError
+from services.router.load import IDLE, InstanceLoad, Lease, LoadTracker
+
+A, B = "10.0.0.1:50051", "10.0.0.2:50051"
+
+
+class Boom(Exception):
+    """Stands for any error raised while a request holds its lease."""
+
+
+@pytest.fixture
+def tracker() -> Iterator[LoadTracker]:
+    tracker = LoadTracker()
+    yield tracker
+    tracker.check_integrity()
+
+
+def test_acquire_counts_requests_and_prefill_tokens_per_instance(tracker: LoadTracker) -> None:
+    tracker.acquire(A, 100)
+    tracker.acquire(A, 50)
+    tracker.acquire(B, 7)
+    assert tracker.snapshot() == {A: InstanceLoad(2, 150), B: InstanceLoad(1, 7)}
+    assert tracker.load_of(A) == InstanceLoad(2, 150)
+    assert tracker.load_of("unknown:1") == IDLE
+    assert tracker.total() == InstanceLoad(3, 157)
+
+
+def test_release_returns_true_only_once_when_called_twice(tracker: LoadTracker) -> None:
+    lease = tracker.acquire(A, 100)
+    keep = tracker.acquire(A, 10)
+    assert lease.release() is True
+    assert lease.release() is False
+    assert lease.released
+    assert tracker.snapshot() == {A: InstanceLoad(1, 10)}
+    keep.release()
+    assert tracker.snapshot() == {}
+    assert tracker.total() == IDLE
+
+
+def test_context_manager_releases_once_when_body_raises_after_early_release(
+    tracker: LoadTracker,
+) -> None:
+    with pytest.raises(Boom), tracker.acquire(A, 64) as lease:
+        assert tracker.load_of(A) == InstanceLoad(1, 64)
+        lease.release()  # an error path releasing early; the `with` must not release again
+        raise Boom
+    assert tracker.snapshot() == {}
+    assert tracker.num_live_leases() == 0
+
+
+def test_finish_prefill_drops_tokens_but_keeps_request_in_flight(tracker: LoadTracker) -> None:
+    lease = tracker.acquire(A, 300)
+    assert lease.finish_prefill() is True
+    assert lease.finish_prefill() is False
+    assert tracker.load_of(A) == InstanceLoad(1, 0)
+    lease.release()
+    assert lease.finish_prefill() is False
+    assert tracker.snapshot() == {}
+
+
+def test_acquire_rejects_negative_prefill_tokens(tracker: LoadTracker) -> None:
+    with pytest.raises(ValueError, match="prefill_tokens"):
+        tracker.acquire(A, -1)
+    assert tracker.snapshot() == {}
+
+
+def test_snapshot_is_unaffected_by_later_changes(tracker: LoadTracker) -> None:
+    lease = tracker.acquire(A, 5)
+    snapshot = tracker.snapshot()
+    lease.release()
+    assert snapshot == {A: InstanceLoad(1, 5)}
+
+
+def test_check_integrity_raises_when_counter_disagrees_with_leases() -> None:
+    tracker = LoadTracker()
+    tracker.acquire(A, 5)
+    tracker._loads[A] = InstanceLoad(2, 5)  # simulate a bookkeeping bug
+    with pytest.raises(IntegrityError, match="sums over live leases"):
+        tracker.check_integrity()
+    tracker._loads[A] = InstanceLoad(1, -5)
+    with pytest.raises(IntegrityError, match="negative"):
+        tracker.check_integrity()
+
+
+def test_concurrent_releases_of_same_leases_release_each_once(tracker: LoadTracker) -> None:
+    leases = [tracker.acquire(A if i % 2 else B, i) for i in range(500)]
+    wins: list[int] = []
+    barrier = threading.Barrier(4)
+
+    def release_all() -> None:
+        barrier.wait()
+        wins.append(sum(lease.release() for lease in leases))
+
+    threads = [threading.Thread(target=release_all) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert sum(wins) == len(leases)
+    assert tracker.snapshot() == {}
+
+
+# -- property tests --------------------------------------------------------------------------------
+
+INSTANCES = (A, B, "10.0.0.3:50051")
+ops = st.lists(
+    st.one_of(
+        st.tuples(st.just("acquire"), st.sampled_from(INSTANCES), st.integers(0, 4096)),
+        st.tuples(st.just("release"), st.integers(0, 50), st.just(0)),
+        st.tuples(st.just("double_release"), st.integers(0, 50), st.just(0)),
+        st.tuples(st.just("finish_prefill"), st.integers(0, 50), st.just(0)),
+        st.tuples(st.just("raise_in_with"), st.sampled_from(INSTANCES), st.integers(0, 4096)),
+        st.tuples(st.just("ok_in_with"), st.sampled_from(INSTANCES), st.integers(0, 4096)),
+    ),
+    max_size=60,
+)
+Op = tuple[str, str | int, int]
+Check = Callable[[list[Lease]], None]
+
+
+def run_ops(tracker: LoadTracker, script: list[Op], check: Check) -> None:
+    """Apply `script`, calling `check(leases held)` after every step; release what is left."""
+    held: list[Lease] = []
+    for kind, target, tokens in script:
+        if kind == "acquire":
+            assert isinstance(target, str)
+            held.append(tracker.acquire(target, tokens))
+        elif kind in ("raise_in_with", "ok_in_with"):
+            assert isinstance(target, str)
+            with_lease(tracker, target, tokens, raises=kind == "raise_in_with")
+        elif held:
+            assert isinstance(target, int)
+            lease = held[target % len(held)]
+            if kind == "finish_prefill":
+                lease.finish_prefill()
+            else:
+                assert lease.release() is True
+                if kind == "double_release":
+                    assert lease.release() is False
+                held.remove(lease)
+        check(held)
+    for lease in held:
+        assert lease.release() is True
+
+
+def with_lease(tracker: LoadTracker, instance_id: str, tokens: int, *, raises: bool) -> None:
+    lease: Lease | None = None
+    try:
+        with tracker.acquire(instance_id, tokens) as lease:
+            assert tracker.load_of(instance_id).in_flight_requests >= 1
+            if raises:
+                raise Boom
+    except Boom:
+        pass
+    assert lease is not None and lease.released
+
+
+def expected_loads(leases: list[Lease]) -> dict[str, InstanceLoad]:
+    loads: dict[str, InstanceLoad] = {}
+    for lease in leases:
+        load = loads.get(lease.instance_id, IDLE)
+        loads[lease.instance_id] = InstanceLoad(
+            load.in_flight_requests + 1,
+            load.in_flight_prefill_tokens + lease._outstanding_prefill_tokens,
+        )
+    return loads
+
+
+@settings(max_examples=150, deadline=None)
+@given(script=ops)
+def test_counters_track_live_leases_then_return_to_zero_after_random_script(
+    script: list[Op],
+) -> None:
+    tracker = LoadTracker()
+
+    def check(held: list[Lease]) -> None:
+        tracker.check_integrity()
+        assert tracker.snapshot() == expected_loads(held)
+
+    run_ops(tracker, script, check)
+    assert tracker.snapshot() == {}
+    assert tracker.total() == IDLE
+    tracker.check_integrity()
+
+
+@settings(max_examples=25, deadline=None)
+@given(scripts=st.lists(ops, min_size=2, max_size=4))
+def test_counters_return_to_zero_when_threads_run_random_scripts_concurrently(
+    scripts: list[list[Op]],
+) -> None:
+    tracker = LoadTracker()
+    barrier = threading.Barrier(len(scripts))
+    errors: list[BaseException] = []
+
+    def check(held: list[Lease]) -> None:
+        tracker.check_integrity()
+        assert tracker.num_live_leases() >= len(held)
+
+    def worker(script: list[Op]) -> None:
+        barrier.wait()
+        try:
+            run_ops(tracker, script, check)
+        except BaseException as error:  # surfaced in the main thread below
+            errors.append(error)
+
+    threads = [threading.Thread(target=worker, args=(script,)) for script in scripts]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert errors == []
+    assert tracker.snapshot() == {}
+    assert tracker.total() == IDLE
+    assert tracker.num_live_leases() == 0
+    tracker.check_integrity()
