@@ -239,7 +239,8 @@ class BareGrpc:
 
     def __init__(self, plan: TransferPlan, blocks: Sequence[memoryview]) -> None:
         self.plan = plan
-        self.sink = bytearray(min(plan.total_bytes, RECEIVE_BUFFER_BYTES))
+        largest = plan.blocks_per_message * plan.block_bytes
+        self.sink = bytearray(min(plan.total_bytes, max(RECEIVE_BUFFER_BYTES, largest)))
         self._sink_offset = 0
         handler = grpc.method_handlers_generic_handler(
             SINK_SERVICE,

@@ -5,6 +5,7 @@ Decode.StreamTokens from the first token on. The router builds on it; tests and 
 directly.
 """
 
+import logging
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -33,6 +34,8 @@ class Finished:
     num_output_tokens: int
     prefill: prefill_pb2.PrefillResult
 
+
+logger = logging.getLogger(__name__)
 
 _ERRORS: dict[int, type[PdserveError]] = {
     common_pb2.ERROR_CODE_INVALID_REQUEST: InvalidRequestError,
@@ -112,6 +115,19 @@ class PDClient:
         raise PdserveError(
             f"prefill instance {prefill_address} ended request {request_id} without a result"
         )
+
+    def abort(self, prefill_address: str, decode_address: str, request_id: str) -> None:
+        """Abort the request on both instances (best effort: an instance may be gone)."""
+        message = common_pb2.AbortRequest(request_id=request_id)
+        stubs = (
+            decode_pb2_grpc.DecodeServiceStub(self.channels.get(decode_address)),
+            prefill_pb2_grpc.PrefillServiceStub(self.channels.get(prefill_address)),
+        )
+        for stub in stubs:
+            try:
+                stub.Abort(message, timeout=5)
+            except grpc.RpcError as e:
+                logger.warning("abort of request %s failed: %s", request_id, e.details())
 
     def close(self) -> None:
         self.channels.close()

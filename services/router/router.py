@@ -201,15 +201,7 @@ class Router:
         active = self._active.get(request_id)
         if active is None:
             return
-        message = common_pb2.AbortRequest(request_id=request_id)
-        for stub in (
-            decode_pb2_grpc.DecodeServiceStub(self.client.channels.get(active.decode)),
-            prefill_pb2_grpc.PrefillServiceStub(self.client.channels.get(active.prefill)),
-        ):
-            try:
-                stub.Abort(message, timeout=5)
-            except grpc.RpcError as e:
-                logger.warning("abort of request %s failed: %s", request_id, e.details())
+        self.client.abort(active.prefill, active.decode, request_id)
         self._release(request_id)
 
     def _release(self, request_id: str) -> None:

@@ -1,0 +1,144 @@
+"""Router retries and exactly-once load accounting, against a fake PD client (the instances'
+side of the interface): random failures before and after the first token, and cancellations."""
+
+import contextlib
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pdserve.config import EngineConfig, RouterConfig
+from pdserve.engine.request import SamplingParams
+from pdserve.errors import InvalidRequestError, PdserveError
+from pdserve.rpc.convert import ResourceExhaustedError
+from pdserve.transfer.base import KVTransferError
+from services.router.pd_client import Finished, TokenDelta
+from services.router.router import ModelInfo, NoCapacityError, Router
+from services.router.server import model_info
+
+PREFILL = ["p0", "p1", "p2"]
+DECODE = ["d0", "d1"]
+OUTCOMES = ["ok", "transfer_error", "refused", "mid_stream_error", "invalid"]
+
+
+class FakePDClient:
+    """Plays scripted outcomes, one per attempt, and records what the router asked for."""
+
+    def __init__(self, outcomes: list[str]) -> None:
+        self.outcomes = list(outcomes)
+        self.routes: list[tuple[str, str]] = []
+        self.aborted: list[str] = []
+
+    def generate(
+        self, prefill: str, decode: str, ids: list[int], params: SamplingParams, request_id: str
+    ) -> Iterator[TokenDelta | Finished]:
+        self.routes.append((prefill, decode))
+        outcome = self.outcomes.pop(0) if self.outcomes else "ok"
+        errors: dict[str, PdserveError] = {
+            "transfer_error": KVTransferError("prefill died"),
+            "refused": ResourceExhaustedError("decode full", 50),
+            "invalid": InvalidRequestError("bad prompt"),
+        }
+        if outcome in errors:
+            raise errors[outcome]
+        yield TokenDelta((1,), "a")
+        if outcome == "mid_stream_error":
+            raise KVTransferError("decode died mid-stream")
+        yield TokenDelta((2,), "b")
+        yield Finished("length", "", len(ids), 2, None)  # type: ignore[arg-type]
+
+    def abort(self, prefill: str, decode: str, request_id: str) -> None:
+        self.aborted.append(request_id)
+
+    def close(self) -> None:
+        pass
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model_dir: Path) -> ModelInfo:
+    return model_info(EngineConfig(model=str(tiny_model_dir)), "tiny")
+
+
+def make_router(model: ModelInfo, outcomes: list[str], attempts: int = 3) -> Router:
+    config = RouterConfig(max_attempts=attempts, retry_backoff_s=0.0, prefill_policy="round_robin")
+    return Router(config, model, PREFILL, DECODE, FakePDClient(outcomes))  # type: ignore[arg-type]
+
+
+def run(router: Router, request_id: str, stop_after: int | None = None) -> list[object]:
+    events: list[object] = []
+    stream = router.generate(request_id, [5, 6, 7], SamplingParams())
+    for event in stream:
+        events.append(event)
+        if stop_after is not None and len(events) >= stop_after:
+            router.abort(request_id)  # what the HTTP layer does on disconnect
+            break
+    return events
+
+
+def test_failure_before_first_token_is_retried_elsewhere(model: ModelInfo) -> None:
+    router = make_router(model, ["transfer_error", "ok"])
+    events = run(router, "r")
+    routes = router.client.routes  # type: ignore[attr-defined]
+    assert isinstance(events[-1], Finished)
+    assert len(routes) == 2 and routes[0][0] != routes[1][0] and routes[0][1] != routes[1][1]
+
+
+def test_refusal_excludes_only_the_decode_instance(model: ModelInfo) -> None:
+    router = make_router(model, ["refused", "ok"])
+    run(router, "r")
+    (p0, d0), (_, d1) = router.client.routes  # type: ignore[attr-defined]
+    assert d0 != d1
+    assert router._unhealthy_until.get(p0) is None
+
+
+def test_every_attempt_failing_is_no_capacity_with_a_retry_hint(model: ModelInfo) -> None:
+    router = make_router(model, ["refused"] * 3)
+    with pytest.raises(NoCapacityError, match="3 attempts") as failed:
+        run(router, "r")
+    assert failed.value.retry_after_ms == 50
+    assert router.load.num_live_leases() == 0
+
+
+def test_invalid_request_is_not_retried(model: ModelInfo) -> None:
+    router = make_router(model, ["invalid", "ok"])
+    with pytest.raises(InvalidRequestError):
+        run(router, "r")
+    assert len(router.client.routes) == 1  # type: ignore[attr-defined]
+    assert router.load.num_live_leases() == 0
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    scripts=st.lists(
+        st.tuples(st.lists(st.sampled_from(OUTCOMES), max_size=4), st.sampled_from([None, 1, 2])),
+        min_size=1,
+        max_size=12,
+    ),
+    threads=st.integers(1, 4),
+)
+def test_leases_return_to_zero_after_random_failures_and_cancellations(
+    model: ModelInfo, scripts: list[tuple[list[str], int | None]], threads: int
+) -> None:
+    outcomes = [o for script, _ in scripts for o in script]
+    router = make_router(model, outcomes)
+
+    def worker(index: int) -> None:
+        for n, (_, stop_after) in enumerate(scripts):
+            if n % threads != index:
+                continue
+            with contextlib.suppress(PdserveError):
+                run(router, f"r{n}", stop_after)
+            assert router.load.load_of("never-used").in_flight_requests == 0
+
+    pool = [threading.Thread(target=worker, args=(i,)) for i in range(threads)]
+    for thread in pool:
+        thread.start()
+    for thread in pool:
+        thread.join()
+    assert router.load.num_live_leases() == 0
+    assert all(load.in_flight_requests == 0 for load in router.load.snapshot().values())
+    router.load.check_integrity()
+    assert router._active == {}
