@@ -1,10 +1,12 @@
-"""`pdserve up`, `pdserve generate --cluster` and `pdserve down` as an operator runs them."""
+"""`pdserve up`, the OpenAI API it serves, `pdserve generate --cluster` and `pdserve down`, as an
+operator runs them."""
 
 import os
 import subprocess
 import sys
 from pathlib import Path
 
+import openai
 import ray
 
 
@@ -41,6 +43,12 @@ def test_up_generate_down_on_a_running_ray_cluster(
             ("prefill-0", "prefill"),
         ]
         assert (tmp_path / "cluster.json").is_file()
+        [router_url] = [line.split()[2] for line in lines if line.startswith("router")]
+        client = openai.OpenAI(base_url=router_url, api_key="unused", max_retries=0)
+        completion = client.completions.create(
+            model=tiny_model_dir.name, prompt="hello", max_tokens=8, temperature=0
+        )
+        assert completion.usage is not None and completion.usage.completion_tokens == 8
         generate = [*cli, "generate", "hello", "--cluster", "--config", str(config)]
         on_cluster = subprocess.run(
             [*generate, "--max-tokens", "8"], capture_output=True, text=True, env=env, timeout=120
@@ -54,6 +62,7 @@ def test_up_generate_down_on_a_running_ray_cluster(
             timeout=120,
         )
         assert on_cluster.stdout == local.stdout and local.stdout.strip()
+        assert completion.choices[0].text == local.stdout.rstrip("\n")
         down = subprocess.run(
             [*cli, "down", "--config", str(config)], capture_output=True, text=True, timeout=180
         )

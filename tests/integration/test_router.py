@@ -12,9 +12,10 @@ import pytest
 
 from pdserve.config import DecodeConfig, EngineConfig, PrefillConfig, RouterConfig
 from pdserve.engine import LLMEngine, SamplingParams
+from pdserve.rpc.server import create_server
 from pdserve.v1 import common_pb2, prefill_pb2_grpc
 from services.decode.servicer import serve_decode
-from services.prefill.servicer import serve_prefill
+from services.prefill.servicer import SERVICE_NAME, PrefillServicer, serve_prefill
 from services.router.server import RunningRouter, serve_router
 
 MODEL = "tiny"
@@ -228,3 +229,33 @@ def prefill_hits(stack: Stack, index: int) -> int:
     channel = stack.router.router.client.channels.get(f"127.0.0.1:{port}")
     stats = prefill_pb2_grpc.PrefillServiceStub(channel).GetStats(common_pb2.StatsRequest())
     return int(stats.prefix_cache_hits)
+
+
+def test_dead_prefill_is_routed_around_and_rejoins_when_it_returns(stack: Stack) -> None:
+    """Runs last: stops one prefill server, then brings it back on the same port."""
+    instance, server, port = stack.prefill[0]
+    address = f"127.0.0.1:{port}"
+    router = stack.router.router
+    server.stop(0).wait()
+    try:
+        for n in range(4):  # whichever instance the policy picks, every request succeeds
+            result = stack.client.completions.create(
+                model=MODEL, prompt=f"request {n} " * 4, max_tokens=4, temperature=0
+            )
+            assert result.choices[0].finish_reason == "length"
+        wait_for(lambda: address not in router.index.instances())
+    finally:
+        servicer = PrefillServicer(instance)
+        revived, _ = create_server(
+            lambda s: prefill_pb2_grpc.add_PrefillServiceServicer_to_server(servicer, s),
+            [SERVICE_NAME],
+            port=port,
+        )
+        stack.prefill[0] = (instance, revived, port)
+    # Its KV events flow again: a prompt prefilled there shows up in the router's index.
+    wait_for(lambda: router._unhealthy_until.get(address, 0) < time.monotonic(), 10)
+    for n in range(4):
+        stack.client.completions.create(
+            model=MODEL, prompt=f"after {n} " * 8, max_tokens=2, temperature=0
+        )
+    wait_for(lambda: router.index.num_blocks(address) > 0)
