@@ -47,6 +47,9 @@ test: lint
 bench: install
 	$(PY) benchmarks/kvcache_ops.py
 	$(PY) benchmarks/engine_throughput.py
+	$(PY) benchmarks/kv_transfer.py
+	$(PY) benchmarks/router_overhead.py
+	$(PY) benchmarks/serve_load.py
 
 lock: install
 	{ echo "# Exact versions installed by 'make install' (pip constraints). Regenerate with 'make lock'."; \

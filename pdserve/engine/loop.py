@@ -61,12 +61,12 @@ class EngineLoop:
         return self.submit(fn).result(timeout_s)
 
     def _run(self) -> None:
+        scheduler = self.engine.scheduler
         while not self._stopped.is_set():
-            idle = not self.engine.has_unfinished_requests()
-            self._drain_commands(block=idle)
+            self._drain_commands(block=not scheduler.has_schedulable_requests())
             if self._on_tick is not None:
                 self._on_tick()
-            if self.engine.has_unfinished_requests():
+            if scheduler.has_schedulable_requests():
                 try:
                     outputs = self.engine.step()
                 except Exception:  # a bug: keep the loop alive, surface it in the log

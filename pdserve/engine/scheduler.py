@@ -72,6 +72,10 @@ class Scheduler:
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
+    def has_schedulable_requests(self) -> bool:
+        """Requests a step could advance (held TRANSFERRING requests wait on I/O instead)."""
+        return bool(self.running or self.waiting)
+
     def schedule(self) -> SchedulerOutput:
         """Choose this step's chunks and allocate their KV blocks."""
         output = SchedulerOutput()

@@ -98,6 +98,8 @@ class BlockIO:
     def __init__(self, kv_cache: torch.Tensor) -> None:
         self._bytes = kv_cache.view(kv_cache.shape[0], -1).view(torch.uint8)
         self.block_bytes = int(self._bytes.shape[1])
+        on_cpu = kv_cache.device.type == "cpu"
+        self._host = memoryview(self._bytes.numpy().data).cast("B") if on_cpu else None
 
     def read(self, block_ids: Sequence[int]) -> list[memoryview]:
         host = self._bytes if self._bytes.device.type == "cpu" else None
@@ -113,6 +115,12 @@ class BlockIO:
             raise ValueError(
                 f"{len(data)} bytes is not {len(block_ids)} blocks of {self.block_bytes}"
             )
+        size = self.block_bytes
+        if self._host is not None:  # a memcpy per block: ~20x faster than index_copy_ on uint8
+            raw = data if data.format == "B" else data.cast("B")
+            for i, block_id in enumerate(block_ids):
+                self._host[block_id * size : (block_id + 1) * size] = raw[i * size : (i + 1) * size]
+            return
         with warnings.catch_warnings():  # read-only source buffers are only read
             warnings.simplefilter("ignore", UserWarning)
             source = torch.frombuffer(data, dtype=torch.uint8)

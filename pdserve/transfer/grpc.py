@@ -12,9 +12,11 @@ import grpc
 
 from pdserve.rpc.channels import ChannelPool
 from pdserve.transfer.base import KVTransferError, KVTransport, TransferResult
-from pdserve.v1 import decode_pb2, decode_pb2_grpc
+from pdserve.v1 import decode_pb2
 
 DEFAULT_CHUNK_BYTES = 4 * 2**20
+PUSH_KV_METHOD = "/pdserve.v1.DecodeService/PushKV"
+_DATA_TAG = bytes([(4 << 3) | 2])  # KVChunk.data: field 4, length-delimited
 
 
 class GrpcKVTransport(KVTransport):
@@ -30,12 +32,15 @@ class GrpcKVTransport(KVTransport):
     def send(
         self, peer: str, request_id: str, first_block: int, blocks: Sequence[memoryview]
     ) -> TransferResult:
-        stub = decode_pb2_grpc.DecodeServiceStub(self._channels.get(peer))
+        channel = self._channels.get(peer)
+        push: grpc.StreamUnaryMultiCallable[bytes, decode_pb2.PushKVReply] = channel.stream_unary(
+            PUSH_KV_METHOD,
+            request_serializer=None,  # `_chunks` encodes the messages without extra copies
+            response_deserializer=decode_pb2.PushKVReply.FromString,
+        )
         start = time.perf_counter()
         try:
-            reply = stub.PushKV(
-                self._chunks(request_id, first_block, blocks), timeout=self._timeout_s
-            )
+            reply = push(self._chunks(request_id, first_block, blocks), timeout=self._timeout_s)
         except grpc.RpcError as e:
             raise KVTransferError(
                 f"KV transfer of request {request_id} to {peer} failed: "
@@ -51,21 +56,32 @@ class GrpcKVTransport(KVTransport):
 
     def _chunks(
         self, request_id: str, first_block: int, blocks: Sequence[memoryview]
-    ) -> Iterator[decode_pb2.KVChunk]:
+    ) -> Iterator[bytes]:
+        """Serialized `KVChunk` messages of consecutive blocks, at most `chunk_bytes` each."""
         index = 0
         while index < len(blocks):
-            batch = [blocks[index]]
-            size = len(blocks[index])
-            while (
-                index + len(batch) < len(blocks)
-                and size + len(blocks[index + len(batch)]) <= self._chunk_bytes
-            ):
-                size += len(blocks[index + len(batch)])
-                batch.append(blocks[index + len(batch)])
-            yield decode_pb2.KVChunk(
-                request_id=request_id,
-                first_block=first_block + index,
-                num_blocks=len(batch),
-                data=b"".join(batch),
-            )
-            index += len(batch)
+            end, size = index + 1, len(blocks[index])
+            while end < len(blocks) and size + len(blocks[end]) <= self._chunk_bytes:
+                size += len(blocks[end])
+                end += 1
+            yield encode_kv_chunk(request_id, first_block + index, blocks[index:end])
+            index = end
+
+
+def encode_kv_chunk(request_id: str, first_block: int, blocks: Sequence[memoryview]) -> bytes:
+    """The wire form of `KVChunk(request_id, first_block, num_blocks, data=b"".join(blocks))`,
+    built with one copy of the block bytes (protobuf would make three)."""
+    header = decode_pb2.KVChunk(
+        request_id=request_id, first_block=first_block, num_blocks=len(blocks)
+    ).SerializeToString()
+    size = sum(len(b) for b in blocks)
+    return b"".join([header, _DATA_TAG, _varint(size), *blocks])
+
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while True:
+        byte, value = value & 0x7F, value >> 7
+        out.append(byte | (0x80 if value else 0))
+        if not value:
+            return bytes(out)

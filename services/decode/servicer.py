@@ -67,9 +67,9 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         try:
             for chunk in request_iterator:
                 request_ids.add(chunk.request_id)
-                data = memoryview(chunk.data)
+                data = memoryview(chunk.data)  # each read of a bytes field copies it: read once
                 blocks += self.instance.receive_blocks(chunk.request_id, chunk.first_block, data)
-                received += len(chunk.data)
+                received += len(data)
         except KVTransferError as e:
             for request_id in request_ids:  # settle now, before the sender sees the error
                 self.instance.transfer_failed(request_id)

@@ -5,6 +5,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+from pdserve.transfer.grpc import encode_kv_chunk
+from pdserve.v1 import decode_pb2
+
 ROOT = Path(__file__).parents[2]
 
 
@@ -27,3 +30,13 @@ def test_generated_stubs_are_up_to_date(tmp_path: Path) -> None:
     stale = sorted(str(path) for path in generated if committed.get(path) != generated[path])
     extra = sorted(str(path) for path in set(committed) - set(generated))
     assert not stale and not extra, f"run `make proto`: stale {stale}, unexpected {extra}"
+
+
+def test_hand_encoded_kv_chunk_parses_as_the_proto_message() -> None:
+    blocks = [memoryview(bytes(range(i, i + 64))) for i in range(3)]
+    wire = encode_kv_chunk("req-1", 7, blocks)
+    parsed = decode_pb2.KVChunk.FromString(wire)
+    assert (parsed.request_id, parsed.first_block, parsed.num_blocks) == ("req-1", 7, 3)
+    assert parsed.data == b"".join(blocks)
+    big = [memoryview(bytes(300))]  # a length that needs a two-byte varint
+    assert decode_pb2.KVChunk.FromString(encode_kv_chunk("r", 0, big)).data == bytes(300)
