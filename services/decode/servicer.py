@@ -1,7 +1,10 @@
 """DecodeService servicer: convert -> delegate to DecodeInstance -> convert."""
 
+from __future__ import annotations
+
 import logging
 from collections.abc import Iterator
+from typing import Any
 
 import grpc
 
@@ -16,6 +19,7 @@ from pdserve.rpc.convert import (
 )
 from pdserve.rpc.server import create_server
 from pdserve.transfer.base import KVTransferError
+from pdserve.transfer.wire import KVChunkView, parse_kv_chunk
 from pdserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc
 from services.decode.instance import DecodeInstance
 
@@ -52,7 +56,9 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         )
 
     def PushKV(
-        self, request_iterator: Iterator[decode_pb2.KVChunk], context: grpc.ServicerContext
+        self,
+        request_iterator: Iterator[decode_pb2.KVChunk | KVChunkView],
+        context: grpc.ServicerContext,
     ) -> decode_pb2.PushKVReply:
         blocks = received = 0
         request_ids: set[str] = set()
@@ -67,7 +73,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         try:
             for chunk in request_iterator:
                 request_ids.add(chunk.request_id)
-                data = memoryview(chunk.data)  # each read of a bytes field copies it: read once
+                data = memoryview(chunk.data)  # a view when parsed by parse_kv_chunk
                 blocks += self.instance.receive_blocks(chunk.request_id, chunk.first_block, data)
                 received += len(data)
         except KVTransferError as e:
@@ -121,6 +127,30 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         return self.instance.core.kv_event_stream(context)
 
 
+class _HandlerRecorder:
+    """Stands in for a server to capture the generated method handlers."""
+
+    handlers: dict[str, grpc.RpcMethodHandler[Any, Any]]
+
+    def add_generic_rpc_handlers(self, handlers: object) -> None:
+        pass
+
+    def add_registered_method_handlers(
+        self, service: str, handlers: dict[str, grpc.RpcMethodHandler[Any, Any]]
+    ) -> None:
+        self.handlers = dict(handlers)
+
+
+def add_decode_servicer(servicer: DecodeServicer, server: grpc.Server) -> None:
+    """Register the generated DecodeService handlers, with PushKV parsing KV chunks without
+    copying their data (`parse_kv_chunk`)."""
+    recorder = _HandlerRecorder()
+    decode_pb2_grpc.add_DecodeServiceServicer_to_server(servicer, recorder)  # type: ignore[arg-type]
+    handlers = recorder.handlers
+    handlers["PushKV"] = handlers["PushKV"]._replace(request_deserializer=parse_kv_chunk)  # type: ignore[attr-defined]
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
+
+
 def serve_decode(
     engine_config: EngineConfig, config: DecodeConfig, host: str = "127.0.0.1", port: int = 0
 ) -> tuple[DecodeInstance, grpc.Server, int]:
@@ -129,7 +159,7 @@ def serve_decode(
     instance.start()
     servicer = DecodeServicer(instance)
     server, bound = create_server(
-        lambda s: decode_pb2_grpc.add_DecodeServiceServicer_to_server(servicer, s),
+        lambda s: add_decode_servicer(servicer, s),
         [SERVICE_NAME],
         host,
         port,

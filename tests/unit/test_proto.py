@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 from pdserve.transfer.grpc import encode_kv_chunk
+from pdserve.transfer.wire import parse_kv_chunk
 from pdserve.v1 import decode_pb2
 
 ROOT = Path(__file__).parents[2]
@@ -40,3 +41,15 @@ def test_hand_encoded_kv_chunk_parses_as_the_proto_message() -> None:
     assert parsed.data == b"".join(blocks)
     big = [memoryview(bytes(300))]  # a length that needs a two-byte varint
     assert decode_pb2.KVChunk.FromString(encode_kv_chunk("r", 0, big)).data == bytes(300)
+
+
+def test_zero_copy_parser_reads_what_protobuf_writes() -> None:
+    message = decode_pb2.KVChunk(request_id="ré", first_block=300, num_blocks=2, data=b"x" * 70000)
+    view = parse_kv_chunk(message.SerializeToString())
+    assert (view.request_id, view.first_block, view.num_blocks) == ("ré", 300, 2)
+    assert bytes(view.data) == b"x" * 70000
+    hand = parse_kv_chunk(encode_kv_chunk("a", 1, [memoryview(b"12"), memoryview(b"34")]))
+    assert (hand.request_id, hand.first_block, hand.num_blocks, bytes(hand.data)) == (
+        "a", 1, 2, b"1234",
+    )  # fmt: skip
+    assert parse_kv_chunk(b"").num_blocks == 0
