@@ -5,7 +5,6 @@ every block free or cached, no reservation left.
 """
 
 import threading
-import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -13,6 +12,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+from waiting import wait_for
 
 from pdserve.config import DecodeConfig, EngineConfig, PrefillConfig
 from pdserve.engine import LLMEngine, SamplingParams
@@ -47,14 +47,6 @@ class PDPair:
 
     def decode_stub(self) -> decode_pb2_grpc.DecodeServiceStub:
         return decode_pb2_grpc.DecodeServiceStub(self.client.channels.get(self.decode_address))
-
-
-def wait_for(condition: Callable[[], bool], timeout_s: float = 30.0) -> None:
-    """Poll a condition that depends on a timer or another process (not a synchronisation)."""
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        time.sleep(0.02)
 
 
 @pytest.fixture

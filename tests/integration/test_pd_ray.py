@@ -1,7 +1,6 @@
 """PD disaggregation with instances as real Ray actors placed by the controller."""
 
 import threading
-import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -9,6 +8,7 @@ from pathlib import Path
 import pytest
 import ray
 from reference import hf_greedy, hf_model
+from waiting import wait_for
 
 from pdserve.config import ClusterConfig, DecodeConfig, EngineConfig, PrefillConfig
 from pdserve.engine import LLMEngine, SamplingParams
@@ -39,14 +39,6 @@ def addresses(cluster: Cluster) -> dict[str, str]:
 def decode_stats(client: PDClient, address: str) -> common_pb2.InstanceStats:
     stub = decode_pb2_grpc.DecodeServiceStub(client.channels.get(address))
     return stub.GetStats(common_pb2.StatsRequest())
-
-
-def wait_for(condition: Callable[[], bool], timeout_s: float = 60.0) -> None:
-    """Poll a condition that depends on a timer or another process (not a synchronisation)."""
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        time.sleep(0.02)
 
 
 @pytest.fixture(scope="module")

@@ -2,13 +2,14 @@
 
 import json
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 import openai
 import pytest
+from waiting import wait_for
 
 from pdserve.config import DecodeConfig, EngineConfig, PrefillConfig, RouterConfig
 from pdserve.engine import LLMEngine, SamplingParams
@@ -31,14 +32,6 @@ class Stack:
     @property
     def url(self) -> str:
         return self.router.url
-
-
-def wait_for(condition: Callable[[], bool], timeout_s: float = 30.0) -> None:
-    """Poll a condition that depends on another thread or process (not a synchronisation)."""
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        time.sleep(0.02)
 
 
 @pytest.fixture(scope="module")
