@@ -16,10 +16,12 @@ import anyio
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.concurrency import run_in_threadpool
 
 from pdserve.config import RouterConfig
 from pdserve.errors import InvalidRequestError, PdserveError, PromptTooLongError
+from pdserve.metrics import RouterMetrics
 from pdserve.rpc.convert import ResourceExhaustedError
 from services.router.openai_schema import ChatCompletionRequest, CompletionRequest, OpenAIRequest
 from services.router.pd_client import Finished, TokenDelta
@@ -38,6 +40,20 @@ def create_app(router: Router, config: RouterConfig) -> FastAPI:
     @app.get("/health")
     async def health() -> dict[str, Any]:
         return {"status": "ok", "prefill": router.num_prefill, "decode": router.num_decode}
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        router.export_load()
+        return Response(generate_latest(router.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.middleware("http")
+    async def count(
+        request: Request, call_next: Callable[[Request], Awaitable[Response]]
+    ) -> Response:
+        response = await call_next(request)
+        if request.url.path.startswith("/v1/"):
+            router.metrics.requests.labels(request.url.path, str(response.status_code)).inc()
+        return response
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
@@ -66,7 +82,7 @@ async def _serve(
     params = body.params()  # type: ignore[attr-defined]
     router.validate(ids, params)
     request_id = uuid.uuid4().hex
-    events = router.generate(request_id, ids, params)
+    events = _timed(router.metrics, router.generate(request_id, ids, params))
     if body.stream:
         first = await run_in_threadpool(next, events)  # errors before the first token -> HTTP
         state = _StreamState()
@@ -87,6 +103,23 @@ async def _until_done_or_disconnected(
         if await http.is_disconnected():
             await run_in_threadpool(router.abort, request_id)
             return await task
+
+
+def _timed(metrics: RouterMetrics, events: Iterator[Event]) -> Iterator[Event]:
+    """Observe TTFT, inter-token and end-to-end latency as the events pass."""
+    start = last = time.perf_counter()
+    first = True
+    for event in events:
+        now = time.perf_counter()
+        if isinstance(event, Finished):
+            metrics.e2e.observe(now - start)
+        elif first:
+            metrics.ttft.observe(now - start)
+            first = False
+        else:
+            metrics.inter_token.observe(now - last)
+        last = now
+        yield event
 
 
 class _StreamState:

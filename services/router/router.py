@@ -20,6 +20,7 @@ from pdserve.engine.request import SamplingParams
 from pdserve.errors import InvalidRequestError, PdserveError, PromptTooLongError
 from pdserve.kvcache.events import BlockRemoved, BlockStored
 from pdserve.kvcache.hashing import BlockHash, BlockHasher
+from pdserve.metrics import RouterMetrics
 from pdserve.model.tokenizer import Tokenizer
 from pdserve.rpc.convert import ResourceExhaustedError
 from pdserve.v1 import common_pb2, decode_pb2_grpc, prefill_pb2_grpc
@@ -86,6 +87,7 @@ class Router:
         self.policy = make_policy(config.prefill_policy)
         self.decode_policy = make_decode_policy("least_kv_usage")
         self._decode_load: dict[str, DecodeCapacity] = {}
+        self.metrics = RouterMetrics()
         self._unhealthy_until: dict[str, float] = {}
         self._active: dict[str, _Active] = {}
         self._lock = threading.Lock()
@@ -170,6 +172,7 @@ class Router:
                     raise
                 except PdserveError as e:
                     failure = e
+                    self.metrics.retries.inc()
                     excluded |= self._blame(e, prefill, decode)
                     logger.warning(
                         "request %s attempt %d on %s -> %s failed: %s",
@@ -210,6 +213,12 @@ class Router:
             for lease in active.leases:
                 lease.release()
 
+    def export_load(self) -> None:
+        """Copy the in-flight lease counts into the metrics gauge (before a scrape)."""
+        for address in [*self.prefill, *self.decode]:
+            load = self.load.load_of(address)
+            self.metrics.in_flight.labels(address).set(load.in_flight_requests)
+
     def _blame(self, error: Exception, prefill: str, decode: str) -> set[str]:
         """Instances not to retry on, marked unhealthy for a while (their index dropped)."""
         if isinstance(error, ResourceExhaustedError):
@@ -233,6 +242,7 @@ class Router:
         try:
             overlaps = self.index.overlaps(hashes, prefills)
             prefill = self.policy.choose(prefills, request, self.load.snapshot(), overlaps)
+            self.metrics.decisions.labels(self.config.prefill_policy, str(prefill.reason)).inc()
             decode = self.decode_policy.choose(decodes, request, dict(self._decode_load))
         except NoCandidateError as e:
             raise NoCapacityError(str(e)) from e

@@ -252,3 +252,26 @@ def test_dead_prefill_is_routed_around_and_rejoins_when_it_returns(stack: Stack)
             model=MODEL, prompt=f"after {n} " * 8, max_tokens=2, temperature=0
         )
     wait_for(lambda: router.index.num_blocks(address) > 0)
+
+
+def test_metrics_count_requests_and_latencies(stack: Stack) -> None:
+    def scrape() -> dict[str, float]:
+        text = httpx.get(f"{stack.url}/metrics").text
+        samples = {}
+        for line in text.splitlines():
+            if line and not line.startswith("#"):
+                name, value = line.rsplit(" ", 1)
+                samples[name] = float(value)
+        return samples
+
+    ok = 'pdserve_router_requests_total{endpoint="/v1/completions",status="200"}'
+    before = scrape()
+    stack.client.completions.create(model=MODEL, prompt="metrics", max_tokens=3, temperature=0)
+    httpx.post(f"{stack.url}/v1/completions", json={"model": "nope", "prompt": "x"})
+    after = scrape()
+    assert after[ok] - before.get(ok, 0) == 1
+    assert after['pdserve_router_requests_total{endpoint="/v1/completions",status="404"}'] >= 1
+    ttft = "pdserve_router_time_to_first_token_seconds_count"
+    assert after[ttft] - before.get(ttft, 0) == 1
+    itl = "pdserve_router_inter_token_latency_seconds_count"
+    assert after[itl] - before.get(itl, 0) == 2
