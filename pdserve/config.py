@@ -76,6 +76,15 @@ class DecodeConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class MixedConfig:
+    """Mixed instances (no disaggregation): set replicas > 0 and prefill/decode replicas to 0."""
+
+    replicas: int = 0
+    num_cpus: float = 1.0
+    num_gpus: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
 class RouterConfig:
     """The OpenAI-compatible HTTP router."""
 
@@ -96,6 +105,7 @@ class ClusterConfig:
     engine: EngineConfig = EngineConfig()
     prefill: PrefillConfig = PrefillConfig()
     decode: DecodeConfig = DecodeConfig()
+    mixed: MixedConfig = MixedConfig()
     router: RouterConfig = RouterConfig()
     ray_address: str | None = None  # None = start a local Ray; "auto" or host:port = join
     namespace: str = "pdserve"
@@ -115,13 +125,15 @@ def load_cluster_config(
     `PDSERVE_DECODE_<FIELD>`, `PDSERVE_ROUTER_<FIELD>`, then `overrides` of cluster fields."""
     env = os.environ if env is None else env
     document = _yaml_document(Path(path)) if path is not None else {}
-    unknown = sorted(set(document) - {"engine", "prefill", "decode", "router", "cluster"})
+    known = {"engine", "prefill", "decode", "mixed", "router", "cluster"}
+    unknown = sorted(set(document) - known)
     if unknown:
         raise ConfigError(f"unknown config section(s): {', '.join(unknown)}")
     sections = {
         "engine": load_engine_config(path, env=env),
         "prefill": _build(PrefillConfig, _section(document, "prefill", path), env, "PREFILL_"),
         "decode": _build(DecodeConfig, _section(document, "decode", path), env, "DECODE_"),
+        "mixed": _build(MixedConfig, _section(document, "mixed", path), env, "MIXED_"),
         "router": _build(RouterConfig, _section(document, "router", path), env, "ROUTER_"),
     }
     cluster = _section(document, "cluster", path)

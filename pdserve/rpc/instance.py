@@ -32,6 +32,22 @@ class TransferCounters:
     blocks_received: int = 0
 
 
+def aborted_output(request_id: str) -> RequestOutput:
+    """The final output of a request that was aborted (it produced no tokens in this step)."""
+    return RequestOutput(
+        request_id=request_id,
+        new_token_ids=(),
+        new_text="",
+        finished=True,
+        kv_ready=False,
+        finish_reason="abort",
+        stop_reason=None,
+        num_prompt_tokens=0,
+        num_output_tokens=0,
+        num_cached_tokens=0,
+    )
+
+
 class InstanceCore:
     def __init__(
         self, role: str, engine: LLMEngine, events: KVEventBroadcaster, on_tick: Callable[[], None]
@@ -64,13 +80,17 @@ class InstanceCore:
                 sink(output)
 
     def abort(self, request_id: str) -> bool:
-        """Abort a live request on the engine thread; False when it is not live."""
+        """Abort a live request on the engine thread and send its sink a final `abort` output;
+        False when it is not live."""
 
         def abort(engine: LLMEngine) -> bool:
             try:
                 engine.abort_request(request_id)
             except RequestNotFoundError:
                 return False
+            sink = self._sinks.pop(request_id, None)
+            if sink is not None:
+                sink(aborted_output(request_id))
             return True
 
         return self.loop.call(abort)

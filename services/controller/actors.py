@@ -15,12 +15,14 @@ from pdserve.config import ClusterConfig
 from pdserve.v1 import common_pb2
 from services.decode.instance import DecodeInstance
 from services.decode.servicer import serve_decode
+from services.mixed.instance import MixedInstance
+from services.mixed.servicer import serve_mixed
 from services.prefill.instance import PrefillInstance
 from services.prefill.servicer import serve_prefill
 
 logger = logging.getLogger(__name__)
 
-ROLES = ("prefill", "decode")
+ROLES = ("prefill", "decode", "mixed")
 
 
 class InstanceActor:
@@ -33,16 +35,18 @@ class InstanceActor:
         if config.engine.torch_threads is not None:
             torch.set_num_threads(config.engine.torch_threads)
         self.role = role
-        self.instance: PrefillInstance | DecodeInstance
+        self.instance: PrefillInstance | DecodeInstance | MixedInstance
         self.server: grpc.Server
         if role == "prefill":
             self.instance, self.server, port = serve_prefill(
                 config.engine, config.prefill, config.host
             )
-        else:
+        elif role == "decode":
             self.instance, self.server, port = serve_decode(
                 config.engine, config.decode, config.host
             )
+        else:
+            self.instance, self.server, port = serve_mixed(config.engine, config.host)
         self._address = f"{advertised_host(config.host)}:{port}"
 
     def address(self) -> str:

@@ -147,6 +147,7 @@ def _up(args: argparse.Namespace) -> int:
             config.engine,
             [i.address for i in instances if i.role == "prefill"],
             [i.address for i in instances if i.role == "decode"],
+            [i.address for i in instances if i.role == "mixed"],
         )
         cluster.write_state(path, router_url=router.url)
         for info in instances:

@@ -18,7 +18,7 @@ import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from pdserve.config import ClusterConfig, DecodeConfig, PrefillConfig
+from pdserve.config import ClusterConfig, DecodeConfig, MixedConfig, PrefillConfig
 from pdserve.errors import PdserveError
 from services.controller.actors import InstanceActor
 
@@ -49,10 +49,15 @@ class Cluster:
     def up(self) -> list[InstanceInfo]:
         """Place every instance and wait until all serve. Raises ClusterError."""
         self._connect()
-        roles = ["prefill"] * self.config.prefill.replicas + [
-            "decode"
-        ] * self.config.decode.replicas
-        counters = {"prefill": 0, "decode": 0}
+        config = self.config
+        roles = (
+            ["prefill"] * config.prefill.replicas
+            + ["decode"] * config.decode.replicas
+            + ["mixed"] * config.mixed.replicas
+        )
+        if not roles:
+            raise ClusterError("no instances configured: set prefill/decode or mixed replicas")
+        counters = dict.fromkeys(("prefill", "decode", "mixed"), 0)
         self._placement_group = self._reserve(roles)
         pending = {}
         for bundle, role in enumerate(roles):
@@ -98,17 +103,20 @@ class Cluster:
         return group
 
     def _bundle(self, role: str) -> dict[str, float]:
-        settings: PrefillConfig | DecodeConfig = (
-            self.config.prefill if role == "prefill" else self.config.decode
-        )
+        settings = self._settings(role)
         bundle = {"CPU": settings.num_cpus}
         if settings.num_gpus:
             bundle["GPU"] = settings.num_gpus
         return bundle
 
+    def _settings(self, role: str) -> PrefillConfig | DecodeConfig | MixedConfig:
+        if role == "prefill":
+            return self.config.prefill
+        return self.config.decode if role == "decode" else self.config.mixed
+
     def _create_actor(self, name: str, role: str, bundle: int) -> Any:
         assert self._placement_group is not None  # internal: `up` reserved it first
-        settings = self.config.prefill if role == "prefill" else self.config.decode
+        settings = self._settings(role)
         remote_class = ray.remote(InstanceActor)
         return remote_class.options(
             name=f"pdserve-{name}",

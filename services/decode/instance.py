@@ -16,7 +16,7 @@ from pdserve.engine.engine import LLMEngine, RequestOutput
 from pdserve.engine.request import SamplingParams
 from pdserve.errors import InvalidRequestError, RequestNotFoundError
 from pdserve.rpc.convert import ResourceExhaustedError
-from pdserve.rpc.instance import InstanceCore
+from pdserve.rpc.instance import InstanceCore, aborted_output
 from pdserve.transfer.base import KVTransferError
 from pdserve.v1 import common_pb2
 from services.decode.reservations import Reservation, ReservationTable
@@ -156,11 +156,11 @@ class DecodeInstance:
                 - len(reservation.received)
             )
             engine.kv_cache.free(request_id)
-            self._close_stream(request_id, "abort")
+            self._close_stream(request_id)
             raise KVTransferError(f"request {request_id} started with {missing} KV blocks missing")
         if not 0 <= first_token_id < engine.loaded.config.vocab_size:
             engine.kv_cache.free(request_id)
-            self._close_stream(request_id, "abort")
+            self._close_stream(request_id)
             raise InvalidRequestError(f"first token id {first_token_id} is outside the vocabulary")
         self.core.set_sink(request_id, self._push_output)
         self._push_output(engine.admit_prefilled(reservation.request, first_token_id))
@@ -192,7 +192,7 @@ class DecodeInstance:
         if reservation is not None:
             self._release(reservation, "aborted")
             return True
-        return self.core.abort(request_id) and self._close_stream(request_id, "abort")
+        return self.core.abort(request_id)  # its sink receives the final `abort` output
 
     # -- housekeeping ----------------------------------------------------------------------------
 
@@ -200,16 +200,15 @@ class DecodeInstance:
         request_id = reservation.request.request_id
         logger.info("releasing reservation of request %s: %s", request_id, why)
         self.core.loop.submit(lambda engine: engine.kv_cache.free(request_id))
-        self._close_stream(request_id, "abort")
+        self._close_stream(request_id)
 
-    def _close_stream(self, request_id: str, reason: str) -> bool:
+    def _close_stream(self, request_id: str) -> None:
         with self._outputs_lock:
             outputs = self._outputs.get(request_id)
         if outputs is not None:
-            outputs.put(_abort_output(request_id, reason))
+            outputs.put(aborted_output(request_id))
             outputs.put(_FINISHED)
         self.core.drop_sink(request_id)
-        return True
 
     def _expire_leases(self) -> None:
         """Engine thread, between steps: free reservations whose KV never completed."""
@@ -218,7 +217,7 @@ class DecodeInstance:
             request_id = reservation.request.request_id
             logger.warning("reservation of request %s expired before its KV arrived", request_id)
             self.core.engine.kv_cache.free(request_id)
-            self._close_stream(request_id, "abort")
+            self._close_stream(request_id)
 
     def stats(self) -> common_pb2.InstanceStats:
         return self.core.stats(
@@ -229,18 +228,3 @@ class DecodeInstance:
 
     def check_integrity(self) -> None:
         self.core.check_integrity()
-
-
-def _abort_output(request_id: str, reason: str) -> RequestOutput:
-    return RequestOutput(
-        request_id=request_id,
-        new_token_ids=(),
-        new_text="",
-        finished=True,
-        kv_ready=False,
-        finish_reason=reason,
-        stop_reason=None,
-        num_prompt_tokens=0,
-        num_output_tokens=0,
-        num_cached_tokens=0,
-    )

@@ -9,6 +9,7 @@ import logging
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import grpc
 
@@ -17,7 +18,14 @@ from pdserve.errors import InvalidRequestError, PdserveError, RequestNotFoundErr
 from pdserve.rpc.channels import ChannelPool
 from pdserve.rpc.convert import FINISH_REASON_NAMES, ResourceExhaustedError, generate_request
 from pdserve.transfer.base import KVTransferError
-from pdserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
+from pdserve.v1 import (
+    common_pb2,
+    decode_pb2,
+    decode_pb2_grpc,
+    mixed_pb2_grpc,
+    prefill_pb2,
+    prefill_pb2_grpc,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,7 +40,7 @@ class Finished:
     stop_reason: str
     num_prompt_tokens: int
     num_output_tokens: int
-    prefill: prefill_pb2.PrefillResult
+    prefill: prefill_pb2.PrefillResult | None  # None on a mixed instance
 
 
 logger = logging.getLogger(__name__)
@@ -68,25 +76,19 @@ class PDClient:
         result = self.prefill(prefill_address, decode_address, prompt_token_ids, params, request_id)
         decode = decode_pb2_grpc.DecodeServiceStub(self.channels.get(decode_address))
         stream = decode.StreamTokens(decode_pb2.StreamTokensRequest(request_id=request_id))
-        try:
-            for reply in stream:
-                kind = reply.WhichOneof("reply")
-                if kind == "chunk":
-                    yield TokenDelta(tuple(reply.chunk.token_ids), reply.chunk.text)
-                elif kind == "final":
-                    final = reply.final
-                    yield Finished(
-                        FINISH_REASON_NAMES.get(final.finish_reason, "unknown"),
-                        final.stop_reason,
-                        final.num_prompt_tokens,
-                        final.num_output_tokens,
-                        result,
-                    )
-                    return
-                else:
-                    raise_error(reply.error)
-        finally:
-            stream.cancel()
+        yield from _read_tokens(stream, result)
+
+    def generate_mixed(
+        self,
+        address: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        request_id: str,
+    ) -> Iterator[TokenDelta | Finished]:
+        """One request on a mixed instance (both phases on one engine)."""
+        stub = mixed_pb2_grpc.MixedServiceStub(self.channels.get(address))
+        stream = stub.Generate(generate_request(request_id, prompt_token_ids, params))
+        yield from _read_tokens(stream, None)
 
     def prefill(
         self,
@@ -116,13 +118,17 @@ class PDClient:
             f"prefill instance {prefill_address} ended request {request_id} without a result"
         )
 
-    def abort(self, prefill_address: str, decode_address: str, request_id: str) -> None:
-        """Abort the request on both instances (best effort: an instance may be gone)."""
+    def abort(self, prefill_address: str, decode_address: str | None, request_id: str) -> None:
+        """Abort the request on the instances that may hold it (best effort: they may be gone).
+        `decode_address` None means `prefill_address` is a mixed instance."""
         message = common_pb2.AbortRequest(request_id=request_id)
-        stubs = (
-            decode_pb2_grpc.DecodeServiceStub(self.channels.get(decode_address)),
-            prefill_pb2_grpc.PrefillServiceStub(self.channels.get(prefill_address)),
-        )
+        channel = self.channels.get(prefill_address)
+        stubs: tuple[Any, ...] = (mixed_pb2_grpc.MixedServiceStub(channel),)
+        if decode_address is not None:
+            stubs = (
+                decode_pb2_grpc.DecodeServiceStub(self.channels.get(decode_address)),
+                prefill_pb2_grpc.PrefillServiceStub(channel),
+            )
         for stub in stubs:
             try:
                 stub.Abort(message, timeout=5)
@@ -131,3 +137,30 @@ class PDClient:
 
     def close(self) -> None:
         self.channels.close()
+
+
+def _read_tokens(
+    stream: Any, prefill: prefill_pb2.PrefillResult | None
+) -> Iterator[TokenDelta | Finished]:
+    """Token replies as events; raises the typed error of an error reply."""
+    try:
+        for reply in stream:
+            kind = reply.WhichOneof("reply")
+            if kind == "chunk":
+                yield TokenDelta(tuple(reply.chunk.token_ids), reply.chunk.text)
+            elif kind == "final":
+                final = reply.final
+                yield Finished(
+                    FINISH_REASON_NAMES.get(final.finish_reason, "unknown"),
+                    final.stop_reason,
+                    final.num_prompt_tokens,
+                    final.num_output_tokens,
+                    prefill,
+                )
+                return
+            else:
+                raise_error(reply.error)
+    except grpc.RpcError as e:
+        raise KVTransferError(f"instance stream failed: {e.code().name}: {e.details()}") from e
+    finally:
+        stream.cancel()

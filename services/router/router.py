@@ -12,18 +12,19 @@ import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import grpc
 
 from pdserve.config import RouterConfig
 from pdserve.engine.request import SamplingParams
-from pdserve.errors import InvalidRequestError, PdserveError, PromptTooLongError
+from pdserve.errors import ConfigError, InvalidRequestError, PdserveError, PromptTooLongError
 from pdserve.kvcache.events import BlockRemoved, BlockStored
 from pdserve.kvcache.hashing import BlockHash, BlockHasher
 from pdserve.metrics import RouterMetrics
 from pdserve.model.tokenizer import Tokenizer
 from pdserve.rpc.convert import ResourceExhaustedError
-from pdserve.v1 import common_pb2, decode_pb2_grpc, prefill_pb2_grpc
+from pdserve.v1 import common_pb2, decode_pb2_grpc, mixed_pb2_grpc, prefill_pb2_grpc
 from services.router.kv_index import KVEventIndex
 from services.router.load import Lease, LoadTracker
 from services.router.pd_client import Finished, PDClient, TokenDelta
@@ -64,7 +65,7 @@ class ModelInfo:
 @dataclass(slots=True)
 class _Active:
     prefill: str
-    decode: str
+    decode: str | None  # None: `prefill` is a mixed instance
     leases: tuple[Lease, ...]
 
 
@@ -76,10 +77,14 @@ class Router:
         prefill: Sequence[str],
         decode: Sequence[str],
         client: PDClient | None = None,
+        mixed: Sequence[str] = (),
     ) -> None:
+        if mixed and (prefill or decode):
+            raise ConfigError("a router serves either mixed instances or prefill + decode pairs")
         self.config = config
         self.model = model
-        self.prefill = list(prefill)
+        self.mixed = bool(mixed)
+        self.prefill = list(mixed) or list(prefill)  # mixed instances take the prefill role
         self.decode = list(decode)
         self.client = client or PDClient()
         self.index = KVEventIndex()
@@ -162,10 +167,12 @@ class Router:
         failure: Exception | None = None
         for attempt in range(1, self.config.max_attempts + 1):
             prefill, decode = self._choose(request_id, token_ids, hashes, excluded)
-            leases = (self.load.acquire(prefill, len(token_ids)), self.load.acquire(decode, 0))
+            leases: tuple[Lease, ...] = (self.load.acquire(prefill, len(token_ids)),)
+            if decode is not None:
+                leases += (self.load.acquire(decode, 0),)
             self._active[request_id] = _Active(prefill, decode, leases)
             try:
-                events = self.client.generate(prefill, decode, token_ids, params, request_id)
+                events = self._start(prefill, decode, token_ids, params, request_id)
                 try:
                     first = next(events)
                 except InvalidRequestError:
@@ -186,7 +193,8 @@ class Router:
                     time.sleep(backoff)
                     backoff *= 2
                     continue
-                leases[0].release()  # prefill is done once the first token exists
+                if decode is not None:
+                    leases[0].release()  # prefill is done once the first token exists
                 yield first
                 yield from events
                 return
@@ -198,6 +206,18 @@ class Router:
             "retry later",
             retry_ms,
         )
+
+    def _start(
+        self,
+        prefill: str,
+        decode: str | None,
+        token_ids: list[int],
+        params: SamplingParams,
+        request_id: str,
+    ) -> Iterator[TokenDelta | Finished]:
+        if decode is None:
+            return self.client.generate_mixed(prefill, token_ids, params, request_id)
+        return self.client.generate(prefill, decode, token_ids, params, request_id)
 
     def abort(self, request_id: str) -> None:
         """Stop a request on every instance that holds it and release its leases."""
@@ -219,15 +239,16 @@ class Router:
             load = self.load.load_of(address)
             self.metrics.in_flight.labels(address).set(load.in_flight_requests)
 
-    def _blame(self, error: Exception, prefill: str, decode: str) -> set[str]:
+    def _blame(self, error: Exception, prefill: str, decode: str | None) -> set[str]:
         """Instances not to retry on, marked unhealthy for a while (their index dropped)."""
-        if isinstance(error, ResourceExhaustedError):
+        if isinstance(error, ResourceExhaustedError) and decode is not None:
             return {decode}
         now = time.monotonic()
-        for address in (prefill, decode):
+        blamed = {prefill} if decode is None else {prefill, decode}
+        for address in blamed:
             self._unhealthy_until[address] = now + UNHEALTHY_COOLDOWN_S
         self.index.drop_instance(prefill)
-        return {prefill, decode}
+        return blamed
 
     def _choose(
         self,
@@ -235,14 +256,16 @@ class Router:
         token_ids: Sequence[int],
         hashes: Sequence[BlockHash],
         excluded: set[str],
-    ) -> tuple[str, str]:
+    ) -> tuple[str, str | None]:
         prefills = self._candidates(self.prefill, excluded)
-        decodes = self._candidates(self.decode, excluded)
         request = RouteRequest(request_id, len(token_ids), self.model.hasher.block_size)
         try:
             overlaps = self.index.overlaps(hashes, prefills)
             prefill = self.policy.choose(prefills, request, self.load.snapshot(), overlaps)
             self.metrics.decisions.labels(self.config.prefill_policy, str(prefill.reason)).inc()
+            if self.mixed:
+                return prefill.instance_id, None
+            decodes = self._candidates(self.decode, excluded)
             decode = self.decode_policy.choose(decodes, request, dict(self._decode_load))
         except NoCandidateError as e:
             raise NoCapacityError(str(e)) from e
@@ -267,7 +290,12 @@ class Router:
     def _follow_kv_events(self, address: str) -> None:
         """Mirror one prefill instance's KV events; on disconnect drop its view, resubscribe."""
         while not self._stopped.is_set():
-            stub = prefill_pb2_grpc.PrefillServiceStub(self.client.channels.get(address))
+            channel = self.client.channels.get(address)
+            stub: Any = (
+                mixed_pb2_grpc.MixedServiceStub(channel)
+                if self.mixed
+                else prefill_pb2_grpc.PrefillServiceStub(channel)
+            )
             stream = stub.SubscribeKVEvents(common_pb2.KVEventsRequest())
             try:
                 for event in stream:

@@ -55,10 +55,16 @@ class RunningRouter:
 
 
 def serve_router(
-    config: RouterConfig, engine: EngineConfig, prefill: list[str], decode: list[str]
+    config: RouterConfig,
+    engine: EngineConfig,
+    prefill: list[str],
+    decode: list[str],
+    mixed: list[str] | None = None,
 ) -> RunningRouter:
-    """Start the HTTP router for the given instances; returns once it accepts connections."""
-    router = Router(config, model_info(engine, config.model_name), prefill, decode)
+    """Start the HTTP router for PD pairs (or for mixed instances); returns once it accepts
+    connections."""
+    model = model_info(engine, config.model_name)
+    router = Router(config, model, prefill, decode, mixed=mixed or ())
     router.start()
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

@@ -1,0 +1,71 @@
+"""MixedService servicer: convert -> delegate to MixedInstance -> convert."""
+
+import logging
+from collections.abc import Iterator
+
+import grpc
+
+from pdserve.config import EngineConfig
+from pdserve.errors import PdserveError
+from pdserve.rpc.convert import error_proto, sampling_from_proto, token_reply
+from pdserve.rpc.server import create_server
+from pdserve.v1 import common_pb2, decode_pb2, mixed_pb2_grpc
+from services.mixed.instance import MixedInstance
+
+logger = logging.getLogger(__name__)
+
+SERVICE_NAME = "pdserve.v1.MixedService"
+
+
+class MixedServicer(mixed_pb2_grpc.MixedServiceServicer):
+    def __init__(self, instance: MixedInstance) -> None:
+        self.instance = instance
+
+    def Generate(
+        self, request: common_pb2.GenerateRequest, context: grpc.ServicerContext
+    ) -> Iterator[decode_pb2.TokenReply]:
+        def abort_on_exit() -> None:  # runs when the RPC ends; a no-op once finished
+            self.instance.abort(request.request_id)
+
+        context.add_callback(abort_on_exit)
+        try:
+            params = sampling_from_proto(request.sampling)
+            outputs = self.instance.generate(
+                request.request_id, list(request.prompt_token_ids), params
+            )
+            for output in outputs:
+                yield from token_reply(output)
+        except PdserveError as e:
+            yield decode_pb2.TokenReply(error=error_proto(e))
+
+    def Abort(
+        self, request: common_pb2.AbortRequest, context: grpc.ServicerContext
+    ) -> common_pb2.AbortReply:
+        return common_pb2.AbortReply(found=self.instance.abort(request.request_id))
+
+    def GetStats(
+        self, request: common_pb2.StatsRequest, context: grpc.ServicerContext
+    ) -> common_pb2.InstanceStats:
+        return self.instance.stats()
+
+    def SubscribeKVEvents(
+        self, request: common_pb2.KVEventsRequest, context: grpc.ServicerContext
+    ) -> Iterator[common_pb2.KVEvent]:
+        return self.instance.core.kv_event_stream(context)
+
+
+def serve_mixed(
+    engine_config: EngineConfig, host: str = "127.0.0.1", port: int = 0
+) -> tuple[MixedInstance, grpc.Server, int]:
+    """Start a mixed instance and its gRPC server; returns (instance, server, port)."""
+    instance = MixedInstance(engine_config)
+    instance.start()
+    servicer = MixedServicer(instance)
+    server, bound = create_server(
+        lambda s: mixed_pb2_grpc.add_MixedServiceServicer_to_server(servicer, s),
+        [SERVICE_NAME],
+        host,
+        port,
+    )
+    logger.info("mixed instance serving on %s:%d", host, bound)
+    return instance, server, bound

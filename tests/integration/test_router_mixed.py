@@ -1,0 +1,82 @@
+"""The same router in mixed mode: a pool of mixed instances behind the same policies."""
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from waiting import wait_for
+
+from pdserve.config import EngineConfig, RouterConfig
+from pdserve.engine import LLMEngine, SamplingParams
+from services.mixed.instance import MixedInstance
+from services.mixed.servicer import serve_mixed
+from services.router.server import RunningRouter, serve_router
+
+MODEL = "tiny"
+
+
+@pytest.fixture(scope="module")
+def mixed_stack(tiny_model_dir: Path) -> Iterator[tuple[RunningRouter, list[MixedInstance]]]:
+    engine = EngineConfig(model=str(tiny_model_dir), num_kv_blocks=512, max_model_len=1024)
+    served = [serve_mixed(engine) for _ in range(2)]
+    config = RouterConfig(port=0, model_name=MODEL)
+    addresses = [f"127.0.0.1:{port}" for _, _, port in served]
+    router = serve_router(config, engine, [], [], mixed=addresses)
+    yield router, [instance for instance, _, _ in served]
+    router.stop()
+    for instance, server, _ in served:
+        server.stop(0)
+        instance.check_integrity()
+        stats = instance.stats()
+        assert stats.num_free_blocks == stats.num_blocks
+        instance.stop()
+
+
+def test_mixed_pool_serves_the_same_tokens_as_one_engine(
+    mixed_stack: tuple[RunningRouter, list[MixedInstance]], tiny_model_dir: Path
+) -> None:
+    router, _ = mixed_stack
+    client = openai.OpenAI(base_url=f"{router.url}/v1", api_key="unused", max_retries=0)
+    result = client.completions.create(
+        model=MODEL, prompt="Hello there", max_tokens=10, temperature=0
+    )
+    engine = LLMEngine.from_config(EngineConfig(model=str(tiny_model_dir), max_model_len=1024))
+    [expected] = engine.generate(["Hello there"], SamplingParams(max_tokens=10))
+    assert result.choices[0].text == expected.text
+    assert result.usage is not None and result.usage.completion_tokens == 10
+
+
+def test_mixed_follow_up_turn_goes_to_the_instance_with_the_prefix(
+    mixed_stack: tuple[RunningRouter, list[MixedInstance]],
+) -> None:
+    router, instances = mixed_stack
+    client = openai.OpenAI(base_url=f"{router.url}/v1", api_key="unused", max_retries=0)
+    history = [
+        {"role": "system", "content": "Answer briefly. " * 10},
+        {"role": "user", "content": "Hi?"},
+    ]
+    first = client.chat.completions.create(model=MODEL, messages=history, max_tokens=6)  # type: ignore[arg-type]
+    index = router.router.index
+    wait_for(lambda: sum(index.num_blocks(a) for a in router.router.prefill) >= 4)
+    before = [i.stats().prefix_cache_hits for i in instances]
+    history += [
+        {"role": "assistant", "content": first.choices[0].message.content or ""},
+        {"role": "user", "content": "More?"},
+    ]
+    client.chat.completions.create(model=MODEL, messages=history, max_tokens=6)  # type: ignore[arg-type]
+    gained = sorted(i.stats().prefix_cache_hits - b for i, b in zip(instances, before, strict=True))
+    assert gained[0] == 0 and gained[1] >= 64
+
+
+def test_mixed_disconnect_aborts_the_request(
+    mixed_stack: tuple[RunningRouter, list[MixedInstance]],
+) -> None:
+    router, instances = mixed_stack
+    body = {"model": MODEL, "prompt": "stream", "max_tokens": 900, "stream": True}
+    with httpx.stream("POST", f"{router.url}/v1/completions", json=body, timeout=30) as response:
+        assert next(response.iter_lines()).startswith("data: ")
+        assert sum(i.stats().num_running for i in instances) == 1
+    wait_for(lambda: sum(i.stats().num_running for i in instances) == 0)
+    wait_for(lambda: router.router.load.num_live_leases() == 0)
