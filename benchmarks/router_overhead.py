@@ -11,22 +11,54 @@ reported on its own row (`hash_us`): the router hashes once per request whatever
 Target: decision_us <= 200. A bare loop of dict lookups over the same 256 hashes is timed as the
 machine's baseline.
 
-`proxy_rps` (requests/s through the OpenAI HTTP router with instant fake instances) is reported as
-nan until the HTTP router exists; it is never estimated.
+`proxy_rps`: requests/s the OpenAI HTTP router (`serve_router`, the real app, `cache_aware` policy)
+proxies to instant fake instances. The fakes are minimal gRPC servers built on the generated
+servicer bases and `create_server`: 2 PrefillService (Prefill answers RESERVED then a final
+PrefillResult at once; GetStats; SubscribeKVEvents holds the stream open, sending nothing, until
+cancelled) and 1 DecodeService (StreamTokens answers one TokenChunk then TokenFinal; GetStats
+reports free blocks; Abort). A client of `--workers` (16) concurrent httpx workers posts
+non-streaming `/v1/completions` with a `--proxy-prompt-tokens` (64) token-id prompt, max_tokens 2,
+for `--proxy-seconds` (5; quick 2) after a 1 s warm-up; only 200 responses are counted. Every
+request costs the router: JSON parsing and validation, hashing the prompt, a routing decision,
+the Prefill and StreamTokens RPCs, two leases, and the JSON response.
+
+Process layout (2-core box): the router runs alone in this process; the fakes and the client run
+in a child process (`multiprocessing` spawn), so the router does not share its GIL with them.
+The baseline, measured in the same run by the same client, is a bare FastAPI app on uvicorn
+(same server settings, in this process) whose `/v1/completions` returns a fixed completion body:
+the HTTP stack alone. `proxy_ratio` = proxy_rps / bare_http_rps (median of per-round ratios; the
+sides alternate, `--repeat` rounds). The JSON also has each process's CPU time per request
+(`router_cpu_us_per_request`: what one proxied request costs the router) and latency percentiles.
 """
 
 import argparse
+import asyncio
+import multiprocessing
 import os
 import random
-from collections.abc import Callable, Sequence
+import socket
+import statistics
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from typing import Any
 
-from _common import finish, median_seconds, parse_args, print_table, repeats
+import grpc
+import httpx
+import uvicorn
+from _common import finish, median, median_seconds, parse_args, print_table, repeats
+from fastapi import FastAPI
 
+from pdserve.config import EngineConfig, RouterConfig
 from pdserve.kvcache.events import BlockRemoved, BlockStored
 from pdserve.kvcache.hashing import BlockHash, BlockHasher
+from pdserve.rpc.server import create_server
+from pdserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 from services.router.kv_index import KVEventIndex
 from services.router.load import Lease, LoadTracker
+from services.router.openai_schema import CompletionRequest
 from services.router.policies import (
     Decision,
     PolicyConfig,
@@ -35,12 +67,18 @@ from services.router.policies import (
     RoutingPolicy,
     make_policy,
 )
+from services.router.server import serve_router
 
 NAME = "router_overhead"
 BLOCK_SIZE = 16
 SYSTEM_TOKENS = 1024  # shared by every conversation, held by every instance
 FILLER_CHAIN_BLOCKS = 192  # length of the other conversations filling the index
 DECISION_TARGET_US = 200.0
+MODEL_NAME = "tiny"
+FAKE_PREFILL = 2
+FAKE_DECODE = 1
+FAKE_TOKEN = 66  # "B" in the tiny model's byte-level vocabulary
+WARMUP_S = 1.0
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -48,6 +86,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--indexed-blocks", type=int, default=100_000, help="distinct blocks")
     parser.add_argument("--tokens", type=int, default=4096, help="prompt length")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--skip-proxy", action="store_true", help="no proxy_rps measurement")
+    parser.add_argument("--workers", type=int, default=16, help="concurrent HTTP client workers")
+    parser.add_argument(
+        "--proxy-seconds", type=float, help="measured seconds per side (5; quick 2)"
+    )
+    parser.add_argument("--proxy-rounds", type=int, help="rounds of (bare, proxy) (3; quick 2)")
+    parser.add_argument("--proxy-prompt-tokens", type=int, default=64, help="prompt token ids")
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,6 +179,268 @@ def bench_events(setup: Setup, repeat: int, number: int) -> float:
     return median_seconds(store_and_remove, repeat=repeat, number=number) * 1e6
 
 
+# -- proxy_rps: the HTTP router in front of instant fake instances ---------------------------------
+
+
+class FakePrefill(prefill_pb2_grpc.PrefillServiceServicer):
+    """Answers at once: RESERVED, then the result (first token FAKE_TOKEN); no KV events."""
+
+    def Prefill(
+        self, request: prefill_pb2.PrefillRequest, context: grpc.ServicerContext
+    ) -> Iterator[prefill_pb2.PrefillReply]:
+        stage = prefill_pb2.PrefillProgress(stage=prefill_pb2.PREFILL_STAGE_RESERVED)
+        yield prefill_pb2.PrefillReply(chunk=stage)
+        result = prefill_pb2.PrefillResult(
+            first_token_id=FAKE_TOKEN, num_prompt_tokens=len(request.request.prompt_token_ids)
+        )
+        yield prefill_pb2.PrefillReply(final=result)
+
+    def Abort(
+        self, request: common_pb2.AbortRequest, context: grpc.ServicerContext
+    ) -> common_pb2.AbortReply:
+        return common_pb2.AbortReply(found=False)
+
+    def GetStats(
+        self, request: common_pb2.StatsRequest, context: grpc.ServicerContext
+    ) -> common_pb2.InstanceStats:
+        return common_pb2.InstanceStats(
+            role="prefill", block_size=BLOCK_SIZE, num_blocks=4096, num_free_blocks=4096
+        )
+
+    def SubscribeKVEvents(
+        self, request: common_pb2.KVEventsRequest, context: grpc.ServicerContext
+    ) -> Iterator[common_pb2.KVEvent]:
+        ended = threading.Event()
+        context.add_callback(ended.set)
+        while not ended.wait(0.5) and context.is_active():
+            pass
+        yield from ()
+
+
+class FakeDecode(decode_pb2_grpc.DecodeServiceServicer):
+    """StreamTokens answers one chunk (the first token) and the final reply at once."""
+
+    def StreamTokens(
+        self, request: decode_pb2.StreamTokensRequest, context: grpc.ServicerContext
+    ) -> Iterator[decode_pb2.TokenReply]:
+        yield decode_pb2.TokenReply(chunk=decode_pb2.TokenChunk(token_ids=[FAKE_TOKEN], text="B"))
+        final = decode_pb2.TokenFinal(
+            finish_reason=common_pb2.FINISH_REASON_LENGTH, num_output_tokens=1
+        )
+        yield decode_pb2.TokenReply(final=final)
+
+    def Abort(
+        self, request: common_pb2.AbortRequest, context: grpc.ServicerContext
+    ) -> common_pb2.AbortReply:
+        return common_pb2.AbortReply(found=False)
+
+    def GetStats(
+        self, request: common_pb2.StatsRequest, context: grpc.ServicerContext
+    ) -> common_pb2.InstanceStats:
+        return common_pb2.InstanceStats(
+            role="decode", block_size=BLOCK_SIZE, num_blocks=4096, num_free_blocks=4096
+        )
+
+
+def start_fakes() -> tuple[list[grpc.Server], list[int], list[int]]:
+    """FAKE_PREFILL prefill and FAKE_DECODE decode fake servers: (servers, ports, ports)."""
+    servers: list[grpc.Server] = []
+    prefill_ports, decode_ports = [], []
+    for _ in range(FAKE_PREFILL):
+        server, port = create_server(
+            lambda s: prefill_pb2_grpc.add_PrefillServiceServicer_to_server(FakePrefill(), s),
+            ["pdserve.v1.PrefillService"],
+        )
+        servers.append(server)
+        prefill_ports.append(port)
+    for _ in range(FAKE_DECODE):
+        server, port = create_server(
+            lambda s: decode_pb2_grpc.add_DecodeServiceServicer_to_server(FakeDecode(), s),
+            ["pdserve.v1.DecodeService"],
+        )
+        servers.append(server)
+        decode_ports.append(port)
+    return servers, prefill_ports, decode_ports
+
+
+async def drive_http(
+    url: str, body: dict[str, Any], workers: int, warmup_s: float, seconds: float
+) -> dict[str, Any]:
+    """`workers` concurrent POST loops for warmup_s + seconds; counts 200s that complete in the
+    measured window, and this process's CPU time over it."""
+    limits = httpx.Limits(max_connections=workers, max_keepalive_connections=workers)
+    ok = errors = 0
+    latencies: list[float] = []
+    async with httpx.AsyncClient(limits=limits, timeout=30) as client:
+        begin = time.perf_counter()
+        window_start, window_end = begin + warmup_s, begin + warmup_s + seconds
+
+        async def worker() -> None:
+            nonlocal ok, errors
+            while (sent := time.perf_counter()) < window_end:
+                response = await client.post(url, json=body)
+                done = time.perf_counter()
+                if not window_start <= done <= window_end:
+                    continue
+                if response.status_code == 200 and response.json()["choices"][0]["text"] == "B":
+                    ok += 1
+                    latencies.append(done - sent)
+                else:
+                    errors += 1
+
+        async def cpu_window() -> float:
+            await asyncio.sleep(warmup_s)
+            cpu = time.process_time()
+            await asyncio.sleep(seconds)
+            return time.process_time() - cpu
+
+        *_, cpu_s = await asyncio.gather(*(worker() for _ in range(workers)), cpu_window())
+    latencies.sort()
+    return {
+        "requests": ok,
+        "errors": errors,
+        "seconds": seconds,
+        "rps": ok / seconds,
+        "client_cpu_s": cpu_s,
+        "latency_p50_ms": 1e3 * latencies[len(latencies) // 2] if latencies else float("nan"),
+        "latency_p99_ms": 1e3 * latencies[int(0.99 * (len(latencies) - 1))]
+        if latencies
+        else float("nan"),
+    }
+
+
+def peer_process(conn: Connection) -> None:
+    """The child process: the fake instances, then the HTTP client on request."""
+    servers, prefill_ports, decode_ports = start_fakes()
+    try:
+        conn.send((prefill_ports, decode_ports))
+        while (job := conn.recv()) is not None:
+            conn.send(asyncio.run(drive_http(**job)))
+    finally:
+        for server in servers:
+            server.stop(0).wait()
+
+
+@dataclass
+class HttpServer:
+    server: uvicorn.Server
+    thread: threading.Thread
+    url: str
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(10)
+
+
+def serve_bare() -> HttpServer:
+    """The baseline: the router's request schema on FastAPI + uvicorn, a fixed completion."""
+    app = FastAPI(docs_url=None, redoc_url=None)
+    reply = {
+        "id": "cmpl-bare",
+        "object": "text_completion",
+        "created": 0,
+        "model": MODEL_NAME,
+        "choices": [{"index": 0, "text": "B", "logprobs": None, "finish_reason": "length"}],
+        "usage": {"prompt_tokens": 0, "completion_tokens": 1, "total_tokens": 1},
+    }
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest) -> dict[str, Any]:
+        return reply
+
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    while not server.started and thread.is_alive():
+        time.sleep(0.02)
+    return HttpServer(server, thread, f"http://127.0.0.1:{sock.getsockname()[1]}")
+
+
+def bench_proxy(args: argparse.Namespace) -> dict[str, Any]:
+    """Alternating rounds of (bare HTTP, router proxy) driven from the child process."""
+    seconds = args.proxy_seconds or (2.0 if args.quick else 5.0)
+    rounds = args.proxy_rounds or (2 if args.quick else 3)
+    rng = random.Random(args.seed)
+    body = {
+        "model": MODEL_NAME,
+        "prompt": [rng.randrange(32, 127) for _ in range(args.proxy_prompt_tokens)],
+        "max_tokens": 2,
+        "temperature": 0,
+    }
+    context = multiprocessing.get_context("spawn")
+    parent, child = context.Pipe()
+    peer = context.Process(target=peer_process, args=(child,), daemon=True)
+    peer.start()
+    router = bare = None
+    try:
+        prefill_ports, decode_ports = parent.recv()
+        router = serve_router(
+            RouterConfig(port=0, model_name=MODEL_NAME, prefill_policy="cache_aware"),
+            EngineConfig(),
+            [f"127.0.0.1:{p}" for p in prefill_ports],
+            [f"127.0.0.1:{p}" for p in decode_ports],
+        )
+        bare = serve_bare()
+        sides = {"bare": bare.url, "proxy": router.url}
+        samples: dict[str, list[dict[str, Any]]] = {"bare": [], "proxy": []}
+        for round_index in range(rounds):
+            order = ["bare", "proxy"] if round_index % 2 == 0 else ["proxy", "bare"]
+            for side in order:
+                job = {
+                    "url": sides[side] + "/v1/completions",
+                    "body": body,
+                    "workers": args.workers,
+                    "warmup_s": WARMUP_S,
+                    "seconds": seconds,
+                }
+                parent.send(job)
+                time.sleep(WARMUP_S)
+                cpu = time.process_time()
+                time.sleep(seconds)
+                server_cpu = time.process_time() - cpu
+                sample = parent.recv()
+                sample["server_cpu_s"] = server_cpu
+                sample["server_cpu_us_per_request"] = (
+                    1e6 * server_cpu / sample["requests"] if sample["requests"] else float("nan")
+                )
+                samples[side].append(sample)
+        leases = router.router.load.num_live_leases()
+    finally:  # the router first: its channels close before the fake servers go away
+        if router is not None:
+            router.stop()
+        if bare is not None:
+            bare.stop()
+        parent.send(None)
+        peer.join(15)
+        if peer.is_alive():
+            peer.terminate()
+    ratios = [p["rps"] / b["rps"] for p, b in zip(samples["proxy"], samples["bare"], strict=True)]
+
+    def med(side: str, key: str) -> float:
+        return median([s[key] for s in samples[side]])
+
+    return {
+        "proxy_rps": med("proxy", "rps"),
+        "bare_http_rps": med("bare", "rps"),
+        "proxy_ratio": statistics.median(ratios),
+        "router_cpu_us_per_request": med("proxy", "server_cpu_us_per_request"),
+        "bare_cpu_us_per_request": med("bare", "server_cpu_us_per_request"),
+        "proxy_latency_p50_ms": med("proxy", "latency_p50_ms"),
+        "proxy_latency_p99_ms": med("proxy", "latency_p99_ms"),
+        "bare_latency_p50_ms": med("bare", "latency_p50_ms"),
+        "proxy_errors": sum(s["errors"] for s in samples["proxy"]),
+        "live_leases_after": leases,
+        "workers": args.workers,
+        "seconds_per_side": seconds,
+        "rounds": rounds,
+        "prompt_tokens": args.proxy_prompt_tokens,
+        "samples": samples,
+    }
+
+
 def main() -> None:
     args = parse_args(__doc__ or NAME, configure)
     repeat = repeats(args, quick=5, full=11)
@@ -171,11 +478,7 @@ def main() -> None:
         ],
     )
     print(f"\ndecision (hashing excluded): {decision_us:.1f} µs -> {verdict}")
-    print(
-        "proxy_rps: not measured (nan) — the HTTP router (services/router/app.py) does not exist "
-        "yet; it is measured once it does."
-    )
-    results = {
+    results: dict[str, Any] = {
         **figures,
         "apply_event_pair_us": event_us,
         "decision_vs_baseline": decision_us / figures["baseline_dict_loop_us"],
@@ -186,9 +489,39 @@ def main() -> None:
         "prompt_blocks": num_blocks,
         "repeat": repeat,
         "calls_per_sample": number,
-        "proxy_rps_note": "not measured: the HTTP router does not exist yet",
     }
-    finish(NAME, args, results, {"decision_us": decision_us, "proxy_rps": float("nan")})
+    metrics = {"decision_us": decision_us, "proxy_rps": float("nan"), "proxy_ratio": float("nan")}
+    if not args.skip_proxy:
+        proxy = bench_proxy(args)
+        results["proxy"] = proxy
+        metrics["proxy_rps"] = proxy["proxy_rps"]
+        metrics["proxy_ratio"] = proxy["proxy_ratio"]
+        print_table(
+            f"HTTP router proxying to instant fake instances ({FAKE_PREFILL} prefill, "
+            f"{FAKE_DECODE} decode), {proxy['workers']} client workers, "
+            f"{proxy['seconds_per_side']:g} s x {proxy['rounds']} rounds, median",
+            ["side", "requests/s", "p50 ms", "p99 ms", "server CPU µs/req", "note"],
+            [
+                [
+                    "router proxy",
+                    proxy["proxy_rps"],
+                    proxy["proxy_latency_p50_ms"],
+                    proxy["proxy_latency_p99_ms"],
+                    proxy["router_cpu_us_per_request"],
+                    f"{proxy['proxy_errors']} errors",
+                ],
+                [
+                    "bare HTTP",
+                    proxy["bare_http_rps"],
+                    proxy["bare_latency_p50_ms"],
+                    float("nan"),
+                    proxy["bare_cpu_us_per_request"],
+                    "same schema, fixed reply",
+                ],
+            ],
+        )
+        print(f"\nproxy_rps {proxy['proxy_rps']:.0f}, {proxy['proxy_ratio']:.2f} x bare HTTP")
+    finish(NAME, args, results, metrics)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 """Serving load: replay a workload through the router's OpenAI API; latency and prefix-cache hits.
 
     python benchmarks/serve_load.py [--quick]                       # the headline experiment
-    python benchmarks/serve_load.py --trace benchmarks/workloads/sample_trace.jsonl --block-tokens 64
+    python benchmarks/serve_load.py --trace benchmarks/workloads/sample_trace.jsonl \
+        --block-tokens 64
     python benchmarks/serve_load.py --url http://127.0.0.1:8000 --prefill 127.0.0.1:50051,...
 
 The load generator streams every request (`/v1/completions` with token-id prompts, or
@@ -136,6 +137,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
     cluster.add_argument("--decode-kv-blocks", type=int, default=4096)
     cluster.add_argument("--max-model-len", type=int, default=4096, help="context window")
     cluster.add_argument("--threads", type=int, default=1, help="torch threads")
+    cluster.add_argument(
+        "--load-weight",
+        type=float,
+        help="what-if: PolicyConfig.load_weight for the router's policy (RouterConfig has no "
+        "such field: the benchmark swaps the router's policy object)",
+    )
+    cluster.add_argument("--balance-abs-threshold", type=int, help="what-if, as --load-weight")
     parser.add_argument("--verbose", action="store_true", help="INFO logs of the services")
 
 
@@ -656,6 +664,8 @@ class RoutingProbe:
                 decision = policy.choose(candidates, request, loads, overlaps)
                 hittable = max(request.num_prompt_tokens - 1, 0) // block_size
                 decisions[request.request_id] = {
+                    "at_s": time.perf_counter(),
+                    "instance": decision.instance_id,
                     "reason": str(decision.reason),
                     "chosen_blocks": min(decision.overlap_blocks, hittable),
                     "best_blocks": min(max(overlaps.values(), default=0), hittable),
@@ -702,7 +712,23 @@ class RoutingProbe:
             "actual_cached_tokens": actual,
             "requests_hit_more_than_predicted": under,
             "requests_hit_less_than_predicted": over,
+            "per_request": self.rows(),
         }
+
+    def rows(self) -> list[dict[str, Any]]:
+        """Every decision in time order, with the instance's actual hit (None: no result)."""
+        t0 = min((d["at_s"] for d in self.decisions.values()), default=0.0)
+        rows = []
+        for request_id, d in sorted(self.decisions.items(), key=lambda kv: kv[1]["at_s"]):
+            cached = self.results.get(request_id, (None, None))[0]
+            rows.append(
+                {
+                    **d,
+                    "at_s": round(d["at_s"] - t0, 4),
+                    "actual_cached_tokens": cached,
+                }
+            )
+        return rows
 
 
 @dataclass
@@ -751,6 +777,18 @@ def start_cluster(
             server.stop(0).wait()
             instance.stop()
         raise
+    policy_overrides = {
+        k: v
+        for k, v in (
+            ("load_weight", args.load_weight),
+            ("balance_abs_threshold", args.balance_abs_threshold),
+        )
+        if v is not None
+    }
+    if policy_overrides:  # what-if experiments; the router itself builds the default config
+        from services.router.policies import PolicyConfig, make_policy
+
+        router.router.policy = make_policy(policy, PolicyConfig(**policy_overrides))
     return LocalCluster(router, started[:num_prefill], [decode], RoutingProbe(router.router))
 
 
@@ -797,9 +835,7 @@ def run_config(
 # -- main ------------------------------------------------------------------------------------------
 
 
-def build_workload(
-    args: argparse.Namespace, vocab_size: int
-) -> tuple[Workload, dict[str, Any]]:
+def build_workload(args: argparse.Namespace, vocab_size: int) -> tuple[Workload, dict[str, Any]]:
     if args.trace is not None:
         if args.api == "chat":
             raise SystemExit("a trace is replayed as token ids: use --api completions")
@@ -871,7 +907,9 @@ def main() -> None:
         prefill = [a for a in args.prefill.split(",") if a]
         model = args.model or httpx.get(args.url.rstrip("/") + "/v1/models").json()["data"][0]["id"]
         result = asyncio.run(drive(args.url, model, workload, args, tokenizer, prefill))
-        print_table(f"{described['kind']} workload against {args.url}", HEADERS, [row("run", result)])
+        print_table(
+            f"{described['kind']} workload against {args.url}", HEADERS, [row("run", result)]
+        )
         metrics = {
             k: float(result[k])
             for k in ("hit_rate", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms")
@@ -935,7 +973,10 @@ def main() -> None:
     ratio_single = hit("cache_aware") / hit("single") if hit("single") else nan
     verdict_rr = "PASS" if ratio_rr >= RATIO_RR_TARGET else "FAIL"
     verdict_single = "PASS" if ratio_single >= RATIO_SINGLE_TARGET else "FAIL"
-    print(f"\ncache_aware / round_robin hit rate: {ratio_rr:.3f} (>= {RATIO_RR_TARGET}) -> {verdict_rr}")
+    print(
+        f"\ncache_aware / round_robin hit rate: {ratio_rr:.3f} (>= {RATIO_RR_TARGET}) "
+        f"-> {verdict_rr}"
+    )
     print(
         f"cache_aware / single hit rate:      {ratio_single:.3f} (>= {RATIO_SINGLE_TARGET}) "
         f"-> {verdict_single}"
@@ -955,7 +996,10 @@ def main() -> None:
         "working_set_blocks": working_set,
         "kv_blocks_per_prefill": blocks,
         "targets": {"cache_aware_vs_round_robin": RATIO_RR_TARGET, "cache_aware_vs_single": 0.9},
-        "verdicts": {"cache_aware_vs_round_robin": verdict_rr, "cache_aware_vs_single": verdict_single},
+        "verdicts": {
+            "cache_aware_vs_round_robin": verdict_rr,
+            "cache_aware_vs_single": verdict_single,
+        },
         "runs": runs,
     }
     finish(NAME, args, results, metrics)
