@@ -25,10 +25,13 @@ the Prefill and StreamTokens RPCs, two leases, and the JSON response.
 Process layout (2-core box): the router runs alone in this process; the fakes and the client run
 in a child process (`multiprocessing` spawn), so the router does not share its GIL with them.
 The baseline, measured in the same run by the same client, is a bare FastAPI app on uvicorn
-(same server settings, in this process) whose `/v1/completions` returns a fixed completion body:
-the HTTP stack alone. `proxy_ratio` = proxy_rps / bare_http_rps (median of per-round ratios; the
-sides alternate, `--repeat` rounds). The JSON also has each process's CPU time per request
-(`router_cpu_us_per_request`: what one proxied request costs the router) and latency percentiles.
+(same server settings, in this process) whose `/v1/completions` validates the body with the
+router's `CompletionRequest` and returns a fixed completion: the HTTP stack and schema alone.
+`proxy_ratio` = proxy_rps / bare_http_rps (median of per-round ratios; the sides alternate,
+`--proxy-rounds` rounds: 3, quick 2). The JSON also has each process's CPU time per request
+(`router_cpu_us_per_request`: what one proxied request costs the router; "peer cores": CPU of
+the child process, client plus fakes, in cores, to show which side limits) and latency
+percentiles.
 """
 
 import argparse
@@ -432,6 +435,8 @@ def bench_proxy(args: argparse.Namespace) -> dict[str, Any]:
         "proxy_latency_p99_ms": med("proxy", "latency_p99_ms"),
         "bare_latency_p50_ms": med("bare", "latency_p50_ms"),
         "proxy_errors": sum(s["errors"] for s in samples["proxy"]),
+        "proxy_peer_cores": med("proxy", "client_cpu_s") / seconds,
+        "bare_peer_cores": med("bare", "client_cpu_s") / seconds,
         "live_leases_after": leases,
         "workers": args.workers,
         "seconds_per_side": seconds,
@@ -500,7 +505,7 @@ def main() -> None:
             f"HTTP router proxying to instant fake instances ({FAKE_PREFILL} prefill, "
             f"{FAKE_DECODE} decode), {proxy['workers']} client workers, "
             f"{proxy['seconds_per_side']:g} s x {proxy['rounds']} rounds, median",
-            ["side", "requests/s", "p50 ms", "p99 ms", "server CPU µs/req", "note"],
+            ["side", "requests/s", "p50 ms", "p99 ms", "server CPU µs/req", "peer cores", "note"],
             [
                 [
                     "router proxy",
@@ -508,6 +513,7 @@ def main() -> None:
                     proxy["proxy_latency_p50_ms"],
                     proxy["proxy_latency_p99_ms"],
                     proxy["router_cpu_us_per_request"],
+                    proxy["proxy_peer_cores"],
                     f"{proxy['proxy_errors']} errors",
                 ],
                 [
@@ -516,6 +522,7 @@ def main() -> None:
                     proxy["bare_latency_p50_ms"],
                     float("nan"),
                     proxy["bare_cpu_us_per_request"],
+                    proxy["bare_peer_cores"],
                     "same schema, fixed reply",
                 ],
             ],
