@@ -166,8 +166,10 @@ class Router:
         backoff = self.config.retry_backoff_s
         failure: Exception | None = None
         for attempt in range(1, self.config.max_attempts + 1):
-            prefill, decode = self._choose(request_id, token_ids, hashes, excluded)
-            leases: tuple[Lease, ...] = (self.load.acquire(prefill, len(token_ids)),)
+            prefill, decode, cached = self._choose(request_id, token_ids, hashes, excluded)
+            # Only the tokens the instance must compute count as its prefill load.
+            uncached = max(1, len(token_ids) - cached)
+            leases: tuple[Lease, ...] = (self.load.acquire(prefill, uncached),)
             if decode is not None:
                 leases += (self.load.acquire(decode, 0),)
             self._active[request_id] = _Active(prefill, decode, leases)
@@ -256,15 +258,17 @@ class Router:
         token_ids: Sequence[int],
         hashes: Sequence[BlockHash],
         excluded: set[str],
-    ) -> tuple[str, str | None]:
+    ) -> tuple[str, str | None, int]:
+        """(prefill or mixed instance, decode instance or None, prompt tokens it holds)."""
         prefills = self._candidates(self.prefill, excluded)
         request = RouteRequest(request_id, len(token_ids), self.model.hasher.block_size)
         try:
             overlaps = self.index.overlaps(hashes, prefills)
             prefill = self.policy.choose(prefills, request, self.load.snapshot(), overlaps)
             self.metrics.decisions.labels(self.config.prefill_policy, str(prefill.reason)).inc()
+            cached = prefill.overlap_blocks * self.model.hasher.block_size
             if self.mixed:
-                return prefill.instance_id, None
+                return prefill.instance_id, None, cached
             decodes = self._candidates(self.decode, excluded)
             decode = self.decode_policy.choose(decodes, request, dict(self._decode_load))
         except NoCandidateError as e:
@@ -274,7 +278,7 @@ class Router:
             request_id, prefill.instance_id, prefill.reason, prefill.overlap_blocks,
             decode.instance_id,
         )  # fmt: skip
-        return prefill.instance_id, decode.instance_id
+        return prefill.instance_id, decode.instance_id, cached
 
     def _candidates(self, instances: list[str], excluded: set[str]) -> list[str]:
         now = time.monotonic()
