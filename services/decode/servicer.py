@@ -64,23 +64,27 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         request_ids: set[str] = set()
         completed = False
 
-        def release_if_broken() -> None:  # runs when the RPC ends, however it ends
+        def settle_if_broken() -> None:  # idempotent: the handler and the RPC's end both call it
             if not completed:
                 for request_id in request_ids:
                     self.instance.transfer_failed(request_id)
 
-        context.add_callback(release_if_broken)
+        # A stream can break at two moments: while this handler reads it (the request iterator
+        # raises, settled in `finally`) or after the handler returned but before the reply reached
+        # the sender (settled by the RPC-termination callback).
+        context.add_callback(settle_if_broken)
         try:
             for chunk in request_iterator:
                 request_ids.add(chunk.request_id)
                 data = memoryview(chunk.data)  # a view when parsed by parse_kv_chunk
                 blocks += self.instance.receive_blocks(chunk.request_id, chunk.first_block, data)
                 received += len(data)
+            completed = context.is_active()
         except KVTransferError as e:
-            for request_id in request_ids:  # settle now, before the sender sees the error
-                self.instance.transfer_failed(request_id)
+            settle_if_broken()  # settle now, before the sender sees the error
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
-        completed = context.is_active()
+        finally:
+            settle_if_broken()
         return decode_pb2.PushKVReply(blocks_received=blocks, bytes_received=received)
 
     def StartDecode(
