@@ -4,19 +4,21 @@
 
 Transfer: `--blocks` KV blocks (1,000) are moved over loopback by `GrpcKVTransport.send` into
 reservations of a real decode instance (`serve_decode`, built-in tiny model, fp32, block size 16
-tokens: 64 KiB per block, the engine's real block). The tiny model's context window is 4,096
-tokens, so one prompt covers at most 255 blocks: the 1,000 blocks go to 4 reservations of 250
-blocks (4,000-token prompts, reserved through `preallocate_resource_in_d`, the Reserve RPC's
-call), sent one after the other; the timed span is the 4 `send` calls. Reservations are aborted
-and made afresh every round; the first round checks that every byte landed in the right block.
+tokens: 64 KiB per block, the engine's real block) running in a separate process, as a decode
+instance does. The tiny model's context window is 4,096 tokens, so one prompt covers at most 255
+blocks: the 1,000 blocks go to 4 reservations of 250 blocks (4,000-token prompts, reserved with
+the Reserve RPC), sent one after the other; the timed span is the 4 `send` calls. Reservations are
+aborted and made afresh every round; the first round checks that every byte landed in the right
+block (digests compared in the receiving process).
 
-The baseline is bare grpcio in the same process: a generic stream-unary handler (identity
-serializers: raw bytes) counting a client stream of prebuilt `bytes` messages of exactly the
-transport's sizes (blocks packed into messages of at most `--chunk-bytes`, default
-`DEFAULT_CHUNK_BYTES`; one stream per reservation), server and channel with the same options
-(`CHANNEL_OPTIONS`, 32 worker threads). A third side, for reference, adds to that the two copies
-any grpcio transport of block views must make: the sender joins each message from the block views,
-the receiver copies it into a buffer ("floor"). Sides run in turn, the order rotating each round.
+The baseline is bare grpcio between the same two processes: a generic stream-unary handler
+(identity serializers: raw bytes) in the receiving process counting a client stream of prebuilt
+`bytes` messages of exactly the transport's sizes (blocks packed into messages of at most
+`--chunk-bytes`, default `DEFAULT_CHUNK_BYTES`; one stream per reservation), server and channel
+with the same options (`CHANNEL_OPTIONS`, 32 worker threads). A third side, for reference, adds to
+that the two copies any grpcio transport of block views must make: the sender joins each message
+from the block views, the receiver copies it into a buffer ("floor"). Sides run in turn, the order
+rotating each round.
 `ratio_grpc` = median over rounds of transport GB/s ÷ baseline GB/s (GB = 10^9 bytes), target
 >= 0.8; `ratio_floor` = the same for the floor. `--block-bytes B` runs the comparison with blocks
 of B bytes (a multiple of the tiny model's 4 KiB of fp32 KV per token; 2097152 = a Llama-3-8B
@@ -33,11 +35,15 @@ OpenMP threads slow a forward pass ~10x whenever another process holds a core.
 """
 
 import argparse
+import contextlib
+import hashlib
+import multiprocessing
 import random
 import time
 from collections.abc import Iterator, Sequence
 from concurrent import futures
 from dataclasses import asdict, dataclass
+from multiprocessing.connection import Connection
 
 import grpc
 import torch
@@ -49,7 +55,9 @@ from pdserve.engine.request import SamplingParams
 from pdserve.model.config import ModelConfig
 from pdserve.model.tiny import default_model_dir
 from pdserve.rpc.channels import CHANNEL_OPTIONS, ChannelPool
+from pdserve.rpc.convert import generate_request
 from pdserve.transfer.grpc import DEFAULT_CHUNK_BYTES, GrpcKVTransport
+from pdserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc
 from services.decode.instance import DecodeInstance
 from services.decode.servicer import serve_decode
 from services.prefill.servicer import serve_prefill
@@ -153,94 +161,17 @@ def random_bytes(size: int, seed: int = 0) -> bytearray:
     return data
 
 
-class TransportSide:
-    """`GrpcKVTransport.send` of the plan's blocks into fresh reservations of a decode instance."""
-
-    def __init__(self, plan: TransferPlan, instance: DecodeInstance, address: str) -> None:
-        self.plan = plan
-        self.instance = instance
-        self.address = address
-        self.channels = ChannelPool()
-        self.transport = GrpcKVTransport(self.channels, plan.chunk_bytes)
-        self.prompts = Prompts()
-        view = memoryview(random_bytes(plan.total_bytes))
-        size = plan.block_bytes
-        self.blocks = [view[i * size : (i + 1) * size] for i in range(plan.num_blocks)]
-        self.rounds = 0
-
-    def _reserve(self, request_ids: list[str]) -> None:
-        """Reserve the round's requests (through the same call as the Reserve RPC), appending
-        their ids to `request_ids` as they are granted."""
-        params = SamplingParams(max_tokens=1, ignore_eos=True)
-        for i, blocks in enumerate(self.plan.blocks_per_request):
-            request_id = f"kv-{self.rounds}-{i}"
-            length = min(blocks * self.plan.block_size, self.plan.context - 1)
-            prompt = self.prompts.take(length)
-            grant = self.instance.preallocate_resource_in_d(request_id, prompt, params)
-            request_ids.append(request_id)
-            if grant.num_blocks != blocks or grant.num_cached_tokens != 0:
-                raise RuntimeError(f"reservation {request_id}: {grant}, expected {blocks} blocks")
-            if grant.block_bytes != self.plan.block_bytes:
-                raise RuntimeError(f"decode blocks are {grant.block_bytes} bytes")
-        self.rounds += 1
-
-    def run(self, verify: bool = False) -> float:
-        """Seconds for the `send` calls of one round (reservation and release untimed)."""
-        request_ids: list[str] = []
-        counters = self.instance.core.counters
-        before = counters.bytes_received
-        try:
-            self._reserve(request_ids)
-            start = time.perf_counter()
-            first = 0
-            for request_id, blocks in zip(request_ids, self.plan.blocks_per_request, strict=True):
-                self.transport.send(
-                    self.address, request_id, 0, self.blocks[first : first + blocks]
-                )
-                first += blocks
-            seconds = time.perf_counter() - start
-            if counters.bytes_received - before != self.plan.total_bytes:
-                raise RuntimeError(f"decode counted {counters.bytes_received - before} bytes")
-            if verify:
-                self._verify(request_ids)
-        finally:
-            for request_id in request_ids:
-                self.instance.abort(request_id)
-        return seconds
-
-    def _verify(self, request_ids: Sequence[str]) -> None:
-        """The bytes in decode's KV cache are the bytes sent, block for block."""
-        core = self.instance.core
-        first = 0
-        for request_id in request_ids:
-
-            def block_table(engine: LLMEngine, request_id: str = request_id) -> list[int]:
-                return list(engine.kv_cache.block_table(request_id))
-
-            table = core.loop.call(block_table)
-            for offset, received in enumerate(core.block_io.read(table)):
-                if received != self.blocks[first + offset]:
-                    raise RuntimeError(f"block {offset} of {request_id} arrived corrupted")
-            first += len(table)
-
-    def close(self) -> None:
-        self.transport.close()
-        self.channels.close()
+def block_digests(blocks: Sequence[memoryview | bytes]) -> list[bytes]:
+    return [hashlib.blake2b(block, digest_size=16).digest() for block in blocks]
 
 
-class BareGrpc:
-    """Bare grpcio in the same process: a generic stream-unary service of raw `bytes` messages.
+class ByteSink:
+    """Bare grpcio: a generic stream-unary service of raw `bytes` messages (identity
+    serializers). `Count` counts a stream's bytes (the cost of grpcio alone); `Store` also copies
+    each message into a buffer (a ring)."""
 
-    `run_baseline`: the plan's bytes as prebuilt messages of the transport's sizes; the server
-    counts them (the cost of grpcio alone). `run_floor`: the same streams, but each message is
-    joined from the block views as it is sent and the server copies it into a buffer: the two
-    copies any grpcio transport of block views into memory makes (a reference, not the target).
-    """
-
-    def __init__(self, plan: TransferPlan, blocks: Sequence[memoryview]) -> None:
-        self.plan = plan
-        largest = plan.blocks_per_message * plan.block_bytes
-        self.sink = bytearray(min(plan.total_bytes, max(RECEIVE_BUFFER_BYTES, largest)))
+    def __init__(self, buffer_bytes: int) -> None:
+        self.sink = bytearray(buffer_bytes)
         self._sink_offset = 0
         handler = grpc.method_handlers_generic_handler(
             SINK_SERVICE,
@@ -254,26 +185,8 @@ class BareGrpc:
             handlers=[handler],
             options=CHANNEL_OPTIONS,
         )
-        port = self.server.add_insecure_port("127.0.0.1:0")
+        self.port = self.server.add_insecure_port("127.0.0.1:0")
         self.server.start()
-        self.channel = grpc.insecure_channel(f"127.0.0.1:{port}", options=CHANNEL_OPTIONS)
-        self.count: grpc.StreamUnaryMultiCallable[bytes, bytes] = self.channel.stream_unary(
-            f"/{SINK_SERVICE}/Count"
-        )
-        self.store: grpc.StreamUnaryMultiCallable[bytes, bytes] = self.channel.stream_unary(
-            f"/{SINK_SERVICE}/Store"
-        )
-        # per stream (reservation), per message: its block views
-        self.streams: list[list[Sequence[memoryview]]] = []
-        first = 0
-        for count in plan.blocks_per_request:
-            messages = []
-            for size in plan.message_sizes(count):
-                num = size // plan.block_bytes
-                messages.append(blocks[first : first + num])
-                first += num
-            self.streams.append(messages)
-        self.prebuilt = [[b"".join(m) for m in stream] for stream in self.streams]
 
     @staticmethod
     def _count(request_iterator: Iterator[bytes], context: grpc.ServicerContext) -> bytes:
@@ -292,6 +205,182 @@ class BareGrpc:
             self._sink_offset += len(message)
             received += len(message)
         return received.to_bytes(8, "little")
+
+    def close(self) -> None:
+        self.server.stop(0).wait()
+
+
+def receiver_main(
+    conn: Connection, engine_config: EngineConfig, sink_bytes: int, threads: int
+) -> None:
+    """The receiving process: a decode instance and a byte sink, each behind its gRPC server.
+    Sends back (decode port, sink port), then answers verification requests (request ids and
+    expected block digests -> an error string or "") until it receives None."""
+    torch.set_num_threads(threads)
+    instance, server, port = serve_decode(engine_config, DecodeConfig())
+    sink = ByteSink(sink_bytes)
+    try:
+        conn.send((port, sink.port))
+        while (command := conn.recv()) is not None:
+            request_ids, expected = command
+            conn.send(verify_blocks(instance, request_ids, expected))
+    finally:
+        sink.close()
+        server.stop(0).wait()
+        instance.stop()
+
+
+def verify_blocks(
+    instance: DecodeInstance, request_ids: Sequence[str], expected: list[bytes]
+) -> str:
+    """ "" when the reservations' blocks in the KV cache hold the expected bytes, block for block;
+    else what differs."""
+    core = instance.core
+    received: list[bytes] = []
+    for request_id in request_ids:
+
+        def block_table(engine: LLMEngine, request_id: str = request_id) -> list[int]:
+            return list(engine.kv_cache.block_table(request_id))
+
+        received += block_digests(core.block_io.read(core.loop.call(block_table)))
+    if len(received) != len(expected):
+        return f"{len(received)} blocks reserved, {len(expected)} sent"
+    for index, (got, sent) in enumerate(zip(received, expected, strict=True)):
+        if got != sent:
+            return f"block {index} arrived corrupted"
+    return ""
+
+
+class Receiver:
+    """The receiving process (`receiver_main`), started with `spawn`: the sender and the receivers
+    run in different processes, as prefill and decode instances do."""
+
+    def __init__(self, engine_config: EngineConfig, sink_bytes: int, threads: int) -> None:
+        context = multiprocessing.get_context("spawn")
+        self._conn, child = context.Pipe()
+        self._process = context.Process(
+            target=receiver_main, args=(child, engine_config, sink_bytes, threads), daemon=True
+        )
+        self._process.start()
+        child.close()
+        if not self._conn.poll(120):
+            self.close()
+            raise RuntimeError("the receiver process did not start within 120 s")
+        self.decode_port, self.sink_port = self._conn.recv()
+
+    def verify(self, request_ids: Sequence[str], expected: list[bytes]) -> None:
+        self._conn.send((list(request_ids), expected))
+        error = self._conn.recv()
+        if error:
+            raise RuntimeError(f"KV transfer verification failed: {error}")
+
+    def close(self) -> None:
+        if self._process.is_alive():
+            with contextlib.suppress(OSError):  # a dead receiver has closed its end
+                self._conn.send(None)
+            self._process.join(30)
+        if self._process.is_alive():
+            self._process.kill()
+            self._process.join()
+        self._conn.close()
+
+
+class TransportSide:
+    """`GrpcKVTransport.send` of the plan's blocks into fresh reservations (the Reserve RPC) of
+    the receiver's decode instance."""
+
+    def __init__(self, plan: TransferPlan, receiver: Receiver) -> None:
+        self.plan = plan
+        self.receiver = receiver
+        self.address = f"127.0.0.1:{receiver.decode_port}"
+        self.channels = ChannelPool()
+        self.stub = decode_pb2_grpc.DecodeServiceStub(self.channels.get(self.address))
+        self.transport = GrpcKVTransport(self.channels, plan.chunk_bytes)
+        self.prompts = Prompts()
+        view = memoryview(random_bytes(plan.total_bytes))
+        size = plan.block_bytes
+        self.blocks = [view[i * size : (i + 1) * size] for i in range(plan.num_blocks)]
+        self.rounds = 0
+
+    def _reserve(self, request_ids: list[str]) -> None:
+        """Reserve the round's requests, appending their ids to `request_ids` as granted."""
+        params = SamplingParams(max_tokens=1, ignore_eos=True)
+        for i, blocks in enumerate(self.plan.blocks_per_request):
+            request_id = f"kv-{self.rounds}-{i}"
+            length = min(blocks * self.plan.block_size, self.plan.context - 1)
+            prompt = self.prompts.take(length)
+            grant = self.stub.Reserve(
+                decode_pb2.ReserveRequest(request=generate_request(request_id, prompt, params))
+            )
+            if not grant.granted:
+                raise RuntimeError(f"reservation {request_id} refused: {grant.reason}")
+            request_ids.append(request_id)
+            if grant.num_blocks != blocks or grant.num_cached_tokens != 0:
+                raise RuntimeError(f"reservation {request_id}: {grant}, expected {blocks} blocks")
+            if grant.block_bytes != self.plan.block_bytes:
+                raise RuntimeError(f"decode blocks are {grant.block_bytes} bytes")
+        self.rounds += 1
+
+    def _bytes_received(self) -> int:
+        return int(self.stub.GetStats(common_pb2.StatsRequest()).kv_bytes_received)
+
+    def run(self, verify: bool = False) -> float:
+        """Seconds for the `send` calls of one round (reservation and release untimed)."""
+        request_ids: list[str] = []
+        before = self._bytes_received()
+        try:
+            self._reserve(request_ids)
+            start = time.perf_counter()
+            first = 0
+            for request_id, blocks in zip(request_ids, self.plan.blocks_per_request, strict=True):
+                self.transport.send(
+                    self.address, request_id, 0, self.blocks[first : first + blocks]
+                )
+                first += blocks
+            seconds = time.perf_counter() - start
+            if (received := self._bytes_received() - before) != self.plan.total_bytes:
+                raise RuntimeError(f"decode counted {received} bytes")
+            if verify:
+                self.receiver.verify(request_ids, block_digests(self.blocks))
+        finally:
+            for request_id in request_ids:
+                self.stub.Abort(common_pb2.AbortRequest(request_id=request_id))
+        return seconds
+
+    def close(self) -> None:
+        self.transport.close()
+        self.channels.close()
+
+
+class BareGrpc:
+    """Bare grpcio into the receiver's byte sink.
+
+    `run_baseline`: the plan's bytes as prebuilt messages of the transport's sizes; the sink
+    counts them (the cost of grpcio alone). `run_floor`: the same streams, but each message is
+    joined from the block views as it is sent and the sink copies it into a buffer: the two
+    copies any grpcio transport of block views into memory makes (a reference, not the target).
+    """
+
+    def __init__(self, plan: TransferPlan, blocks: Sequence[memoryview], port: int) -> None:
+        self.plan = plan
+        self.channel = grpc.insecure_channel(f"127.0.0.1:{port}", options=CHANNEL_OPTIONS)
+        self.count: grpc.StreamUnaryMultiCallable[bytes, bytes] = self.channel.stream_unary(
+            f"/{SINK_SERVICE}/Count"
+        )
+        self.store: grpc.StreamUnaryMultiCallable[bytes, bytes] = self.channel.stream_unary(
+            f"/{SINK_SERVICE}/Store"
+        )
+        # per stream (reservation), per message: its block views
+        self.streams: list[list[Sequence[memoryview]]] = []
+        first = 0
+        for count in plan.blocks_per_request:
+            messages = []
+            for size in plan.message_sizes(count):
+                num = size // plan.block_bytes
+                messages.append(blocks[first : first + num])
+                first += num
+            self.streams.append(messages)
+        self.prebuilt = [[b"".join(m) for m in stream] for stream in self.streams]
 
     def run_baseline(self) -> float:
         start = time.perf_counter()
@@ -315,7 +404,6 @@ class BareGrpc:
 
     def close(self) -> None:
         self.channel.close()
-        self.server.stop(0).wait()
 
 
 SIDES = ("transport", "baseline", "floor")
@@ -353,13 +441,15 @@ def bench_transfer(args: argparse.Namespace, repeat: int) -> TransferFigures:
         enable_prefix_caching=False,
         torch_threads=args.threads,
     )
-    instance, server, port = serve_decode(engine_config, DecodeConfig())
+    largest = plan.blocks_per_message * plan.block_bytes
+    sink_bytes = min(plan.total_bytes, max(RECEIVE_BUFFER_BYTES, largest))
+    receiver = Receiver(engine_config, sink_bytes, args.threads)
     transport: TransportSide | None = None
     bare: BareGrpc | None = None
     samples: dict[str, list[float]] = {side: [] for side in SIDES}
     try:
-        transport = TransportSide(plan, instance, f"127.0.0.1:{port}")
-        bare = BareGrpc(plan, transport.blocks)
+        transport = TransportSide(plan, receiver)
+        bare = BareGrpc(plan, transport.blocks, receiver.sink_port)
         runs = {"transport": transport.run, "baseline": bare.run_baseline, "floor": bare.run_floor}
         transport.run(verify=True)  # warm-up, and a check that the bytes land intact
         bare.run_baseline()
@@ -372,8 +462,7 @@ def bench_transfer(args: argparse.Namespace, repeat: int) -> TransferFigures:
             transport.close()
         if bare is not None:
             bare.close()
-        server.stop(0).wait()
-        instance.stop()
+        receiver.close()
     ratios = [t / b for t, b in zip(samples["transport"], samples["baseline"], strict=True)]
     floors = [f / b for f, b in zip(samples["floor"], samples["baseline"], strict=True)]
     return TransferFigures(

@@ -57,7 +57,7 @@ class PrefillConfig:
     num_gpus: float = 0.0
     reserve_max_attempts: int = 5  # Reserve calls to a decode instance before giving up
     reserve_max_backoff_s: float = 1.0  # cap on the wait between attempts (decode suggests one)
-    transfer_chunk_bytes: int = 4 * 2**20  # gRPC KV message size
+    transfer_chunk_bytes: int = 2**20  # gRPC KV message size
     kv_ready_timeout_s: float = 300.0  # longest wait for a prompt's prefill to complete
 
 

@@ -1,7 +1,7 @@
 """ModelRunner: owns the paged KV cache and runs one forward pass over a batch of chunks."""
 
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -98,8 +98,6 @@ class BlockIO:
     def __init__(self, kv_cache: torch.Tensor) -> None:
         self._bytes = kv_cache.view(kv_cache.shape[0], -1).view(torch.uint8)
         self.block_bytes = int(self._bytes.shape[1])
-        on_cpu = kv_cache.device.type == "cpu"
-        self._host = memoryview(self._bytes.numpy().data).cast("B") if on_cpu else None
 
     def read(self, block_ids: Sequence[int]) -> list[memoryview]:
         host = self._bytes if self._bytes.device.type == "cpu" else None
@@ -115,15 +113,21 @@ class BlockIO:
             raise ValueError(
                 f"{len(data)} bytes is not {len(block_ids)} blocks of {self.block_bytes}"
             )
-        size = self.block_bytes
-        if self._host is not None:  # a memcpy per block: ~20x faster than index_copy_ on uint8
-            raw = data if data.format == "B" else data.cast("B")
-            for i, block_id in enumerate(block_ids):
-                self._host[block_id * size : (block_id + 1) * size] = raw[i * size : (i + 1) * size]
-            return
         with warnings.catch_warnings():  # read-only source buffers are only read
             warnings.simplefilter("ignore", UserWarning)
-            source = torch.frombuffer(data, dtype=torch.uint8)
-        rows = source.view(len(block_ids), self.block_bytes).to(self._bytes.device)
-        index = torch.tensor(list(block_ids), dtype=torch.long, device=self._bytes.device)
-        self._bytes.index_copy_(0, index, rows)
+            rows = torch.frombuffer(data, dtype=torch.uint8).view(len(block_ids), self.block_bytes)
+        if self._bytes.device.type != "cpu":
+            rows = rows.to(self._bytes.device)
+        # one copy per run of consecutive block ids (a reservation's blocks mostly are one run);
+        # torch copies without holding the GIL, so gRPC threads keep receiving meanwhile
+        for position, first, count in consecutive_runs(block_ids):
+            self._bytes[first : first + count].copy_(rows[position : position + count])
+
+
+def consecutive_runs(block_ids: Sequence[int]) -> Iterator[tuple[int, int, int]]:
+    """(position in `block_ids`, first block id, length) of each run of consecutive ids."""
+    start = 0
+    for i in range(1, len(block_ids) + 1):
+        if i == len(block_ids) or block_ids[i] != block_ids[i - 1] + 1:
+            yield start, block_ids[start], i - start
+            start = i

@@ -14,7 +14,7 @@ from pdserve.rpc.channels import ChannelPool
 from pdserve.transfer.base import KVTransferError, KVTransport, TransferResult
 from pdserve.v1 import decode_pb2
 
-DEFAULT_CHUNK_BYTES = 4 * 2**20
+DEFAULT_CHUNK_BYTES = 2**20
 PUSH_KV_METHOD = "/pdserve.v1.DecodeService/PushKV"
 _DATA_TAG = bytes([(4 << 3) | 2])  # KVChunk.data: field 4, length-delimited
 
