@@ -787,7 +787,12 @@ def start_cluster(
             started.append(serve_prefill(prefill_engine, PrefillConfig()))
         decode = serve_decode(decode_engine, DecodeConfig())
         started.append(decode)
-        config = RouterConfig(port=0, model_name=MODEL_NAME, prefill_policy=policy)
+        tuning = {  # what-if experiments; unset flags keep the router's defaults
+            name: value
+            for name in ("load_weight", "balance_abs_threshold")
+            if (value := getattr(args, name)) is not None
+        }
+        config = RouterConfig(port=0, model_name=MODEL_NAME, prefill_policy=policy, **tuning)
         router = serve_router(
             config,
             prefill_engine,
@@ -799,18 +804,6 @@ def start_cluster(
             server.stop(0).wait()
             instance.stop()
         raise
-    policy_overrides = {
-        k: v
-        for k, v in (
-            ("load_weight", args.load_weight),
-            ("balance_abs_threshold", args.balance_abs_threshold),
-        )
-        if v is not None
-    }
-    if policy_overrides:  # what-if experiments; the router itself builds the default config
-        from services.router.policies import PolicyConfig, make_policy
-
-        router.router.policy = make_policy(policy, PolicyConfig(**policy_overrides))
     return LocalCluster(router, started[:num_prefill], [decode], RoutingProbe(router.router))
 
 

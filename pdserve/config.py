@@ -92,6 +92,11 @@ class RouterConfig:
     port: int = 8000  # 0 = any free port
     model_name: str | None = None  # the id clients send as `model`; None = model dir name
     prefill_policy: str = "cache_aware"  # round_robin | least_load | cache_aware
+    # cache_aware: score = cached tokens - load_weight * in-flight prefill tokens; candidates whose
+    # in-flight request counts differ by > balance_abs_threshold AND max > rel * min go least_load
+    load_weight: float = 1.0
+    balance_abs_threshold: int = 32
+    balance_rel_threshold: float = 1.0001
     max_attempts: int = 3  # tries on other instances when a step fails before the first token
     retry_backoff_s: float = 0.1  # doubles after each failed attempt
     max_body_bytes: int = 4 * 2**20  # larger request bodies get 413

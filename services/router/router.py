@@ -31,6 +31,7 @@ from services.router.pd_client import Finished, PDClient, TokenDelta
 from services.router.policies import (
     DecodeCapacity,
     NoCandidateError,
+    PolicyConfig,
     RouteRequest,
     make_decode_policy,
     make_policy,
@@ -89,8 +90,13 @@ class Router:
         self.client = client or PDClient()
         self.index = KVEventIndex()
         self.load = LoadTracker()
-        self.policy = make_policy(config.prefill_policy)
-        self.decode_policy = make_decode_policy("least_kv_usage")
+        tuning = PolicyConfig(
+            load_weight=config.load_weight,
+            balance_abs_threshold=config.balance_abs_threshold,
+            balance_rel_threshold=config.balance_rel_threshold,
+        )
+        self.policy = make_policy(config.prefill_policy, tuning)
+        self.decode_policy = make_decode_policy("least_kv_usage", tuning)
         self._decode_load: dict[str, DecodeCapacity] = {}
         self.metrics = RouterMetrics()
         self._unhealthy_until: dict[str, float] = {}

@@ -129,8 +129,13 @@ def test_shipped_local_config_loads_with_defaults() -> None:
 def test_cluster_config_sections_and_environment(tmp_path: Path) -> None:
     path = tmp_path / "c.yaml"
     path.write_text("engine:\n  block_size: 8\ndecode:\n  replicas: 2\ncluster:\n  host: 0.0.0.0\n")
-    env = {"PDSERVE_PREFILL_NUM_CPUS": "0.5", "PDSERVE_DECODE_REPLICAS": "3"}
+    env = {
+        "PDSERVE_PREFILL_NUM_CPUS": "0.5",
+        "PDSERVE_DECODE_REPLICAS": "3",
+        "PDSERVE_ROUTER_BALANCE_ABS_THRESHOLD": "8",
+    }
     config = load_cluster_config(path, env=env, overrides={"ray_address": "auto"})
+    assert config.router.balance_abs_threshold == 8
     assert (config.engine.block_size, config.decode.replicas, config.prefill.num_cpus) == (
         8,
         3,
