@@ -54,3 +54,9 @@ class RouterMetrics:
             ["instance"],
             registry=self.registry,
         )
+        self.indexed_blocks = Gauge(
+            "pdserve_router_indexed_blocks",
+            "KV blocks the router's index believes each prefill or mixed instance holds.",
+            ["instance"],
+            registry=self.registry,
+        )

@@ -242,10 +242,12 @@ class Router:
                 lease.release()
 
     def export_load(self) -> None:
-        """Copy the in-flight lease counts into the metrics gauge (before a scrape)."""
+        """Copy the in-flight lease counts and index sizes into their gauges (before a scrape)."""
         for address in [*self.prefill, *self.decode]:
             load = self.load.load_of(address)
             self.metrics.in_flight.labels(address).set(load.in_flight_requests)
+        for address in self.prefill:
+            self.metrics.indexed_blocks.labels(address).set(self.index.num_blocks(address))
 
     def _blame(self, error: Exception, prefill: str, decode: str | None) -> set[str]:
         """Instances not to retry on, marked unhealthy for a while (their index dropped)."""

@@ -1,0 +1,234 @@
+"""The OpenAI API, with the official `openai` client, against a cluster started by `pdserve up`
+(2 prefill + 1 decode Ray actors, the router in the `up` process)."""
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import ray
+from pdserve_up import UpCluster, pdserve_up
+from waiting import wait_for
+
+from pdserve.config import EngineConfig
+from pdserve.engine import LLMEngine, SamplingParams
+
+MODEL = "tiny"
+
+
+@pytest.fixture(scope="module")
+def cluster(
+    ray_session: None, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[UpCluster]:
+    workdir = tmp_path_factory.mktemp("openai-api")
+    config = (
+        f"engine:\n  model: {tiny_model_dir}\n  torch_threads: 1\n  num_kv_blocks: 512\n"
+        f"  max_model_len: 1024\n"
+        f"prefill:\n  replicas: 2\n  num_cpus: 1\ndecode:\n  num_cpus: 1\n"
+        f"router:\n  port: 0\n  model_name: {MODEL}\n  stats_interval_s: 0.1\n"
+        f"cluster:\n  namespace: pdserve-openai-api\n  state_dir: {workdir}\n"
+    )
+    with pdserve_up(config, workdir, ray.get_runtime_context().gcs_address) as up:
+        yield up
+        for address in up.addresses("prefill") + up.addresses("decode"):
+            stats = up.stats(address)
+            assert stats.num_free_blocks == stats.num_blocks, address
+
+
+@pytest.fixture(scope="module")
+def client(cluster: UpCluster) -> Iterator[openai.OpenAI]:
+    with openai.OpenAI(base_url=cluster.router_url, api_key="unused", max_retries=0) as client:
+        yield client
+
+
+@pytest.fixture(autouse=True)
+def nothing_left_in_flight(cluster: UpCluster) -> Iterator[None]:
+    yield
+
+    def idle() -> bool:
+        leases = [
+            value
+            for name, value in cluster.router_metrics().items()
+            if name.startswith("pdserve_router_in_flight_requests{")
+        ]
+        decode = cluster.stats(cluster.addresses("decode")[0])
+        return len(leases) == 3 and not any(leases) and decode.num_running == 0
+
+    wait_for(idle)
+
+
+@pytest.fixture(scope="module")
+def mixed(tiny_model_dir: Path) -> LLMEngine:
+    return LLMEngine.from_config(EngineConfig(model=str(tiny_model_dir), max_model_len=1024))
+
+
+def test_models_lists_the_served_model(client: openai.OpenAI) -> None:
+    assert [m.id for m in client.models.list()] == [MODEL]
+
+
+def test_completion_equals_mixed_mode_and_reports_usage(
+    client: openai.OpenAI, mixed: LLMEngine
+) -> None:
+    prompt = "The quick brown fox"
+    result = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0)
+    [expected] = mixed.generate([prompt], SamplingParams(max_tokens=12))
+    assert result.choices[0].text == expected.text
+    assert result.choices[0].finish_reason == expected.finish_reason
+    assert result.usage is not None
+    assert (result.usage.prompt_tokens, result.usage.completion_tokens) == (
+        len(mixed.tokenizer.encode(prompt)),
+        len(expected.token_ids),
+    )
+
+
+def test_streamed_completion_equals_the_unstreamed_one(client: openai.OpenAI) -> None:
+    whole = client.completions.create(model=MODEL, prompt="Once", max_tokens=16, temperature=0)
+    chunks = list(
+        client.completions.create(
+            model=MODEL, prompt="Once", max_tokens=16, temperature=0, stream=True
+        )
+    )
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == whole.choices[0].text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+
+
+def test_streamed_chat_equals_unstreamed_chat(client: openai.OpenAI) -> None:
+    messages = [{"role": "user", "content": "Tell me a story"}]
+    whole = client.chat.completions.create(
+        model=MODEL,
+        messages=messages,  # type: ignore[arg-type]
+        max_tokens=20,
+        temperature=0,
+    )
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL,
+            messages=messages,  # type: ignore[arg-type]
+            max_completion_tokens=20,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 20
+    assert whole.usage is not None and chunks[-1].usage.prompt_tokens == whole.usage.prompt_tokens
+
+
+def test_stop_string_ends_the_completion(client: openai.OpenAI) -> None:
+    free = client.completions.create(model=MODEL, prompt="abc", max_tokens=24, temperature=0)
+    stop = free.choices[0].text[6:9]
+    stopped = client.completions.create(
+        model=MODEL, prompt="abc", max_tokens=24, temperature=0, stop=[stop]
+    )
+    assert stopped.choices[0].text == free.choices[0].text[: free.choices[0].text.index(stop)]
+    assert stopped.choices[0].finish_reason == "stop"
+    assert stopped.usage is not None and stopped.usage.completion_tokens < 24
+
+
+def error_of(response: httpx.Response) -> dict[str, object]:
+    body = response.json()
+    assert set(body["error"]) >= {"message", "type", "param", "code"}
+    return body["error"]
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "fragment"),
+    [
+        ({"model": "gpt-4", "prompt": "hi"}, 404, "does not exist"),
+        ({"model": MODEL, "prompt": "a" * 2000}, 400, "maximum context length"),
+        ({"model": MODEL, "prompt": "hi", "temperature": 5}, 400, "temperature"),
+        ({"model": MODEL, "prompt": "hi", "top_p": 0}, 400, "top_p"),
+        ({"model": MODEL, "prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
+        ({"model": MODEL, "prompt": "hi", "n": 2}, 400, "n > 1"),
+        ({"model": MODEL, "prompt": ["a", "b"]}, 400, "batch of prompts"),
+        ({"model": MODEL, "prompt": [1, 99999]}, 400, "token ids"),
+        ({"model": MODEL}, 400, "prompt"),
+    ],
+)
+def test_bad_requests_get_openai_errors(
+    cluster: UpCluster, body: dict[str, object], status: int, fragment: str
+) -> None:
+    response = httpx.post(f"{cluster.router_url}/completions", json=body, timeout=30)
+    assert response.status_code == status
+    assert fragment in str(error_of(response)["message"])
+
+
+def test_malformed_json_and_oversized_bodies_are_rejected(cluster: UpCluster) -> None:
+    bad = httpx.post(
+        f"{cluster.router_url}/chat/completions",
+        content=b"{not json",
+        headers={"content-type": "application/json"},
+    )
+    assert bad.status_code == 400 and "JSON" in str(error_of(bad)["message"])
+    huge = json.dumps({"model": MODEL, "prompt": "x" * (5 * 2**20)})
+    too_big = httpx.post(
+        f"{cluster.router_url}/completions",
+        content=huge,
+        headers={"content-type": "application/json"},
+    )
+    assert too_big.status_code == 413
+    assert error_of(too_big)["code"] == "request_too_large"
+
+
+def test_openai_client_raises_typed_errors(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="nope", prompt="hi")
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "hi"}],
+            temperature=-1,
+        )
+
+
+def test_client_disconnect_aborts_the_request_everywhere(cluster: UpCluster) -> None:
+    decode = cluster.addresses("decode")[0]
+    body = {"model": MODEL, "prompt": "go on", "max_tokens": 900, "stream": True}
+    url = f"{cluster.router_url}/completions"
+    with httpx.stream("POST", url, json=body, timeout=30) as response:
+        assert next(response.iter_lines()).startswith("data: ")
+        assert cluster.stats(decode).num_running == 1
+    wait_for(lambda: cluster.stats(decode).num_running == 0)
+    # `nothing_left_in_flight` then checks that the router released every lease
+
+
+def test_cache_aware_policy_sends_the_next_turn_to_the_instance_with_the_prefix(
+    cluster: UpCluster, client: openai.OpenAI
+) -> None:
+    prefills = cluster.addresses("prefill")
+    conversation = [{"role": "system", "content": "You are a helpful assistant. " * 8}]
+    conversation.append({"role": "user", "content": "First question, about the weather?"})
+    first = client.chat.completions.create(
+        model=MODEL,
+        messages=conversation,  # type: ignore[arg-type]
+        max_tokens=8,
+        temperature=0,
+    )
+
+    def indexed_blocks() -> int:  # the router has seen the first turn's KV events
+        metrics = cluster.router_metrics()
+        return sum(
+            int(metrics.get(f'pdserve_router_indexed_blocks{{instance="{a}"}}', 0))
+            for a in prefills
+        )
+
+    wait_for(lambda: indexed_blocks() >= 4)
+    before = [cluster.stats(a).prefix_cache_hits for a in prefills]
+    conversation.append({"role": "assistant", "content": first.choices[0].message.content or ""})
+    conversation.append({"role": "user", "content": "And a follow-up question?"})
+    client.chat.completions.create(
+        model=MODEL,
+        messages=conversation,  # type: ignore[arg-type]
+        max_tokens=8,
+        temperature=0,
+    )
+    gained = sorted(
+        cluster.stats(a).prefix_cache_hits - b for a, b in zip(prefills, before, strict=True)
+    )
+    assert gained[0] == 0 and gained[1] >= 64  # all of it on one instance

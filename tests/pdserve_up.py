@@ -1,0 +1,105 @@
+"""A pdserve cluster started the way an operator starts one: `pdserve up` in a subprocess."""
+
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+import httpx
+
+from pdserve.v1 import common_pb2, decode_pb2_grpc, prefill_pb2_grpc
+
+CLI = [sys.executable, "-m", "services.controller.cli"]
+
+
+@dataclass
+class UpCluster:
+    process: subprocess.Popen[str]
+    config: Path
+    env: dict[str, str]
+    lines: list[str]  # what `pdserve up` printed up to "pdserve is up"
+    router_url: str  # ends in /v1
+    instances: dict[str, tuple[str, str]]  # name -> (role, host:port)
+    _channels: dict[str, grpc.Channel] = field(default_factory=dict)
+
+    def addresses(self, role: str) -> list[str]:
+        return sorted(address for r, address in self.instances.values() if r == role)
+
+    def stats(self, address: str) -> common_pb2.InstanceStats:
+        """GetStats of an instance, over gRPC."""
+        channel = self._channels.get(address)
+        if channel is None:
+            channel = self._channels[address] = grpc.insecure_channel(address)
+        role = next(r for r, a in self.instances.values() if a == address)
+        stub_type = prefill_pb2_grpc.PrefillServiceStub
+        if role == "decode":
+            stub_type = decode_pb2_grpc.DecodeServiceStub  # type: ignore[assignment]
+        return stub_type(channel).GetStats(common_pb2.StatsRequest(), timeout=10)
+
+    def router_metrics(self) -> dict[str, float]:
+        """The router's /metrics samples: `name{labels}` -> value."""
+        text = httpx.get(self.router_url.removesuffix("/v1") + "/metrics", timeout=10).text
+        samples = {}
+        for line in text.splitlines():
+            if line and not line.startswith("#"):
+                name, value = line.rsplit(" ", 1)
+                samples[name] = float(value)
+        return samples
+
+    def close_channels(self) -> None:
+        for channel in self._channels.values():
+            channel.close()
+        self._channels.clear()
+
+
+@contextmanager
+def pdserve_up(config_text: str, workdir: Path, ray_address: str) -> Iterator[UpCluster]:
+    """Run `pdserve up` with `config_text` (its `cluster.state_dir` should be `workdir`) on the
+    Ray cluster at `ray_address`; stop it with SIGTERM (as `pdserve down` does) on exit and
+    check that it shut down cleanly."""
+    config = workdir / "pdserve.yaml"
+    config.write_text(config_text)
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "OMP_NUM_THREADS": "1"}
+    log = (workdir / "up.log").open("w")
+    process = subprocess.Popen(
+        [*CLI, "up", "--config", str(config), "--address", ray_address],
+        stdout=subprocess.PIPE,
+        stderr=log,
+        text=True,
+        env=env,
+    )
+    cluster: UpCluster | None = None
+    try:
+        assert process.stdout is not None
+        lines = []
+        for line in process.stdout:
+            lines.append(line)
+            if "pdserve is up" in line:
+                break
+        else:
+            raise AssertionError(f"`pdserve up` ended early:\n{''.join(lines)}\n(see {log.name})")
+        instances = {
+            name: (role, url.removeprefix("grpc://"))
+            for name, role, url in (line.split() for line in lines if "grpc://" in line)
+        }
+        [router_url] = [line.split()[2] for line in lines if line.startswith("router")]
+        cluster = UpCluster(process, config, env, lines, router_url, instances)
+        yield cluster
+    finally:
+        if cluster is not None:
+            cluster.close_channels()
+        if process.poll() is None:
+            process.send_signal(signal.SIGTERM)
+            try:
+                returncode = process.wait(timeout=120)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+                raise
+            assert returncode == 0, f"`pdserve up` exited with {returncode} (see {log.name})"
+        log.close()
