@@ -49,7 +49,8 @@ bench: install
 	$(PY) benchmarks/engine_throughput.py
 	$(PY) benchmarks/kv_transfer.py
 	$(PY) benchmarks/router_overhead.py
-	$(PY) benchmarks/serve_load.py
+	$(PY) benchmarks/serve_load.py --trace benchmarks/workloads/documents_trace.jsonl \
+		--block-tokens 64 --time-scale 0.5 --kv-fraction 0.3
 
 lock: install
 	{ echo "# Exact versions installed by 'make install' (pip constraints). Regenerate with 'make lock'."; \
