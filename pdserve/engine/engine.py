@@ -1,15 +1,16 @@
 """LLMEngine: one in-process engine. Each step reads schedule -> run -> update."""
 
 import logging
+import queue
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from pdserve.config import EngineConfig
 from pdserve.engine.detokenizer import IncrementalDetokenizer
-from pdserve.engine.request import Request, RequestStatus, SamplingParams
+from pdserve.engine.request import Request, RequestStatus, SamplingParams, StorageFetch
 from pdserve.engine.sampler import Sampler
 from pdserve.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from pdserve.errors import (
@@ -19,11 +20,12 @@ from pdserve.errors import (
     RequestNotFoundError,
 )
 from pdserve.kvcache.events import KVEventSink
-from pdserve.kvcache.hashing import BlockHasher
+from pdserve.kvcache.hashing import BlockHash, BlockHasher
 from pdserve.kvcache.manager import KVCacheManager
 from pdserve.model.loader import LoadedModel, load_model
-from pdserve.model.runner import ModelRunner, SequenceChunk
+from pdserve.model.runner import BlockIO, ModelRunner, SequenceChunk
 from pdserve.model.tiny import default_model_dir
+from pdserve.storage.tier import StorageTier
 
 logger = logging.getLogger(__name__)
 
@@ -75,7 +77,86 @@ class LLMEngine:
         self.sampler = sampler
         self.hasher = BlockHasher.for_model(kv_cache.block_size, loaded.model_tag)
         self.max_model_len = min(loaded.max_model_len, kv_cache.num_blocks * kv_cache.block_size)
+        self.block_io = BlockIO(runner.kv_cache)
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self.storage: StorageTier | None = None
+        self.on_storage_ready: Callable[[], None] | None = None  # wakes an idle loop
+        self._fetched: queue.SimpleQueue[tuple[Request, int, list[bytes]]] = queue.SimpleQueue()
+        self._fetches_in_flight = 0
+
+    # -- the storage tier -----------------------------------------------------------------------
+
+    def attach_storage(self, tier: StorageTier) -> None:
+        """Write published blocks back to `tier` as its config says, and read ahead from it
+        what a waiting request's device prefix hit lacks."""
+        self.storage = tier
+        kv, config = self.kv_cache, tier.config
+        kv.write_sink = self._write_back
+        kv.write_on_evict = config.device_write_policy == "on_eviction"
+        kv.write_through = config.device_write_policy == "write_through"
+        kv.write_on_preempt = config.write_back_on_preempt
+        self.scheduler.prefetch = self._prefetch
+
+    def storage_tag(self) -> str:
+        """Names the KV layout: blocks are only shared between engines with the same tag."""
+        return (
+            f"{self.loaded.model_tag}/{str(self.loaded.dtype).removeprefix('torch.')}"
+            f"/b{self.kv_cache.block_size}/kv1"
+        )
+
+    def _write_back(self, blocks: Sequence[tuple[int, BlockHash]]) -> None:
+        """Copy published blocks to host memory now (they may be overwritten next step) and
+        queue them for the storage writer. A copy, not I/O: the engine thread never waits."""
+        tier = self.storage
+        if tier is None:
+            return
+        fresh = [(b, h) for b, h in blocks if not tier.is_known_stored(h)]
+        if fresh:
+            views = self.block_io.read([b for b, _ in fresh])
+            tier.write([(h, bytes(v)) for (_, h), v in zip(fresh, views, strict=True)])
+
+    def _prefetch(self, request: Request, device_blocks: int) -> bool:
+        tier = self.storage
+        max_blocks = (request.num_tokens - 1) // self.kv_cache.block_size
+        if tier is None or device_blocks >= max_blocks or not tier.available:
+            return False
+        request.storage_fetch = StorageFetch.PENDING
+        self._fetches_in_flight += 1
+
+        def done(blocks: list[bytes]) -> None:  # on the storage worker thread
+            self._fetched.put((request, device_blocks, blocks))
+            if self.on_storage_ready is not None:
+                self.on_storage_ready()
+
+        tier.prefetch(request.block_hashes[device_blocks:max_blocks], done)
+        return True
+
+    def _apply_fetched(self) -> None:
+        block = self._fetches_in_flight > 0 and not self.scheduler.has_schedulable_requests()
+        while True:
+            try:
+                request, first_block, blocks = self._fetched.get(block=block, timeout=1.0)
+            except queue.Empty:
+                return
+            block = False
+            self._fetches_in_flight -= 1
+            if self.scheduler.requests.get(request.request_id) is request:
+                request.stage(first_block, blocks)
+
+    def load_staged(self, request: Request, device_blocks: int) -> int:
+        """Write the request's usable staged blocks into its table after its device prefix hit
+        of `device_blocks` blocks and publish them (their bytes were verified when read).
+        Returns how many were loaded."""
+        blocks = request.take_staged(device_blocks)
+        if not blocks:
+            return 0
+        table = self.kv_cache.block_table(request.request_id)
+        for block_id, data in zip(table[device_blocks:], blocks, strict=False):
+            self.block_io.write([block_id], memoryview(data))
+        block_size = self.kv_cache.block_size
+        self.kv_cache.update_cache_blocks(request, (device_blocks + len(blocks)) * block_size)
+        self.scheduler.stats.storage_loaded_tokens += len(blocks) * block_size
+        return len(blocks)
 
     @classmethod
     def from_config(
@@ -148,7 +229,8 @@ class LLMEngine:
         )
 
     def preallocate(self, request: Request) -> bool:
-        """Match the request's prefix and allocate blocks for its whole prompt now.
+        """Match the request's prefix and allocate blocks for its whole prompt now, loading the
+        blocks staged from storage (`InstanceCore.read_ahead`) after the device hit.
 
         Sets `num_computed_tokens` to the hit. Returns False (changing nothing) when the pool
         cannot hold the prompt at the moment; the scheduler then allocates at admission.
@@ -157,7 +239,9 @@ class LLMEngine:
         if not self.kv_cache.can_allocate(request, request.num_prompt_tokens, prefix):
             return False
         self.kv_cache.allocate(request, request.num_prompt_tokens, prefix)
-        request.num_computed_tokens = prefix.num_tokens
+        loaded = self.load_staged(request, len(prefix.block_ids)) * self.kv_cache.block_size
+        request.num_storage_tokens = loaded
+        request.num_computed_tokens = prefix.num_tokens + loaded
         return True
 
     def admit_prefilled(self, request: Request, first_token_id: int) -> RequestOutput:
@@ -200,7 +284,11 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Run one batch: schedule -> run -> update. Returns the outputs of this step."""
+        if self.storage is not None:
+            self._apply_fetched()
         scheduled = self.scheduler.schedule()
+        for load in scheduled.loads:
+            self.load_staged(load.request, load.first_block)
         sampled = self._run(scheduled)
         return self._update(scheduled, sampled)
 
@@ -233,6 +321,7 @@ class LLMEngine:
             request = chunk.request
             samples = chunk.completes_known_tokens
             request.num_computed_tokens += chunk.num_new_tokens
+            self.scheduler.stats.num_computed_tokens += chunk.num_new_tokens
             self.kv_cache.update_cache_blocks(request, request.num_computed_tokens)
             if not samples:
                 continue

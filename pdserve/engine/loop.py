@@ -38,6 +38,11 @@ class EngineLoop:
         )
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        engine.on_storage_ready = self._wake  # a storage read finished: admission may proceed
+
+    def _wake(self) -> None:
+        if not self._stopped.is_set():
+            self._commands.put((lambda _: None, Future()))
 
     def start(self) -> None:
         self._thread.start()

@@ -9,9 +9,10 @@ KV pool allow. When a running request cannot get a block, the newest running req
 import bisect
 import logging
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from pdserve.engine.request import Request, RequestStatus
+from pdserve.engine.request import Request, RequestStatus, StorageFetch
 from pdserve.errors import DuplicateRequestError
 from pdserve.kvcache.manager import NO_MATCH, KVCacheManager
 
@@ -35,10 +36,21 @@ class ScheduledChunk:
         return self.request.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
 
 
+@dataclass(frozen=True, slots=True)
+class StagedLoad:
+    """Blocks [first_block, first_block + num_blocks) of the request's table are to be filled
+    from its staged storage bytes before this step's forward pass."""
+
+    request: Request
+    first_block: int
+    num_blocks: int
+
+
 @dataclass(slots=True)
 class SchedulerOutput:
     chunks: list[ScheduledChunk] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    loads: list[StagedLoad] = field(default_factory=list)
 
     @property
     def num_batched_tokens(self) -> int:
@@ -49,15 +61,26 @@ class SchedulerOutput:
 class SchedulerStats:
     num_preemptions: int = 0
     prefix_cache_queries: int = 0  # prompt tokens of requests admitted for the first time
-    prefix_cache_hits: int = 0  # of which were found in the prefix cache
+    prefix_cache_hits: int = 0  # of which were found in the device prefix cache
+    storage_cache_hits: int = 0  # of which were loaded from the storage tier
+    storage_loaded_tokens: int = 0  # every load from storage, re-admissions after preemption too
+    num_computed_tokens: int = 0  # tokens run through forward passes
 
 
 class Scheduler:
     """Owns the waiting queue and the running batch. Not thread-safe: the engine loop calls it."""
 
-    def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager) -> None:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        kv_cache: KVCacheManager,
+        prefetch: Callable[[Request, int], bool] | None = None,
+    ) -> None:
         self.config = config
         self.kv_cache = kv_cache
+        # asks the storage tier to read ahead what a request's device prefix hit lacks; returns
+        # whether it did (the request then waits for the answer, others are admitted meanwhile)
+        self.prefetch = prefetch
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # sorted by arrival_order
         self.requests: dict[str, Request] = {}
@@ -73,8 +96,10 @@ class Scheduler:
         return bool(self.requests)
 
     def has_schedulable_requests(self) -> bool:
-        """Requests a step could advance (held TRANSFERRING requests wait on I/O instead)."""
-        return bool(self.running or self.waiting)
+        """Requests a step could advance (TRANSFERRING requests and storage reads wait on I/O)."""
+        return bool(self.running) or any(
+            r.storage_fetch != StorageFetch.PENDING for r in self.waiting
+        )
 
     def schedule(self) -> SchedulerOutput:
         """Choose this step's chunks and allocate their KV blocks."""
@@ -139,8 +164,9 @@ class Scheduler:
 
     def _preempt(self, request: Request) -> None:
         self.running.pop()
-        self.kv_cache.free(request.request_id)
+        self.kv_cache.free(request.request_id, preempted=True)
         request.status = RequestStatus.PREEMPTED
+        request.storage_fetch = StorageFetch.NONE  # its blocks may be in storage by re-admission
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         self.stats.num_preemptions += 1
@@ -148,23 +174,43 @@ class Scheduler:
         logger.info("preempted request %s (%d tokens)", request.request_id, request.num_tokens)
 
     def _schedule_waiting(self, output: SchedulerOutput, budget: int) -> None:
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            request = self.waiting[0]
-            if self.kv_cache.has_request(request.request_id):  # preallocated: prefix is set
+        for request in list(self.waiting):
+            if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
+                return
+            if request.storage_fetch == StorageFetch.PENDING:
+                continue  # its storage read is in flight; later requests may go first
+            preallocated = self.kv_cache.has_request(request.request_id)  # prefix already set
+            loaded = 0
+            if preallocated:
                 prefix, num_computed = NO_MATCH, request.num_computed_tokens
             else:
                 prefix = self.kv_cache.match_prefix(request)
-                num_computed = prefix.num_tokens
+                device_blocks = len(prefix.block_ids)
+                if (
+                    request.storage_fetch == StorageFetch.NONE
+                    and self.prefetch is not None
+                    and self.prefetch(request, device_blocks)
+                ):
+                    continue
+                loaded = request.num_usable_staged(device_blocks)
+                num_computed = prefix.num_tokens + loaded * self.kv_cache.block_size
             num_new = min(request.num_tokens - num_computed, budget)
             if not self.kv_cache.can_allocate(request, num_computed + num_new, prefix):
-                break
+                return
             self.kv_cache.allocate(request, num_computed + num_new, prefix)
-            self.waiting.popleft()
+            self.waiting.remove(request)
+            if loaded:
+                output.loads.append(StagedLoad(request, len(prefix.block_ids), loaded))
+            else:
+                request.staged_blocks = []
             request.num_computed_tokens = num_computed
             if request.num_cached_tokens is None:
+                if not preallocated:
+                    request.num_storage_tokens = loaded * self.kv_cache.block_size
                 request.num_cached_tokens = num_computed
                 self.stats.prefix_cache_queries += request.num_prompt_tokens
-                self.stats.prefix_cache_hits += num_computed
+                self.stats.prefix_cache_hits += num_computed - request.num_storage_tokens
+                self.stats.storage_cache_hits += request.num_storage_tokens
             request.status = RequestStatus.RUNNING
             bisect.insort(self.running, request, key=lambda r: r.arrival_order)
             output.chunks.append(ScheduledChunk(request, num_new))

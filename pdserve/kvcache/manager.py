@@ -12,7 +12,7 @@ logits are needed. Not thread-safe: the owner (the scheduler) serialises calls.
 
 import logging
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -56,6 +56,10 @@ class PrefixMatch:
 
 NO_MATCH = PrefixMatch()
 
+BlockWriteSink = Callable[[Sequence[tuple[int, BlockHash]]], None]
+"""Receives (block id, hash) of published blocks whose bytes should be copied out now, while
+they are intact (the storage tier's write-back)."""
+
 
 class KVCacheManager:
     """Block tables, prefix matching and publication for one instance's KV cache."""
@@ -77,6 +81,12 @@ class KVCacheManager:
         self._event_sink = event_sink
         self._tables: dict[str, list[int]] = {}
         self._num_published: dict[str, int] = {}
+        # storage write-back, wired by the engine: evicted blocks (`write_on_evict`), blocks as
+        # they are published (`write_through`), a preempted request's (`write_on_preempt`)
+        self.write_sink: BlockWriteSink | None = None
+        self.write_on_evict = False
+        self.write_through = False
+        self.write_on_preempt = False
 
     # -- queries (no side effects) ------------------------------------------------------------
 
@@ -178,22 +188,29 @@ class KVCacheManager:
                 f"request {request.request_id} has {len(hashes)} block hashes, needs {num_full}"
             )
         stored = [
-            hashes[i]
+            (table[i], hashes[i])
             for i in range(start, num_full)
             if self.prefix_cache.insert(hashes[i], table[i])
         ]
         self._num_published[request.request_id] = num_full
         if stored and self._event_sink is not None:
-            self._event_sink(BlockStored(tuple(stored)))
+            self._event_sink(BlockStored(tuple(h for _, h in stored)))
+        if stored and self.write_through and self.write_sink is not None:
+            self.write_sink(stored)
         return len(stored)
 
-    def free(self, request_id: str) -> None:
+    def free(self, request_id: str, preempted: bool = False) -> None:
         """Release every block reference held by the request (tail blocks first, so they are
-        evicted before the shared prefix). Unknown ids are ignored: free is idempotent."""
+        evicted before the shared prefix). A preempted request's published blocks go to the write
+        sink first when `write_on_preempt` is set. Unknown ids are ignored: free is idempotent."""
         table = self._tables.pop(request_id, None)
-        self._num_published.pop(request_id, None)
-        if table is not None:
-            self.pool.free(reversed(table))
+        num_published = self._num_published.pop(request_id, 0)
+        if table is None:
+            return
+        if preempted and self.write_on_preempt and self.write_sink is not None:
+            published = [(b, self.prefix_cache.hash_of(b)) for b in table[:num_published]]
+            self.write_sink([(b, h) for b, h in published if h is not None])
+        self.pool.free(reversed(table))
 
     def evict_cached_blocks(self, max_blocks: int | None = None) -> int:
         """Unpublish up to `max_blocks` unreferenced cached blocks, least recently used first.
@@ -241,6 +258,11 @@ class KVCacheManager:
         return table
 
     def _unpublish(self, block_ids: Sequence[int]) -> None:
+        if self.write_on_evict and self.write_sink is not None:
+            cached = [(b, self.prefix_cache.hash_of(b)) for b in block_ids]
+            evicted = [(b, h) for b, h in cached if h is not None]
+            if evicted:
+                self.write_sink(evicted)
         removed = [h for b in block_ids if (h := self.prefix_cache.drop_block(b)) is not None]
         if removed and self._event_sink is not None:
             self._event_sink(BlockRemoved(tuple(removed)))

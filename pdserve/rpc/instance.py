@@ -8,15 +8,19 @@ import logging
 import queue
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import grpc
+import platformdirs
 
-from pdserve.config import EngineConfig
+from pdserve.config import EngineConfig, StorageConfig
 from pdserve.engine.engine import LLMEngine, RequestOutput
 from pdserve.engine.loop import EngineLoop
+from pdserve.engine.request import Request
+from pdserve.engine.scheduler import SchedulerStats
 from pdserve.errors import RequestNotFoundError
 from pdserve.kvcache.events import BlockStored, KVEventBroadcaster
-from pdserve.model.runner import BlockIO
+from pdserve.storage.tier import StorageTier, make_store
 from pdserve.v1 import common_pb2
 
 logger = logging.getLogger(__name__)
@@ -50,21 +54,58 @@ def aborted_output(request_id: str) -> RequestOutput:
 
 class InstanceCore:
     def __init__(
-        self, role: str, engine: LLMEngine, events: KVEventBroadcaster, on_tick: Callable[[], None]
+        self,
+        role: str,
+        engine: LLMEngine,
+        events: KVEventBroadcaster,
+        on_tick: Callable[[], None],
+        storage: StorageTier | None = None,
     ) -> None:
         self.role = role
         self.engine = engine
         self.events = events
-        self.block_io = BlockIO(engine.runner.kv_cache)
+        self.block_io = engine.block_io
         self.counters = TransferCounters()
+        self.storage = storage
+        if storage is not None:
+            engine.attach_storage(storage)
         self._sinks: dict[str, OutputSink] = {}
         self.loop = EngineLoop(engine, self._dispatch, on_tick=on_tick)
 
     @classmethod
-    def create(cls, role: str, config: EngineConfig, on_tick: Callable[[], None]) -> "InstanceCore":
+    def create(
+        cls,
+        role: str,
+        config: EngineConfig,
+        on_tick: Callable[[], None],
+        storage: StorageConfig | None = None,
+        store_id: str | None = None,
+    ) -> "InstanceCore":
+        """An engine for `config`, with the storage tier when `storage` is given and enabled
+        (`store_id` names a host memory store: the instance's address)."""
         events = KVEventBroadcaster()
         engine = LLMEngine.from_config(config, event_sink=events.publish)
-        return cls(role, engine, events, on_tick)
+        tier = None
+        if storage is not None and storage.enabled:
+            default_root = Path(platformdirs.user_cache_dir("pdserve")) / "kv-store"
+            store = make_store(storage, store_id, default_root)
+            tier = StorageTier(storage, engine.storage_tag(), store)
+        return cls(role, engine, events, on_tick, tier)
+
+    def read_ahead(self, request: Request) -> None:
+        """Stage from the storage tier the blocks the device prefix cache lacks, before the
+        request is given its blocks (`LLMEngine.preallocate` or a decode reservation loads them).
+        Blocking I/O: on the caller's (handler) thread, never the engine's."""
+        if self.storage is None:
+            return
+
+        def device_blocks(engine: LLMEngine) -> int:
+            return len(engine.kv_cache.match_prefix(request).block_ids)
+
+        first = self.loop.call(device_blocks)
+        last = (request.num_tokens - 1) // self.engine.kv_cache.block_size
+        if first < last:
+            request.stage(first, self.storage.read_chain(request.block_hashes[first:last]))
 
     def set_sink(self, request_id: str, sink: OutputSink) -> None:
         """Route the request's outputs to `sink` (called on the engine thread; must not block)."""
@@ -113,10 +154,34 @@ class InstanceCore:
                 kv_blocks_sent=self.counters.blocks_sent,
                 kv_bytes_received=self.counters.bytes_received,
                 kv_blocks_received=self.counters.blocks_received,
+                num_computed_tokens=scheduler.stats.num_computed_tokens,
+                storage=self._storage_stats(scheduler.stats),
                 **extra,
             )
 
         return self.loop.call(snapshot)
+
+    def _storage_stats(self, stats: SchedulerStats) -> common_pb2.StorageStats | None:
+        tier = self.storage
+        if tier is None:
+            return None
+        c = tier.counters
+        return common_pb2.StorageStats(
+            available=tier.available,
+            cache_hits=stats.storage_cache_hits,
+            loaded_tokens=stats.storage_loaded_tokens,
+            blocks_written=c.blocks_written,
+            bytes_written=c.bytes_written,
+            blocks_read=c.blocks_read,
+            bytes_read=c.bytes_read,
+            writes_skipped=c.writes_skipped,
+            writes_dropped=c.writes_dropped,
+            write_errors=c.write_errors,
+            read_errors=c.read_errors,
+            redis_errors=c.redis_errors,
+            evictions=c.evictions,
+            queue_depth=tier.queue_depth,
+        )
 
     def kv_event_stream(self, context: grpc.ServicerContext) -> Iterator[common_pb2.KVEvent]:
         """Every KV event from now on, until the client goes away (or falls too far behind)."""
@@ -139,9 +204,14 @@ class InstanceCore:
 
     def check_integrity(self) -> None:
         self.loop.call(lambda engine: engine.check_integrity())
+        if self.storage is not None:
+            self.storage.flush()
+            self.storage.check_integrity()
 
     def start(self) -> None:
         self.loop.start()
 
     def stop(self) -> None:
         self.loop.stop()
+        if self.storage is not None:
+            self.storage.close()

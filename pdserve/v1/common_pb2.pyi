@@ -249,6 +249,8 @@ class InstanceStats(_message.Message):
     PREFIX_CACHE_HITS_FIELD_NUMBER: _builtins.int
     BLOCK_SIZE_FIELD_NUMBER: _builtins.int
     NUM_EXPIRED_RESERVATIONS_FIELD_NUMBER: _builtins.int
+    STORAGE_FIELD_NUMBER: _builtins.int
+    NUM_COMPUTED_TOKENS_FIELD_NUMBER: _builtins.int
     role: _builtins.str
     num_blocks: _builtins.int
     num_free_blocks: _builtins.int
@@ -268,6 +270,12 @@ class InstanceStats(_message.Message):
     """of which were found in the device cache"""
     block_size: _builtins.int
     num_expired_reservations: _builtins.int
+    num_computed_tokens: _builtins.int
+    """tokens run through forward passes"""
+    @_builtins.property
+    def storage(self) -> Global___StorageStats:
+        """absent when the instance runs without the storage tier"""
+
     def __init__(
         self,
         *,
@@ -288,14 +296,83 @@ class InstanceStats(_message.Message):
         prefix_cache_hits: _builtins.int = ...,
         block_size: _builtins.int = ...,
         num_expired_reservations: _builtins.int = ...,
+        storage: Global___StorageStats | None = ...,
+        num_computed_tokens: _builtins.int = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["storage", b"storage"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "kv_blocks_received", b"kv_blocks_received", "kv_blocks_sent", b"kv_blocks_sent", "kv_bytes_received", b"kv_bytes_received", "kv_bytes_sent", b"kv_bytes_sent", "num_blocks", b"num_blocks", "num_cached_blocks", b"num_cached_blocks", "num_expired_reservations", b"num_expired_reservations", "num_free_blocks", b"num_free_blocks", "num_preemptions", b"num_preemptions", "num_reservations", b"num_reservations", "num_reserved_blocks", b"num_reserved_blocks", "num_running", b"num_running", "num_waiting", b"num_waiting", "prefix_cache_hits", b"prefix_cache_hits", "prefix_cache_queries", b"prefix_cache_queries", "role", b"role"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "kv_blocks_received", b"kv_blocks_received", "kv_blocks_sent", b"kv_blocks_sent", "kv_bytes_received", b"kv_bytes_received", "kv_bytes_sent", b"kv_bytes_sent", "num_blocks", b"num_blocks", "num_cached_blocks", b"num_cached_blocks", "num_computed_tokens", b"num_computed_tokens", "num_expired_reservations", b"num_expired_reservations", "num_free_blocks", b"num_free_blocks", "num_preemptions", b"num_preemptions", "num_reservations", b"num_reservations", "num_reserved_blocks", b"num_reserved_blocks", "num_running", b"num_running", "num_waiting", b"num_waiting", "prefix_cache_hits", b"prefix_cache_hits", "prefix_cache_queries", b"prefix_cache_queries", "role", b"role", "storage", b"storage"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___InstanceStats: _TypeAlias = InstanceStats  # noqa: Y015
+
+@_typing.final
+class StorageStats(_message.Message):
+    """This instance's use of the shared KV storage tier."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    AVAILABLE_FIELD_NUMBER: _builtins.int
+    CACHE_HITS_FIELD_NUMBER: _builtins.int
+    LOADED_TOKENS_FIELD_NUMBER: _builtins.int
+    BLOCKS_WRITTEN_FIELD_NUMBER: _builtins.int
+    BYTES_WRITTEN_FIELD_NUMBER: _builtins.int
+    BLOCKS_READ_FIELD_NUMBER: _builtins.int
+    BYTES_READ_FIELD_NUMBER: _builtins.int
+    WRITES_SKIPPED_FIELD_NUMBER: _builtins.int
+    WRITES_DROPPED_FIELD_NUMBER: _builtins.int
+    WRITE_ERRORS_FIELD_NUMBER: _builtins.int
+    READ_ERRORS_FIELD_NUMBER: _builtins.int
+    REDIS_ERRORS_FIELD_NUMBER: _builtins.int
+    EVICTIONS_FIELD_NUMBER: _builtins.int
+    QUEUE_DEPTH_FIELD_NUMBER: _builtins.int
+    available: _builtins.bool
+    """Redis answered last time"""
+    cache_hits: _builtins.int
+    """prompt tokens loaded from storage at first admission"""
+    loaded_tokens: _builtins.int
+    """every load, re-admissions after preemption included"""
+    blocks_written: _builtins.int
+    bytes_written: _builtins.int
+    blocks_read: _builtins.int
+    bytes_read: _builtins.int
+    writes_skipped: _builtins.int
+    """already stored, or another writer had the block"""
+    writes_dropped: _builtins.int
+    """write queue full, or storage unavailable"""
+    write_errors: _builtins.int
+    read_errors: _builtins.int
+    """checksum mismatches and missing bytes (recomputed)"""
+    redis_errors: _builtins.int
+    evictions: _builtins.int
+    queue_depth: _builtins.int
+    """storage jobs waiting for the worker"""
+    def __init__(
+        self,
+        *,
+        available: _builtins.bool = ...,
+        cache_hits: _builtins.int = ...,
+        loaded_tokens: _builtins.int = ...,
+        blocks_written: _builtins.int = ...,
+        bytes_written: _builtins.int = ...,
+        blocks_read: _builtins.int = ...,
+        bytes_read: _builtins.int = ...,
+        writes_skipped: _builtins.int = ...,
+        writes_dropped: _builtins.int = ...,
+        write_errors: _builtins.int = ...,
+        read_errors: _builtins.int = ...,
+        redis_errors: _builtins.int = ...,
+        evictions: _builtins.int = ...,
+        queue_depth: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["available", b"available", "blocks_read", b"blocks_read", "blocks_written", b"blocks_written", "bytes_read", b"bytes_read", "bytes_written", b"bytes_written", "cache_hits", b"cache_hits", "evictions", b"evictions", "loaded_tokens", b"loaded_tokens", "queue_depth", b"queue_depth", "read_errors", b"read_errors", "redis_errors", b"redis_errors", "write_errors", b"write_errors", "writes_dropped", b"writes_dropped", "writes_skipped", b"writes_skipped"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___StorageStats: _TypeAlias = StorageStats  # noqa: Y015
 
 @_typing.final
 class KVEventsRequest(_message.Message):

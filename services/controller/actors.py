@@ -39,14 +39,16 @@ class InstanceActor:
         self.server: grpc.Server
         if role == "prefill":
             self.instance, self.server, port = serve_prefill(
-                config.engine, config.prefill, config.host
+                config.engine, config.prefill, config.host, storage=config.storage
             )
         elif role == "decode":
             self.instance, self.server, port = serve_decode(
-                config.engine, config.decode, config.host
+                config.engine, config.decode, config.host, storage=config.storage
             )
         else:
-            self.instance, self.server, port = serve_mixed(config.engine, config.host)
+            self.instance, self.server, port = serve_mixed(
+                config.engine, config.host, storage=config.storage
+            )
         self._address = f"{advertised_host(config.host)}:{port}"
 
     def address(self) -> str:

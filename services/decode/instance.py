@@ -11,9 +11,9 @@ import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from pdserve.config import DecodeConfig, EngineConfig
+from pdserve.config import DecodeConfig, EngineConfig, StorageConfig
 from pdserve.engine.engine import LLMEngine, RequestOutput
-from pdserve.engine.request import SamplingParams
+from pdserve.engine.request import Request, SamplingParams
 from pdserve.errors import InvalidRequestError, RequestNotFoundError
 from pdserve.rpc.convert import ResourceExhaustedError
 from pdserve.rpc.instance import InstanceCore, aborted_output
@@ -34,10 +34,17 @@ class ReservationGrant:
 
 
 class DecodeInstance:
-    def __init__(self, engine_config: EngineConfig, config: DecodeConfig) -> None:
+    def __init__(
+        self,
+        engine_config: EngineConfig,
+        config: DecodeConfig,
+        storage: StorageConfig | None = None,
+    ) -> None:
         self.config = config
         self.reservations = ReservationTable()
-        self.core = InstanceCore.create("decode", engine_config, on_tick=self._expire_leases)
+        self.core = InstanceCore.create(
+            "decode", engine_config, on_tick=self._expire_leases, storage=storage
+        )
         self.num_expired = 0
         self._outputs: dict[str, queue.SimpleQueue[RequestOutput | None]] = {}
         self._outputs_lock = threading.Lock()
@@ -58,25 +65,21 @@ class DecodeInstance:
         Raises ResourceExhaustedError (with a retry-after) when it would not, and
         InvalidRequestError for a bad request.
         """
-        grant = self.core.loop.call(
-            lambda engine: self._reserve(engine, request_id, prompt_token_ids, params)
+        request = self.core.loop.call(
+            lambda engine: engine.make_request(prompt_token_ids, params, request_id)
         )
+        self.core.read_ahead(request)  # blocks this instance lacks but the storage tier has
+        grant = self.core.loop.call(lambda engine: self._reserve(engine, request))
         with self._outputs_lock:
             self._outputs[request_id] = queue.SimpleQueue()
         return grant
 
-    def _reserve(
-        self,
-        engine: LLMEngine,
-        request_id: str,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-    ) -> ReservationGrant:
+    def _reserve(self, engine: LLMEngine, request: Request) -> ReservationGrant:
+        request_id = request.request_id
         if request_id in engine.scheduler.requests or any(
             r.request_id == request_id for r in self.reservations.requests()
         ):
             raise InvalidRequestError(f"request id {request_id!r} is already in flight here")
-        request = engine.make_request(prompt_token_ids, params, request_id)
         kv = engine.kv_cache
         prefix = kv.match_prefix(request)
         reserve = self.reserve_blocks(engine)
@@ -88,12 +91,17 @@ class DecodeInstance:
                 self.config.retry_after_ms,
             )
         kv.allocate(request, request.num_prompt_tokens, prefix)
-        request.num_cached_tokens = prefix.num_tokens
+        num_cached_blocks = len(prefix.block_ids) + engine.load_staged(
+            request, len(prefix.block_ids)
+        )
+        request.num_cached_tokens = num_cached_blocks * kv.block_size
         block_ids = tuple(kv.block_table(request_id))
         self.reservations.add(
-            request, block_ids, len(prefix.block_ids), self.config.reservation_timeout_s
+            request, block_ids, num_cached_blocks, self.config.reservation_timeout_s
         )
-        return ReservationGrant(prefix.num_tokens, len(block_ids), self.core.block_io.block_bytes)
+        return ReservationGrant(
+            request.num_cached_tokens, len(block_ids), self.core.block_io.block_bytes
+        )
 
     def reserve_blocks(self, engine: LLMEngine) -> int:
         """Free blocks the running and reserved requests may still need: each may grow by

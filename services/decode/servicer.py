@@ -8,7 +8,7 @@ from typing import Any
 
 import grpc
 
-from pdserve.config import DecodeConfig, EngineConfig
+from pdserve.config import DecodeConfig, EngineConfig, StorageConfig
 from pdserve.errors import PdserveError
 from pdserve.rpc.convert import (
     ResourceExhaustedError,
@@ -156,10 +156,14 @@ def add_decode_servicer(servicer: DecodeServicer, server: grpc.Server) -> None:
 
 
 def serve_decode(
-    engine_config: EngineConfig, config: DecodeConfig, host: str = "127.0.0.1", port: int = 0
+    engine_config: EngineConfig,
+    config: DecodeConfig,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    storage: StorageConfig | None = None,
 ) -> tuple[DecodeInstance, grpc.Server, int]:
     """Start a decode instance and its gRPC server; returns (instance, server, port)."""
-    instance = DecodeInstance(engine_config, config)
+    instance = DecodeInstance(engine_config, config, storage)
     instance.start()
     servicer = DecodeServicer(instance)
     server, bound = create_server(

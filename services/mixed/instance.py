@@ -3,7 +3,7 @@
 import queue
 from collections.abc import Iterator
 
-from pdserve.config import EngineConfig
+from pdserve.config import EngineConfig, StorageConfig
 from pdserve.engine.engine import LLMEngine, RequestOutput
 from pdserve.engine.request import SamplingParams
 from pdserve.rpc.instance import InstanceCore
@@ -11,8 +11,10 @@ from pdserve.v1 import common_pb2
 
 
 class MixedInstance:
-    def __init__(self, engine_config: EngineConfig) -> None:
-        self.core = InstanceCore.create("mixed", engine_config, on_tick=lambda: None)
+    def __init__(self, engine_config: EngineConfig, storage: StorageConfig | None = None) -> None:
+        self.core = InstanceCore.create(
+            "mixed", engine_config, on_tick=lambda: None, storage=storage
+        )
 
     def start(self) -> None:
         self.core.start()

@@ -5,7 +5,7 @@ from collections.abc import Iterator
 
 import grpc
 
-from pdserve.config import EngineConfig
+from pdserve.config import EngineConfig, StorageConfig
 from pdserve.errors import PdserveError
 from pdserve.rpc.convert import error_proto, sampling_from_proto, token_reply
 from pdserve.rpc.server import create_server
@@ -55,10 +55,13 @@ class MixedServicer(mixed_pb2_grpc.MixedServiceServicer):
 
 
 def serve_mixed(
-    engine_config: EngineConfig, host: str = "127.0.0.1", port: int = 0
+    engine_config: EngineConfig,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    storage: StorageConfig | None = None,
 ) -> tuple[MixedInstance, grpc.Server, int]:
     """Start a mixed instance and its gRPC server; returns (instance, server, port)."""
-    instance = MixedInstance(engine_config)
+    instance = MixedInstance(engine_config, storage)
     instance.start()
     servicer = MixedServicer(instance)
     server, bound = create_server(

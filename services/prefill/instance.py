@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from pdserve.config import EngineConfig, PrefillConfig
+from pdserve.config import EngineConfig, PrefillConfig, StorageConfig
 from pdserve.engine.engine import RequestOutput
 from pdserve.engine.request import Request, SamplingParams
 from pdserve.errors import PdserveError
@@ -68,9 +68,12 @@ class PrefillInstance:
         engine_config: EngineConfig,
         config: PrefillConfig,
         transport: KVTransport | None = None,
+        storage: StorageConfig | None = None,
     ) -> None:
         self.config = config
-        self.core = InstanceCore.create("prefill", engine_config, on_tick=lambda: None)
+        self.core = InstanceCore.create(
+            "prefill", engine_config, on_tick=lambda: None, storage=storage
+        )
         self.channels = ChannelPool()
         self.transport = transport or GrpcKVTransport(self.channels, config.transfer_chunk_bytes)
         self._kv_ready: dict[str, Future[RequestOutput]] = {}
@@ -138,8 +141,10 @@ class PrefillInstance:
         yield outcome
 
     def preallocate_resource_in_p(self, request: Request, decode_address: str) -> DecodeReservation:
-        """Match the device prefix cache, allocate blocks for the rest of the prompt, and ask the
-        decode instance to reserve blocks for it (retrying, bounded, while it refuses)."""
+        """Match the device prefix cache (extended by the storage tier), allocate blocks for the
+        rest of the prompt, and ask the decode instance to reserve blocks for it (retrying,
+        bounded, while it refuses)."""
+        self.core.read_ahead(request)
         self.core.loop.call(lambda engine: engine.preallocate(request))
         stub = self._decode_stub(decode_address)
         message = decode_pb2.ReserveRequest(

@@ -5,7 +5,7 @@ from collections.abc import Iterator
 
 import grpc
 
-from pdserve.config import EngineConfig, PrefillConfig
+from pdserve.config import EngineConfig, PrefillConfig, StorageConfig
 from pdserve.errors import PdserveError
 from pdserve.rpc.convert import error_proto, sampling_from_proto
 from pdserve.rpc.server import create_server
@@ -100,9 +100,10 @@ def serve_prefill(
     host: str = "127.0.0.1",
     port: int = 0,
     transport: KVTransport | None = None,
+    storage: StorageConfig | None = None,
 ) -> tuple[PrefillInstance, grpc.Server, int]:
     """Start a prefill instance and its gRPC server; returns (instance, server, port)."""
-    instance = PrefillInstance(engine_config, config, transport)
+    instance = PrefillInstance(engine_config, config, transport, storage)
     instance.start()
     servicer = PrefillServicer(instance)
     server, bound = create_server(

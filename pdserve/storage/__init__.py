@@ -1,0 +1,17 @@
+"""The shared KV storage tier: a Redis index (`CacheIndex`) over block stores, used by every
+instance through its `StorageTier` (DESIGN.md §5)."""
+
+from pdserve.storage.index import CacheIndex, IndexEntry
+from pdserve.storage.stores import BlockStore, BlockStoreError, DirectoryStore, HostMemoryStore
+from pdserve.storage.tier import StorageTier, checksum
+
+__all__ = [
+    "BlockStore",
+    "BlockStoreError",
+    "CacheIndex",
+    "DirectoryStore",
+    "HostMemoryStore",
+    "IndexEntry",
+    "StorageTier",
+    "checksum",
+]

@@ -1,0 +1,129 @@
+"""Block stores: where the bytes of stored KV blocks live. The index (Redis) says which store and
+key hold a block; a store only puts, gets and deletes bytes by key.
+
+`DirectoryStore`: one file per block under a directory (local disk, or a filesystem shared by the
+instances: then every instance reads every block). A block is written to a temporary file, flushed
+to disk (fsync, unless disabled) and renamed, so a key names complete bytes or nothing.
+`HostMemoryStore`: blocks in this process's memory, served to peers over gRPC
+(`StorageService.ReadBlocks`); `RemoteMemoryStore` reads another instance's pool.
+"""
+
+import os
+import threading
+import uuid
+from abc import ABC, abstractmethod
+from collections import OrderedDict
+from collections.abc import Iterable
+from pathlib import Path
+
+from pdserve.errors import PdserveError
+
+
+class BlockStoreError(PdserveError):
+    """A store could not write, read or delete a block (missing bytes, disk full, peer gone)."""
+
+
+class BlockStore(ABC):
+    """Bytes by key. Implementations are thread-safe."""
+
+    store_id: str  # how the index names this store; unique in the cluster
+    writable: bool = True  # False for a view of another instance's store
+
+    @staticmethod
+    def new_key(block_hex: str) -> str:
+        """A fresh key for a block's bytes: never reused, so late deletes hit only old bytes."""
+        return f"{block_hex[:32]}-{uuid.uuid4().hex[:12]}"
+
+    @abstractmethod
+    def put(self, key: str, data: memoryview) -> None:
+        """Store `data` durably under `key`. Raises BlockStoreError."""
+
+    @abstractmethod
+    def get(self, key: str) -> bytes:
+        """The bytes under `key`. Raises BlockStoreError when they are missing."""
+
+    @abstractmethod
+    def delete(self, keys: Iterable[str]) -> None:
+        """Delete the bytes under `keys`; missing keys are ignored."""
+
+    @abstractmethod
+    def keys(self) -> set[str]:
+        """Every key the store holds (tests and integrity checks)."""
+
+
+class DirectoryStore(BlockStore):
+    def __init__(self, root: str | Path, store_id: str | None = None, fsync: bool = True) -> None:
+        self.root = Path(root).expanduser()
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.store_id = store_id or f"dir:{self.root.resolve()}"
+        self.fsync = fsync
+
+    def _path(self, key: str) -> Path:
+        return self.root / key[:2] / key
+
+    def put(self, key: str, data: memoryview) -> None:
+        path = self._path(key)
+        temporary = path.with_name(f".{key}.tmp")
+        try:
+            path.parent.mkdir(exist_ok=True)
+            with open(temporary, "wb") as f:
+                f.write(data)
+                if self.fsync:
+                    f.flush()
+                    os.fsync(f.fileno())
+            os.replace(temporary, path)
+        except OSError as e:
+            temporary.unlink(missing_ok=True)
+            raise BlockStoreError(f"cannot write block {key} under {self.root}: {e}") from e
+
+    def get(self, key: str) -> bytes:
+        try:
+            return self._path(key).read_bytes()
+        except OSError as e:
+            raise BlockStoreError(f"cannot read block {key} under {self.root}: {e}") from e
+
+    def delete(self, keys: Iterable[str]) -> None:
+        for key in keys:
+            self._path(key).unlink(missing_ok=True)
+
+    def keys(self) -> set[str]:
+        return {p.name for p in self.root.glob("*/*") if not p.name.startswith(".")}
+
+
+class HostMemoryStore(BlockStore):
+    """Blocks in this process's memory, up to `capacity_bytes` (the index's capacity accounting
+    keeps it there; a put beyond it fails rather than grow without bound)."""
+
+    def __init__(self, store_id: str, capacity_bytes: int) -> None:
+        self.store_id = store_id
+        self.capacity_bytes = capacity_bytes
+        self._blocks: OrderedDict[str, bytes] = OrderedDict()
+        self._bytes = 0
+        self._lock = threading.Lock()
+
+    def put(self, key: str, data: memoryview) -> None:
+        with self._lock:
+            if self._bytes + len(data) > self.capacity_bytes:
+                raise BlockStoreError(
+                    f"host memory store {self.store_id} is full ({self._bytes} bytes)"
+                )
+            self._blocks[key] = bytes(data)
+            self._bytes += len(data)
+
+    def get(self, key: str) -> bytes:
+        with self._lock:
+            data = self._blocks.get(key)
+        if data is None:
+            raise BlockStoreError(f"host memory store {self.store_id} has no block {key}")
+        return data
+
+    def delete(self, keys: Iterable[str]) -> None:
+        with self._lock:
+            for key in keys:
+                data = self._blocks.pop(key, None)
+                if data is not None:
+                    self._bytes -= len(data)
+
+    def keys(self) -> set[str]:
+        with self._lock:
+            return set(self._blocks)

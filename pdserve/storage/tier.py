@@ -1,0 +1,326 @@
+"""StorageTier: one instance's view of the shared KV storage tier.
+
+The engine thread never waits on it: writes arrive as host copies of published blocks (`write`,
+which only enqueues) and prefetches as callbacks (`prefetch`). One worker thread runs the jobs in
+order, so a block written back before a prefetch of it is found by that prefetch. Handler threads
+(reservations on prefill and decode instances) may also read synchronously (`read_chain`).
+
+Reads verify every byte against the checksum recorded at publication; a mismatch or missing bytes
+drops the index entry and ends the chain there (the rest is recomputed). When Redis fails, the
+tier turns itself off (reads find nothing, writes are dropped and counted), logs one warning, and
+tries again every `reconnect_interval_s`.
+"""
+
+import logging
+import queue
+import threading
+import time
+import zlib
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import redis
+
+from pdserve.config import StorageConfig
+from pdserve.errors import ConfigError, IntegrityError
+from pdserve.kvcache.hashing import BlockHash
+from pdserve.storage.index import CacheIndex, IndexEntry, redis_client
+from pdserve.storage.stores import BlockStore, BlockStoreError, DirectoryStore, HostMemoryStore
+
+logger = logging.getLogger(__name__)
+
+PrefetchDone = Callable[[list[bytes]], None]
+KNOWN_STORED_MAX = 1 << 16  # hashes remembered as stored (skip writing them again)
+GC_INTERVAL_S = 1.0
+
+
+@dataclass(slots=True)
+class StorageCounters:
+    blocks_written: int = 0
+    bytes_written: int = 0
+    blocks_read: int = 0
+    bytes_read: int = 0
+    writes_skipped: int = 0  # already stored, or another writer had it
+    writes_dropped: int = 0  # queue full or storage unavailable
+    write_errors: int = 0
+    read_errors: int = 0  # checksum mismatches and missing bytes (recomputed instead)
+    redis_errors: int = 0
+    evictions: int = 0
+
+
+@dataclass(slots=True)
+class _Write:
+    items: list[tuple[BlockHash, bytes]]
+
+
+@dataclass(slots=True)
+class _Prefetch:
+    hashes: list[BlockHash]
+    done: PrefetchDone
+
+
+@dataclass(slots=True)
+class _Barrier:
+    event: threading.Event = field(default_factory=threading.Event)
+
+
+def checksum(data: bytes | memoryview) -> int:
+    """CRC-32 of a block (zlib: releases the GIL on large buffers)."""
+    return zlib.crc32(data)
+
+
+def make_store(config: StorageConfig, store_id: str | None, default_root: Path) -> BlockStore:
+    if config.store == "directory":
+        root = Path(config.directory) if config.directory else default_root
+        return DirectoryStore(root, fsync=config.fsync)
+    if store_id is None:
+        raise ConfigError("a host memory store needs this instance's address as its id")
+    return HostMemoryStore(store_id, config.capacity_bytes + config.max_pending_bytes)
+
+
+class StorageTier:
+    def __init__(
+        self,
+        config: StorageConfig,
+        tag: str,
+        store: BlockStore,
+        index: CacheIndex | None = None,
+    ) -> None:
+        if index is None:
+            if not config.redis_url:
+                raise ConfigError(
+                    "storage.redis_url is not set: give a Redis URL, or let `pdserve up` start "
+                    "its embedded Redis"
+                )
+            index = CacheIndex(redis_client(config.redis_url, config.redis_timeout_s), tag)
+        self.config = config
+        self.index = index
+        self.store = store
+        self.counters = StorageCounters()
+        self._readers: dict[str, BlockStore] = {store.store_id: store}
+        self._jobs: queue.Queue[_Write | _Prefetch | _Barrier | None] = queue.Queue()
+        self._pending_bytes = 0
+        self._lock = threading.Lock()
+        self._known_stored: OrderedDict[BlockHash, None] = OrderedDict()
+        self._available = True
+        self._retry_at = 0.0
+        self._next_gc = 0.0
+        self._worker = threading.Thread(target=self._run, name="storage-tier", daemon=True)
+        self._worker.start()
+
+    # -- health ---------------------------------------------------------------------------------
+
+    @property
+    def available(self) -> bool:
+        """Whether Redis answered last time (or the retry interval has passed)."""
+        return self._available or time.monotonic() >= self._retry_at
+
+    def _redis_failed(self, error: Exception) -> None:
+        self.counters.redis_errors += 1
+        if self._available:
+            logger.warning(
+                "storage tier unavailable (Redis: %s); serving without it, retrying every %.1f s",
+                error,
+                self.config.reconnect_interval_s,
+            )
+        self._available = False
+        self._retry_at = time.monotonic() + self.config.reconnect_interval_s
+
+    def _redis_ok(self) -> None:
+        if not self._available:
+            logger.warning("storage tier available again")
+        self._available = True
+
+    # -- writes ---------------------------------------------------------------------------------
+
+    def is_known_stored(self, block_hash: BlockHash) -> bool:
+        with self._lock:
+            return block_hash in self._known_stored
+
+    def write(self, items: Sequence[tuple[BlockHash, bytes]]) -> int:
+        """Queue host copies of published blocks for writing. Never blocks: beyond
+        `max_pending_bytes`, or while storage is unavailable, blocks are dropped (counted).
+        Returns how many were queued."""
+        with self._lock:
+            fresh = [(h, d) for h, d in items if h not in self._known_stored]
+        self.counters.writes_skipped += len(items) - len(fresh)
+        if not fresh:
+            return 0
+        size = sum(len(d) for _, d in fresh)
+        with self._lock:
+            if not self.available or self._pending_bytes + size > self.config.max_pending_bytes:
+                self.counters.writes_dropped += len(fresh)
+                return 0
+            self._pending_bytes += size
+        self._jobs.put(_Write(fresh))
+        return len(fresh)
+
+    def _do_write(self, job: _Write) -> None:
+        try:
+            for block_hash, data in job.items:
+                if not self.available:
+                    self.counters.writes_dropped += 1
+                    continue
+                self._write_one(block_hash, data)
+        finally:
+            with self._lock:
+                self._pending_bytes -= sum(len(d) for _, d in job.items)
+
+    def _write_one(self, block_hash: BlockHash, data: bytes) -> None:
+        try:
+            if not self.index.claim(block_hash):
+                self.counters.writes_skipped += 1
+                self._remember(block_hash)
+                return
+            self._redis_ok()
+            key = self.store.new_key(block_hash.hex())
+            try:
+                self.store.put(key, memoryview(data))
+            except BlockStoreError as e:
+                self.counters.write_errors += 1
+                logger.warning("storage write failed: %s", e)
+                return
+            entry = IndexEntry(self.store.store_id, key, len(data), checksum(data))
+            result = self.index.publish(
+                block_hash, entry, self.config.capacity_bytes, self.config.grace_period_s
+            )
+        except redis.RedisError as e:
+            self._redis_failed(e)
+            self.counters.writes_dropped += 1
+            return
+        self.counters.evictions += result.evicted
+        if result.published:
+            self.counters.blocks_written += 1
+            self.counters.bytes_written += len(data)
+            self._remember(block_hash)
+        else:
+            self.store.delete([key])  # published meanwhile by another writer (or too large)
+            self.counters.writes_skipped += 1
+
+    def _remember(self, block_hash: BlockHash) -> None:
+        with self._lock:
+            self._known_stored[block_hash] = None
+            self._known_stored.move_to_end(block_hash)
+            if len(self._known_stored) > KNOWN_STORED_MAX:
+                self._known_stored.popitem(last=False)
+
+    # -- reads ----------------------------------------------------------------------------------
+
+    def read_chain(self, hashes: Sequence[BlockHash]) -> list[bytes]:
+        """Bytes of the longest prefix of `hashes` found in storage, every block verified
+        against its checksum; stops at the first missing or corrupt block (dropping its entry).
+        Blocking: call from a handler or the worker thread, never the engine thread."""
+        if not hashes or not self.available:
+            return []
+        try:
+            entries = self.index.lookup(hashes)
+            self._redis_ok()
+        except redis.RedisError as e:
+            self._redis_failed(e)
+            return []
+        blocks: list[bytes] = []
+        for block_hash, entry in zip(hashes, entries, strict=False):
+            data = self._read_verified(block_hash, entry)
+            if data is None:
+                break
+            blocks.append(data)
+            self._remember(block_hash)
+        self.counters.blocks_read += len(blocks)
+        self.counters.bytes_read += sum(len(b) for b in blocks)
+        return blocks
+
+    def _read_verified(self, block_hash: BlockHash, entry: IndexEntry) -> bytes | None:
+        reader = self._readers.get(entry.store)
+        if reader is None:
+            return None  # another instance's private store: not readable from here
+        try:
+            data = reader.get(entry.key)
+            problem = None
+            if len(data) != entry.size:
+                problem = f"{len(data)} bytes, {entry.size} recorded"
+            elif checksum(data) != entry.crc:
+                problem = "checksum mismatch"
+        except BlockStoreError as e:
+            problem = str(e)
+        if problem is None:
+            return data
+        self.counters.read_errors += 1
+        logger.warning("stored block %s is unusable (%s): recomputing", block_hash.hex(), problem)
+        try:
+            self.index.remove([block_hash], self.config.grace_period_s)
+        except redis.RedisError as e:
+            self._redis_failed(e)
+        with self._lock:
+            self._known_stored.pop(block_hash, None)
+        return None
+
+    def prefetch(self, hashes: Sequence[BlockHash], done: PrefetchDone) -> None:
+        """Read the chain on the worker thread (after every write queued before it) and call
+        `done(blocks)` there; `done` must not block."""
+        self._jobs.put(_Prefetch(list(hashes), done))
+
+    # -- the worker -----------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            try:
+                job = self._jobs.get(timeout=GC_INTERVAL_S)
+            except queue.Empty:
+                self._collect_garbage()
+                continue
+            if job is None:
+                return
+            if isinstance(job, _Write):
+                self._do_write(job)
+            elif isinstance(job, _Prefetch):
+                blocks: list[bytes] = []
+                try:
+                    blocks = self.read_chain(job.hashes)
+                finally:
+                    job.done(blocks)
+            else:
+                job.event.set()
+            self._collect_garbage()
+
+    def _collect_garbage(self) -> None:
+        now = time.monotonic()
+        if now < self._next_gc or not self.available or not self.store.writable:
+            return
+        self._next_gc = now + GC_INTERVAL_S
+        try:
+            keys = self.index.take_garbage(self.store.store_id)
+        except redis.RedisError as e:
+            self._redis_failed(e)
+            return
+        self.store.delete(keys)
+
+    def flush(self, timeout_s: float = 30.0) -> None:
+        """Wait until every job queued before this call has run."""
+        barrier = _Barrier()
+        self._jobs.put(barrier)
+        if not barrier.event.wait(timeout_s):
+            raise TimeoutError(f"storage jobs still running after {timeout_s} s")
+
+    @property
+    def queue_depth(self) -> int:
+        return self._jobs.qsize()
+
+    def close(self) -> None:
+        self._jobs.put(None)
+        self._worker.join(timeout=30)
+
+    def check_integrity(self) -> None:
+        """Raise IntegrityError unless this instance's store and the index agree: every entry of
+        the store names bytes of the recorded size, and every stored key is indexed or awaits
+        deletion. Call with no writes in flight (`flush` first)."""
+        store_id = self.store.store_id
+        entries = self.index.check_integrity(store_id)
+        keys = self.store.keys()
+        for name, entry in entries.items():
+            if entry.key not in keys:
+                raise IntegrityError(f"index entry {name} points at missing bytes {entry.key}")
+        orphans = keys - {e.key for e in entries.values()} - self.index.pending_garbage(store_id)
+        if orphans:
+            raise IntegrityError(f"{len(orphans)} stored blocks are neither indexed nor garbage")
