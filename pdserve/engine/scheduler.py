@@ -186,6 +186,9 @@ class Scheduler:
             else:
                 prefix = self.kv_cache.match_prefix(request)
                 device_blocks = len(prefix.block_ids)
+                if request.staged_blocks and device_blocks < request.staged_first_block:
+                    request.storage_fetch = StorageFetch.NONE  # the device lost blocks since the
+                    request.staged_blocks = []  # read: read again from the shorter device hit
                 if (
                     request.storage_fetch == StorageFetch.NONE
                     and self.prefetch is not None

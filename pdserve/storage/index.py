@@ -3,7 +3,8 @@
 Keys, all under `pds:{tag}:` (`tag` names the model, dtype, block size and KV layout, so blocks of
 different layouts never meet):
   b:{hash}        HASH  store, key, size, crc, atime (ms)       one entry per stored block
-  lru:{store}     ZSET  hash -> atime                           eviction order of a store
+  lru:{store}     ZSET  hash -> access tick                     eviction order of a store
+  clock           INT   the access tick (ordering, not time)
   used:{store}    INT   bytes the store's entries account for   capacity accounting
   gc:{store}      ZSET  key -> delete-after (ms)                bytes to delete after a grace period
   w:{hash}        STR   a writer's claim (expires)              one writer per block
@@ -27,16 +28,18 @@ from pdserve.errors import IntegrityError
 from pdserve.kvcache.hashing import BlockHash
 
 # ARGV: prefix, now_ms, hash... -> entries {store, key, size, crc} of the longest stored prefix of
-# the chain; touches them (LRU)
+# the chain; touches them (LRU: a counter, not the clock, orders accesses)
 _LOOKUP = """
 local prefix, now = ARGV[1], ARGV[2]
 local found = {}
+local tick = redis.call('INCRBY', prefix .. 'clock', #ARGV - 2)
 for i = 3, #ARGV do
   local key = prefix .. 'b:' .. ARGV[i]
   local entry = redis.call('HMGET', key, 'store', 'key', 'size', 'crc')
   if not entry[1] then break end
   redis.call('HSET', key, 'atime', now)
-  redis.call('ZADD', prefix .. 'lru:' .. entry[1], now, ARGV[i])
+  -- deeper blocks of a chain get older ticks: a chain is evicted from its tail
+  redis.call('ZADD', prefix .. 'lru:' .. entry[1], tick - (i - 3), ARGV[i])
   found[#found + 1] = entry
 end
 return found
@@ -82,7 +85,7 @@ while used + size > capacity do
 end
 redis.call('HSET', prefix .. 'b:' .. hash, 'store', store, 'key', key, 'size', size,
            'crc', ARGV[6], 'atime', ARGV[7])
-redis.call('ZADD', prefix .. 'lru:' .. store, ARGV[7], hash)
+redis.call('ZADD', prefix .. 'lru:' .. store, redis.call('INCR', prefix .. 'clock'), hash)
 redis.call('SET', prefix .. 'used:' .. store, used + size)
 return {1, evicted}
 """

@@ -13,6 +13,7 @@ tries again every `reconnect_interval_s`.
 
 import logging
 import queue
+import socket
 import threading
 import time
 import zlib
@@ -73,8 +74,11 @@ def checksum(data: bytes | memoryview) -> int:
 
 def make_store(config: StorageConfig, store_id: str | None, default_root: Path) -> BlockStore:
     if config.store == "directory":
-        root = Path(config.directory) if config.directory else default_root
-        return DirectoryStore(root, fsync=config.fsync)
+        root = (Path(config.directory) if config.directory else default_root).expanduser()
+        # a private directory is readable on this host only: name the host in the store id, so
+        # that instances elsewhere treat its entries as unreadable rather than as missing files
+        host = "" if config.shared_directory else f"{socket.gethostname()}:"
+        return DirectoryStore(root, store_id=f"dir:{host}{root.resolve()}", fsync=config.fsync)
     if store_id is None:
         raise ConfigError("a host memory store needs this instance's address as its id")
     return HostMemoryStore(store_id, config.capacity_bytes + config.max_pending_bytes)
