@@ -10,7 +10,6 @@ traceback unless `--debug` is given.
 import argparse
 import logging
 import os
-import shutil
 import signal
 import sys
 import threading
@@ -20,8 +19,6 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 from urllib.parse import urlsplit, urlunsplit
-
-import platformdirs
 
 from pdserve.config import EngineConfig, load_cluster_config, load_engine_config
 from pdserve.engine import LLMEngine, SamplingParams
@@ -140,29 +137,16 @@ def _up(args: argparse.Namespace) -> int:
     config = load_cluster_config(
         args.config, overrides={"ray_address": args.address, "state_dir": args.state_dir}
     )
-    from pdserve.storage.redis_server import EmbeddedRedis
-    from services.controller.actors import advertised_host
     from services.router.server import RunningRouter, serve_router
 
     if args.redis_url:
         config = replace(config, storage=replace(config.storage, redis_url=args.redis_url))
     stop = threading.Event()
-    embedded: EmbeddedRedis | None = None
-    run_store: Path | None = None
     router: RunningRouter | None = None
     path = state_path(config)
     print("starting pdserve: placing instances on Ray ...", flush=True)
-    cluster: Cluster | None = None
+    cluster = Cluster(config)
     try:
-        if config.storage.enabled and not config.storage.redis_url:
-            embedded = EmbeddedRedis(config.host, advertise=advertised_host(config.host)).start()
-            storage = replace(config.storage, redis_url=embedded.url)
-            if storage.store == "directory" and storage.directory is None:
-                # the embedded index lives as long as this process: so do the bytes it indexes
-                run_store = Path(platformdirs.user_cache_dir("pdserve")) / f"kv-store-{os.getpid()}"
-                storage = replace(storage, directory=str(run_store))
-            config = replace(config, storage=storage)
-        cluster = Cluster(config)
         instances = cluster.up()
         for signum in (signal.SIGINT, signal.SIGTERM):  # after ray.init, which installs its own
             signal.signal(signum, lambda *_: stop.set())
@@ -177,9 +161,10 @@ def _up(args: argparse.Namespace) -> int:
         for info in instances:
             print(f"{info.name:<12} {info.role:<8} grpc://{info.address}", flush=True)
         print(f"{'router':<12} {'openai':<8} {router.url}/v1", flush=True)
-        if config.storage.enabled:
-            where = "embedded" if embedded is not None else "external"
-            print(f"{'storage':<12} {where:<8} {_redacted(config.storage.redis_url)}", flush=True)
+        storage = cluster.config.storage
+        if storage.enabled:
+            where = "embedded" if cluster.embedded_redis is not None else "external"
+            print(f"{'storage':<12} {where:<8} {_redacted(storage.redis_url)}", flush=True)
         print(f"pdserve is up ({path}); Ctrl-C or `pdserve down` stops it", flush=True)
         print(
             f"try: curl {router.url}/v1/completions -H 'Content-Type: application/json' "
@@ -191,12 +176,7 @@ def _up(args: argparse.Namespace) -> int:
     finally:
         if router is not None:
             router.stop()
-        if cluster is not None:
-            cluster.down()
-        if embedded is not None:
-            embedded.close()
-        if run_store is not None:
-            shutil.rmtree(run_store, ignore_errors=True)
+        cluster.down()
         path.unlink(missing_ok=True)
         print("pdserve is down", flush=True)
     return 0

@@ -8,8 +8,9 @@ actors in the configured namespace, and waits until every instance's gRPC server
 import json
 import logging
 import os
+import shutil
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +21,8 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from pdserve.config import ClusterConfig, DecodeConfig, MixedConfig, PrefillConfig
 from pdserve.errors import PdserveError
-from services.controller.actors import InstanceActor
+from pdserve.storage.redis_server import EmbeddedRedis
+from services.controller.actors import InstanceActor, advertised_host
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +44,8 @@ class Cluster:
     def __init__(self, config: ClusterConfig) -> None:
         self.config = config
         self.instances: list[InstanceInfo] = []
+        self.embedded_redis: EmbeddedRedis | None = None
+        self._run_store: Path | None = None
         self._actors: dict[str, Any] = {}
         self._placement_group: PlacementGroup | None = None
         self._started_ray = False
@@ -49,6 +53,7 @@ class Cluster:
     def up(self) -> list[InstanceInfo]:
         """Place every instance and wait until all serve. Raises ClusterError."""
         self._connect()
+        self._start_storage()
         config = self.config
         roles = (
             ["prefill"] * config.prefill.replicas
@@ -75,6 +80,23 @@ class Cluster:
             self.down()
             raise ClusterError(f"an instance failed to start: {e}") from e
         return self.instances
+
+    def _start_storage(self) -> None:
+        """Without a Redis URL, start the embedded Redis (on this node) for the storage tier;
+        its index lives as long as this process, so a default directory store does too."""
+        storage = self.config.storage
+        if not storage.enabled or storage.redis_url:
+            return
+        self.embedded_redis = EmbeddedRedis(
+            self.config.host, advertise=advertised_host(self.config.host)
+        ).start()
+        storage = replace(storage, redis_url=self.embedded_redis.url)
+        if storage.store == "directory" and storage.directory is None:
+            self._run_store = Path(platformdirs.user_cache_dir("pdserve")) / (
+                f"kv-store-{os.getpid()}-{self.config.namespace}"
+            )
+            storage = replace(storage, directory=str(self._run_store))
+        self.config = replace(self.config, storage=storage)
 
     def _connect(self) -> None:
         if ray.is_initialized():
@@ -159,6 +181,12 @@ class Cluster:
         if self._started_ray:
             ray.shutdown()
             self._started_ray = False
+        if self.embedded_redis is not None:
+            self.embedded_redis.close()
+            self.embedded_redis = None
+        if self._run_store is not None:
+            shutil.rmtree(self._run_store, ignore_errors=True)
+            self._run_store = None
 
     def write_state(self, path: Path, router_url: str | None = None) -> None:
         state = {
