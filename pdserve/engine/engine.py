@@ -131,8 +131,11 @@ class LLMEngine:
         tier.prefetch(request.block_hashes[device_blocks:max_blocks], done)
         return True
 
-    def _apply_fetched(self) -> None:
-        block = self._fetches_in_flight > 0 and not self.scheduler.has_schedulable_requests()
+    def apply_fetched(self, wait: bool = False) -> None:
+        """Hand finished storage reads to their requests (admission can then proceed). With
+        `wait`, and nothing else to do, wait up to a second for one (loop-less `generate`)."""
+        block = wait and self._fetches_in_flight > 0
+        block = block and not self.scheduler.has_schedulable_requests()
         while True:
             try:
                 request, first_block, blocks = self._fetched.get(block=block, timeout=1.0)
@@ -285,7 +288,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one batch: schedule -> run -> update. Returns the outputs of this step."""
         if self.storage is not None:
-            self._apply_fetched()
+            self.apply_fetched(wait=True)
         scheduled = self.scheduler.schedule()
         for load in scheduled.loads:
             self.load_staged(load.request, load.first_block)

@@ -42,7 +42,7 @@ class EngineLoop:
 
     def _wake(self) -> None:
         if not self._stopped.is_set():
-            self._commands.put((lambda _: None, Future()))
+            self._commands.put((lambda engine: engine.apply_fetched(), Future()))
 
     def start(self) -> None:
         self._thread.start()

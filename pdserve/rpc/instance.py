@@ -20,8 +20,12 @@ from pdserve.engine.request import Request
 from pdserve.engine.scheduler import SchedulerStats
 from pdserve.errors import RequestNotFoundError
 from pdserve.kvcache.events import BlockStored, KVEventBroadcaster
+from pdserve.rpc.server import advertised_host, create_server
+from pdserve.storage.remote import SERVICE_NAME as STORAGE_SERVICE
+from pdserve.storage.remote import StorageServicer
+from pdserve.storage.stores import HostMemoryStore
 from pdserve.storage.tier import StorageTier, make_store
-from pdserve.v1 import common_pb2
+from pdserve.v1 import common_pb2, storage_pb2_grpc
 
 logger = logging.getLogger(__name__)
 
@@ -91,6 +95,29 @@ class InstanceCore:
             store = make_store(storage, store_id, default_root)
             tier = StorageTier(storage, engine.storage_tag(), store)
         return cls(role, engine, events, on_tick, tier)
+
+    def serve(
+        self, register: Callable[[grpc.Server], None], service_name: str, host: str, port: int
+    ) -> tuple[grpc.Server, int]:
+        """Start the instance's gRPC server with its role's service (`register`), plus the
+        storage service when its storage tier keeps blocks in host memory (then named after the
+        server's address). Returns (server, bound port)."""
+        store = self.storage.store if self.storage is not None else None
+        memory = store if isinstance(store, HostMemoryStore) else None
+        services = [service_name] if memory is None else [service_name, STORAGE_SERVICE]
+
+        def register_all(server: grpc.Server) -> None:
+            register(server)
+            if memory is not None:
+                storage_pb2_grpc.add_StorageServiceServicer_to_server(
+                    StorageServicer(memory), server
+                )
+
+        server, bound = create_server(register_all, services, host, port)
+        if memory is not None:
+            memory.bind(f"{advertised_host(host)}:{bound}")
+        logger.info("%s instance serving on %s:%d", self.role, host, bound)
+        return server, bound
 
     def read_ahead(self, request: Request) -> None:
         """Stage from the storage tier the blocks the device prefix cache lacks, before the

@@ -1,5 +1,6 @@
 """gRPC server factory: thread pool, message limits, health and reflection services."""
 
+import socket
 from collections.abc import Callable, Sequence
 from concurrent import futures
 
@@ -38,3 +39,15 @@ def create_server(
         raise OSError(f"cannot bind gRPC server to {host}:{port}")
     server.start()
     return server, bound
+
+
+def advertised_host(bind_host: str) -> str:
+    """The address peers should dial: the bind address, or this node's IP for 0.0.0.0."""
+    if bind_host not in ("0.0.0.0", "::", ""):
+        return bind_host
+    try:
+        import ray
+
+        return str(ray.util.get_node_ip_address())  # type: ignore[no-untyped-call]
+    except Exception:  # not in Ray: best effort
+        return socket.gethostbyname(socket.gethostname())

@@ -92,14 +92,19 @@ class DirectoryStore(BlockStore):
 
 class HostMemoryStore(BlockStore):
     """Blocks in this process's memory, up to `capacity_bytes` (the index's capacity accounting
-    keeps it there; a put beyond it fails rather than grow without bound)."""
+    keeps it there; a put beyond it fails rather than grow without bound). Its id names the
+    instance's gRPC address (`mem:host:port`), where peers read it: `bind` sets it once the
+    server is listening."""
 
-    def __init__(self, store_id: str, capacity_bytes: int) -> None:
-        self.store_id = store_id
+    def __init__(self, store_id: str | None, capacity_bytes: int) -> None:
+        self.store_id = store_id or "mem:unbound"
         self.capacity_bytes = capacity_bytes
         self._blocks: OrderedDict[str, bytes] = OrderedDict()
         self._bytes = 0
         self._lock = threading.Lock()
+
+    def bind(self, address: str) -> None:
+        self.store_id = f"mem:{address}"
 
     def put(self, key: str, data: memoryview) -> None:
         with self._lock:

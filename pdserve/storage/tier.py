@@ -27,7 +27,9 @@ import redis
 from pdserve.config import StorageConfig
 from pdserve.errors import ConfigError, IntegrityError
 from pdserve.kvcache.hashing import BlockHash
+from pdserve.rpc.channels import ChannelPool
 from pdserve.storage.index import CacheIndex, IndexEntry, redis_client
+from pdserve.storage.remote import MEMORY_PREFIX, RemoteMemoryStore
 from pdserve.storage.stores import BlockStore, BlockStoreError, DirectoryStore, HostMemoryStore
 
 logger = logging.getLogger(__name__)
@@ -79,8 +81,7 @@ def make_store(config: StorageConfig, store_id: str | None, default_root: Path) 
         # that instances elsewhere treat its entries as unreadable rather than as missing files
         host = "" if config.shared_directory else f"{socket.gethostname()}:"
         return DirectoryStore(root, store_id=f"dir:{host}{root.resolve()}", fsync=config.fsync)
-    if store_id is None:
-        raise ConfigError("a host memory store needs this instance's address as its id")
+    # named after the instance's address once its server is bound (`HostMemoryStore.bind`)
     return HostMemoryStore(store_id, config.capacity_bytes + config.max_pending_bytes)
 
 
@@ -103,7 +104,8 @@ class StorageTier:
         self.index = index
         self.store = store
         self.counters = StorageCounters()
-        self._readers: dict[str, BlockStore] = {store.store_id: store}
+        self._peers: dict[str, BlockStore] = {}  # other instances' host memory stores
+        self._channels = ChannelPool()
         self._jobs: queue.Queue[_Write | _Prefetch | _Barrier | None] = queue.Queue()
         self._pending_bytes = 0
         self._lock = threading.Lock()
@@ -236,9 +238,9 @@ class StorageTier:
         return blocks
 
     def _read_verified(self, block_hash: BlockHash, entry: IndexEntry) -> bytes | None:
-        reader = self._readers.get(entry.store)
+        reader = self._reader(entry.store)
         if reader is None:
-            return None  # another instance's private store: not readable from here
+            return None  # another host's private directory: not readable from here
         try:
             data = reader.get(entry.key)
             problem = None
@@ -259,6 +261,16 @@ class StorageTier:
         with self._lock:
             self._known_stored.pop(block_hash, None)
         return None
+
+    def _reader(self, store_id: str) -> BlockStore | None:
+        if store_id == self.store.store_id:
+            return self.store
+        if not store_id.startswith(MEMORY_PREFIX):
+            return None
+        peer = self._peers.get(store_id)
+        if peer is None:
+            peer = self._peers[store_id] = RemoteMemoryStore(store_id, self._channels)
+        return peer
 
     def prefetch(self, hashes: Sequence[BlockHash], done: PrefetchDone) -> None:
         """Read the chain on the worker thread (after every write queued before it) and call
@@ -314,6 +326,7 @@ class StorageTier:
     def close(self) -> None:
         self._jobs.put(None)
         self._worker.join(timeout=30)
+        self._channels.close()
 
     def check_integrity(self) -> None:
         """Raise IntegrityError unless this instance's store and the index agree: every entry of

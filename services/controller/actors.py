@@ -6,12 +6,12 @@ go over the instance's own gRPC server.
 """
 
 import logging
-import socket
 
 import grpc
 import torch
 
 from pdserve.config import ClusterConfig
+from pdserve.rpc.server import advertised_host
 from pdserve.v1 import common_pb2
 from services.decode.instance import DecodeInstance
 from services.decode.servicer import serve_decode
@@ -69,15 +69,3 @@ class InstanceActor:
     def stop(self) -> None:
         self.server.stop(grace=2).wait()
         self.instance.stop()
-
-
-def advertised_host(bind_host: str) -> str:
-    """The address peers should dial: the bind address, or this node's IP for 0.0.0.0."""
-    if bind_host not in ("0.0.0.0", "::", ""):
-        return bind_host
-    try:
-        import ray
-
-        return str(ray.util.get_node_ip_address())  # type: ignore[no-untyped-call]
-    except Exception:  # not in Ray: best effort
-        return socket.gethostbyname(socket.gethostname())

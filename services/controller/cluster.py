@@ -21,8 +21,9 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from pdserve.config import ClusterConfig, DecodeConfig, MixedConfig, PrefillConfig
 from pdserve.errors import PdserveError
+from pdserve.rpc.server import advertised_host
 from pdserve.storage.redis_server import EmbeddedRedis
-from services.controller.actors import InstanceActor, advertised_host
+from services.controller.actors import InstanceActor
 
 logger = logging.getLogger(__name__)
 

@@ -17,7 +17,6 @@ from pdserve.rpc.convert import (
     sampling_from_proto,
     token_reply,
 )
-from pdserve.rpc.server import create_server
 from pdserve.transfer.base import KVTransferError
 from pdserve.transfer.wire import KVChunkView, parse_kv_chunk
 from pdserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc
@@ -166,11 +165,7 @@ def serve_decode(
     instance = DecodeInstance(engine_config, config, storage)
     instance.start()
     servicer = DecodeServicer(instance)
-    server, bound = create_server(
-        lambda s: add_decode_servicer(servicer, s),
-        [SERVICE_NAME],
-        host,
-        port,
+    server, bound = instance.core.serve(
+        lambda s: add_decode_servicer(servicer, s), SERVICE_NAME, host, port
     )
-    logger.info("decode instance serving on %s:%d", host, bound)
     return instance, server, bound

@@ -8,7 +8,6 @@ import grpc
 from pdserve.config import EngineConfig, StorageConfig
 from pdserve.errors import PdserveError
 from pdserve.rpc.convert import error_proto, sampling_from_proto, token_reply
-from pdserve.rpc.server import create_server
 from pdserve.v1 import common_pb2, decode_pb2, mixed_pb2_grpc
 from services.mixed.instance import MixedInstance
 
@@ -64,11 +63,10 @@ def serve_mixed(
     instance = MixedInstance(engine_config, storage)
     instance.start()
     servicer = MixedServicer(instance)
-    server, bound = create_server(
+    server, bound = instance.core.serve(
         lambda s: mixed_pb2_grpc.add_MixedServiceServicer_to_server(servicer, s),
-        [SERVICE_NAME],
+        SERVICE_NAME,
         host,
         port,
     )
-    logger.info("mixed instance serving on %s:%d", host, bound)
     return instance, server, bound

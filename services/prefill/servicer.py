@@ -8,7 +8,6 @@ import grpc
 from pdserve.config import EngineConfig, PrefillConfig, StorageConfig
 from pdserve.errors import PdserveError
 from pdserve.rpc.convert import error_proto, sampling_from_proto
-from pdserve.rpc.server import create_server
 from pdserve.transfer.base import KVTransport
 from pdserve.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
 from services.prefill.instance import PrefillInstance, PrefillOutcome
@@ -106,11 +105,10 @@ def serve_prefill(
     instance = PrefillInstance(engine_config, config, transport, storage)
     instance.start()
     servicer = PrefillServicer(instance)
-    server, bound = create_server(
+    server, bound = instance.core.serve(
         lambda s: prefill_pb2_grpc.add_PrefillServiceServicer_to_server(servicer, s),
-        [SERVICE_NAME],
+        SERVICE_NAME,
         host,
         port,
     )
-    logger.info("prefill instance serving on %s:%d", host, bound)
     return instance, server, bound

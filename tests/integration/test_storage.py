@@ -4,18 +4,23 @@ preemption and eviction, read-ahead, concurrency and faults."""
 import dataclasses
 import threading
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 from waiting import wait_for
 
-from pdserve.config import EngineConfig, StorageConfig
+from pdserve.config import DecodeConfig, EngineConfig, PrefillConfig, StorageConfig
 from pdserve.engine import LLMEngine, SamplingParams
 from pdserve.kvcache.hashing import BlockHash
 from pdserve.storage import CacheIndex, DirectoryStore, IndexEntry, StorageTier
 from pdserve.storage.index import redis_client
 from pdserve.storage.redis_server import EmbeddedRedis
 from pdserve.storage.tier import make_store
+from services.decode.servicer import serve_decode
+from services.mixed.servicer import serve_mixed
+from services.prefill.servicer import serve_prefill
+from services.router.pd_client import PDClient, TokenDelta
 
 BLOCK = 100  # bytes of a test block (index and tier tests)
 
@@ -328,3 +333,95 @@ def test_serving_survives_redis_dying_and_uses_storage_again_when_it_returns(
         for tier in own:
             tier.close()
         server.close()
+
+
+# -- prefill and decode instances ---------------------------------------------------------------
+
+
+def pd_tokens(client: PDClient, prefill: str, decode: str, prompt: list[int]) -> list[int]:
+    tokens: list[int] = []
+    for event in client.generate(prefill, decode, prompt, GREEDY):
+        if isinstance(event, TokenDelta):
+            tokens.extend(event.token_ids)
+    return tokens
+
+
+def test_pd_instances_resume_and_serve_prefixes_from_storage(
+    redis_url: str, tmp_path: Path, tiny_model_dir: Path, reference: LLMEngine
+) -> None:
+    """Decode preempts under pressure and resumes from storage; a prefix evicted from the
+    prefill device cache is served from storage (counted in the storage tier's hits)."""
+    storage = storage_config(redis_url, tmp_path, shared_directory=True)
+    model = str(tiny_model_dir)
+    prefill, prefill_server, prefill_port = serve_prefill(
+        EngineConfig(model=model, num_kv_blocks=128), PrefillConfig(), storage=storage
+    )
+    decode, decode_server, decode_port = serve_decode(
+        EngineConfig(model=model, num_kv_blocks=20),
+        DecodeConfig(reserve_horizon_tokens=0),  # accept all: running requests must preempt
+        storage=storage,
+    )
+    client = PDClient()
+    addresses = (f"127.0.0.1:{prefill_port}", f"127.0.0.1:{decode_port}")
+    try:
+        batch = prompts(3, 90, seed=30)
+        expected = [list(c.token_ids) for c in reference.generate(batch, GREEDY)]
+        with ThreadPoolExecutor(3) as pool:
+            outputs = list(pool.map(lambda p: pd_tokens(client, *addresses, p), batch))
+        assert outputs == expected
+        decode_stats = decode.stats()
+        assert decode_stats.num_preemptions > 0
+        assert decode_stats.storage.loaded_tokens > 0 and decode_stats.storage.blocks_read > 0
+
+        assert prefill.core.loop.call(lambda e: e.kv_cache.evict_cached_blocks()) > 0
+        assert prefill.core.storage is not None
+        prefill.core.storage.flush()
+        follow_up = [*batch[0][:80], 33, 34, 35]
+        before = prefill.stats()
+        assert pd_tokens(client, *addresses, follow_up) == list(
+            reference.generate([follow_up], GREEDY)[0].token_ids
+        )
+        after = prefill.stats()
+        assert after.storage.cache_hits - before.storage.cache_hits == 80  # 5 whole blocks
+        assert after.prefix_cache_hits == before.prefix_cache_hits
+        for instance in (prefill, decode):  # no write in flight anywhere, then check
+            assert instance.core.storage is not None
+            instance.core.storage.flush()
+        for instance in (prefill, decode):
+            instance.check_integrity()
+    finally:
+        client.close()
+        for server in (prefill_server, decode_server):
+            server.stop(0).wait()
+        prefill.stop()
+        decode.stop()
+
+
+def test_host_memory_blocks_are_read_by_a_peer_over_grpc(
+    redis_url: str, tiny_model_dir: Path, reference: LLMEngine
+) -> None:
+    storage = StorageConfig(
+        redis_url=redis_url, store="memory", device_write_policy="write_through"
+    )
+    engine = EngineConfig(model=str(tiny_model_dir), num_kv_blocks=64)
+    served = [serve_mixed(engine, storage=storage) for _ in range(2)]
+    (owner, _, owner_port), (peer, _, _) = served
+    try:
+        shared = prompts(1, 96, seed=40)[0]
+        params = SamplingParams(max_tokens=4)
+        list(owner.generate("first", [*shared, 1, 2], params))
+        assert owner.core.storage is not None
+        owner.core.storage.flush()
+        assert owner.core.storage.store.store_id == f"mem:127.0.0.1:{owner_port}"
+
+        second = [*shared, 3, 4]
+        tokens = [t for out in peer.generate("second", second, params) for t in out.new_token_ids]
+        assert tokens == list(reference.generate([second], params)[0].token_ids)
+        stats = peer.stats().storage
+        assert stats.cache_hits == 96 and stats.blocks_read == 6  # read from the owner's memory
+        for instance, _, _ in served:
+            instance.core.check_integrity()
+    finally:
+        for instance, server, _ in served:
+            server.stop(0).wait()
+            instance.stop()
