@@ -41,7 +41,14 @@ lint: install
 unit: install
 	$(VENV)/bin/pytest tests/unit -q
 
-test: lint
+TEST_STAMP := $(VENV)/.test-deps
+
+# System packages and wheels only the tests need (libibverbs1 + the Mooncake engine's CPU wheel).
+$(TEST_STAMP): $(STAMP) scripts/install-test-deps.sh
+	scripts/install-test-deps.sh $(PY)
+	touch $@
+
+test: lint $(TEST_STAMP)
 	$(VENV)/bin/pytest -q
 
 bench: install

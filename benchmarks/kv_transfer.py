@@ -39,6 +39,8 @@ import contextlib
 import hashlib
 import multiprocessing
 import random
+import socket
+import threading
 import time
 from collections.abc import Iterator, Sequence
 from concurrent import futures
@@ -49,14 +51,17 @@ import grpc
 import torch
 from _common import finish, median, parse_args, print_table, repeats
 
-from pdserve.config import DecodeConfig, EngineConfig, PrefillConfig
+from pdserve.config import DecodeConfig, EngineConfig, PrefillConfig, TransferConfig
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.request import SamplingParams
 from pdserve.model.config import ModelConfig
 from pdserve.model.tiny import default_model_dir
 from pdserve.rpc.channels import CHANNEL_OPTIONS, ChannelPool
 from pdserve.rpc.convert import generate_request
+from pdserve.transfer.base import KVEndpoints, KVTarget, KVTransport
+from pdserve.transfer.direct import ShmKVTransport, address_of
 from pdserve.transfer.grpc import DEFAULT_CHUNK_BYTES, GrpcKVTransport
+from pdserve.transfer.mooncake import MooncakeEngine, MooncakeKVTransport
 from pdserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc
 from services.decode.instance import DecodeInstance
 from services.decode.servicer import serve_decode
@@ -68,27 +73,43 @@ RATIO_TARGET = 0.8
 DEFAULT_BLOCK_SIZE = 16  # tokens per block (the engine default)
 SERVER_WORKERS = 32  # as pdserve.rpc.server.create_server
 SINK_SERVICE = "pdserve.bench.ByteSink"
-RECEIVE_BUFFER_BYTES = 256 * 2**20  # the floor's receive buffer (a ring): bigger than caches
+RECEIVE_BUFFER_BYTES = 256 * 2**20  # the TCP sink's receive buffer (a ring): bigger than caches
 GB = 1e9
+DEFAULT_SIZES = "65536:1000,2097152:96"
+QUICK_SIZES = "65536:200,2097152:24"
+TARGETS = {"grpc": 0.8, "mooncake": 0.8, "shm": 0.5}
+BIG_BLOCK = 2 * 2**20  # the Llama-3-8B-shaped block: its ratios are the headline keys
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--blocks", type=int, default=1000, help="KV blocks per transfer round")
     parser.add_argument(
-        "--block-bytes",
-        type=int,
+        "--sizes",
         default=None,
-        help="bytes per block (a multiple of the tiny model's fp32 KV bytes per token); default "
-        f"the block of {DEFAULT_BLOCK_SIZE} tokens (64 KiB)",
+        help="block bytes:blocks per round, comma-separated (block bytes a multiple of the tiny "
+        f"model's 4 KiB of fp32 KV per token); default {DEFAULT_SIZES} ({QUICK_SIZES} quick)",
     )
     parser.add_argument(
-        "--chunk-bytes", type=int, default=DEFAULT_CHUNK_BYTES, help="transport message size"
+        "--transport",
+        default="grpc,shm,mooncake",
+        help="transports to measure, each next to its baseline (grpc: bare grpcio; shm: memcpy; "
+        "mooncake: raw loopback TCP)",
+    )
+    parser.add_argument(
+        "--chunk-bytes", type=int, default=DEFAULT_CHUNK_BYTES, help="gRPC message size"
     )
     parser.add_argument("--prompt-len", type=int, default=2048, help="TTFT prompt tokens")
     parser.add_argument(
         "--threads", type=int, default=1, help="torch threads of both instances (default 1)"
     )
     parser.add_argument("--skip-ttft", action="store_true", help="only the transfer comparison")
+
+
+def parse_sizes(text: str) -> list[tuple[int, int]]:
+    try:
+        pairs = [tuple(int(x) for x in item.split(":")) for item in text.split(",") if item]
+        return [(size, blocks) for size, blocks in pairs]
+    except ValueError as e:
+        raise SystemExit(f"--sizes: expected BYTES:BLOCKS,...: {e}") from e
 
 
 # -- transfer ----------------------------------------------------------------------------------
@@ -167,18 +188,11 @@ def block_digests(blocks: Sequence[memoryview | bytes]) -> list[bytes]:
 
 class ByteSink:
     """Bare grpcio: a generic stream-unary service of raw `bytes` messages (identity
-    serializers). `Count` counts a stream's bytes (the cost of grpcio alone); `Store` also copies
-    each message into a buffer (a ring)."""
+    serializers) that counts a stream's bytes: the cost of grpcio alone."""
 
-    def __init__(self, buffer_bytes: int) -> None:
-        self.sink = bytearray(buffer_bytes)
-        self._sink_offset = 0
+    def __init__(self) -> None:
         handler = grpc.method_handlers_generic_handler(
-            SINK_SERVICE,
-            {
-                "Count": grpc.stream_unary_rpc_method_handler(self._count),
-                "Store": grpc.stream_unary_rpc_method_handler(self._store),
-            },
+            SINK_SERVICE, {"Count": grpc.stream_unary_rpc_method_handler(self._count)}
         )
         self.server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=SERVER_WORKERS),
@@ -195,36 +209,66 @@ class ByteSink:
             received += len(message)
         return received.to_bytes(8, "little")
 
-    def _store(self, request_iterator: Iterator[bytes], context: grpc.ServicerContext) -> bytes:
-        received = 0
-        sink = memoryview(self.sink)
-        for message in request_iterator:
-            if self._sink_offset + len(message) > len(sink):
-                self._sink_offset = 0
-            sink[self._sink_offset : self._sink_offset + len(message)] = message
-            self._sink_offset += len(message)
-            received += len(message)
-        return received.to_bytes(8, "little")
-
     def close(self) -> None:
         self.server.stop(0).wait()
 
 
-def receiver_main(
-    conn: Connection, engine_config: EngineConfig, sink_bytes: int, threads: int
-) -> None:
-    """The receiving process: a decode instance and a byte sink, each behind its gRPC server.
-    Sends back (decode port, sink port), then answers verification requests (request ids and
-    expected block digests -> an error string or "") until it receives None."""
+class TcpSink:
+    """Raw loopback TCP: each stream is an 8-byte length then that many bytes, received into a
+    ring buffer (`recv_into`: one copy, like any receiver), then a 1-byte acknowledgement."""
+
+    def __init__(self, buffer_bytes: int) -> None:
+        self._buffer = memoryview(bytearray(buffer_bytes))
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.port = int(self._listener.getsockname()[1])
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        with contextlib.suppress(OSError):
+            connection, _ = self._listener.accept()
+            with connection:
+                while header := _recv_exactly(connection, memoryview(bytearray(8))):
+                    remaining, offset = int.from_bytes(header, "little"), 0
+                    while remaining:
+                        if offset == len(self._buffer):
+                            offset = 0
+                        room = self._buffer[offset : offset + remaining]
+                        got = connection.recv_into(room)
+                        if not got:
+                            return
+                        offset, remaining = offset + got, remaining - got
+                    connection.sendall(b"k")
+
+    def close(self) -> None:
+        self._listener.close()
+
+
+def _recv_exactly(connection: socket.socket, view: memoryview) -> bytes:
+    got = 0
+    while got < len(view):
+        n = connection.recv_into(view[got:])
+        if not n:
+            return b""
+        got += n
+    return bytes(view)
+
+
+def receiver_main(conn: Connection, engine_config: EngineConfig, threads: int) -> None:
+    """The receiving process: a decode instance (its KV cache in shared memory and registered
+    with Mooncake), a grpcio byte sink and a TCP sink. Sends back their ports, then answers
+    verification requests (request ids, expected block digests -> an error or "") until None."""
     torch.set_num_threads(threads)
-    instance, server, port = serve_decode(engine_config, DecodeConfig())
-    sink = ByteSink(sink_bytes)
+    instance, server, port = serve_decode(
+        engine_config, DecodeConfig(reservation_timeout_s=600), transfer=TransferConfig()
+    )
+    sink, tcp = ByteSink(), TcpSink(RECEIVE_BUFFER_BYTES)
     try:
-        conn.send((port, sink.port))
+        conn.send((port, sink.port, tcp.port))
         while (command := conn.recv()) is not None:
             request_ids, expected = command
             conn.send(verify_blocks(instance, request_ids, expected))
     finally:
+        tcp.close()
         sink.close()
         server.stop(0).wait()
         instance.stop()
@@ -233,8 +277,8 @@ def receiver_main(
 def verify_blocks(
     instance: DecodeInstance, request_ids: Sequence[str], expected: list[bytes]
 ) -> str:
-    """ "" when the reservations' blocks in the KV cache hold the expected bytes, block for block;
-    else what differs."""
+    """An empty string when the reservations' blocks in the KV cache hold the expected bytes,
+    block for block; else what differs."""
     core = instance.core
     received: list[bytes] = []
     for request_id in request_ids:
@@ -255,18 +299,18 @@ class Receiver:
     """The receiving process (`receiver_main`), started with `spawn`: the sender and the receivers
     run in different processes, as prefill and decode instances do."""
 
-    def __init__(self, engine_config: EngineConfig, sink_bytes: int, threads: int) -> None:
+    def __init__(self, engine_config: EngineConfig, threads: int) -> None:
         context = multiprocessing.get_context("spawn")
         self._conn, child = context.Pipe()
         self._process = context.Process(
-            target=receiver_main, args=(child, engine_config, sink_bytes, threads), daemon=True
+            target=receiver_main, args=(child, engine_config, threads), daemon=True
         )
         self._process.start()
         child.close()
         if not self._conn.poll(120):
             self.close()
             raise RuntimeError("the receiver process did not start within 120 s")
-        self.decode_port, self.sink_port = self._conn.recv()
+        self.decode_port, self.sink_port, self.tcp_port = self._conn.recv()
 
     def verify(self, request_ids: Sequence[str], expected: list[bytes]) -> None:
         self._conn.send((list(request_ids), expected))
@@ -285,128 +329,137 @@ class Receiver:
         self._conn.close()
 
 
-class TransportSide:
-    """`GrpcKVTransport.send` of the plan's blocks into fresh reservations (the Reserve RPC) of
-    the receiver's decode instance."""
+class Senders:
+    """Every side of one block size, in the sending process: the transports into fresh
+    reservations (the Reserve RPC) of the receiver's decode instance, and the baselines."""
 
-    def __init__(self, plan: TransferPlan, receiver: Receiver) -> None:
+    def __init__(self, plan: TransferPlan, receiver: Receiver, names: Sequence[str]) -> None:
         self.plan = plan
         self.receiver = receiver
         self.address = f"127.0.0.1:{receiver.decode_port}"
         self.channels = ChannelPool()
         self.stub = decode_pb2_grpc.DecodeServiceStub(self.channels.get(self.address))
-        self.transport = GrpcKVTransport(self.channels, plan.chunk_bytes)
         self.prompts = Prompts()
-        view = memoryview(random_bytes(plan.total_bytes))
+        self.source = random_bytes(plan.total_bytes)
+        view = memoryview(self.source)
         size = plan.block_bytes
         self.blocks = [view[i * size : (i + 1) * size] for i in range(plan.num_blocks)]
         self.rounds = 0
-
-    def _reserve(self, request_ids: list[str]) -> None:
-        """Reserve the round's requests, appending their ids to `request_ids` as granted."""
-        params = SamplingParams(max_tokens=1, ignore_eos=True)
-        for i, blocks in enumerate(self.plan.blocks_per_request):
-            request_id = f"kv-{self.rounds}-{i}"
-            length = min(blocks * self.plan.block_size, self.plan.context - 1)
-            prompt = self.prompts.take(length)
-            grant = self.stub.Reserve(
-                decode_pb2.ReserveRequest(request=generate_request(request_id, prompt, params))
-            )
-            if not grant.granted:
-                raise RuntimeError(f"reservation {request_id} refused: {grant.reason}")
-            request_ids.append(request_id)
-            if grant.num_blocks != blocks or grant.num_cached_tokens != 0:
-                raise RuntimeError(f"reservation {request_id}: {grant}, expected {blocks} blocks")
-            if grant.block_bytes != self.plan.block_bytes:
-                raise RuntimeError(f"decode blocks are {grant.block_bytes} bytes")
-        self.rounds += 1
-
-    def _bytes_received(self) -> int:
-        return int(self.stub.GetStats(common_pb2.StatsRequest()).kv_bytes_received)
-
-    def run(self, verify: bool = False) -> float:
-        """Seconds for the `send` calls of one round (reservation and release untimed)."""
-        request_ids: list[str] = []
-        before = self._bytes_received()
-        try:
-            self._reserve(request_ids)
-            start = time.perf_counter()
-            first = 0
-            for request_id, blocks in zip(request_ids, self.plan.blocks_per_request, strict=True):
-                self.transport.send(
-                    self.address, request_id, 0, self.blocks[first : first + blocks]
-                )
-                first += blocks
-            seconds = time.perf_counter() - start
-            if (received := self._bytes_received() - before) != self.plan.total_bytes:
-                raise RuntimeError(f"decode counted {received} bytes")
-            if verify:
-                self.receiver.verify(request_ids, block_digests(self.blocks))
-        finally:
-            for request_id in request_ids:
-                self.stub.Abort(common_pb2.AbortRequest(request_id=request_id))
-        return seconds
-
-    def close(self) -> None:
-        self.transport.close()
-        self.channels.close()
-
-
-class BareGrpc:
-    """Bare grpcio into the receiver's byte sink.
-
-    `run_baseline`: the plan's bytes as prebuilt messages of the transport's sizes; the sink
-    counts them (the cost of grpcio alone). `run_floor`: the same streams, but each message is
-    joined from the block views as it is sent and the sink copies it into a buffer: the two
-    copies any grpcio transport of block views into memory makes (a reference, not the target).
-    """
-
-    def __init__(self, plan: TransferPlan, blocks: Sequence[memoryview], port: int) -> None:
-        self.plan = plan
-        self.channel = grpc.insecure_channel(f"127.0.0.1:{port}", options=CHANNEL_OPTIONS)
-        self.count: grpc.StreamUnaryMultiCallable[bytes, bytes] = self.channel.stream_unary(
+        self.transports: dict[str, KVTransport] = {}
+        self.mooncake: MooncakeEngine | None = None
+        for name in names:
+            if name == "grpc":
+                self.transports[name] = GrpcKVTransport(self.channels, plan.chunk_bytes)
+            elif name == "shm":
+                self.transports[name] = ShmKVTransport(self.channels)
+            else:
+                config = TransferConfig()
+                self.mooncake = MooncakeEngine(config, "127.0.0.1")
+                self.mooncake.register(address_of(view), len(view))
+                self.transports[name] = MooncakeKVTransport(config, self.channels, self.mooncake)
+        # baselines
+        self.grpcio_channel = grpc.insecure_channel(
+            f"127.0.0.1:{receiver.sink_port}", options=CHANNEL_OPTIONS
+        )
+        self.count: grpc.StreamUnaryMultiCallable[bytes, bytes] = self.grpcio_channel.stream_unary(
             f"/{SINK_SERVICE}/Count"
         )
-        self.store: grpc.StreamUnaryMultiCallable[bytes, bytes] = self.channel.stream_unary(
-            f"/{SINK_SERVICE}/Store"
-        )
-        # per stream (reservation), per message: its block views
-        self.streams: list[list[Sequence[memoryview]]] = []
+        self.prebuilt: list[list[bytes]] = []  # per reservation, its gRPC messages
         first = 0
         for count in plan.blocks_per_request:
             messages = []
-            for size in plan.message_sizes(count):
-                num = size // plan.block_bytes
-                messages.append(blocks[first : first + num])
+            for message_size in plan.message_sizes(count):
+                num = message_size // size
+                messages.append(b"".join(self.blocks[first : first + num]))
                 first += num
-            self.streams.append(messages)
-        self.prebuilt = [[b"".join(m) for m in stream] for stream in self.streams]
+            self.prebuilt.append(messages)
+        self.tcp = socket.create_connection(("127.0.0.1", receiver.tcp_port))
+        self.tcp.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.destination = memoryview(bytearray(plan.total_bytes))
 
-    def run_baseline(self) -> float:
+    def run(self, side: str, verify: bool = False) -> float:
+        """Seconds to move the plan's bytes by `side` (reservation and release untimed)."""
+        if side in self.transports:
+            return self._run_transport(self.transports[side], verify)
         start = time.perf_counter()
-        for messages in self.prebuilt:
-            self._check(self.count(iter(messages)), sum(len(m) for m in messages))
+        if side == "grpcio":
+            for messages in self.prebuilt:
+                reply = self.count(iter(messages))
+                if int.from_bytes(reply, "little") != sum(len(m) for m in messages):
+                    raise RuntimeError("the grpcio sink counted the wrong number of bytes")
+        elif side == "tcp":
+            first = 0
+            for count in self.plan.blocks_per_request:
+                self.tcp.sendall((count * self.plan.block_bytes).to_bytes(8, "little"))
+                for block in self.blocks[first : first + count]:
+                    self.tcp.sendall(block)
+                if self.tcp.recv(1) != b"k":
+                    raise RuntimeError("the TCP sink did not acknowledge")
+                first += count
+        else:  # memcpy: the same blocks copied into memory of this process
+            size = self.plan.block_bytes
+            for index, block in enumerate(self.blocks):
+                self.destination[index * size : (index + 1) * size] = block
         return time.perf_counter() - start
 
-    def run_floor(self) -> float:
-        start = time.perf_counter()
-        for stream in self.streams:
-            self._check(
-                self.store(b"".join(m) for m in stream),
-                self.plan.block_bytes * sum(map(len, stream)),
+    def _reserve(self) -> list[KVTarget]:
+        params = SamplingParams(max_tokens=1, ignore_eos=True)
+        targets = []
+        for i, blocks in enumerate(self.plan.blocks_per_request):
+            request_id = f"kv-{self.rounds}-{i}"
+            length = min(blocks * self.plan.block_size, self.plan.context - 1)
+            reply = self.stub.Reserve(
+                decode_pb2.ReserveRequest(
+                    request=generate_request(request_id, self.prompts.take(length), params)
+                )
             )
-        return time.perf_counter() - start
+            if not reply.granted or reply.num_blocks != blocks or reply.num_cached_tokens:
+                raise RuntimeError(f"reservation {request_id}: {reply}, expected {blocks} blocks")
+            e = reply.endpoints
+            endpoints = KVEndpoints(
+                e.host_id, e.shm_name, e.mooncake_session, e.mooncake_base, e.kv_bytes
+            )
+            targets.append(
+                KVTarget(
+                    self.address,
+                    request_id,
+                    0,
+                    tuple(reply.block_ids),
+                    reply.block_bytes,
+                    endpoints,
+                )
+            )
+        self.rounds += 1
+        return targets
 
-    @staticmethod
-    def _check(reply: bytes, expected: int) -> None:
-        if int.from_bytes(reply, "little") != expected:
-            raise RuntimeError(f"bare grpcio server counted {reply!r} bytes, sent {expected}")
+    def _run_transport(self, transport: KVTransport, verify: bool) -> float:
+        targets: list[KVTarget] = []
+        try:
+            targets = self._reserve()
+            start = time.perf_counter()
+            first = 0
+            for target, count in zip(targets, self.plan.blocks_per_request, strict=True):
+                transport.send(target, self.blocks[first : first + count])
+                first += count
+            seconds = time.perf_counter() - start
+            if verify:
+                self.receiver.verify([t.request_id for t in targets], block_digests(self.blocks))
+        finally:
+            for target in targets:
+                self.stub.Abort(common_pb2.AbortRequest(request_id=target.request_id))
+        return seconds
 
     def close(self) -> None:
-        self.channel.close()
+        for transport in self.transports.values():
+            transport.close()
+        if self.mooncake is not None:
+            self.mooncake.close()
+        self.tcp.close()
+        self.grpcio_channel.close()
+        self.channels.close()
 
 
-SIDES = ("transport", "baseline", "floor")
+BASELINES = {"grpc": "grpcio", "mooncake": "tcp", "shm": "memcpy"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -416,22 +469,19 @@ class TransferFigures:
     block_size_tokens: int
     total_bytes: int
     reservations: list[int]  # blocks per reservation (one `send` / stream each)
-    blocks_per_message: int
-    chunk_bytes: int
-    grpc_gbps: float  # medians over rounds
-    baseline_gbps: float
-    floor_gbps: float
-    ratio_grpc: float  # median of per-round transport / baseline
-    ratio_floor: float  # median of per-round floor / baseline
+    blocks_per_message: int  # gRPC
+    gbps: dict[str, float]  # per side: median over rounds
+    ratios: dict[str, float]  # per transport: median of per-round transport / its baseline
     samples_gbps: dict[str, list[float]]  # per side, per round
-    ratios: list[float]
 
 
-def bench_transfer(args: argparse.Namespace, repeat: int) -> TransferFigures:
+def bench_transfer(
+    args: argparse.Namespace, repeat: int, num_blocks: int, block_bytes: int
+) -> TransferFigures:
     model_config = ModelConfig.from_dir(default_model_dir())
     token_bytes = model_config.kv_bytes_per_token(torch.float32)
     context = int(model_config.max_position_embeddings)
-    plan = plan_transfer(args.blocks, args.block_bytes, args.chunk_bytes, context, token_bytes)
+    plan = plan_transfer(num_blocks, block_bytes, args.chunk_bytes, context, token_bytes)
     num_requests = len(plan.blocks_per_request)
     engine_config = EngineConfig(
         dtype="float32",
@@ -441,30 +491,26 @@ def bench_transfer(args: argparse.Namespace, repeat: int) -> TransferFigures:
         enable_prefix_caching=False,
         torch_threads=args.threads,
     )
-    largest = plan.blocks_per_message * plan.block_bytes
-    sink_bytes = min(plan.total_bytes, max(RECEIVE_BUFFER_BYTES, largest))
-    receiver = Receiver(engine_config, sink_bytes, args.threads)
-    transport: TransportSide | None = None
-    bare: BareGrpc | None = None
-    samples: dict[str, list[float]] = {side: [] for side in SIDES}
+    transports = [t for t in args.transport.split(",") if t]
+    sides = [side for t in transports for side in (t, BASELINES[t])]
+    receiver = Receiver(engine_config, args.threads)
+    senders: Senders | None = None
+    samples: dict[str, list[float]] = {side: [] for side in sides}
     try:
-        transport = TransportSide(plan, receiver)
-        bare = BareGrpc(plan, transport.blocks, receiver.sink_port)
-        runs = {"transport": transport.run, "baseline": bare.run_baseline, "floor": bare.run_floor}
-        transport.run(verify=True)  # warm-up, and a check that the bytes land intact
-        bare.run_baseline()
-        bare.run_floor()
+        senders = Senders(plan, receiver, transports)
+        for transport in transports:  # warm-up, and a check that the bytes land intact
+            senders.run(transport, verify=True)
         for i in range(repeat):  # the order rotates round by round: each side sees the same load
-            for side in SIDES[i % 3 :] + SIDES[: i % 3]:
-                samples[side].append(plan.total_bytes / runs[side]() / GB)
+            for side in sides[i % len(sides) :] + sides[: i % len(sides)]:
+                samples[side].append(plan.total_bytes / senders.run(side) / GB)
     finally:
-        if transport is not None:
-            transport.close()
-        if bare is not None:
-            bare.close()
+        if senders is not None:
+            senders.close()
         receiver.close()
-    ratios = [t / b for t, b in zip(samples["transport"], samples["baseline"], strict=True)]
-    floors = [f / b for f, b in zip(samples["floor"], samples["baseline"], strict=True)]
+    ratios = {
+        t: median([a / b for a, b in zip(samples[t], samples[BASELINES[t]], strict=True)])
+        for t in transports
+    }
     return TransferFigures(
         num_blocks=plan.num_blocks,
         block_bytes=plan.block_bytes,
@@ -472,14 +518,9 @@ def bench_transfer(args: argparse.Namespace, repeat: int) -> TransferFigures:
         total_bytes=plan.total_bytes,
         reservations=plan.blocks_per_request,
         blocks_per_message=plan.blocks_per_message,
-        chunk_bytes=plan.chunk_bytes,
-        grpc_gbps=median(samples["transport"]),
-        baseline_gbps=median(samples["baseline"]),
-        floor_gbps=median(samples["floor"]),
-        ratio_grpc=median(ratios),
-        ratio_floor=median(floors),
-        samples_gbps=samples,
+        gbps={side: median(values) for side, values in samples.items()},
         ratios=ratios,
+        samples_gbps=samples,
     )
 
 
@@ -556,22 +597,29 @@ def bench_ttft(args: argparse.Namespace, repeat: int) -> TTFTFigures:
 # -- main ----------------------------------------------------------------------------------------
 
 
-def report_transfer(transfer: TransferFigures, repeat: int) -> str:
-    verdict = "PASS" if transfer.ratio_grpc >= RATIO_TARGET else "FAIL"
+def report_transfer(figures: TransferFigures, repeat: int) -> dict[str, str]:
+    """Print one block size's table; returns the verdict per transport."""
+    verdicts = {t: "PASS" if ratio >= TARGETS[t] else "FAIL" for t, ratio in figures.ratios.items()}
+    rows: list[list[str | int | float]] = []
+    for transport, ratio in figures.ratios.items():
+        baseline = BASELINES[transport]
+        rows.append([transport, figures.gbps[transport], ""])
+        rows.append([f"  {baseline} (baseline)", figures.gbps[baseline], ""])
+        rows.append(
+            [
+                f"  ratio_{transport}",
+                ratio,
+                f"target >= {TARGETS[transport]}: {verdicts[transport]}",
+            ]
+        )
     print_table(
-        f"KV transfer over loopback: {transfer.num_blocks} blocks of {transfer.block_bytes} bytes "
-        f"({transfer.total_bytes / 2**20:.1f} MiB in {len(transfer.reservations)} reservations, "
-        f"{transfer.blocks_per_message} blocks per message), median of {repeat}",
-        ["path", "GB/s", "note"],
-        [
-            ["GrpcKVTransport.send", transfer.grpc_gbps, "into a decode instance's KV cache"],
-            ["bare grpcio (baseline)", transfer.baseline_gbps, "same message sizes, prebuilt"],
-            ["bare grpcio + 2 copies", transfer.floor_gbps, "join blocks, copy into a buffer"],
-            ["ratio_grpc", transfer.ratio_grpc, f"target >= {RATIO_TARGET}: {verdict}"],
-            ["ratio_floor", transfer.ratio_floor, "copies floor / baseline (reference)"],
-        ],
+        f"KV transfer: {figures.num_blocks} blocks of {figures.block_bytes} bytes "
+        f"({figures.total_bytes / 2**20:.1f} MiB in {len(figures.reservations)} reservations), "
+        f"median of {repeat}",
+        ["side", "GB/s", "note"],
+        rows,
     )
-    return verdict
+    return verdicts
 
 
 def report_ttft(ttft: TTFTFigures, threads: int, repeat: int) -> None:
@@ -598,20 +646,23 @@ def main() -> None:
     repeat = repeats(args, quick=3, full=9)
     torch.set_num_threads(args.threads)
 
-    transfer = bench_transfer(args, repeat)
-    verdict = report_transfer(transfer, repeat)
-    metrics: dict[str, float] = {
-        "ratio_grpc": transfer.ratio_grpc,
-        "grpc_gbps": transfer.grpc_gbps,
-        "baseline_gbps": transfer.baseline_gbps,
-        "ratio_floor": transfer.ratio_floor,
-    }
-    results: dict[str, object] = {
-        "transfer": asdict(transfer),
-        "ratio_target": RATIO_TARGET,
-        "verdict": verdict,
-        "repeat": repeat,
-    }
+    sizes = parse_sizes(args.sizes or (QUICK_SIZES if args.quick else DEFAULT_SIZES))
+    metrics: dict[str, float] = {}
+    results: dict[str, object] = {"targets": TARGETS, "repeat": repeat, "transfer": []}
+    verdict_lines = []
+    for block_bytes, num_blocks in sizes:
+        figures = bench_transfer(args, repeat, num_blocks, block_bytes)
+        verdicts = report_transfer(figures, repeat)
+        results["transfer"].append({**asdict(figures), "verdicts": verdicts})  # type: ignore[attr-defined]
+        suffix = "" if block_bytes == BIG_BLOCK else f"_{block_bytes // 1024}k"
+        for transport, ratio in figures.ratios.items():
+            metrics[f"ratio_{transport}{suffix}"] = ratio
+            metrics[f"{transport}_gbps{suffix}"] = figures.gbps[transport]
+            metrics[f"{BASELINES[transport]}_gbps{suffix}"] = figures.gbps[BASELINES[transport]]
+            verdict_lines.append(
+                f"ratio_{transport}{suffix} {ratio:.3f}: target >= {TARGETS[transport]} -> "
+                f"{verdicts[transport]}"
+            )
     if not args.skip_ttft:
         ttft = bench_ttft(args, repeat)
         report_ttft(ttft, args.threads, repeat)
@@ -621,7 +672,7 @@ def main() -> None:
             metrics[f"ttft_{name}_ms"] = ttft.medians[f"{name}_ms"]
         metrics["first_decode_step_ms"] = ttft.medians["first_decode_step_ms"]
 
-    print(f"\nratio_grpc {transfer.ratio_grpc:.3f}: target >= {RATIO_TARGET} -> {verdict}")
+    print("\n" + "\n".join(verdict_lines))
     finish(NAME, args, results, metrics)
 
 

@@ -104,6 +104,32 @@ class RouterConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class TransferConfig:
+    """How KV blocks move from prefill to decode instances (DESIGN.md §6)."""
+
+    transport: str = "auto"  # auto (shm on the same host, else mooncake, else grpc) | grpc |
+    # shm | mooncake: forced, a request fails if the pair cannot use it
+    shared_memory: bool = True  # decode instances keep a CPU KV cache in shared memory
+    mooncake: bool = True  # start a Mooncake transfer engine when its package is installed
+    mooncake_protocol: str = "tcp"  # tcp | rdma
+    mooncake_devices: str = ""  # RDMA devices (e.g. mlx5_0,mlx5_1); empty for tcp
+    max_batch_entries: int = 1024  # Mooncake blocks per batch (its TCP queue is bounded)
+    lease_margin_s: float = 2.0  # direct writes stop this long before a reservation's lease ends
+
+    def __post_init__(self) -> None:
+        if self.transport not in ("auto", "grpc", "shm", "mooncake"):
+            raise ConfigError(
+                f"transfer.transport must be auto, grpc, shm or mooncake, got {self.transport!r}"
+            )
+        if self.mooncake_protocol not in ("tcp", "rdma"):
+            raise ConfigError(
+                f"transfer.mooncake_protocol must be tcp or rdma, got {self.mooncake_protocol!r}"
+            )
+        if self.max_batch_entries <= 0:
+            raise ConfigError("transfer.max_batch_entries must be positive")
+
+
+@dataclass(frozen=True, slots=True)
 class StorageConfig:
     """The shared KV storage tier (DESIGN.md §5): a Redis index over block stores."""
 
@@ -146,6 +172,7 @@ class ClusterConfig:
     mixed: MixedConfig = MixedConfig()
     router: RouterConfig = RouterConfig()
     storage: StorageConfig = StorageConfig()
+    transfer: TransferConfig = TransferConfig()
     ray_address: str | None = None  # None = start a local Ray; "auto" or host:port = join
     namespace: str = "pdserve"
     host: str = "127.0.0.1"  # interface the instances' gRPC servers bind to
@@ -160,11 +187,11 @@ def load_cluster_config(
     overrides: Mapping[str, Any] | None = None,
 ) -> ClusterConfig:
     """ClusterConfig from a YAML file (sections `engine`, `prefill`, `decode`, `mixed`, `router`,
-    `storage`, `cluster`), then `PDSERVE_<FIELD>` (engine and cluster fields),
+    `storage`, `transfer`, `cluster`), then `PDSERVE_<FIELD>` (engine and cluster fields),
     `PDSERVE_<SECTION>_<FIELD>` for the other sections, then `overrides` of cluster fields."""
     env = os.environ if env is None else env
     document = _yaml_document(Path(path)) if path is not None else {}
-    known = {"engine", "prefill", "decode", "mixed", "router", "storage", "cluster"}
+    known = {"engine", "prefill", "decode", "mixed", "router", "storage", "transfer", "cluster"}
     unknown = sorted(set(document) - known)
     if unknown:
         raise ConfigError(f"unknown config section(s): {', '.join(unknown)}")
@@ -175,6 +202,7 @@ def load_cluster_config(
         "mixed": _build(MixedConfig, _section(document, "mixed", path), env, "MIXED_"),
         "router": _build(RouterConfig, _section(document, "router", path), env, "ROUTER_"),
         "storage": _build(StorageConfig, _section(document, "storage", path), env, "STORAGE_"),
+        "transfer": _build(TransferConfig, _section(document, "transfer", path), env, "TRANSFER_"),
     }
     cluster = _section(document, "cluster", path)
     return _build(ClusterConfig, cluster, env, "", {**dict(overrides or {}), **sections})

@@ -163,8 +163,12 @@ class LLMEngine:
 
     @classmethod
     def from_config(
-        cls, config: EngineConfig, event_sink: KVEventSink | None = None
+        cls,
+        config: EngineConfig,
+        event_sink: KVEventSink | None = None,
+        shared_kv_cache: bool = False,
     ) -> "LLMEngine":
+        """An engine for `config`; `shared_kv_cache` puts a CPU KV cache in shared memory."""
         if config.torch_threads is not None:
             torch.set_num_threads(config.torch_threads)
         model_dir = config.model or default_model_dir()
@@ -185,7 +189,9 @@ class LLMEngine:
         scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens), kv_cache
         )
-        runner = ModelRunner.create(loaded.model, num_blocks, config.block_size, loaded.dtype)
+        runner = ModelRunner.create(
+            loaded.model, num_blocks, config.block_size, loaded.dtype, shared=shared_kv_cache
+        )
         logger.info("engine ready: %d KV blocks of %d tokens", num_blocks, config.block_size)
         return cls(loaded, kv_cache, scheduler, runner, Sampler(loaded.device, config.seed))
 

@@ -1,13 +1,20 @@
 """ModelRunner: owns the paged KV cache and runs one forward pass over a batch of chunks."""
 
+import logging
+import math
+import os
+import uuid
 import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from multiprocessing import shared_memory
 
 import torch
 
 from pdserve.model.attention import AttentionMetadata
 from pdserve.model.llama import CausalLM
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,22 +33,63 @@ def kv_cache_shape(model: CausalLM, num_blocks: int, block_size: int) -> tuple[i
     return (num_blocks, config.num_layers, 2, block_size, config.num_kv_heads, config.head_dim)
 
 
+def _shm_has_room(nbytes: int) -> bool:
+    """Whether /dev/shm has `nbytes` free (touching pages beyond its size would kill us)."""
+    try:
+        stats = os.statvfs("/dev/shm")
+    except OSError:
+        return False
+    return stats.f_bavail * stats.f_frsize >= nbytes
+
+
 class ModelRunner:
     """Builds batch tensors from chunks, runs the model, returns logits. Not thread-safe."""
 
-    def __init__(self, model: CausalLM, kv_cache: torch.Tensor) -> None:
+    def __init__(
+        self,
+        model: CausalLM,
+        kv_cache: torch.Tensor,
+        segment: shared_memory.SharedMemory | None = None,
+    ) -> None:
         self.model = model
         self.kv_cache = kv_cache
         self.block_size = kv_cache.shape[3]
         self.device = kv_cache.device
+        self.segment = segment  # the KV cache's shared-memory segment, if it lives in one
 
     @classmethod
     def create(
-        cls, model: CausalLM, num_blocks: int, block_size: int, dtype: torch.dtype
+        cls,
+        model: CausalLM,
+        num_blocks: int,
+        block_size: int,
+        dtype: torch.dtype,
+        shared: bool = False,
     ) -> "ModelRunner":
+        """A zeroed KV cache on the model's device; with `shared` (CPU only), in a new
+        shared-memory segment that same-host peers can write into (`ShmKVTransport`)."""
         device = next(model.parameters()).device
         shape = kv_cache_shape(model, num_blocks, block_size)
-        return cls(model, torch.zeros(shape, dtype=dtype, device=device))
+        nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        if shared and device.type == "cpu" and not _shm_has_room(nbytes):
+            logger.warning(
+                "/dev/shm cannot hold the %d-byte KV cache: keeping it private (no shm transfers)",
+                nbytes,
+            )
+            shared = False
+        if not shared or device.type != "cpu":
+            return cls(model, torch.zeros(shape, dtype=dtype, device=device))
+        segment = shared_memory.SharedMemory(
+            name=f"pdserve-kv-{os.getpid()}-{uuid.uuid4().hex[:8]}", create=True, size=nbytes
+        )
+        raw = torch.frombuffer(segment.buf, dtype=torch.uint8)[:nbytes]  # zeroed by the OS
+        return cls(model, raw.view(dtype).view(shape), segment)
+
+    def close(self) -> None:
+        """Remove the KV cache's shared-memory segment (the mapping goes with the process)."""
+        if self.segment is not None:
+            self.segment.unlink()
+            self.segment = None
 
     @torch.inference_mode()
     def execute(self, chunks: Sequence[SequenceChunk]) -> torch.Tensor:
@@ -98,6 +146,7 @@ class BlockIO:
     def __init__(self, kv_cache: torch.Tensor) -> None:
         self._bytes = kv_cache.view(kv_cache.shape[0], -1).view(torch.uint8)
         self.block_bytes = int(self._bytes.shape[1])
+        self.total_bytes = int(self._bytes.numel())
 
     def read(self, block_ids: Sequence[int]) -> list[memoryview]:
         host = self._bytes if self._bytes.device.type == "cpu" else None

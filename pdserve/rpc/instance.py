@@ -7,13 +7,14 @@ builds stats snapshots. Services compose it; they add their role's RPCs on top.
 import logging
 import queue
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import grpc
 import platformdirs
 
-from pdserve.config import EngineConfig, StorageConfig
+from pdserve.config import EngineConfig, StorageConfig, TransferConfig
 from pdserve.engine.engine import LLMEngine, RequestOutput
 from pdserve.engine.loop import EngineLoop
 from pdserve.engine.request import Request
@@ -27,6 +28,9 @@ from pdserve.storage.stores import HostMemoryStore
 from pdserve.storage.tier import StorageTier, make_store
 from pdserve.v1 import common_pb2, storage_pb2_grpc
 
+if TYPE_CHECKING:
+    from pdserve.transfer.mooncake import MooncakeEngine
+
 logger = logging.getLogger(__name__)
 
 OutputSink = Callable[[RequestOutput], None]
@@ -38,6 +42,7 @@ class TransferCounters:
     blocks_sent: int = 0
     bytes_received: int = 0
     blocks_received: int = 0
+    blocks_sent_by_transport: dict[str, int] = field(default_factory=dict)
 
 
 def aborted_output(request_id: str) -> RequestOutput:
@@ -71,6 +76,7 @@ class InstanceCore:
         self.block_io = engine.block_io
         self.counters = TransferCounters()
         self.storage = storage
+        self.mooncake: MooncakeEngine | None = None
         if storage is not None:
             engine.attach_storage(storage)
         self._sinks: dict[str, OutputSink] = {}
@@ -83,16 +89,18 @@ class InstanceCore:
         config: EngineConfig,
         on_tick: Callable[[], None],
         storage: StorageConfig | None = None,
-        store_id: str | None = None,
+        shared_kv_cache: bool = False,
     ) -> "InstanceCore":
-        """An engine for `config`, with the storage tier when `storage` is given and enabled
-        (`store_id` names a host memory store: the instance's address)."""
+        """An engine for `config`, with the storage tier when `storage` is given and enabled,
+        its KV cache in shared memory with `shared_kv_cache` (CPU)."""
         events = KVEventBroadcaster()
-        engine = LLMEngine.from_config(config, event_sink=events.publish)
+        engine = LLMEngine.from_config(
+            config, event_sink=events.publish, shared_kv_cache=shared_kv_cache
+        )
         tier = None
         if storage is not None and storage.enabled:
             default_root = Path(platformdirs.user_cache_dir("pdserve")) / "kv-store"
-            store = make_store(storage, store_id, default_root)
+            store = make_store(storage, None, default_root)
             tier = StorageTier(storage, engine.storage_tag(), store)
         return cls(role, engine, events, on_tick, tier)
 
@@ -118,6 +126,22 @@ class InstanceCore:
             memory.bind(f"{advertised_host(host)}:{bound}")
         logger.info("%s instance serving on %s:%d", self.role, host, bound)
         return server, bound
+
+    def start_mooncake(self, config: TransferConfig, host: str) -> "MooncakeEngine | None":
+        """This instance's Mooncake transfer engine with its KV cache registered, when
+        `transfer.mooncake` is on and the package loads; None otherwise."""
+        if not (config.mooncake or config.transport == "mooncake"):
+            return None
+        from pdserve.transfer.mooncake import MooncakeEngine, mooncake_available
+
+        if not mooncake_available():
+            logger.info("Mooncake transfer engine not installed: KV goes over shm or gRPC")
+            return None
+        engine = MooncakeEngine(config, advertised_host(host))
+        kv = self.engine.runner.kv_cache
+        engine.register(kv.data_ptr(), self.block_io.total_bytes)
+        self.mooncake = engine
+        return engine
 
     def read_ahead(self, request: Request) -> None:
         """Stage from the storage tier the blocks the device prefix cache lacks, before the
@@ -181,6 +205,7 @@ class InstanceCore:
                 kv_blocks_sent=self.counters.blocks_sent,
                 kv_bytes_received=self.counters.bytes_received,
                 kv_blocks_received=self.counters.blocks_received,
+                kv_blocks_sent_by_transport=self.counters.blocks_sent_by_transport,
                 num_computed_tokens=scheduler.stats.num_computed_tokens,
                 storage=self._storage_stats(scheduler.stats),
                 **extra,
@@ -242,3 +267,6 @@ class InstanceCore:
         self.loop.stop()
         if self.storage is not None:
             self.storage.close()
+        if self.mooncake is not None:
+            self.mooncake.close()
+        self.engine.runner.close()

@@ -1,5 +1,19 @@
 """KV transfer between instances: one interface, several transports."""
 
-from pdserve.transfer.base import KVReceiver, KVTransferError, KVTransport, TransferResult
+from pdserve.transfer.base import (
+    KVEndpoints,
+    KVReceiver,
+    KVTarget,
+    KVTransferError,
+    KVTransport,
+    TransferResult,
+)
 
-__all__ = ["KVReceiver", "KVTransferError", "KVTransport", "TransferResult"]
+__all__ = [
+    "KVEndpoints",
+    "KVReceiver",
+    "KVTarget",
+    "KVTransferError",
+    "KVTransport",
+    "TransferResult",
+]

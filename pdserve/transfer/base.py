@@ -1,13 +1,20 @@
 """KVTransport: moves a request's KV blocks into a reservation on a peer instance.
 
-The sender passes one memoryview per block, in block-table order starting at `first_block` (an
-index into the request's block table on the receiver). KV bytes never travel through Ray's object
-store. A transport is shared by the sender's request threads and must be thread-safe.
+The sender passes one memoryview per block, in block-table order starting at `target.first_block`
+(an index into the request's block table on the receiver). Streaming transports (gRPC) hand the
+bytes to the receiver's server; direct-write transports (shared memory, Mooncake) write straight
+into the reserved blocks (`target.block_ids`) and then commit them over gRPC. KV bytes never travel
+through Ray's object store. A transport is shared by the sender's request threads and must be
+thread-safe.
 """
 
+import socket
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import cache
+from pathlib import Path
 from typing import Protocol
 
 from pdserve.errors import PdserveError
@@ -24,6 +31,38 @@ class TransferResult:
     seconds: float
 
 
+@dataclass(frozen=True, slots=True)
+class KVEndpoints:
+    """How a decode instance's KV cache can be written directly (from its Reserve reply)."""
+
+    host_id: str = ""
+    shm_name: str = ""
+    mooncake_session: str = ""
+    mooncake_base: int = 0
+    kv_bytes: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class KVTarget:
+    """A reservation on a decode instance: where a request's blocks go."""
+
+    address: str  # the decode instance's gRPC address
+    request_id: str
+    first_block: int  # index in the request's block table of the first block sent
+    block_ids: tuple[int, ...] = ()  # decode's ids of the blocks sent (direct writes)
+    block_bytes: int = 0
+    endpoints: KVEndpoints = field(default_factory=KVEndpoints)
+    deadline: float = float("inf")  # time.monotonic() after which the lease may be gone
+
+    def check_deadline(self) -> None:
+        """Direct writes must end before the lease does: after it, the blocks may be reused."""
+        if time.monotonic() >= self.deadline:
+            raise KVTransferError(
+                f"the reservation of request {self.request_id} on {self.address} is about to "
+                "expire: not writing into it"
+            )
+
+
 class KVReceiver(Protocol):
     """The receiving side (a decode instance)."""
 
@@ -36,12 +75,22 @@ class KVReceiver(Protocol):
 class KVTransport(ABC):
     name: str
 
+    def can_reach(self, target: KVTarget) -> bool:
+        """Whether this transport can write into `target` (gRPC always can)."""
+        return True
+
     @abstractmethod
-    def send(
-        self, peer: str, request_id: str, first_block: int, blocks: Sequence[memoryview]
-    ) -> TransferResult:
-        """Write `blocks` into the reservation of `request_id` on `peer`; blocks until the
-        receiver acknowledged every byte. Raises KVTransferError."""
+    def send(self, target: KVTarget, blocks: Sequence[memoryview]) -> TransferResult:
+        """Write `blocks` into the target reservation; returns once the receiver has every byte
+        (acknowledged or committed). Raises KVTransferError."""
 
     def close(self) -> None:  # noqa: B027  (optional hook: most transports hold nothing)
         """Release connections; the transport is unusable afterwards."""
+
+
+@cache
+def host_id() -> str:
+    """This host's identity: hostname plus boot id (two containers may share a hostname)."""
+    boot = Path("/proc/sys/kernel/random/boot_id")
+    suffix = boot.read_text().strip() if boot.exists() else ""
+    return f"{socket.gethostname()}/{suffix}"

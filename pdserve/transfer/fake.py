@@ -3,7 +3,13 @@
 import time
 from collections.abc import Sequence
 
-from pdserve.transfer.base import KVReceiver, KVTransferError, KVTransport, TransferResult
+from pdserve.transfer.base import (
+    KVReceiver,
+    KVTarget,
+    KVTransferError,
+    KVTransport,
+    TransferResult,
+)
 
 
 class FakeKVTransport(KVTransport):
@@ -12,13 +18,11 @@ class FakeKVTransport(KVTransport):
     def __init__(self) -> None:
         self.receivers: dict[str, KVReceiver] = {}
 
-    def send(
-        self, peer: str, request_id: str, first_block: int, blocks: Sequence[memoryview]
-    ) -> TransferResult:
-        receiver = self.receivers.get(peer)
+    def send(self, target: KVTarget, blocks: Sequence[memoryview]) -> TransferResult:
+        receiver = self.receivers.get(target.address)
         if receiver is None:
-            raise KVTransferError(f"no receiver registered for peer {peer!r}")
+            raise KVTransferError(f"no receiver registered for peer {target.address!r}")
         start = time.perf_counter()
         data = memoryview(b"".join(blocks))
-        written = receiver.receive_blocks(request_id, first_block, data)
+        written = receiver.receive_blocks(target.request_id, target.first_block, data)
         return TransferResult(written, len(data), time.perf_counter() - start)

@@ -11,7 +11,7 @@ from collections.abc import Iterator, Sequence
 import grpc
 
 from pdserve.rpc.channels import ChannelPool
-from pdserve.transfer.base import KVTransferError, KVTransport, TransferResult
+from pdserve.transfer.base import KVTarget, KVTransferError, KVTransport, TransferResult
 from pdserve.v1 import decode_pb2
 
 DEFAULT_CHUNK_BYTES = 2**20
@@ -29,9 +29,8 @@ class GrpcKVTransport(KVTransport):
         self._chunk_bytes = chunk_bytes
         self._timeout_s = timeout_s
 
-    def send(
-        self, peer: str, request_id: str, first_block: int, blocks: Sequence[memoryview]
-    ) -> TransferResult:
+    def send(self, target: KVTarget, blocks: Sequence[memoryview]) -> TransferResult:
+        peer, request_id, first_block = target.address, target.request_id, target.first_block
         channel = self._channels.get(peer)
         push: grpc.StreamUnaryMultiCallable[bytes, decode_pb2.PushKVReply] = channel.stream_unary(
             PUSH_KV_METHOD,

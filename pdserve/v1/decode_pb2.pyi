@@ -49,6 +49,9 @@ class ReserveReply(_message.Message):
     RETRY_AFTER_MS_FIELD_NUMBER: _builtins.int
     REASON_FIELD_NUMBER: _builtins.int
     BLOCK_BYTES_FIELD_NUMBER: _builtins.int
+    BLOCK_IDS_FIELD_NUMBER: _builtins.int
+    LEASE_MS_FIELD_NUMBER: _builtins.int
+    ENDPOINTS_FIELD_NUMBER: _builtins.int
     granted: _builtins.bool
     num_cached_tokens: _builtins.int
     """prefix decode already holds: send blocks from here on"""
@@ -60,6 +63,16 @@ class ReserveReply(_message.Message):
     """when refused"""
     block_bytes: _builtins.int
     """bytes of one block in decode's layout"""
+    lease_ms: _builtins.int
+    """the reservation ends this long after the reply unless started"""
+    @_builtins.property
+    def block_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """decode's blocks of the reservation, in block-table order"""
+
+    @_builtins.property
+    def endpoints(self) -> Global___KVEndpoints:
+        """how the reserved blocks can be written directly"""
+
     def __init__(
         self,
         *,
@@ -69,14 +82,96 @@ class ReserveReply(_message.Message):
         retry_after_ms: _builtins.int = ...,
         reason: _builtins.str = ...,
         block_bytes: _builtins.int = ...,
+        block_ids: _abc.Iterable[_builtins.int] | None = ...,
+        lease_ms: _builtins.int = ...,
+        endpoints: Global___KVEndpoints | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["endpoints", b"endpoints"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_bytes", b"block_bytes", "granted", b"granted", "num_blocks", b"num_blocks", "num_cached_tokens", b"num_cached_tokens", "reason", b"reason", "retry_after_ms", b"retry_after_ms"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_bytes", b"block_bytes", "block_ids", b"block_ids", "endpoints", b"endpoints", "granted", b"granted", "lease_ms", b"lease_ms", "num_blocks", b"num_blocks", "num_cached_tokens", b"num_cached_tokens", "reason", b"reason", "retry_after_ms", b"retry_after_ms"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ReserveReply: _TypeAlias = ReserveReply  # noqa: Y015
+
+@_typing.final
+class KVEndpoints(_message.Message):
+    """Ways to write into a decode instance's KV cache without going through its gRPC server."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    HOST_ID_FIELD_NUMBER: _builtins.int
+    SHM_NAME_FIELD_NUMBER: _builtins.int
+    MOONCAKE_SESSION_FIELD_NUMBER: _builtins.int
+    MOONCAKE_BASE_FIELD_NUMBER: _builtins.int
+    KV_BYTES_FIELD_NUMBER: _builtins.int
+    host_id: _builtins.str
+    """the host (shared memory works only on the same one)"""
+    shm_name: _builtins.str
+    """its KV cache's shared-memory segment; empty: not offered"""
+    mooncake_session: _builtins.str
+    """host:port of its Mooncake transfer engine; empty: not offered"""
+    mooncake_base: _builtins.int
+    """address of its KV cache in that engine"""
+    kv_bytes: _builtins.int
+    """size of the KV cache (block_id * block_bytes < kv_bytes)"""
+    def __init__(
+        self,
+        *,
+        host_id: _builtins.str = ...,
+        shm_name: _builtins.str = ...,
+        mooncake_session: _builtins.str = ...,
+        mooncake_base: _builtins.int = ...,
+        kv_bytes: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["host_id", b"host_id", "kv_bytes", b"kv_bytes", "mooncake_base", b"mooncake_base", "mooncake_session", b"mooncake_session", "shm_name", b"shm_name"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___KVEndpoints: _TypeAlias = KVEndpoints  # noqa: Y015
+
+@_typing.final
+class CommitKVRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
+    FIRST_BLOCK_FIELD_NUMBER: _builtins.int
+    NUM_BLOCKS_FIELD_NUMBER: _builtins.int
+    request_id: _builtins.str
+    first_block: _builtins.int
+    """index in the request's block table"""
+    num_blocks: _builtins.int
+    def __init__(
+        self,
+        *,
+        request_id: _builtins.str = ...,
+        first_block: _builtins.int = ...,
+        num_blocks: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["first_block", b"first_block", "num_blocks", b"num_blocks", "request_id", b"request_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CommitKVRequest: _TypeAlias = CommitKVRequest  # noqa: Y015
+
+@_typing.final
+class CommitKVReply(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CommitKVReply: _TypeAlias = CommitKVReply  # noqa: Y015
 
 @_typing.final
 class KVChunk(_message.Message):

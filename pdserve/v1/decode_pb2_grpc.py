@@ -45,6 +45,11 @@ class DecodeServiceStub:
                 request_serializer=pdserve_dot_v1_dot_decode__pb2.KVChunk.SerializeToString,
                 response_deserializer=pdserve_dot_v1_dot_decode__pb2.PushKVReply.FromString,
                 _registered_method=True)
+        self.CommitKV = channel.unary_unary(
+                '/pdserve.v1.DecodeService/CommitKV',
+                request_serializer=pdserve_dot_v1_dot_decode__pb2.CommitKVRequest.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_decode__pb2.CommitKVReply.FromString,
+                _registered_method=True)
         self.StartDecode = channel.unary_unary(
                 '/pdserve.v1.DecodeService/StartDecode',
                 request_serializer=pdserve_dot_v1_dot_decode__pb2.StartDecodeRequest.SerializeToString,
@@ -84,6 +89,13 @@ class DecodeServiceServicer:
 
     def PushKV(self, request_iterator, context):
         """KV block transfer into a reservation (the gRPC transport).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CommitKV(self, request, context):
+        """A direct-write transport (shared memory, Mooncake) wrote these blocks of a reservation.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -133,6 +145,11 @@ def add_DecodeServiceServicer_to_server(servicer, server):
                     servicer.PushKV,
                     request_deserializer=pdserve_dot_v1_dot_decode__pb2.KVChunk.FromString,
                     response_serializer=pdserve_dot_v1_dot_decode__pb2.PushKVReply.SerializeToString,
+            ),
+            'CommitKV': grpc.unary_unary_rpc_method_handler(
+                    servicer.CommitKV,
+                    request_deserializer=pdserve_dot_v1_dot_decode__pb2.CommitKVRequest.FromString,
+                    response_serializer=pdserve_dot_v1_dot_decode__pb2.CommitKVReply.SerializeToString,
             ),
             'StartDecode': grpc.unary_unary_rpc_method_handler(
                     servicer.StartDecode,
@@ -214,6 +231,33 @@ class DecodeService:
             '/pdserve.v1.DecodeService/PushKV',
             pdserve_dot_v1_dot_decode__pb2.KVChunk.SerializeToString,
             pdserve_dot_v1_dot_decode__pb2.PushKVReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CommitKV(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.DecodeService/CommitKV',
+            pdserve_dot_v1_dot_decode__pb2.CommitKVRequest.SerializeToString,
+            pdserve_dot_v1_dot_decode__pb2.CommitKVReply.FromString,
             options,
             channel_credentials,
             insecure,

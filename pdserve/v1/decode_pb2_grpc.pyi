@@ -36,6 +36,8 @@ class DecodeServiceStub:
     """preallocate_resource_in_d: reserve blocks for the prompt's KV (a lease)."""
     PushKV: _grpc.StreamUnaryMultiCallable[_decode_pb2.KVChunk, _decode_pb2.PushKVReply]
     """KV block transfer into a reservation (the gRPC transport)."""
+    CommitKV: _grpc.UnaryUnaryMultiCallable[_decode_pb2.CommitKVRequest, _decode_pb2.CommitKVReply]
+    """A direct-write transport (shared memory, Mooncake) wrote these blocks of a reservation."""
     StartDecode: _grpc.UnaryUnaryMultiCallable[_decode_pb2.StartDecodeRequest, _decode_pb2.StartDecodeReply]
     """First-token handoff: the KV is complete; the request joins the running batch."""
     StreamTokens: _grpc.UnaryStreamMultiCallable[_decode_pb2.StreamTokensRequest, _decode_pb2.TokenReply]
@@ -51,6 +53,8 @@ class DecodeServiceAsyncStub(DecodeServiceStub):
     """preallocate_resource_in_d: reserve blocks for the prompt's KV (a lease)."""
     PushKV: _aio.StreamUnaryMultiCallable[_decode_pb2.KVChunk, _decode_pb2.PushKVReply]  # type: ignore[assignment]
     """KV block transfer into a reservation (the gRPC transport)."""
+    CommitKV: _aio.UnaryUnaryMultiCallable[_decode_pb2.CommitKVRequest, _decode_pb2.CommitKVReply]  # type: ignore[assignment]
+    """A direct-write transport (shared memory, Mooncake) wrote these blocks of a reservation."""
     StartDecode: _aio.UnaryUnaryMultiCallable[_decode_pb2.StartDecodeRequest, _decode_pb2.StartDecodeReply]  # type: ignore[assignment]
     """First-token handoff: the KV is complete; the request joins the running batch."""
     StreamTokens: _aio.UnaryStreamMultiCallable[_decode_pb2.StreamTokensRequest, _decode_pb2.TokenReply]  # type: ignore[assignment]
@@ -75,6 +79,14 @@ class DecodeServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_decode_pb2.PushKVReply, _abc.Awaitable[_decode_pb2.PushKVReply]]:
         """KV block transfer into a reservation (the gRPC transport)."""
+
+    @_abc_1.abstractmethod
+    def CommitKV(
+        self,
+        request: _decode_pb2.CommitKVRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_decode_pb2.CommitKVReply, _abc.Awaitable[_decode_pb2.CommitKVReply]]:
+        """A direct-write transport (shared memory, Mooncake) wrote these blocks of a reservation."""
 
     @_abc_1.abstractmethod
     def StartDecode(

@@ -135,6 +135,7 @@ class PrefillResult(_message.Message):
     KV_BLOCKS_SENT_FIELD_NUMBER: _builtins.int
     KV_BYTES_SENT_FIELD_NUMBER: _builtins.int
     TIMINGS_FIELD_NUMBER: _builtins.int
+    TRANSPORT_FIELD_NUMBER: _builtins.int
     first_token_id: _builtins.int
     num_prompt_tokens: _builtins.int
     num_cached_tokens: _builtins.int
@@ -143,6 +144,8 @@ class PrefillResult(_message.Message):
     """prefix already held by the decode instance"""
     kv_blocks_sent: _builtins.int
     kv_bytes_sent: _builtins.int
+    transport: _builtins.str
+    """grpc | shm | mooncake; empty when nothing was sent"""
     @_builtins.property
     def timings(self) -> Global___PrefillTimings: ...
     def __init__(
@@ -155,10 +158,11 @@ class PrefillResult(_message.Message):
         kv_blocks_sent: _builtins.int = ...,
         kv_bytes_sent: _builtins.int = ...,
         timings: Global___PrefillTimings | None = ...,
+        transport: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["timings", b"timings"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["first_token_id", b"first_token_id", "kv_blocks_sent", b"kv_blocks_sent", "kv_bytes_sent", b"kv_bytes_sent", "num_cached_tokens", b"num_cached_tokens", "num_decode_cached_tokens", b"num_decode_cached_tokens", "num_prompt_tokens", b"num_prompt_tokens", "timings", b"timings"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["first_token_id", b"first_token_id", "kv_blocks_sent", b"kv_blocks_sent", "kv_bytes_sent", b"kv_bytes_sent", "num_cached_tokens", b"num_cached_tokens", "num_decode_cached_tokens", b"num_decode_cached_tokens", "num_prompt_tokens", b"num_prompt_tokens", "timings", b"timings", "transport", b"transport"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -39,11 +39,19 @@ class InstanceActor:
         self.server: grpc.Server
         if role == "prefill":
             self.instance, self.server, port = serve_prefill(
-                config.engine, config.prefill, config.host, storage=config.storage
+                config.engine,
+                config.prefill,
+                config.host,
+                storage=config.storage,
+                transfer=config.transfer,
             )
         elif role == "decode":
             self.instance, self.server, port = serve_decode(
-                config.engine, config.decode, config.host, storage=config.storage
+                config.engine,
+                config.decode,
+                config.host,
+                storage=config.storage,
+                transfer=config.transfer,
             )
         else:
             self.instance, self.server, port = serve_mixed(

@@ -9,15 +9,15 @@ import logging
 import queue
 import threading
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-from pdserve.config import DecodeConfig, EngineConfig, StorageConfig
+from pdserve.config import DecodeConfig, EngineConfig, StorageConfig, TransferConfig
 from pdserve.engine.engine import LLMEngine, RequestOutput
 from pdserve.engine.request import Request, SamplingParams
 from pdserve.errors import InvalidRequestError, RequestNotFoundError
 from pdserve.rpc.convert import ResourceExhaustedError
 from pdserve.rpc.instance import InstanceCore, aborted_output
-from pdserve.transfer.base import KVTransferError
+from pdserve.transfer.base import KVEndpoints, KVTransferError, host_id
 from pdserve.v1 import common_pb2
 from services.decode.reservations import Reservation, ReservationTable
 
@@ -31,6 +31,7 @@ class ReservationGrant:
     num_cached_tokens: int
     num_blocks: int
     block_bytes: int
+    block_ids: tuple[int, ...] = ()
 
 
 class DecodeInstance:
@@ -39,12 +40,28 @@ class DecodeInstance:
         engine_config: EngineConfig,
         config: DecodeConfig,
         storage: StorageConfig | None = None,
+        transfer: TransferConfig | None = None,
+        host: str = "127.0.0.1",
     ) -> None:
         self.config = config
         self.reservations = ReservationTable()
         self.core = InstanceCore.create(
-            "decode", engine_config, on_tick=self._expire_leases, storage=storage
+            "decode",
+            engine_config,
+            on_tick=self._expire_leases,
+            storage=storage,
+            shared_kv_cache=transfer is not None and transfer.shared_memory,
         )
+        self.endpoints = KVEndpoints(host_id=host_id(), kv_bytes=self.core.block_io.total_bytes)
+        segment = self.core.engine.runner.segment
+        if segment is not None:
+            self.endpoints = replace(self.endpoints, shm_name=segment.name)
+        mooncake = self.core.start_mooncake(transfer, host) if transfer is not None else None
+        if mooncake is not None:
+            base = self.core.engine.runner.kv_cache.data_ptr()
+            self.endpoints = replace(
+                self.endpoints, mooncake_session=mooncake.session, mooncake_base=base
+            )
         self.num_expired = 0
         self._outputs: dict[str, queue.SimpleQueue[RequestOutput | None]] = {}
         self._outputs_lock = threading.Lock()
@@ -100,7 +117,7 @@ class DecodeInstance:
             request, block_ids, num_cached_blocks, self.config.reservation_timeout_s
         )
         return ReservationGrant(
-            request.num_cached_tokens, len(block_ids), self.core.block_io.block_bytes
+            request.num_cached_tokens, len(block_ids), self.core.block_io.block_bytes, block_ids
         )
 
     def reserve_blocks(self, engine: LLMEngine) -> int:
@@ -140,6 +157,14 @@ class DecodeInstance:
         self.core.counters.bytes_received += len(data)
         self.core.counters.blocks_received += num_blocks
         return num_blocks
+
+    def commit_blocks(self, request_id: str, first_block: int, num_blocks: int) -> None:
+        """A direct-write transport wrote blocks [first_block, + num_blocks) of the request's
+        reservation: count them as received. Raises KVTransferError."""
+        self.reservations.begin_write(request_id, first_block, num_blocks)
+        self.reservations.end_write(request_id, first_block, num_blocks, True)
+        self.core.counters.bytes_received += num_blocks * self.core.block_io.block_bytes
+        self.core.counters.blocks_received += num_blocks
 
     def transfer_failed(self, request_id: str) -> None:
         """The KV stream broke: release the reservation now rather than at lease expiry."""

@@ -8,7 +8,7 @@ from typing import Any
 
 import grpc
 
-from pdserve.config import DecodeConfig, EngineConfig, StorageConfig
+from pdserve.config import DecodeConfig, EngineConfig, StorageConfig, TransferConfig
 from pdserve.errors import PdserveError
 from pdserve.rpc.convert import (
     ResourceExhaustedError,
@@ -47,12 +47,31 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
             )
         except PdserveError as e:
             context.abort(grpc_status(e), str(e))
+        endpoints = self.instance.endpoints
         return decode_pb2.ReserveReply(
             granted=True,
             num_cached_tokens=grant.num_cached_tokens,
             num_blocks=grant.num_blocks,
             block_bytes=grant.block_bytes,
+            block_ids=grant.block_ids,
+            lease_ms=int(self.instance.config.reservation_timeout_s * 1000),
+            endpoints=decode_pb2.KVEndpoints(
+                host_id=endpoints.host_id,
+                shm_name=endpoints.shm_name,
+                mooncake_session=endpoints.mooncake_session,
+                mooncake_base=endpoints.mooncake_base,
+                kv_bytes=endpoints.kv_bytes,
+            ),
         )
+
+    def CommitKV(
+        self, request: decode_pb2.CommitKVRequest, context: grpc.ServicerContext
+    ) -> decode_pb2.CommitKVReply:
+        try:
+            self.instance.commit_blocks(request.request_id, request.first_block, request.num_blocks)
+        except KVTransferError as e:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+        return decode_pb2.CommitKVReply()
 
     def PushKV(
         self,
@@ -160,9 +179,10 @@ def serve_decode(
     host: str = "127.0.0.1",
     port: int = 0,
     storage: StorageConfig | None = None,
+    transfer: TransferConfig | None = None,
 ) -> tuple[DecodeInstance, grpc.Server, int]:
     """Start a decode instance and its gRPC server; returns (instance, server, port)."""
-    instance = DecodeInstance(engine_config, config, storage)
+    instance = DecodeInstance(engine_config, config, storage, transfer, host)
     instance.start()
     servicer = DecodeServicer(instance)
     server, bound = instance.core.serve(

@@ -18,15 +18,15 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from pdserve.config import EngineConfig, PrefillConfig, StorageConfig
+from pdserve.config import EngineConfig, PrefillConfig, StorageConfig, TransferConfig
 from pdserve.engine.engine import RequestOutput
 from pdserve.engine.request import Request, SamplingParams
 from pdserve.errors import PdserveError
 from pdserve.rpc.channels import ChannelPool
 from pdserve.rpc.convert import ResourceExhaustedError, generate_request
 from pdserve.rpc.instance import InstanceCore
-from pdserve.transfer.base import KVTransferError, KVTransport
-from pdserve.transfer.grpc import GrpcKVTransport
+from pdserve.transfer.base import KVEndpoints, KVTarget, KVTransferError
+from pdserve.transfer.select import TransportSelector
 from pdserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -54,12 +54,17 @@ class PrefillOutcome:
     blocks_sent: int
     bytes_sent: int
     timings: PrefillTimings = field(default_factory=PrefillTimings)
+    transport: str = ""  # how the KV went to decode (empty: decode held every block)
 
 
 @dataclass(frozen=True, slots=True)
 class DecodeReservation:
     num_cached_tokens: int
     num_blocks: int
+    block_ids: tuple[int, ...] = ()
+    block_bytes: int = 0
+    endpoints: KVEndpoints = field(default_factory=KVEndpoints)
+    deadline: float = float("inf")  # time.monotonic() when direct writes must have ended
 
 
 class PrefillInstance:
@@ -67,15 +72,22 @@ class PrefillInstance:
         self,
         engine_config: EngineConfig,
         config: PrefillConfig,
-        transport: KVTransport | None = None,
         storage: StorageConfig | None = None,
+        transfer: TransferConfig | None = None,
+        host: str = "127.0.0.1",
     ) -> None:
         self.config = config
         self.core = InstanceCore.create(
             "prefill", engine_config, on_tick=lambda: None, storage=storage
         )
         self.channels = ChannelPool()
-        self.transport = transport or GrpcKVTransport(self.channels, config.transfer_chunk_bytes)
+        self.transfer = transfer or TransferConfig()
+        self.transports = TransportSelector(
+            self.transfer,
+            self.channels,
+            config.transfer_chunk_bytes,
+            self.core.start_mooncake(self.transfer, host) if transfer is not None else None,
+        )
         self._kv_ready: dict[str, Future[RequestOutput]] = {}
 
     def start(self) -> None:
@@ -83,7 +95,7 @@ class PrefillInstance:
 
     def stop(self) -> None:
         self.core.stop()
-        self.transport.close()
+        self.transports.close()
         self.channels.close()
 
     def prefill(
@@ -153,9 +165,21 @@ class PrefillInstance:
             )
         )
         for attempt in range(1, self.config.reserve_max_attempts + 1):
+            asked = time.monotonic()
             reply = stub.Reserve(message, timeout=30)
             if reply.granted:
-                return DecodeReservation(reply.num_cached_tokens, reply.num_blocks)
+                lease_s = reply.lease_ms / 1000 if reply.lease_ms else float("inf")
+                e = reply.endpoints
+                return DecodeReservation(
+                    reply.num_cached_tokens,
+                    reply.num_blocks,
+                    tuple(reply.block_ids),
+                    reply.block_bytes,
+                    KVEndpoints(
+                        e.host_id, e.shm_name, e.mooncake_session, e.mooncake_base, e.kv_bytes
+                    ),
+                    asked + lease_s - self.transfer.lease_margin_s,
+                )
             logger.info(
                 "decode %s refused request %s (attempt %d): %s",
                 decode_address,
@@ -195,11 +219,22 @@ class PrefillInstance:
         )
         block_ids = table[first_block : reservation.num_blocks]
         if block_ids:
-            result = self.transport.send(
-                decode_address, request.request_id, first_block, self.core.block_io.read(block_ids)
+            target = KVTarget(
+                decode_address,
+                request.request_id,
+                first_block,
+                reservation.block_ids[first_block : reservation.num_blocks],
+                reservation.block_bytes,
+                reservation.endpoints,
+                reservation.deadline,
             )
+            transport = self.transports.choose(target)
+            result = transport.send(target, self.core.block_io.read(block_ids))
+            outcome.transport = transport.name
             outcome.blocks_sent, outcome.bytes_sent = result.num_blocks, result.num_bytes
             self.core.counters.blocks_sent += result.num_blocks
+            by_transport = self.core.counters.blocks_sent_by_transport
+            by_transport[transport.name] = by_transport.get(transport.name, 0) + result.num_blocks
             self.core.counters.bytes_sent += result.num_bytes
         outcome.timings.transfer_s = time.perf_counter() - started
 

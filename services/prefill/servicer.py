@@ -5,10 +5,9 @@ from collections.abc import Iterator
 
 import grpc
 
-from pdserve.config import EngineConfig, PrefillConfig, StorageConfig
+from pdserve.config import EngineConfig, PrefillConfig, StorageConfig, TransferConfig
 from pdserve.errors import PdserveError
 from pdserve.rpc.convert import error_proto, sampling_from_proto
-from pdserve.transfer.base import KVTransport
 from pdserve.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
 from services.prefill.instance import PrefillInstance, PrefillOutcome
 
@@ -83,6 +82,7 @@ def _result(outcome: PrefillOutcome) -> prefill_pb2.PrefillResult:
         num_decode_cached_tokens=outcome.num_decode_cached_tokens,
         kv_blocks_sent=outcome.blocks_sent,
         kv_bytes_sent=outcome.bytes_sent,
+        transport=outcome.transport,
         timings=prefill_pb2.PrefillTimings(
             reserve_s=t.reserve_s,
             queue_s=t.queue_s,
@@ -98,11 +98,11 @@ def serve_prefill(
     config: PrefillConfig,
     host: str = "127.0.0.1",
     port: int = 0,
-    transport: KVTransport | None = None,
     storage: StorageConfig | None = None,
+    transfer: TransferConfig | None = None,
 ) -> tuple[PrefillInstance, grpc.Server, int]:
     """Start a prefill instance and its gRPC server; returns (instance, server, port)."""
-    instance = PrefillInstance(engine_config, config, transport, storage)
+    instance = PrefillInstance(engine_config, config, storage, transfer, host)
     instance.start()
     servicer = PrefillServicer(instance)
     server, bound = instance.core.serve(

@@ -14,9 +14,10 @@ import grpc
 import pytest
 from waiting import wait_for
 
-from pdserve.config import DecodeConfig, EngineConfig, PrefillConfig
+from pdserve.config import DecodeConfig, EngineConfig, PrefillConfig, TransferConfig
 from pdserve.engine import LLMEngine, SamplingParams
 from pdserve.rpc.convert import ResourceExhaustedError, generate_request
+from pdserve.transfer.base import KVTransferError
 from pdserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc
 from services.decode.instance import DecodeInstance
 from services.decode.servicer import serve_decode
@@ -54,11 +55,18 @@ def make_pair(tiny_model_dir: Path) -> Iterator[Callable[..., PDPair]]:
     pairs: list[PDPair] = []
 
     def make(
-        num_kv_blocks: int = 256, decode: DecodeConfig | None = None, **prefill: object
+        num_kv_blocks: int = 256,
+        decode: DecodeConfig | None = None,
+        transfer: TransferConfig | None = None,
+        **prefill: object,
     ) -> PDPair:
         engine = EngineConfig(model=str(tiny_model_dir), num_kv_blocks=num_kv_blocks)
-        p, p_server, p_port = serve_prefill(engine, PrefillConfig(**prefill))  # type: ignore[arg-type]
-        d, d_server, d_port = serve_decode(engine, decode or DecodeConfig())
+        p, p_server, p_port = serve_prefill(
+            engine,
+            PrefillConfig(**prefill),  # type: ignore[arg-type]
+            transfer=transfer,
+        )
+        d, d_server, d_port = serve_decode(engine, decode or DecodeConfig(), transfer=transfer)
         pair = PDPair(p, d, f"127.0.0.1:{p_port}", f"127.0.0.1:{d_port}", [p_server, d_server])
         pairs.append(pair)
         return pair
@@ -98,6 +106,32 @@ def test_pd_output_equals_mixed_output_for_concurrent_shared_prefixes(
         assert tokens == list(expected.token_ids)
         assert final.finish_reason == "length"
         assert final.num_output_tokens == 24
+
+
+@pytest.mark.parametrize("transport", ["grpc", "shm", "mooncake"])
+def test_pd_output_is_identical_over_every_transport(
+    transport: str, make_pair: Callable[..., PDPair], make_engine: Callable[..., LLMEngine]
+) -> None:
+    pair = make_pair(transfer=TransferConfig(transport=transport))
+    system = prompt(40)
+    prompts = [system + prompt(n, offset=n) for n in (3, 30)]
+    results = [pair.generate(p, GREEDY) for p in prompts]
+    mixed = make_engine().generate(prompts, GREEDY)
+    assert [tokens for tokens, _ in results] == [list(m.token_ids) for m in mixed]
+    first, second = (final.prefill for _, final in results)
+    assert first.transport == transport and first.kv_blocks_sent == 3  # ceil(43 / 16)
+    assert second.kv_blocks_sent == 3  # 5 blocks, of which decode held 2 (the system prompt)
+    stats = pair.prefill.stats()
+    assert stats.kv_blocks_sent_by_transport[transport] == 6
+    assert pair.decode.stats().kv_blocks_received == 6
+
+
+def test_auto_transport_picks_shared_memory_on_the_same_host(
+    make_pair: Callable[..., PDPair],
+) -> None:
+    pair = make_pair(transfer=TransferConfig())
+    _, final = pair.generate(prompt(50), GREEDY)
+    assert final.prefill.transport == "shm"
 
 
 def test_second_request_with_the_same_prefix_moves_fewer_bytes(
@@ -243,3 +277,40 @@ def test_abort_on_decode_ends_the_token_stream(make_pair: Callable[..., PDPair])
     assert pair.decode_stub().Abort(common_pb2.AbortRequest(request_id="long")).found
     final = [e for e in events if isinstance(e, Finished)]
     assert final[0].finish_reason == "abort"
+
+
+@pytest.mark.parametrize("transport", ["shm", "mooncake"])
+def test_a_decode_that_disappears_mid_transfer_leaves_nothing_pinned_on_prefill(
+    transport: str, tiny_model_dir: Path
+) -> None:
+    """The decode instance goes away between its reservation and the direct write: the write or
+    its commit fails, the request fails with a clear error, and prefill releases every block."""
+    engine = EngineConfig(model=str(tiny_model_dir), num_kv_blocks=256)
+    transfer = TransferConfig(transport=transport)
+    prefill, p_server, p_port = serve_prefill(engine, PrefillConfig(), transfer=transfer)
+    decode, d_server, d_port = serve_decode(engine, DecodeConfig(), transfer=transfer)
+    client = PDClient()
+    errors: list[Exception] = []
+
+    def run() -> None:
+        try:
+            list(client.generate(f"127.0.0.1:{p_port}", f"127.0.0.1:{d_port}", prompt(900), GREEDY))
+        except Exception as e:  # the failure the client must see
+            errors.append(e)
+
+    try:
+        worker = threading.Thread(target=run)
+        worker.start()
+        wait_for(lambda: decode.stats().num_reservations == 1)  # prefill now computes the prompt
+        d_server.stop(0).wait()
+        decode.stop()  # its KV memory is unregistered and its segment removed
+        worker.join(timeout=60)
+        assert not worker.is_alive()
+        assert len(errors) == 1 and isinstance(errors[0], KVTransferError), errors
+        prefill.check_integrity()
+        stats = prefill.stats()
+        assert stats.num_free_blocks == stats.num_blocks and stats.num_running == 0
+    finally:
+        client.close()
+        p_server.stop(0).wait()
+        prefill.stop()

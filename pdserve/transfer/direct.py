@@ -1,0 +1,134 @@
+"""Direct-write transports: the sender writes into the decode instance's reserved blocks itself,
+then commits them (`DecodeService.CommitKV`), which is what makes them count as received.
+
+`ShmKVTransport`: the decode instance's KV cache lives in a shared-memory segment; on the same
+host a transfer is a copy into it. `MooncakeKVTransport` (pdserve.transfer.mooncake) writes over
+the Mooncake transfer engine (RDMA on clusters, TCP here).
+"""
+
+import contextlib
+import ctypes
+import mmap
+import threading
+import time
+from collections.abc import Iterator, Sequence
+
+import grpc
+import numpy as np
+
+from pdserve.rpc.channels import ChannelPool
+from pdserve.transfer.base import (
+    KVTarget,
+    KVTransferError,
+    KVTransport,
+    TransferResult,
+    host_id,
+)
+from pdserve.v1 import decode_pb2, decode_pb2_grpc
+
+
+def commit(channels: ChannelPool, target: KVTarget, num_blocks: int) -> None:
+    """Tell the decode instance that blocks [first_block, + num_blocks) are written."""
+    stub = decode_pb2_grpc.DecodeServiceStub(channels.get(target.address))
+    try:
+        stub.CommitKV(
+            decode_pb2.CommitKVRequest(
+                request_id=target.request_id,
+                first_block=target.first_block,
+                num_blocks=num_blocks,
+            ),
+            timeout=30,
+        )
+    except grpc.RpcError as e:
+        raise KVTransferError(
+            f"decode {target.address} did not commit the KV of request {target.request_id}: "
+            f"{e.code().name}: {e.details()}"
+        ) from e
+
+
+def check_bounds(target: KVTarget, blocks: Sequence[memoryview]) -> None:
+    if len(target.block_ids) != len(blocks):
+        raise KVTransferError(
+            f"request {target.request_id}: {len(blocks)} blocks to send, "
+            f"{len(target.block_ids)} reserved"
+        )
+    size = target.block_bytes
+    if any(len(b) != size for b in blocks):
+        raise KVTransferError(f"request {target.request_id}: blocks are not {size} bytes")
+    limit = target.endpoints.kv_bytes
+    if any((block_id + 1) * size > limit for block_id in target.block_ids):
+        raise KVTransferError(f"request {target.request_id}: a block lies outside decode's cache")
+
+
+def address_of(view: memoryview) -> int:
+    """The address of a block's bytes (a view: no copy)."""
+    return int(np.frombuffer(view, dtype=np.uint8).ctypes.data)
+
+
+def copy_runs(
+    block_ids: Sequence[int], blocks: Sequence[memoryview]
+) -> Iterator[tuple[int, int, int]]:
+    """(first block id, count, source address) of runs that are
+    consecutive on both sides: the destination ids follow each other and so do the source
+    bytes in memory, so that each run is one copy."""
+    if not blocks:
+        return
+    size = len(blocks[0])
+    addresses = [address_of(b) for b in blocks]
+    start = 0
+    for i in range(1, len(blocks) + 1):
+        if (
+            i == len(blocks)
+            or block_ids[i] != block_ids[i - 1] + 1
+            or addresses[i] != addresses[i - 1] + size
+        ):
+            yield block_ids[start], i - start, addresses[start]
+            start = i
+
+
+class ShmKVTransport(KVTransport):
+    name = "shm"
+
+    def __init__(self, channels: ChannelPool) -> None:
+        self._channels = channels
+        self._segments: dict[str, tuple[mmap.mmap, int]] = {}  # name -> (mapping, address)
+        self._lock = threading.Lock()
+
+    def can_reach(self, target: KVTarget) -> bool:
+        endpoints = target.endpoints
+        return bool(endpoints.shm_name) and endpoints.host_id == host_id()
+
+    def _attach(self, name: str) -> int:
+        """The address where decode's KV cache segment `name` is mapped in this process."""
+        with self._lock:
+            entry = self._segments.get(name)
+            if entry is None:
+                # mapped directly (not multiprocessing's SharedMemory, whose resource tracker
+                # would unlink the owner's segment when this process exits)
+                try:
+                    with open(f"/dev/shm/{name.lstrip('/')}", "r+b") as f:
+                        mapping = mmap.mmap(f.fileno(), 0)
+                except OSError as e:
+                    raise KVTransferError(f"cannot attach decode's KV segment {name}: {e}") from e
+                entry = (mapping, int(np.frombuffer(mapping, dtype=np.uint8).ctypes.data))
+                self._segments[name] = entry
+            return entry[1]
+
+    def send(self, target: KVTarget, blocks: Sequence[memoryview]) -> TransferResult:
+        start = time.perf_counter()
+        check_bounds(target, blocks)
+        target.check_deadline()
+        cache = self._attach(target.endpoints.shm_name)
+        size = target.block_bytes
+        for block_id, count, source in copy_runs(target.block_ids, blocks):
+            ctypes.memmove(cache + block_id * size, source, count * size)  # GIL released
+        commit(self._channels, target, len(blocks))
+        return TransferResult(len(blocks), len(blocks) * size, time.perf_counter() - start)
+
+    def close(self) -> None:
+        with self._lock:
+            for mapping, _ in self._segments.values():
+                # BufferError: a tensor view is still alive; the mapping goes at exit
+                with contextlib.suppress(BufferError):
+                    mapping.close()
+            self._segments.clear()

@@ -1,0 +1,72 @@
+"""Per-pair transport choice: `transfer.transport` names one, or `auto` picks shared memory when
+the decode instance is on this host, else Mooncake when both ends run it, else gRPC."""
+
+import logging
+import threading
+from typing import TYPE_CHECKING
+
+from pdserve.config import TransferConfig
+from pdserve.rpc.channels import ChannelPool
+from pdserve.transfer.base import KVTarget, KVTransferError, KVTransport
+from pdserve.transfer.direct import ShmKVTransport
+from pdserve.transfer.grpc import GrpcKVTransport
+
+if TYPE_CHECKING:
+    from pdserve.transfer.mooncake import MooncakeEngine
+
+logger = logging.getLogger(__name__)
+
+AUTO_ORDER = ("shm", "mooncake")
+
+
+class TransportSelector:
+    def __init__(
+        self,
+        config: TransferConfig,
+        channels: ChannelPool,
+        chunk_bytes: int,
+        mooncake: "MooncakeEngine | None" = None,
+    ) -> None:
+        self.config = config
+        self.transports: dict[str, KVTransport] = {
+            "grpc": GrpcKVTransport(channels, chunk_bytes),
+            "shm": ShmKVTransport(channels),
+        }
+        if mooncake is not None:
+            from pdserve.transfer.mooncake import MooncakeKVTransport
+
+            self.transports["mooncake"] = MooncakeKVTransport(config, channels, mooncake)
+        self._logged: set[tuple[str, str]] = set()
+        self._lock = threading.Lock()
+
+    def choose(self, target: KVTarget) -> KVTransport:
+        """The transport for this target. Raises KVTransferError when a forced one cannot reach
+        it."""
+        mode = self.config.transport
+        if mode == "auto":
+            chosen = next(
+                (
+                    transport
+                    for name in AUTO_ORDER
+                    if (transport := self.transports.get(name)) is not None
+                    and transport.can_reach(target)
+                ),
+                self.transports["grpc"],
+            )
+        else:
+            forced = self.transports.get(mode)
+            if forced is None or not forced.can_reach(target):
+                raise KVTransferError(
+                    f"transfer.transport is {mode}, which cannot reach decode {target.address} "
+                    "(not on this host, not offered, or not installed): use auto or grpc"
+                )
+            chosen = forced
+        with self._lock:
+            if (target.address, chosen.name) not in self._logged:
+                self._logged.add((target.address, chosen.name))
+                logger.info("KV transfers to %s use %s", target.address, chosen.name)
+        return chosen
+
+    def close(self) -> None:
+        for transport in self.transports.values():
+            transport.close()
