@@ -112,7 +112,7 @@ class TransferConfig:
     shared_memory: bool = True  # decode instances keep a CPU KV cache in shared memory
     mooncake: bool = True  # start a Mooncake transfer engine when its package is installed
     mooncake_protocol: str = "tcp"  # tcp | rdma
-    mooncake_devices: str = ""  # RDMA devices (e.g. mlx5_0,mlx5_1); empty for tcp
+    mooncake_devices: str | None = None  # RDMA devices (e.g. mlx5_0,mlx5_1); None for tcp
     max_batch_entries: int = 1024  # Mooncake blocks per batch (its TCP queue is bounded)
     lease_margin_s: float = 2.0  # direct writes stop this long before a reservation's lease ends
 
