@@ -1,29 +1,27 @@
-"""KV transfer: the gRPC transport against bare grpcio, and a TTFT breakdown of one PD request.
+"""KV transfer: each transport against its baseline, and a TTFT breakdown of one PD request.
 
-    python benchmarks/kv_transfer.py [--quick] [--blocks N] [--block-bytes B] [--prompt-len N]
+    python benchmarks/kv_transfer.py [--quick] [--sizes BYTES:BLOCKS,...]
+        [--transport grpc,shm,mooncake] [--skip-ttft] [--prompt-len N]
 
-Transfer: `--blocks` KV blocks (1,000) are moved over loopback by `GrpcKVTransport.send` into
-reservations of a real decode instance (`serve_decode`, built-in tiny model, fp32, block size 16
-tokens: 64 KiB per block, the engine's real block) running in a separate process, as a decode
-instance does. The tiny model's context window is 4,096 tokens, so one prompt covers at most 255
-blocks: the 1,000 blocks go to 4 reservations of 250 blocks (4,000-token prompts, reserved with
-the Reserve RPC), sent one after the other; the timed span is the 4 `send` calls. Reservations are
-aborted and made afresh every round; the first round checks that every byte landed in the right
-block (digests compared in the receiving process).
+Transfer, for each block size of `--sizes` (default 1,000 of the tiny model's 64 KiB blocks, then
+96 Llama-3-8B-shaped blocks of 2 MiB: 16 tokens x 32 layers x 8 KV heads x 128 dims x K and V x
+bf16): the blocks are moved over loopback into reservations of a real decode instance
+(`serve_decode`, tiny model, fp32, block size = block bytes / 4 KiB tokens) running in a separate
+process, as a decode instance does, its KV cache in shared memory and registered with Mooncake.
+Reservations are made with the Reserve RPC (prompts under the 4,096-token context: 250 blocks of
+64 KiB or 7 of 2 MiB each), sent one after the other (the timed span), aborted and made afresh
+every round; the first round of each transport checks every byte in the receiving process.
 
-The baseline is bare grpcio between the same two processes: a generic stream-unary handler
-(identity serializers: raw bytes) in the receiving process counting a client stream of prebuilt
-`bytes` messages of exactly the transport's sizes (blocks packed into messages of at most
-`--chunk-bytes`, default `DEFAULT_CHUNK_BYTES`; one stream per reservation), server and channel
-with the same options (`CHANNEL_OPTIONS`, 32 worker threads). A third side, for reference, adds to
-that the two copies any grpcio transport of block views must make: the sender joins each message
-from the block views, the receiver copies it into a buffer ("floor"). Sides run in turn, the order
-rotating each round.
-`ratio_grpc` = median over rounds of transport GB/s ÷ baseline GB/s (GB = 10^9 bytes), target
->= 0.8; `ratio_floor` = the same for the floor. `--block-bytes B` runs the comparison with blocks
-of B bytes (a multiple of the tiny model's 4 KiB of fp32 KV per token; 2097152 = a Llama-3-8B
-bf16 block of 16 tokens): the decode instance then runs with a block size of B / 4 KiB tokens, so
-its real blocks are B bytes (2 MiB: 512 tokens, 7 blocks per reservation).
+Each transport runs next to its baseline, measured between the same processes in the same run:
+  grpc     `GrpcKVTransport.send`     vs bare grpcio: a generic stream-unary handler counting
+           prebuilt `bytes` messages of exactly the transport's sizes (`--chunk-bytes`)
+  shm      `ShmKVTransport.send`      vs memcpy of the same blocks within the sending process
+  mooncake `MooncakeKVTransport.send` vs raw loopback TCP (length + blocks per reservation into a
+           ring buffer with `recv_into`, acknowledged)
+Direct transports include their CommitKV call. Each transport alternates round by round with its
+own baseline (which goes first flips). `ratio_<transport>` = median over rounds of transport GB/s
+/ baseline GB/s (GB = 10^9 bytes) for the 2 MiB block; `ratio_<transport>_64k` for 64 KiB.
+Targets: grpc >= 0.8, mooncake >= 0.8, shm >= 0.5.
 
 TTFT: one `--prompt-len`-token prompt (2,048; distinct every round: no prefix-cache hits) through
 in-process `serve_prefill` + `serve_decode` instances (tiny model, block size 16) with
@@ -500,9 +498,11 @@ def bench_transfer(
         senders = Senders(plan, receiver, transports)
         for transport in transports:  # warm-up, and a check that the bytes land intact
             senders.run(transport, verify=True)
-        for i in range(repeat):  # the order rotates round by round: each side sees the same load
-            for side in sides[i % len(sides) :] + sides[: i % len(sides)]:
-                samples[side].append(plan.total_bytes / senders.run(side) / GB)
+        for transport in transports:  # each transport alternates with its own baseline only
+            pair = (transport, BASELINES[transport])
+            for i in range(repeat):  # (which goes first flips round by round)
+                for side in pair if i % 2 == 0 else pair[::-1]:
+                    samples[side].append(plan.total_bytes / senders.run(side) / GB)
     finally:
         if senders is not None:
             senders.close()
