@@ -496,9 +496,8 @@ def bench_transfer(
     samples: dict[str, list[float]] = {side: [] for side in sides}
     try:
         senders = Senders(plan, receiver, transports)
-        for transport in transports:  # warm-up, and a check that the bytes land intact
-            senders.run(transport, verify=True)
         for transport in transports:  # each transport alternates with its own baseline only
+            senders.run(transport, verify=True)  # warm-up, and a check that the bytes land intact
             pair = (transport, BASELINES[transport])
             for i in range(repeat):  # (which goes first flips round by round)
                 for side in pair if i % 2 == 0 else pair[::-1]:
