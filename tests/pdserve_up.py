@@ -43,18 +43,23 @@ class UpCluster:
 
     def router_metrics(self) -> dict[str, float]:
         """The router's /metrics samples: `name{labels}` -> value."""
-        text = httpx.get(self.router_url.removesuffix("/v1") + "/metrics", timeout=10).text
-        samples = {}
-        for line in text.splitlines():
-            if line and not line.startswith("#"):
-                name, value = line.rsplit(" ", 1)
-                samples[name] = float(value)
-        return samples
+        return scrape_metrics(self.router_url.removesuffix("/v1"))
 
     def close_channels(self) -> None:
         for channel in self._channels.values():
             channel.close()
         self._channels.clear()
+
+
+def scrape_metrics(base_url: str) -> dict[str, float]:
+    """The samples of `base_url`/metrics (Prometheus text format): `name{labels}` -> value."""
+    text = httpx.get(f"{base_url}/metrics", timeout=10).text
+    samples = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            samples[name] = float(value)
+    return samples
 
 
 @contextmanager

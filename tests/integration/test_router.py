@@ -10,6 +10,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+from pdserve_up import scrape_metrics
 from waiting import wait_for
 
 from pdserve.config import DecodeConfig, EngineConfig, PrefillConfig, RouterConfig
@@ -97,13 +98,7 @@ def test_dead_prefill_is_routed_around_and_rejoins_when_it_returns(stack: Stack)
 
 def test_metrics_count_requests_and_latencies(stack: Stack) -> None:
     def scrape() -> dict[str, float]:
-        text = httpx.get(f"{stack.url}/metrics").text
-        samples = {}
-        for line in text.splitlines():
-            if line and not line.startswith("#"):
-                name, value = line.rsplit(" ", 1)
-                samples[name] = float(value)
-        return samples
+        return scrape_metrics(stack.url)
 
     ok = 'pdserve_router_requests_total{endpoint="/v1/completions",status="200"}'
     before = scrape()
