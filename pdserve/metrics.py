@@ -3,7 +3,14 @@
 Counters end in `_total`, times are in seconds. Each process exposes its own registry.
 """
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from pdserve.v1 import common_pb2
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
@@ -60,3 +67,145 @@ class RouterMetrics:
             ["instance"],
             registry=self.registry,
         )
+
+
+StatsSource = Callable[[], common_pb2.InstanceStats]
+
+
+class InstanceCollector(Collector):
+    """An instance's metrics, read from its `GetStats` snapshot at scrape time (the engine's
+    counters live on its thread; one snapshot per scrape keeps them consistent).
+
+    Hit rate is exported as counters of prompt tokens, each request counted once at admission:
+    rate(pdserve_prefix_cache_hits_total[5m]) / rate(pdserve_prefix_cache_queries_total[5m]).
+    """
+
+    def __init__(self, stats: StatsSource) -> None:
+        self._stats = stats
+
+    def describe(self) -> Iterable[Metric]:
+        return []  # collected lazily: nothing to describe up front
+
+    def collect(self) -> Iterable[Metric]:
+        s = self._stats()
+        role = [s.role]
+
+        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+            family = CounterMetricFamily(name, doc, labels=["role"])
+            family.add_metric(role, value)
+            return family
+
+        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+            family = GaugeMetricFamily(name, doc, labels=["role"])
+            family.add_metric(role, value)
+            return family
+
+        yield counter(
+            "pdserve_prefix_cache_queries",
+            "Prompt tokens of admitted requests (each request once).",
+            s.prefix_cache_queries,
+        )
+        hits = CounterMetricFamily(
+            "pdserve_prefix_cache_hits",
+            "Of those prompt tokens, the ones found in a cache tier (device or storage).",
+            labels=["role", "tier"],
+        )
+        hits.add_metric([s.role, "device"], s.prefix_cache_hits)
+        hits.add_metric([s.role, "storage"], s.storage.cache_hits)
+        yield hits
+        yield counter(
+            "pdserve_preemptions", "Requests preempted for lack of KV blocks.", s.num_preemptions
+        )
+        yield counter(
+            "pdserve_computed_tokens", "Tokens run through forward passes.", s.num_computed_tokens
+        )
+        blocks = GaugeMetricFamily(
+            "pdserve_kv_blocks",
+            "KV blocks: used (referenced by requests), free (reusable, cached ones included), "
+            "cached (published in the prefix cache, used or not).",
+            labels=["role", "state"],
+        )
+        blocks.add_metric([s.role, "used"], s.num_blocks - s.num_free_blocks)
+        blocks.add_metric([s.role, "free"], s.num_free_blocks)
+        blocks.add_metric([s.role, "cached"], s.num_cached_blocks)
+        yield blocks
+        yield gauge("pdserve_running_requests", "Requests in the running batch.", s.num_running)
+        yield gauge("pdserve_waiting_requests", "Requests waiting for admission.", s.num_waiting)
+        yield gauge(
+            "pdserve_reservations", "Decode reservations awaiting their KV.", s.num_reservations
+        )
+        transferred = CounterMetricFamily(
+            "pdserve_kv_transfer_bytes",
+            "KV bytes moved between instances, by direction and transport.",
+            labels=["role", "direction", "transport"],
+        )
+        for transport, count in s.kv_bytes_sent_by_transport.items():
+            transferred.add_metric([s.role, "sent", transport], count)
+        transferred.add_metric([s.role, "received", "any"], s.kv_bytes_received)
+        yield transferred
+        seconds = CounterMetricFamily(
+            "pdserve_kv_transfer_seconds",
+            "Seconds spent sending KV blocks, by transport.",
+            labels=["role", "transport"],
+        )
+        for transport, value in s.kv_transfer_seconds_by_transport.items():
+            seconds.add_metric([s.role, transport], value)
+        yield seconds
+        failures = CounterMetricFamily(
+            "pdserve_kv_transfer_failures",
+            "KV transfers that failed, by transport.",
+            labels=["role", "transport"],
+        )
+        for transport, count in s.kv_transfer_failures_by_transport.items():
+            failures.add_metric([s.role, transport], count)
+        yield failures
+        if s.HasField("storage"):
+            st = s.storage
+            yield gauge(
+                "pdserve_storage_available",
+                "1 while the storage tier's Redis answers.",
+                1.0 if st.available else 0.0,
+            )
+            yield counter(
+                "pdserve_storage_blocks_read", "Blocks read from the storage tier.", st.blocks_read
+            )
+            yield counter(
+                "pdserve_storage_blocks_written",
+                "Blocks written to the storage tier.",
+                st.blocks_written,
+            )
+            yield counter(
+                "pdserve_storage_bytes_read", "Bytes read from the storage tier.", st.bytes_read
+            )
+            yield counter(
+                "pdserve_storage_bytes_written",
+                "Bytes written to the storage tier.",
+                st.bytes_written,
+            )
+            errors = CounterMetricFamily(
+                "pdserve_storage_errors",
+                "Storage tier failures: read (checksum or missing bytes: recomputed), write, "
+                "redis (unreachable), dropped (write queue full or tier down).",
+                labels=["role", "kind"],
+            )
+            for kind, value in (
+                ("read", st.read_errors),
+                ("write", st.write_errors),
+                ("redis", st.redis_errors),
+                ("dropped", st.writes_dropped),
+            ):
+                errors.add_metric([s.role, kind], value)
+            yield errors
+            yield gauge(
+                "pdserve_storage_queue_depth",
+                "Storage jobs waiting for the writer.",
+                st.queue_depth,
+            )
+
+
+def serve_metrics(collector: Collector, host: str, port: int = 0) -> tuple[Any, int]:
+    """Serve `collector` at http://host:port/metrics on a thread; returns (server, bound port)."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(collector)
+    server, _ = start_http_server(port, addr=host, registry=registry)
+    return server, int(server.server_port)

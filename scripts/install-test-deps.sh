@@ -1,17 +1,21 @@
 #!/usr/bin/env bash
 # What the tests need beyond `make install`: Debian's libibverbs1 (the Mooncake transfer engine
-# links against it, even in TCP mode; without recommends: no RDMA providers are wanted here) and
-# the Mooncake engine's CPU wheel. Idempotent; needs root (or sudo) for apt-get the first time.
+# links against it, even in TCP mode; without recommends: no RDMA providers are wanted here),
+# Debian's prometheus (for `promtool check metrics`) and the Mooncake engine's CPU wheel.
+# Idempotent; needs root (or sudo) for apt-get the first time.
 set -euo pipefail
 PY=${1:-.venv/bin/python}
 
-if ! ldconfig -p 2>/dev/null | grep -q 'libibverbs\.so\.1'; then
+missing=()
+ldconfig -p 2>/dev/null | grep -q 'libibverbs\.so\.1' || missing+=(libibverbs1)
+command -v promtool >/dev/null || missing+=(prometheus)
+if [ ${#missing[@]} -gt 0 ]; then
     SUDO=""
     if [ "$(id -u)" != 0 ]; then
-        command -v sudo >/dev/null || { echo "error: libibverbs1 is missing and neither root nor sudo is available: apt-get install -y --no-install-recommends libibverbs1" >&2; exit 1; }
+        command -v sudo >/dev/null || { echo "error: ${missing[*]} missing and neither root nor sudo is available: apt-get install -y --no-install-recommends ${missing[*]}" >&2; exit 1; }
         SUDO=sudo
     fi
     $SUDO apt-get update -qq
-    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends libibverbs1
+    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}"
 fi
 "$PY" -m pip install --quiet -c constraints.txt mooncake-transfer-engine-non-cuda

@@ -25,6 +25,7 @@ class UpCluster:
     lines: list[str]  # what `pdserve up` printed up to "pdserve is up"
     router_url: str  # ends in /v1
     instances: dict[str, tuple[str, str]]  # name -> (role, host:port)
+    metrics_urls: list[str]  # every instance's http://host:port/metrics
     _channels: dict[str, grpc.Channel] = field(default_factory=dict)
 
     def addresses(self, role: str) -> list[str]:
@@ -90,10 +91,17 @@ def pdserve_up(config_text: str, workdir: Path, ray_address: str) -> Iterator[Up
             raise AssertionError(f"`pdserve up` ended early:\n{''.join(lines)}\n(see {log.name})")
         instances = {
             name: (role, url.removeprefix("grpc://"))
-            for name, role, url in (line.split() for line in lines if "grpc://" in line)
+            for name, role, url, *_ in (line.split() for line in lines if "grpc://" in line)
         }
+        metrics = [
+            word.removeprefix("metrics=")
+            for line in lines
+            if "grpc://" in line
+            for word in line.split()
+            if word.startswith("metrics=")
+        ]
         [router_url] = [line.split()[2] for line in lines if line.startswith("router")]
-        cluster = UpCluster(process, config, env, lines, router_url, instances)
+        cluster = UpCluster(process, config, env, lines, router_url, instances, metrics)
         yield cluster
     finally:
         if cluster is not None:

@@ -9,7 +9,7 @@ import queue
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import grpc
 import platformdirs
@@ -21,11 +21,13 @@ from pdserve.engine.request import Request
 from pdserve.engine.scheduler import SchedulerStats
 from pdserve.errors import RequestNotFoundError
 from pdserve.kvcache.events import BlockStored, KVEventBroadcaster
+from pdserve.metrics import InstanceCollector, serve_metrics
 from pdserve.rpc.server import advertised_host, create_server
 from pdserve.storage.remote import SERVICE_NAME as STORAGE_SERVICE
 from pdserve.storage.remote import StorageServicer
 from pdserve.storage.stores import HostMemoryStore
 from pdserve.storage.tier import StorageTier, make_store
+from pdserve.transfer.base import TransferResult
 from pdserve.v1 import common_pb2, storage_pb2_grpc
 
 if TYPE_CHECKING:
@@ -43,6 +45,24 @@ class TransferCounters:
     bytes_received: int = 0
     blocks_received: int = 0
     blocks_sent_by_transport: dict[str, int] = field(default_factory=dict)
+    bytes_sent_by_transport: dict[str, int] = field(default_factory=dict)
+    seconds_by_transport: dict[str, float] = field(default_factory=dict)
+    failures_by_transport: dict[str, int] = field(default_factory=dict)
+
+    def sent(self, transport: str, result: TransferResult) -> None:
+        self.blocks_sent += result.num_blocks
+        self.bytes_sent += result.num_bytes
+        for table, value in (
+            (self.blocks_sent_by_transport, result.num_blocks),
+            (self.bytes_sent_by_transport, result.num_bytes),
+        ):
+            table[transport] = table.get(transport, 0) + value
+        seconds = self.seconds_by_transport
+        seconds[transport] = seconds.get(transport, 0.0) + result.seconds
+
+    def failed(self, transport: str) -> None:
+        failures = self.failures_by_transport
+        failures[transport] = failures.get(transport, 0) + 1
 
 
 def aborted_output(request_id: str) -> RequestOutput:
@@ -77,6 +97,8 @@ class InstanceCore:
         self.counters = TransferCounters()
         self.storage = storage
         self.mooncake: MooncakeEngine | None = None
+        self.metrics_address = ""  # host:port of /metrics once `serve` started it
+        self._metrics_server: Any = None
         if storage is not None:
             engine.attach_storage(storage)
         self._sinks: dict[str, OutputSink] = {}
@@ -105,11 +127,17 @@ class InstanceCore:
         return cls(role, engine, events, on_tick, tier)
 
     def serve(
-        self, register: Callable[[grpc.Server], None], service_name: str, host: str, port: int
+        self,
+        register: Callable[[grpc.Server], None],
+        service_name: str,
+        host: str,
+        port: int,
+        stats: Callable[[], common_pb2.InstanceStats],
     ) -> tuple[grpc.Server, int]:
         """Start the instance's gRPC server with its role's service (`register`), plus the
         storage service when its storage tier keeps blocks in host memory (then named after the
-        server's address). Returns (server, bound port)."""
+        server's address), and its Prometheus endpoint (`/metrics` on a port of its own, from
+        `stats`). Returns (server, bound port)."""
         store = self.storage.store if self.storage is not None else None
         memory = store if isinstance(store, HostMemoryStore) else None
         services = [service_name] if memory is None else [service_name, STORAGE_SERVICE]
@@ -124,7 +152,11 @@ class InstanceCore:
         server, bound = create_server(register_all, services, host, port)
         if memory is not None:
             memory.bind(f"{advertised_host(host)}:{bound}")
-        logger.info("%s instance serving on %s:%d", self.role, host, bound)
+        self._metrics_server, metrics_port = serve_metrics(InstanceCollector(stats), host)
+        self.metrics_address = f"{advertised_host(host)}:{metrics_port}"
+        logger.info(
+            "%s instance serving on %s:%d (metrics on :%d)", self.role, host, bound, metrics_port
+        )
         return server, bound
 
     def start_mooncake(self, config: TransferConfig, host: str) -> "MooncakeEngine | None":
@@ -206,6 +238,9 @@ class InstanceCore:
                 kv_bytes_received=self.counters.bytes_received,
                 kv_blocks_received=self.counters.blocks_received,
                 kv_blocks_sent_by_transport=self.counters.blocks_sent_by_transport,
+                kv_bytes_sent_by_transport=self.counters.bytes_sent_by_transport,
+                kv_transfer_seconds_by_transport=self.counters.seconds_by_transport,
+                kv_transfer_failures_by_transport=self.counters.failures_by_transport,
                 num_computed_tokens=scheduler.stats.num_computed_tokens,
                 storage=self._storage_stats(scheduler.stats),
                 **extra,
@@ -264,6 +299,9 @@ class InstanceCore:
         self.loop.start()
 
     def stop(self) -> None:
+        if self._metrics_server is not None:
+            self._metrics_server.shutdown()
+            self._metrics_server.server_close()
         self.loop.stop()
         if self.storage is not None:
             self.storage.close()

@@ -252,6 +252,66 @@ class InstanceStats(_message.Message):
         def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
         def WhichOneof(self, oneof_group: _Never) -> None: ...
 
+    @_typing.final
+    class KvBytesSentByTransportEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.int
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.int = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    @_typing.final
+    class KvTransferSecondsByTransportEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.float
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.float = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    @_typing.final
+    class KvTransferFailuresByTransportEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.int
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.int = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
     ROLE_FIELD_NUMBER: _builtins.int
     NUM_BLOCKS_FIELD_NUMBER: _builtins.int
     NUM_FREE_BLOCKS_FIELD_NUMBER: _builtins.int
@@ -272,6 +332,9 @@ class InstanceStats(_message.Message):
     STORAGE_FIELD_NUMBER: _builtins.int
     NUM_COMPUTED_TOKENS_FIELD_NUMBER: _builtins.int
     KV_BLOCKS_SENT_BY_TRANSPORT_FIELD_NUMBER: _builtins.int
+    KV_BYTES_SENT_BY_TRANSPORT_FIELD_NUMBER: _builtins.int
+    KV_TRANSFER_SECONDS_BY_TRANSPORT_FIELD_NUMBER: _builtins.int
+    KV_TRANSFER_FAILURES_BY_TRANSPORT_FIELD_NUMBER: _builtins.int
     role: _builtins.str
     num_blocks: _builtins.int
     num_free_blocks: _builtins.int
@@ -301,6 +364,12 @@ class InstanceStats(_message.Message):
     def kv_blocks_sent_by_transport(self) -> _containers.ScalarMap[_builtins.str, _builtins.int]:
         """grpc | shm | mooncake"""
 
+    @_builtins.property
+    def kv_bytes_sent_by_transport(self) -> _containers.ScalarMap[_builtins.str, _builtins.int]: ...
+    @_builtins.property
+    def kv_transfer_seconds_by_transport(self) -> _containers.ScalarMap[_builtins.str, _builtins.float]: ...
+    @_builtins.property
+    def kv_transfer_failures_by_transport(self) -> _containers.ScalarMap[_builtins.str, _builtins.int]: ...
     def __init__(
         self,
         *,
@@ -324,10 +393,13 @@ class InstanceStats(_message.Message):
         storage: Global___StorageStats | None = ...,
         num_computed_tokens: _builtins.int = ...,
         kv_blocks_sent_by_transport: _abc.Mapping[_builtins.str, _builtins.int] | None = ...,
+        kv_bytes_sent_by_transport: _abc.Mapping[_builtins.str, _builtins.int] | None = ...,
+        kv_transfer_seconds_by_transport: _abc.Mapping[_builtins.str, _builtins.float] | None = ...,
+        kv_transfer_failures_by_transport: _abc.Mapping[_builtins.str, _builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["storage", b"storage"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "kv_blocks_received", b"kv_blocks_received", "kv_blocks_sent", b"kv_blocks_sent", "kv_blocks_sent_by_transport", b"kv_blocks_sent_by_transport", "kv_bytes_received", b"kv_bytes_received", "kv_bytes_sent", b"kv_bytes_sent", "num_blocks", b"num_blocks", "num_cached_blocks", b"num_cached_blocks", "num_computed_tokens", b"num_computed_tokens", "num_expired_reservations", b"num_expired_reservations", "num_free_blocks", b"num_free_blocks", "num_preemptions", b"num_preemptions", "num_reservations", b"num_reservations", "num_reserved_blocks", b"num_reserved_blocks", "num_running", b"num_running", "num_waiting", b"num_waiting", "prefix_cache_hits", b"prefix_cache_hits", "prefix_cache_queries", b"prefix_cache_queries", "role", b"role", "storage", b"storage"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "kv_blocks_received", b"kv_blocks_received", "kv_blocks_sent", b"kv_blocks_sent", "kv_blocks_sent_by_transport", b"kv_blocks_sent_by_transport", "kv_bytes_received", b"kv_bytes_received", "kv_bytes_sent", b"kv_bytes_sent", "kv_bytes_sent_by_transport", b"kv_bytes_sent_by_transport", "kv_transfer_failures_by_transport", b"kv_transfer_failures_by_transport", "kv_transfer_seconds_by_transport", b"kv_transfer_seconds_by_transport", "num_blocks", b"num_blocks", "num_cached_blocks", b"num_cached_blocks", "num_computed_tokens", b"num_computed_tokens", "num_expired_reservations", b"num_expired_reservations", "num_free_blocks", b"num_free_blocks", "num_preemptions", b"num_preemptions", "num_reservations", b"num_reservations", "num_reserved_blocks", b"num_reserved_blocks", "num_running", b"num_running", "num_waiting", b"num_waiting", "prefix_cache_hits", b"prefix_cache_hits", "prefix_cache_queries", b"prefix_cache_queries", "role", b"role", "storage", b"storage"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

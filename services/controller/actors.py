@@ -63,6 +63,10 @@ class InstanceActor:
         """host:port of this instance's gRPC server."""
         return self._address
 
+    def metrics_address(self) -> str:
+        """host:port of this instance's Prometheus endpoint (`/metrics`)."""
+        return self.instance.core.metrics_address
+
     def ping(self) -> bool:
         return True
 

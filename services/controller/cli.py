@@ -8,6 +8,7 @@ traceback unless `--debug` is given.
 """
 
 import argparse
+import json
 import logging
 import os
 import signal
@@ -20,14 +21,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 from urllib.parse import urlsplit, urlunsplit
 
-from pdserve.config import EngineConfig, load_cluster_config, load_engine_config
+from pdserve.config import ClusterConfig, EngineConfig, load_cluster_config, load_engine_config
 from pdserve.engine import LLMEngine, SamplingParams
 from pdserve.errors import PdserveError
 from pdserve.model.tiny import default_model_dir
 from pdserve.model.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
-    from services.controller.cluster import Cluster
+    from services.controller.cluster import Cluster, InstanceInfo
 
 EXIT_USAGE = 2
 
@@ -158,9 +159,22 @@ def _up(args: argparse.Namespace) -> int:
             [i.address for i in instances if i.role == "mixed"],
         )
         cluster.write_state(path, router_url=router.url)
+        router_address = router.url.removeprefix("http://")
+        router.router.scrape_targets = scrape_targets(cluster.config, instances, router_address)
+        targets_path = path.with_name("prometheus_targets.json")
+        write_file_sd(targets_path, router.router.scrape_targets)
         for info in instances:
-            print(f"{info.name:<12} {info.role:<8} grpc://{info.address}", flush=True)
+            print(
+                f"{info.name:<12} {info.role:<8} grpc://{info.address} "
+                f"metrics=http://{info.metrics_address}/metrics",
+                flush=True,
+            )
         print(f"{'router':<12} {'openai':<8} {router.url}/v1", flush=True)
+        print(
+            f"{'prometheus':<12} {'targets':<8} {targets_path} (HTTP SD: "
+            f"{router.url}/prometheus/targets)",
+            flush=True,
+        )
         storage = cluster.config.storage
         if storage.enabled:
             where = "embedded" if cluster.embedded_redis is not None else "external"
@@ -178,8 +192,34 @@ def _up(args: argparse.Namespace) -> int:
             router.stop()
         cluster.down()
         path.unlink(missing_ok=True)
+        path.with_name("prometheus_targets.json").unlink(missing_ok=True)
         print("pdserve is down", flush=True)
     return 0
+
+
+def scrape_targets(
+    config: ClusterConfig, instances: Sequence["InstanceInfo"], router_address: str
+) -> list[dict[str, object]]:
+    """Prometheus service-discovery groups (file_sd and HTTP SD share the format): the router and
+    every instance's `/metrics`, labelled with role and instance name."""
+    groups: list[dict[str, object]] = [
+        {
+            "targets": [router_address],
+            "labels": {"pdserve_namespace": config.namespace, "role": "router", "name": "router"},
+        }
+    ]
+    for info in instances:
+        labels = {"pdserve_namespace": config.namespace, "role": info.role, "name": info.name}
+        groups.append({"targets": [info.metrics_address], "labels": labels})
+    return groups
+
+
+def write_file_sd(path: Path, groups: list[dict[str, object]]) -> None:
+    """Write Prometheus file_sd JSON atomically (Prometheus re-reads the file on change)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(groups, indent=2))
+    tmp.replace(path)
 
 
 def _redacted(url: str | None) -> str:

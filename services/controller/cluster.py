@@ -39,6 +39,7 @@ class InstanceInfo:
     name: str
     role: str
     address: str
+    metrics_address: str = ""
 
 
 class Cluster:
@@ -71,12 +72,12 @@ class Cluster:
             counters[role] += 1
             actor = self._create_actor(name, role, bundle)
             self._actors[name] = actor
-            pending[name] = (role, actor.address.remote())
+            pending[name] = (role, actor.address.remote(), actor.metrics_address.remote())
         try:
-            for name, (role, ref) in pending.items():
-                self.instances.append(
-                    InstanceInfo(name, role, ray.get(ref, timeout=READY_TIMEOUT_S))
-                )
+            for name, (role, ref, metrics_ref) in pending.items():
+                address = ray.get(ref, timeout=READY_TIMEOUT_S)
+                metrics = ray.get(metrics_ref, timeout=READY_TIMEOUT_S)
+                self.instances.append(InstanceInfo(name, role, address, metrics))
         except (ray.exceptions.RayError, TimeoutError) as e:
             self.down()
             raise ClusterError(f"an instance failed to start: {e}") from e

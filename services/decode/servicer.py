@@ -186,6 +186,6 @@ def serve_decode(
     instance.start()
     servicer = DecodeServicer(instance)
     server, bound = instance.core.serve(
-        lambda s: add_decode_servicer(servicer, s), SERVICE_NAME, host, port
+        lambda s: add_decode_servicer(servicer, s), SERVICE_NAME, host, port, instance.stats
     )
     return instance, server, bound

@@ -68,5 +68,6 @@ def serve_mixed(
         SERVICE_NAME,
         host,
         port,
+        instance.stats,
     )
     return instance, server, bound

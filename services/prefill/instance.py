@@ -229,13 +229,14 @@ class PrefillInstance:
                 reservation.deadline,
             )
             transport = self.transports.choose(target)
-            result = transport.send(target, self.core.block_io.read(block_ids))
+            try:
+                result = transport.send(target, self.core.block_io.read(block_ids))
+            except KVTransferError:
+                self.core.counters.failed(transport.name)
+                raise
             outcome.transport = transport.name
             outcome.blocks_sent, outcome.bytes_sent = result.num_blocks, result.num_bytes
-            self.core.counters.blocks_sent += result.num_blocks
-            by_transport = self.core.counters.blocks_sent_by_transport
-            by_transport[transport.name] = by_transport.get(transport.name, 0) + result.num_blocks
-            self.core.counters.bytes_sent += result.num_bytes
+            self.core.counters.sent(transport.name, result)
         outcome.timings.transfer_s = time.perf_counter() - started
 
     def abort(self, request_id: str) -> bool:

@@ -110,5 +110,6 @@ def serve_prefill(
         SERVICE_NAME,
         host,
         port,
+        instance.stats,
     )
     return instance, server, bound

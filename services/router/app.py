@@ -41,6 +41,11 @@ def create_app(router: Router, config: RouterConfig) -> FastAPI:
     async def health() -> dict[str, Any]:
         return {"status": "ok", "prefill": router.num_prefill, "decode": router.num_decode}
 
+    @app.get("/prometheus/targets")
+    async def scrape_targets() -> list[dict[str, Any]]:
+        """Prometheus HTTP service discovery: every endpoint of the cluster to scrape."""
+        return router.scrape_targets
+
     @app.get("/metrics")
     async def metrics() -> Response:
         router.export_load()

@@ -95,6 +95,8 @@ class Router:
             balance_abs_threshold=config.balance_abs_threshold,
             balance_rel_threshold=config.balance_rel_threshold,
         )
+        # Prometheus HTTP SD groups ({targets, labels}), filled in by whoever started us
+        self.scrape_targets: list[dict[str, Any]] = []
         self.policy = make_policy(config.prefill_policy, tuning)
         self.decode_policy = make_decode_policy("least_kv_usage", tuning)
         self._decode_load: dict[str, DecodeCapacity] = {}

@@ -2,6 +2,7 @@
 (2 prefill + 1 decode Ray actors, the router in the `up` process)."""
 
 import json
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -232,3 +233,25 @@ def test_cache_aware_policy_sends_the_next_turn_to_the_instance_with_the_prefix(
         cluster.stats(a).prefix_cache_hits - b for a, b in zip(prefills, before, strict=True)
     )
     assert gained[0] == 0 and gained[1] >= 64  # all of it on one instance
+
+
+def test_prometheus_discovers_and_can_scrape_every_endpoint(cluster: UpCluster) -> None:
+    """file_sd JSON and the router's HTTP SD list the router and every instance; every
+    endpoint's output passes `promtool check metrics`."""
+    file_sd = json.loads((cluster.config.parent / "prometheus_targets.json").read_text())
+    http_sd = httpx.get(f"{cluster.router_url.removesuffix('/v1')}/prometheus/targets").json()
+    assert file_sd == http_sd
+    assert sorted(g["labels"]["role"] for g in file_sd) == [
+        "decode",
+        "prefill",
+        "prefill",
+        "router",
+    ]
+    for group in file_sd:
+        [target] = group["targets"]
+        text = httpx.get(f"http://{target}/metrics", timeout=10).text
+        assert "pdserve_" in text
+        check = subprocess.run(
+            ["promtool", "check", "metrics"], input=text, capture_output=True, text=True
+        )
+        assert check.returncode == 0, f"{target}: {check.stdout}{check.stderr}"

@@ -1,11 +1,13 @@
 """The same router in mixed mode: a pool of mixed instances behind the same policies."""
 
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import openai
 import pytest
+from pdserve_up import scrape_metrics
 from waiting import wait_for
 
 from pdserve.config import EngineConfig, RouterConfig
@@ -80,3 +82,42 @@ def test_mixed_disconnect_aborts_the_request(
         assert sum(i.stats().num_running for i in instances) == 1
     wait_for(lambda: sum(i.stats().num_running for i in instances) == 0)
     wait_for(lambda: router.router.load.num_live_leases() == 0)
+
+
+def test_instance_metrics_count_exactly_the_hits_of_a_scripted_workload(
+    mixed_stack: tuple[RunningRouter, list[MixedInstance]],
+) -> None:
+    """Prompt tokens are counted once per request at admission; hits are whole cached blocks."""
+    _, instances = mixed_stack
+    instance = instances[0]
+    url = f"http://{instance.core.metrics_address}"
+    before = scrape_metrics(url)
+    first = [(7 * i + 3) % 250 for i in range(70)]
+    second = [*first[:50], 9, 9, 9, 9]  # shares 50 tokens: 3 whole blocks of 16
+    params = SamplingParams(max_tokens=2, ignore_eos=True)
+    for n, prompt in enumerate((first, second, second)):
+        list(instance.generate(f"metrics-{n}", prompt, params))
+    after = scrape_metrics(url)
+
+    def delta(name: str) -> float:
+        return after[name] - before.get(name, 0.0)
+
+    assert delta('pdserve_prefix_cache_queries_total{role="mixed"}') == 70 + 54 + 54
+    # second: 3 blocks of the first; third (the same 54 tokens): a hit never covers the last
+    # token, so floor(53 / 16) = 3 blocks again
+    assert delta('pdserve_prefix_cache_hits_total{role="mixed",tier="device"}') == 48 + 48
+    assert delta('pdserve_prefix_cache_hits_total{role="mixed",tier="storage"}') == 0
+    assert after['pdserve_kv_blocks{role="mixed",state="used"}'] == 0
+
+
+def test_every_metrics_endpoint_passes_promtool(
+    mixed_stack: tuple[RunningRouter, list[MixedInstance]],
+) -> None:
+    router, instances = mixed_stack
+    urls = [router.url] + [f"http://{i.core.metrics_address}" for i in instances]
+    for url in urls:
+        text = httpx.get(f"{url}/metrics", timeout=10).text
+        check = subprocess.run(
+            ["promtool", "check", "metrics"], input=text, capture_output=True, text=True
+        )
+        assert check.returncode == 0, f"{url}: {check.stdout}{check.stderr}"
