@@ -58,13 +58,13 @@ class RouterMetrics:
         self.in_flight = Gauge(
             "pdserve_router_in_flight_requests",
             "Requests holding a load lease, by instance.",
-            ["instance"],
+            ["backend"],
             registry=self.registry,
         )
         self.indexed_blocks = Gauge(
             "pdserve_router_indexed_blocks",
             "KV blocks the router's index believes each prefill or mixed instance holds.",
-            ["instance"],
+            ["backend"],
             registry=self.registry,
         )
 

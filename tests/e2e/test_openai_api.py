@@ -2,6 +2,7 @@
 (2 prefill + 1 decode Ray actors, the router in the `up` process)."""
 
 import json
+import re
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -215,8 +216,7 @@ def test_cache_aware_policy_sends_the_next_turn_to_the_instance_with_the_prefix(
     def indexed_blocks() -> int:  # the router has seen the first turn's KV events
         metrics = cluster.router_metrics()
         return sum(
-            int(metrics.get(f'pdserve_router_indexed_blocks{{instance="{a}"}}', 0))
-            for a in prefills
+            int(metrics.get(f'pdserve_router_indexed_blocks{{backend="{a}"}}', 0)) for a in prefills
         )
 
     wait_for(lambda: indexed_blocks() >= 4)
@@ -255,3 +255,50 @@ def test_prometheus_discovers_and_can_scrape_every_endpoint(cluster: UpCluster) 
             ["promtool", "check", "metrics"], input=text, capture_output=True, text=True
         )
         assert check.returncode == 0, f"{target}: {check.stdout}{check.stderr}"
+
+
+def exported_series(cluster: UpCluster) -> set[str]:
+    """Names of every series the cluster's endpoints can export (from their `# TYPE` lines:
+    counters as `_total`, histograms as `_bucket`/`_sum`/`_count`)."""
+    suffixes = {"counter": ["_total"], "histogram": ["_bucket", "_sum", "_count"]}
+    names: set[str] = set()
+    router = cluster.router_url.removesuffix("/v1")
+    for url in [router] + [u.removesuffix("/metrics") for u in cluster.metrics_urls]:
+        for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
+            if line.startswith("# TYPE "):
+                _, _, name, kind = line.split()
+                base = name.removesuffix("_total")
+                names.update(base + s for s in suffixes.get(kind, [""]))
+    return names
+
+
+def test_dashboard_panels_parse_and_name_only_exported_metrics(
+    cluster: UpCluster, tmp_path: Path
+) -> None:
+    root = Path(__file__).parents[2]
+    dashboard = json.loads((root / "deploy" / "grafana" / "pdserve.json").read_text())
+    panels = dashboard["panels"]
+    assert "hit rate" in panels[0]["title"].lower()
+    exprs = [t["expr"] for panel in panels for t in panel["targets"]]
+    rules = {
+        "groups": [
+            {
+                "name": "dashboard",
+                "rules": [{"record": f"pdserve:panel_{i}", "expr": e} for i, e in enumerate(exprs)],
+            }
+        ]
+    }
+    rules_file = tmp_path / "panels.yml"
+    rules_file.write_text(json.dumps(rules))  # JSON is YAML
+    check = subprocess.run(
+        ["promtool", "check", "rules", str(rules_file)], capture_output=True, text=True
+    )
+    assert check.returncode == 0, check.stdout + check.stderr  # every expression parses
+    exported = exported_series(cluster)
+    used = {name for e in exprs for name in re.findall(r"\bpdserve_[a-z_]+", e)}
+    assert used and used <= exported, sorted(used - exported)
+    config = root / "deploy" / "prometheus" / "prometheus.yml"
+    check = subprocess.run(
+        ["promtool", "check", "config", str(config)], capture_output=True, text=True
+    )
+    assert check.returncode == 0, check.stdout + check.stderr
