@@ -163,6 +163,17 @@ class StorageConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class AdminConfig:
+    """The admin gRPC API (`pdserve admin`), served by `pdserve up`."""
+
+    host: str = "127.0.0.1"
+    port: int = 50050  # 0 = any free port
+    token: str | None = None  # bearer token; None = generate one, written 0600 to the state dir
+    tls_cert: str | None = None  # PEM files: serve TLS instead of plaintext
+    tls_key: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class ClusterConfig:
     """`pdserve up`: where Ray runs and how many instances of each role it places."""
 
@@ -173,6 +184,7 @@ class ClusterConfig:
     router: RouterConfig = RouterConfig()
     storage: StorageConfig = StorageConfig()
     transfer: TransferConfig = TransferConfig()
+    admin: AdminConfig = AdminConfig()
     ray_address: str | None = None  # None = start a local Ray; "auto" or host:port = join
     namespace: str = "pdserve"
     host: str = "127.0.0.1"  # interface the instances' gRPC servers bind to
@@ -187,11 +199,13 @@ def load_cluster_config(
     overrides: Mapping[str, Any] | None = None,
 ) -> ClusterConfig:
     """ClusterConfig from a YAML file (sections `engine`, `prefill`, `decode`, `mixed`, `router`,
-    `storage`, `transfer`, `cluster`), then `PDSERVE_<FIELD>` (engine and cluster fields),
+    `storage`, `transfer`, `admin`, `cluster`), then `PDSERVE_<FIELD>` (engine and cluster fields),
     `PDSERVE_<SECTION>_<FIELD>` for the other sections, then `overrides` of cluster fields."""
     env = os.environ if env is None else env
     document = _yaml_document(Path(path)) if path is not None else {}
-    known = {"engine", "prefill", "decode", "mixed", "router", "storage", "transfer", "cluster"}
+    known = {
+        "engine", "prefill", "decode", "mixed", "router", "storage", "transfer", "admin", "cluster"
+    }  # fmt: skip
     unknown = sorted(set(document) - known)
     if unknown:
         raise ConfigError(f"unknown config section(s): {', '.join(unknown)}")
@@ -203,6 +217,7 @@ def load_cluster_config(
         "router": _build(RouterConfig, _section(document, "router", path), env, "ROUTER_"),
         "storage": _build(StorageConfig, _section(document, "storage", path), env, "STORAGE_"),
         "transfer": _build(TransferConfig, _section(document, "transfer", path), env, "TRANSFER_"),
+        "admin": _build(AdminConfig, _section(document, "admin", path), env, "ADMIN_"),
     }
     cluster = _section(document, "cluster", path)
     return _build(ClusterConfig, cluster, env, "", {**dict(overrides or {}), **sections})

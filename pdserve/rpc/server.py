@@ -17,6 +17,8 @@ def create_server(
     host: str = "127.0.0.1",
     port: int = 0,
     max_workers: int = 32,
+    interceptors: Sequence[grpc.ServerInterceptor] = (),
+    credentials: grpc.ServerCredentials | None = None,
 ) -> tuple[grpc.Server, int]:
     """Build and start a server; `register` adds the servicers. Returns (server, bound port).
 
@@ -24,7 +26,9 @@ def create_server(
     `service_names` and for the empty name (the whole server).
     """
     server = grpc.server(
-        futures.ThreadPoolExecutor(max_workers=max_workers), options=CHANNEL_OPTIONS
+        futures.ThreadPoolExecutor(max_workers=max_workers),
+        options=CHANNEL_OPTIONS,
+        interceptors=list(interceptors),
     )
     register(server)
     health_servicer = health.HealthServicer()
@@ -34,7 +38,11 @@ def create_server(
     reflection.enable_server_reflection(
         (*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME), server
     )
-    bound = server.add_insecure_port(f"{host}:{port}")
+    address = f"{host}:{port}"
+    if credentials is None:
+        bound = server.add_insecure_port(address)
+    else:
+        bound = server.add_secure_port(address, credentials)
     if bound == 0:
         raise OSError(f"cannot bind gRPC server to {host}:{port}")
     server.start()

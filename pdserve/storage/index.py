@@ -238,11 +238,18 @@ class CacheIndex:
             raise IntegrityError(f"store {store}: used bytes {used} differ from its entries")
         return entries
 
-    def clear(self) -> None:
-        """Delete every key of this tag (tests, `admin flush`)."""
-        keys = list(self.client.scan_iter(match=f"{self.prefix}*", count=1000))
-        for start in range(0, len(keys), 500):
-            self.client.delete(*keys[start : start + 500])
+    def clear(self) -> int:
+        """Drop every entry of this tag (`pdserve admin flush storage`); their bytes go to the
+        garbage queues, deleted by their stores' owners. Returns how many entries went."""
+        hashes = [
+            key.decode().removeprefix(f"{self.prefix}b:")
+            for key in self.client.scan_iter(match=f"{self.prefix}b:*", count=1000)
+        ]
+        removed = 0
+        for start in range(0, len(hashes), 500):
+            batch = [BlockHash(bytes.fromhex(h)) for h in hashes[start : start + 500]]
+            removed += self.remove(batch)
+        return removed
 
 
 def _hex(block_hash: BlockHash) -> str:

@@ -75,6 +75,17 @@ class InstanceActor:
         stats: common_pb2.InstanceStats = self.instance.stats()
         return stats.SerializeToString()
 
+    def flush_cache(self, tier: str) -> int:
+        """Unpublish every unreferenced block of the device prefix cache (`device`), or drop
+        every entry of the storage tier's index (`storage`; shared by all instances). Returns
+        how many blocks or entries went."""
+        core = self.instance.core
+        if tier == "device":
+            return int(core.loop.call(lambda engine: engine.kv_cache.evict_cached_blocks()))
+        if core.storage is None:
+            return 0
+        return core.storage.index.clear()
+
     def check_integrity(self) -> None:
         self.instance.check_integrity()
 

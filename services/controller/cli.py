@@ -21,11 +21,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 from urllib.parse import urlsplit, urlunsplit
 
+import grpc
+
 from pdserve.config import ClusterConfig, EngineConfig, load_cluster_config, load_engine_config
 from pdserve.engine import LLMEngine, SamplingParams
 from pdserve.errors import PdserveError
 from pdserve.model.tiny import default_model_dir
 from pdserve.model.tokenizer import Tokenizer
+from services.controller import admin_cli
 
 if TYPE_CHECKING:
     from services.controller.cluster import Cluster, InstanceInfo
@@ -67,6 +70,7 @@ def _build_parser() -> argparse.ArgumentParser:
         help="Redis of the storage tier (redis://, rediss://); default: start an embedded one",
     )
     up.add_argument("--health-interval", type=float, default=5.0, help="seconds between checks")
+    admin_cli.add_parser(commands)
     down = commands.add_parser("down", help="stop the cluster started by `pdserve up`")
     down.add_argument("--config", help="the config file given to `up` (for state_dir)")
     down.add_argument("--state-dir", help="where `up` wrote cluster.json")
@@ -138,12 +142,14 @@ def _up(args: argparse.Namespace) -> int:
     config = load_cluster_config(
         args.config, overrides={"ray_address": args.address, "state_dir": args.state_dir}
     )
+    from services.controller.admin import admin_token, serve_admin
     from services.router.server import RunningRouter, serve_router
 
     if args.redis_url:
         config = replace(config, storage=replace(config.storage, redis_url=args.redis_url))
     stop = threading.Event()
     router: RunningRouter | None = None
+    admin_server: grpc.Server | None = None
     path = state_path(config)
     print("starting pdserve: placing instances on Ray ...", flush=True)
     cluster = Cluster(config)
@@ -158,7 +164,10 @@ def _up(args: argparse.Namespace) -> int:
             [i.address for i in instances if i.role == "decode"],
             [i.address for i in instances if i.role == "mixed"],
         )
-        cluster.write_state(path, router_url=router.url)
+        token = admin_token(config.admin, path.parent)
+        admin_server, admin_port = serve_admin(config.admin, token, cluster, router.router)
+        admin_address = f"{config.admin.host}:{admin_port}"
+        cluster.write_state(path, router_url=router.url, admin_address=admin_address)
         router_address = router.url.removeprefix("http://")
         router.router.scrape_targets = scrape_targets(cluster.config, instances, router_address)
         targets_path = path.with_name("prometheus_targets.json")
@@ -175,6 +184,7 @@ def _up(args: argparse.Namespace) -> int:
             f"{router.url}/prometheus/targets)",
             flush=True,
         )
+        print(f"{'admin':<12} {'grpc':<8} {admin_address} (`pdserve admin list`)", flush=True)
         storage = cluster.config.storage
         if storage.enabled:
             where = "embedded" if cluster.embedded_redis is not None else "external"
@@ -188,6 +198,8 @@ def _up(args: argparse.Namespace) -> int:
         )
         _watch(cluster, stop, args.health_interval)
     finally:
+        if admin_server is not None:
+            admin_server.stop(grace=2).wait()
         if router is not None:
             router.stop()
         cluster.down()
@@ -264,6 +276,7 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "generate": _generate,
     "up": _up,
     "down": _down,
+    "admin": lambda args: admin_cli.run(args),
 }
 
 

@@ -138,9 +138,15 @@ class Cluster:
             return self.config.prefill
         return self.config.decode if role == "decode" else self.config.mixed
 
-    def _create_actor(self, name: str, role: str, bundle: int) -> Any:
-        assert self._placement_group is not None  # internal: `up` reserved it first
+    def _create_actor(self, name: str, role: str, bundle: int | None) -> Any:
+        """An instance actor, in bundle `bundle` of the placement group (None: scheduled on
+        its resources alone, for instances added by scaling)."""
         settings = self._settings(role)
+        strategy: Any = "DEFAULT"
+        if bundle is not None and self._placement_group is not None:
+            strategy = PlacementGroupSchedulingStrategy(
+                placement_group=self._placement_group, placement_group_bundle_index=bundle
+            )
         remote_class = ray.remote(InstanceActor)
         return remote_class.options(
             name=f"pdserve-{name}",
@@ -149,10 +155,35 @@ class Cluster:
             num_gpus=settings.num_gpus,
             max_concurrency=8,
             lifetime=None if self._started_ray else "detached",
-            scheduling_strategy=PlacementGroupSchedulingStrategy(
-                placement_group=self._placement_group, placement_group_bundle_index=bundle
-            ),
+            scheduling_strategy=strategy,
         ).remote(role, self.config)
+
+    def add_instance(self, role: str) -> InstanceInfo:
+        """Start one more instance of `role` and wait until it serves. Raises ClusterError."""
+        taken = {i.name for i in self.instances}
+        number = next(n for n in range(len(taken) + 1) if f"{role}-{n}" not in taken)
+        name = f"{role}-{number}"
+        actor = self._create_actor(name, role, None)
+        try:
+            address = ray.get(actor.address.remote(), timeout=READY_TIMEOUT_S)
+            metrics = ray.get(actor.metrics_address.remote(), timeout=READY_TIMEOUT_S)
+        except (ray.exceptions.RayError, TimeoutError) as e:
+            ray.kill(actor)
+            raise ClusterError(f"instance {name} failed to start: {e}") from e
+        self._actors[name] = actor
+        info = InstanceInfo(name, role, address, metrics)
+        self.instances.append(info)
+        return info
+
+    def remove_instance(self, name: str) -> None:
+        """Stop one instance (its requests should have been drained first)."""
+        actor = self._actors.pop(name)
+        self.instances = [i for i in self.instances if i.name != name]
+        try:
+            ray.get(actor.stop.remote(), timeout=30)
+        except (ray.exceptions.RayError, TimeoutError):
+            logger.warning("instance %s did not stop cleanly", name)
+        ray.kill(actor)
 
     def actor(self, name: str) -> Any:
         return self._actors[name]
@@ -190,9 +221,12 @@ class Cluster:
             shutil.rmtree(self._run_store, ignore_errors=True)
             self._run_store = None
 
-    def write_state(self, path: Path, router_url: str | None = None) -> None:
+    def write_state(
+        self, path: Path, router_url: str | None = None, admin_address: str | None = None
+    ) -> None:
         state = {
             "router_url": router_url,
+            "admin_address": admin_address,
             "pid": os.getpid(),
             "namespace": self.config.namespace,
             "ray_address": self.config.ray_address,

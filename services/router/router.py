@@ -11,7 +11,7 @@ import logging
 import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import grpc
@@ -102,6 +102,7 @@ class Router:
         self._decode_load: dict[str, DecodeCapacity] = {}
         self.metrics = RouterMetrics()
         self._unhealthy_until: dict[str, float] = {}
+        self.drained: set[str] = set()  # no new requests; in-flight ones finish
         self._active: dict[str, _Active] = {}
         self._lock = threading.Lock()
         self._stopped = threading.Event()
@@ -113,6 +114,29 @@ class Router:
         for address in self.prefill:
             self._spawn(self._follow_kv_events, address)
         self._spawn(self._poll_decode_load)
+
+    def add_instance(self, role: str, address: str) -> None:
+        """Start routing to a new instance (prefill, mixed or decode)."""
+        if role == "decode":
+            self.decode = [*self.decode, address]
+            return
+        self.prefill = [*self.prefill, address]
+        self._spawn(self._follow_kv_events, address)
+
+    def remove_instance(self, address: str) -> None:
+        """Stop routing to an instance (drain it first to let its requests finish)."""
+        self.prefill = [a for a in self.prefill if a != address]
+        self.decode = [a for a in self.decode if a != address]
+        self.drained.discard(address)
+        self.index.drop_instance(address)
+
+    def set_policy(self, name: str) -> str:
+        """Switch the prefill routing policy; returns the previous one. Raises ConfigError."""
+        tuning = self.policy.config
+        self.policy = make_policy(name, tuning)
+        previous = self.config.prefill_policy
+        self.config = replace(self.config, prefill_policy=name)
+        return previous
 
     def stop(self) -> None:
         self._stopped.set()
@@ -229,6 +253,10 @@ class Router:
             return self.client.generate_mixed(prefill, token_ids, params, request_id)
         return self.client.generate(prefill, decode, token_ids, params, request_id)
 
+    def active_requests(self) -> set[str]:
+        """Ids of the requests the router is serving now."""
+        return set(self._active)
+
     def abort(self, request_id: str) -> None:
         """Stop a request on every instance that holds it and release its leases."""
         active = self._active.get(request_id)
@@ -292,6 +320,7 @@ class Router:
 
     def _candidates(self, instances: list[str], excluded: set[str]) -> list[str]:
         now = time.monotonic()
+        instances = [i for i in instances if i not in self.drained]
         healthy = [i for i in instances if self._unhealthy_until.get(i, 0.0) <= now]
         preferred = [i for i in healthy if i not in excluded]
         chosen = preferred or healthy or [i for i in instances if i not in excluded] or instances
@@ -302,8 +331,9 @@ class Router:
     # -- background -------------------------------------------------------------------------------
 
     def _follow_kv_events(self, address: str) -> None:
-        """Mirror one prefill instance's KV events; on disconnect drop its view, resubscribe."""
-        while not self._stopped.is_set():
+        """Mirror one prefill instance's KV events; on disconnect drop its view, resubscribe
+        (until the instance is removed)."""
+        while not self._stopped.is_set() and address in self.prefill:
             channel = self.client.channels.get(address)
             stub: Any = (
                 mixed_pb2_grpc.MixedServiceStub(channel)

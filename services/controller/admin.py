@@ -1,0 +1,227 @@
+"""The admin gRPC API (proto/pdserve/v1/admin.proto), served by `pdserve up` next to the router.
+
+Every call needs `authorization: Bearer <token>`; health and reflection answer without it. The
+token comes from `admin.token` (or `PDSERVE_ADMIN_TOKEN`); unset, one is generated and written
+with mode 0600 next to cluster.json, where `pdserve admin` finds it.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import os
+import secrets
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import grpc
+import ray
+
+from pdserve.config import AdminConfig
+from pdserve.errors import ConfigError
+from pdserve.rpc.server import create_server
+from pdserve.v1 import admin_pb2, admin_pb2_grpc, common_pb2
+from services.controller.cluster import Cluster, ClusterError, InstanceInfo
+from services.router.router import Router
+
+logger = logging.getLogger(__name__)
+
+SERVICE_NAME = "pdserve.v1.AdminService"
+UNGUARDED = ("/grpc.health.v1.Health/", "/grpc.reflection.")
+ROLES = ("prefill", "decode", "mixed")
+
+
+class BearerTokenInterceptor(grpc.ServerInterceptor):
+    """Rejects calls whose `authorization` metadata is not `Bearer <token>`."""
+
+    def __init__(self, token: str) -> None:
+        self._expected = f"Bearer {token}".encode()
+
+        def deny(request: object, context: grpc.ServicerContext) -> None:
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token")
+
+        self._deny: grpc.RpcMethodHandler[Any, Any] = grpc.unary_unary_rpc_method_handler(deny)
+
+    def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler[Any, Any] | None],
+        details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler[Any, Any] | None:
+        if details.method.startswith(UNGUARDED):
+            return continuation(details)
+        sent = dict(details.invocation_metadata or ()).get("authorization", "")
+        sent_bytes = sent.encode() if isinstance(sent, str) else sent
+        if hmac.compare_digest(sent_bytes, self._expected):
+            return continuation(details)
+        return self._deny
+
+
+def admin_token(config: AdminConfig, state_dir: Path) -> str:
+    """The configured token, or a new one written (0600) to `state_dir/admin_token`."""
+    token = config.token or os.environ.get("PDSERVE_ADMIN_TOKEN")
+    if token:
+        return token
+    token = secrets.token_urlsafe(32)
+    path = state_dir / "admin_token"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(token + "\n")
+    return token
+
+
+class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
+    def __init__(self, cluster: Cluster, router: Router) -> None:
+        self.cluster = cluster
+        self.router = router
+        self._lock = threading.Lock()  # scaling and draining change the topology one at a time
+
+    def _find(self, name: str, context: grpc.ServicerContext) -> InstanceInfo:
+        for info in self.cluster.instances:
+            if info.name == name:
+                return info
+        names = ", ".join(i.name for i in self.cluster.instances)
+        context.abort(grpc.StatusCode.NOT_FOUND, f"no instance {name!r}; instances: {names}")
+        raise AssertionError("unreachable")  # context.abort raises
+
+    def _describe(self, info: InstanceInfo) -> admin_pb2.InstanceInfo:
+        message = admin_pb2.InstanceInfo(
+            name=info.name,
+            role=info.role,
+            address=info.address,
+            metrics_address=info.metrics_address,
+            drained=info.address in self.router.drained,
+        )
+        try:
+            stats = common_pb2.InstanceStats.FromString(
+                ray.get(self.cluster.actor(info.name).stats.remote(), timeout=10)
+            )
+            message.stats.CopyFrom(stats)
+            message.alive = True
+        except (ray.exceptions.RayError, TimeoutError):
+            message.alive = False
+        return message
+
+    def ListInstances(
+        self, request: admin_pb2.ListInstancesRequest, context: grpc.ServicerContext
+    ) -> admin_pb2.ListInstancesReply:
+        return admin_pb2.ListInstancesReply(
+            instances=[self._describe(i) for i in self.cluster.instances]
+        )
+
+    def DrainInstance(
+        self, request: admin_pb2.InstanceRef, context: grpc.ServicerContext
+    ) -> admin_pb2.InstanceInfo:
+        info = self._find(request.name, context)
+        self.router.drained.add(info.address)
+        logger.warning("instance %s drained: no new requests", info.name)
+        return self._describe(info)
+
+    def ResumeInstance(
+        self, request: admin_pb2.InstanceRef, context: grpc.ServicerContext
+    ) -> admin_pb2.InstanceInfo:
+        info = self._find(request.name, context)
+        self.router.drained.discard(info.address)
+        logger.warning("instance %s resumed", info.name)
+        return self._describe(info)
+
+    def ScaleRole(
+        self, request: admin_pb2.ScaleRoleRequest, context: grpc.ServicerContext
+    ) -> admin_pb2.ListInstancesReply:
+        role, target = request.role, request.replicas
+        if role not in ROLES:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"role must be one of {ROLES}")
+        with self._lock:
+            current = [i for i in self.cluster.instances if i.role == role]
+            try:
+                for _ in range(target - len(current)):
+                    info = self.cluster.add_instance(role)
+                    self.router.add_instance(role, info.address)
+                    logger.warning("instance %s added at %s", info.name, info.address)
+            except ClusterError as e:
+                context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+            for info in current[target:][::-1] if target < len(current) else []:
+                self.router.remove_instance(info.address)
+                self.cluster.remove_instance(info.name)
+                logger.warning("instance %s removed", info.name)
+        return self.ListInstances(admin_pb2.ListInstancesRequest(), context)
+
+    def SetRoutingPolicy(
+        self, request: admin_pb2.SetRoutingPolicyRequest, context: grpc.ServicerContext
+    ) -> admin_pb2.SetRoutingPolicyReply:
+        try:
+            previous = self.router.set_policy(request.policy)
+        except ConfigError as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        return admin_pb2.SetRoutingPolicyReply(previous=previous)
+
+    def GetCacheStats(
+        self, request: admin_pb2.CacheStatsRequest, context: grpc.ServicerContext
+    ) -> admin_pb2.CacheStatsReply:
+        reply = admin_pb2.CacheStatsReply()
+        queries = hits = 0
+        for described in self.ListInstances(admin_pb2.ListInstancesRequest(), context).instances:
+            if described.role == "decode" or not described.alive:
+                continue  # decode instances receive prompts' KV: their hits are not routing's
+            s = described.stats
+            found = s.prefix_cache_hits + s.storage.cache_hits
+            reply.instances.append(
+                admin_pb2.InstanceCacheStats(
+                    name=described.name,
+                    queries=s.prefix_cache_queries,
+                    device_hits=s.prefix_cache_hits,
+                    storage_hits=s.storage.cache_hits,
+                    hit_rate=found / s.prefix_cache_queries if s.prefix_cache_queries else 0.0,
+                )
+            )
+            queries += s.prefix_cache_queries
+            hits += found
+        reply.hit_rate = hits / queries if queries else 0.0
+        return reply
+
+    def FlushCache(
+        self, request: admin_pb2.FlushCacheRequest, context: grpc.ServicerContext
+    ) -> admin_pb2.FlushCacheReply:
+        if request.tier not in ("device", "storage"):
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "tier must be device or storage")
+        targets = (
+            [self._find(request.name, context)] if request.name else list(self.cluster.instances)
+        )
+        if request.tier == "storage":
+            targets = targets[:1]  # one index for the whole cluster
+        flushed = 0
+        for info in targets:
+            flushed += int(
+                ray.get(self.cluster.actor(info.name).flush_cache.remote(request.tier), timeout=60)
+            )
+        return admin_pb2.FlushCacheReply(blocks=flushed)
+
+    def AbortRequest(
+        self, request: common_pb2.AbortRequest, context: grpc.ServicerContext
+    ) -> common_pb2.AbortReply:
+        found = request.request_id in self.router.active_requests()
+        self.router.abort(request.request_id)
+        return common_pb2.AbortReply(found=found)
+
+
+def serve_admin(
+    config: AdminConfig, token: str, cluster: Cluster, router: Router
+) -> tuple[grpc.Server, int]:
+    """Start the admin server (TLS when `tls_cert`/`tls_key` are set); returns (server, port)."""
+    credentials = None
+    if config.tls_cert or config.tls_key:
+        if not (config.tls_cert and config.tls_key):
+            raise ConfigError("admin.tls_cert and admin.tls_key go together")
+        pair = (Path(config.tls_key).read_bytes(), Path(config.tls_cert).read_bytes())
+        credentials = grpc.ssl_server_credentials([pair])
+    servicer = AdminServicer(cluster, router)
+    return create_server(
+        lambda s: admin_pb2_grpc.add_AdminServiceServicer_to_server(servicer, s),
+        [SERVICE_NAME],
+        config.host,
+        config.port,
+        interceptors=[BearerTokenInterceptor(token)],
+        credentials=credentials,
+    )

@@ -1,0 +1,152 @@
+"""`pdserve admin <verb>`: the admin gRPC API as readable tables (or `--json`).
+
+The admin address and token come from the running cluster's state (cluster.json and
+admin_token next to it), or from `--address` / `--token` / `PDSERVE_ADMIN_TOKEN`.
+"""
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import grpc
+from google.protobuf.json_format import MessageToDict
+from google.protobuf.message import Message
+
+from pdserve.config import load_cluster_config
+from pdserve.v1 import admin_pb2, admin_pb2_grpc, common_pb2
+
+VERBS = ("list", "drain", "resume", "scale", "policy", "cache-stats", "flush", "abort")
+
+
+def add_parser(commands: Any) -> None:
+    admin = commands.add_parser("admin", help="steer a running cluster (admin gRPC API)")
+    admin.add_argument("verb", choices=VERBS)
+    admin.add_argument("args", nargs="*", help="NAME | ROLE N | POLICY | TIER [NAME] | ID")
+    admin.add_argument("--config", help="the config file given to `up` (state_dir, admin)")
+    admin.add_argument("--state-dir", help="where `up` wrote cluster.json")
+    admin.add_argument("--address", help="admin host:port (default: from cluster.json)")
+    admin.add_argument("--token", help="bearer token (default: admin_token / env)")
+    admin.add_argument("--tls-ca", help="CA certificate (PEM) when the admin API serves TLS")
+    admin.add_argument("--json", action="store_true", help="print the reply as JSON")
+
+
+def run(args: argparse.Namespace) -> int:
+    from services.controller.cluster import read_state, state_path
+
+    config = load_cluster_config(args.config, overrides={"state_dir": args.state_dir})
+    address, token = args.address, args.token or os.environ.get("PDSERVE_ADMIN_TOKEN")
+    if address is None:
+        address = read_state(config)["admin_address"]
+    if token is None:
+        token_file = state_path(config).parent / "admin_token"
+        token = config.admin.token or _read(token_file)
+    if args.tls_ca:
+        credentials = grpc.ssl_channel_credentials(Path(args.tls_ca).read_bytes())
+        channel = grpc.secure_channel(address, credentials)
+    else:
+        channel = grpc.insecure_channel(address)
+    stub = admin_pb2_grpc.AdminServiceStub(channel)
+    metadata: tuple[tuple[str, str | bytes], ...] = (("authorization", f"Bearer {token}"),)
+    try:
+        reply = _call(stub, args.verb, args.args, metadata)
+    except grpc.RpcError as e:
+        print(f"pdserve admin: {e.code().name}: {e.details()}", file=sys.stderr)
+        return 2
+    finally:
+        channel.close()
+    if args.json:
+        print(json.dumps(MessageToDict(reply, preserving_proto_field_name=True), indent=2))
+    else:
+        _print(args.verb, reply)
+    return 0
+
+
+def _read(path: Path) -> str:
+    try:
+        return path.read_text().strip()
+    except FileNotFoundError:
+        raise SystemExit(f"pdserve admin: no token: {path} does not exist (use --token)") from None
+
+
+def _call(
+    stub: admin_pb2_grpc.AdminServiceStub,
+    verb: str,
+    args: Sequence[str],
+    metadata: tuple[tuple[str, str | bytes], ...],
+) -> Message:
+    def need(count: int, usage: str) -> None:
+        if len(args) < count:
+            raise SystemExit(f"pdserve admin {verb}: usage: pdserve admin {verb} {usage}")
+
+    calls: dict[str, Callable[[], Message]] = {
+        "list": lambda: stub.ListInstances(admin_pb2.ListInstancesRequest(), metadata=metadata),
+        "drain": lambda: stub.DrainInstance(admin_pb2.InstanceRef(name=args[0]), metadata=metadata),
+        "resume": lambda: stub.ResumeInstance(
+            admin_pb2.InstanceRef(name=args[0]), metadata=metadata
+        ),
+        "scale": lambda: stub.ScaleRole(
+            admin_pb2.ScaleRoleRequest(role=args[0], replicas=int(args[1])), metadata=metadata
+        ),
+        "policy": lambda: stub.SetRoutingPolicy(
+            admin_pb2.SetRoutingPolicyRequest(policy=args[0]), metadata=metadata
+        ),
+        "cache-stats": lambda: stub.GetCacheStats(admin_pb2.CacheStatsRequest(), metadata=metadata),
+        "flush": lambda: stub.FlushCache(
+            admin_pb2.FlushCacheRequest(tier=args[0], name=args[1] if len(args) > 1 else ""),
+            metadata=metadata,
+        ),
+        "abort": lambda: stub.AbortRequest(
+            common_pb2.AbortRequest(request_id=args[0]), metadata=metadata
+        ),
+    }
+    usage = {
+        "drain": (1, "NAME"),
+        "resume": (1, "NAME"),
+        "scale": (2, "ROLE REPLICAS"),
+        "policy": (1, "POLICY"),
+        "flush": (1, "device|storage [NAME]"),
+        "abort": (1, "ID"),
+    }
+    if verb in usage:
+        need(*usage[verb])
+    return calls[verb]()
+
+
+def _print(verb: str, reply: Message) -> None:
+    if isinstance(reply, admin_pb2.ListInstancesReply):
+        _table(["name", "role", "address", "alive", "drained", "running", "free/blocks"],
+               [_row(i) for i in reply.instances])  # fmt: skip
+    elif isinstance(reply, admin_pb2.InstanceInfo):
+        _table(["name", "role", "address", "alive", "drained", "running", "free/blocks"],
+               [_row(reply)])  # fmt: skip
+    elif isinstance(reply, admin_pb2.CacheStatsReply):
+        rows = [
+            [i.name, i.queries, i.device_hits, i.storage_hits, f"{i.hit_rate:.3f}"]
+            for i in reply.instances
+        ]
+        _table(["name", "prompt tokens", "device hits", "storage hits", "hit rate"], rows)
+        print(f"cluster hit rate: {reply.hit_rate:.3f}")
+    elif isinstance(reply, admin_pb2.SetRoutingPolicyReply):
+        print(f"routing policy changed (was {reply.previous})")
+    elif isinstance(reply, admin_pb2.FlushCacheReply):
+        print(f"flushed {reply.blocks} blocks")
+    elif isinstance(reply, common_pb2.AbortReply):
+        print("aborted" if reply.found else "no such request in flight")
+
+
+def _row(info: admin_pb2.InstanceInfo) -> list[object]:
+    s = info.stats
+    return [info.name, info.role, info.address, info.alive, info.drained, s.num_running,
+            f"{s.num_free_blocks}/{s.num_blocks}"]  # fmt: skip
+
+
+def _table(headers: list[str], rows: list[list[object]]) -> None:
+    cells = [[str(c) for c in row] for row in rows]
+    widths = [max(len(h), *(len(r[i]) for r in cells)) for i, h in enumerate(headers)]
+    print("  ".join(h.ljust(w) for h, w in zip(headers, widths, strict=True)).rstrip())
+    for row in cells:
+        print("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip())
