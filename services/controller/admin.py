@@ -73,9 +73,12 @@ def admin_token(config: AdminConfig, state_dir: Path) -> str:
 
 
 class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
-    def __init__(self, cluster: Cluster, router: Router) -> None:
+    def __init__(
+        self, cluster: Cluster, router: Router, on_change: Callable[[], None] = lambda: None
+    ) -> None:
         self.cluster = cluster
         self.router = router
+        self._on_change = on_change  # the instance set changed (scrape targets follow)
         self._lock = threading.Lock()  # scaling and draining change the topology one at a time
 
     def _find(self, name: str, context: grpc.ServicerContext) -> InstanceInfo:
@@ -142,10 +145,13 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
                     logger.warning("instance %s added at %s", info.name, info.address)
             except ClusterError as e:
                 context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+            finally:
+                self._on_change()
             for info in current[target:][::-1] if target < len(current) else []:
                 self.router.remove_instance(info.address)
                 self.cluster.remove_instance(info.name)
                 logger.warning("instance %s removed", info.name)
+            self._on_change()
         return self.ListInstances(admin_pb2.ListInstancesRequest(), context)
 
     def SetRoutingPolicy(
@@ -207,7 +213,11 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
 
 
 def serve_admin(
-    config: AdminConfig, token: str, cluster: Cluster, router: Router
+    config: AdminConfig,
+    token: str,
+    cluster: Cluster,
+    router: Router,
+    on_change: Callable[[], None] = lambda: None,
 ) -> tuple[grpc.Server, int]:
     """Start the admin server (TLS when `tls_cert`/`tls_key` are set); returns (server, port)."""
     credentials = None
@@ -216,7 +226,7 @@ def serve_admin(
             raise ConfigError("admin.tls_cert and admin.tls_key go together")
         pair = (Path(config.tls_key).read_bytes(), Path(config.tls_cert).read_bytes())
         credentials = grpc.ssl_server_credentials([pair])
-    servicer = AdminServicer(cluster, router)
+    servicer = AdminServicer(cluster, router, on_change)
     return create_server(
         lambda s: admin_pb2_grpc.add_AdminServiceServicer_to_server(servicer, s),
         [SERVICE_NAME],

@@ -164,14 +164,22 @@ def _up(args: argparse.Namespace) -> int:
             [i.address for i in instances if i.role == "decode"],
             [i.address for i in instances if i.role == "mixed"],
         )
+        router_address = router.url.removeprefix("http://")
+        targets_path = path.with_name("prometheus_targets.json")
+
+        def publish_targets() -> None:  # at start, and whenever scaling changes the instances
+            assert router is not None
+            groups = scrape_targets(cluster.config, cluster.instances, router_address)
+            router.router.scrape_targets = groups
+            write_file_sd(targets_path, groups)
+
+        publish_targets()
         token = admin_token(config.admin, path.parent)
-        admin_server, admin_port = serve_admin(config.admin, token, cluster, router.router)
+        admin_server, admin_port = serve_admin(
+            config.admin, token, cluster, router.router, publish_targets
+        )
         admin_address = f"{config.admin.host}:{admin_port}"
         cluster.write_state(path, router_url=router.url, admin_address=admin_address)
-        router_address = router.url.removeprefix("http://")
-        router.router.scrape_targets = scrape_targets(cluster.config, instances, router_address)
-        targets_path = path.with_name("prometheus_targets.json")
-        write_file_sd(targets_path, router.router.scrape_targets)
         for info in instances:
             print(
                 f"{info.name:<12} {info.role:<8} grpc://{info.address} "

@@ -380,6 +380,8 @@ def test_scaling_adds_an_instance_that_receives_traffic(
     reply = stub.ScaleRole(admin_pb2.ScaleRoleRequest(role="prefill", replicas=3), metadata=auth)
     added = next(i for i in reply.instances if i.name == "prefill-2")
     assert added.alive and added.role == "prefill"
+    http_sd = httpx.get(f"{cluster.router_url.removesuffix('/v1')}/prometheus/targets").json()
+    assert [added.metrics_address] in [group["targets"] for group in http_sd]
     for name in ("prefill-0", "prefill-1"):  # only the new one can take requests now
         stub.DrainInstance(admin_pb2.InstanceRef(name=name), metadata=auth)
     try:
