@@ -9,6 +9,7 @@ PY=${1:-.venv/bin/python}
 missing=()
 ldconfig -p 2>/dev/null | grep -q 'libibverbs\.so\.1' || missing+=(libibverbs1)
 command -v promtool >/dev/null || missing+=(prometheus)
+command -v openssl >/dev/null || missing+=(openssl)  # test certificates for the admin TLS test
 if [ ${#missing[@]} -gt 0 ]; then
     SUDO=""
     if [ "$(id -u)" != 0 ]; then
