@@ -63,15 +63,18 @@ class GrpcKVTransport(KVTransport):
             while end < len(blocks) and size + len(blocks[end]) <= self._chunk_bytes:
                 size += len(blocks[end])
                 end += 1
-            yield encode_kv_chunk(request_id, first_block + index, blocks[index:end])
+            last = end == len(blocks)
+            yield encode_kv_chunk(request_id, first_block + index, blocks[index:end], last)
             index = end
 
 
-def encode_kv_chunk(request_id: str, first_block: int, blocks: Sequence[memoryview]) -> bytes:
-    """The wire form of `KVChunk(request_id, first_block, num_blocks, data=b"".join(blocks))`,
-    built with one copy of the block bytes (protobuf would make three)."""
+def encode_kv_chunk(
+    request_id: str, first_block: int, blocks: Sequence[memoryview], last: bool = False
+) -> bytes:
+    """The wire form of `KVChunk(request_id, first_block, num_blocks, data=b"".join(blocks),
+    last)`, built with one copy of the block bytes (protobuf would make three)."""
     header = decode_pb2.KVChunk(
-        request_id=request_id, first_block=first_block, num_blocks=len(blocks)
+        request_id=request_id, first_block=first_block, num_blocks=len(blocks), last=last
     ).SerializeToString()
     size = sum(len(b) for b in blocks)
     return b"".join([header, _DATA_TAG, _varint(size), *blocks])

@@ -185,10 +185,16 @@ class KVChunk(_message.Message):
     FIRST_BLOCK_FIELD_NUMBER: _builtins.int
     NUM_BLOCKS_FIELD_NUMBER: _builtins.int
     DATA_FIELD_NUMBER: _builtins.int
+    LAST_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     first_block: _builtins.int
     num_blocks: _builtins.int
     data: _builtins.bytes
+    last: _builtins.bool
+    """Set on the transfer's final chunk. A stream that ends without it was cut short (the sender
+    died or cancelled): its reservations are released at once. The end of a cancelled stream
+    can look like a normal end to the receiver; this flag is what tells them apart.
+    """
     def __init__(
         self,
         *,
@@ -196,10 +202,11 @@ class KVChunk(_message.Message):
         first_block: _builtins.int = ...,
         num_blocks: _builtins.int = ...,
         data: _builtins.bytes = ...,
+        last: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["data", b"data", "first_block", b"first_block", "num_blocks", b"num_blocks", "request_id", b"request_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["data", b"data", "first_block", b"first_block", "last", b"last", "num_blocks", b"num_blocks", "request_id", b"request_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

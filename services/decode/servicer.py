@@ -80,24 +80,26 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
     ) -> decode_pb2.PushKVReply:
         blocks = received = 0
         request_ids: set[str] = set()
-        completed = False
+        completed = saw_last = False
 
         def settle_if_broken() -> None:  # idempotent: the handler and the RPC's end both call it
             if not completed:
                 for request_id in request_ids:
                     self.instance.transfer_failed(request_id)
 
-        # A stream can break at two moments: while this handler reads it (the request iterator
-        # raises, settled in `finally`) or after the handler returned but before the reply reached
-        # the sender (settled by the RPC-termination callback).
+        # A stream can break while this handler reads it: the request iterator raises, or (when
+        # the end of the stream is processed before its cancellation) simply ends without the
+        # sender's `last` chunk; both are settled in `finally`. It can also break after the
+        # handler returned, before the reply reached the sender: the RPC-termination callback.
         context.add_callback(settle_if_broken)
         try:
             for chunk in request_iterator:
                 request_ids.add(chunk.request_id)
+                saw_last = saw_last or chunk.last
                 data = memoryview(chunk.data)  # a view when parsed by parse_kv_chunk
                 blocks += self.instance.receive_blocks(chunk.request_id, chunk.first_block, data)
                 received += len(data)
-            completed = context.is_active()
+            completed = saw_last and context.is_active()
         except KVTransferError as e:
             settle_if_broken()  # settle now, before the sender sees the error
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))

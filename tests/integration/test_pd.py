@@ -243,7 +243,7 @@ def test_kv_chunk_outside_the_reservation_is_rejected(make_pair: Callable[..., P
         decode_pb2.ReserveRequest(request=generate_request("r3", prompt(20), GREEDY))
     )
     bad = decode_pb2.KVChunk(
-        request_id="r3", first_block=5, num_blocks=1, data=bytes(reply.block_bytes)
+        request_id="r3", first_block=5, num_blocks=1, data=bytes(reply.block_bytes), last=True
     )
     with pytest.raises(grpc.RpcError) as rejected:
         stub.PushKV(iter([bad]))

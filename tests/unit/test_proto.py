@@ -48,8 +48,9 @@ def test_zero_copy_parser_reads_what_protobuf_writes() -> None:
     view = parse_kv_chunk(message.SerializeToString())
     assert (view.request_id, view.first_block, view.num_blocks) == ("ré", 300, 2)
     assert bytes(view.data) == b"x" * 70000
-    hand = parse_kv_chunk(encode_kv_chunk("a", 1, [memoryview(b"12"), memoryview(b"34")]))
-    assert (hand.request_id, hand.first_block, hand.num_blocks, bytes(hand.data)) == (
-        "a", 1, 2, b"1234",
+    hand = parse_kv_chunk(encode_kv_chunk("a", 1, [memoryview(b"12"), memoryview(b"34")], True))
+    assert (hand.request_id, hand.first_block, hand.num_blocks, bytes(hand.data), hand.last) == (
+        "a", 1, 2, b"1234", True,
     )  # fmt: skip
+    assert not parse_kv_chunk(encode_kv_chunk("a", 1, [memoryview(b"12")])).last
     assert parse_kv_chunk(b"").num_blocks == 0
