@@ -55,8 +55,8 @@ from pdserve.engine.request import SamplingParams
 from pdserve.model.config import ModelConfig
 from pdserve.model.tiny import default_model_dir
 from pdserve.rpc.channels import CHANNEL_OPTIONS, ChannelPool
-from pdserve.rpc.convert import generate_request
-from pdserve.transfer.base import KVEndpoints, KVTarget, KVTransport
+from pdserve.rpc.convert import endpoints_from_proto, generate_request
+from pdserve.transfer.base import KVTarget, KVTransport
 from pdserve.transfer.direct import ShmKVTransport, address_of
 from pdserve.transfer.grpc import DEFAULT_CHUNK_BYTES, GrpcKVTransport
 from pdserve.transfer.mooncake import MooncakeEngine, MooncakeKVTransport
@@ -421,10 +421,7 @@ class Senders:
             )
             if not reply.granted or reply.num_blocks != blocks or reply.num_cached_tokens:
                 raise RuntimeError(f"reservation {request_id}: {reply}, expected {blocks} blocks")
-            e = reply.endpoints
-            endpoints = KVEndpoints(
-                e.host_id, e.shm_name, e.mooncake_session, e.mooncake_base, e.kv_bytes
-            )
+            endpoints = endpoints_from_proto(reply.endpoints)
             targets.append(
                 KVTarget(
                     self.address,

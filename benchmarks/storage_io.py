@@ -85,28 +85,9 @@ def main() -> None:
     count = 64 if args.quick else args.blocks
     fsync = not args.no_fsync
     blocks = payloads(count, args.block_bytes)
-    total = count * args.block_bytes
     base = Path(tempfile.mkdtemp(prefix="pdserve-storage-io-", dir=args.dir))
-    samples: dict[str, list[float]] = {"store_w": [], "plain_w": [], "store_r": [], "plain_r": []}
     try:
-        for round_ in range(repeat + 1):  # round 0 warms up
-            store = DirectoryStore(base / f"store{round_}", fsync=fsync)
-            plain = base / f"plain{round_}"
-            plain.mkdir()
-            if round_ % 2:
-                plain_s = plain_write(plain, blocks, fsync)
-                store_s, keys = store_write(store, blocks)
-            else:
-                store_s, keys = store_write(store, blocks)
-                plain_s = plain_write(plain, blocks, fsync)
-            reads = (store_read(store, keys), plain_read(plain, count))
-            if round_:
-                samples["store_w"].append(total / store_s / GB)
-                samples["plain_w"].append(total / plain_s / GB)
-                samples["store_r"].append(total / reads[0] / GB)
-                samples["plain_r"].append(total / reads[1] / GB)
-            shutil.rmtree(store.root)
-            shutil.rmtree(plain)
+        samples = bench_store(base, blocks, repeat, fsync)
         prefetch_us = bench_prefetch(base / "tier", blocks, repeat, fsync)
     finally:
         shutil.rmtree(base, ignore_errors=True)
@@ -141,6 +122,33 @@ def main() -> None:
             "store_read_gbps": medians["store_r"],
         },
     )
+
+
+def bench_store(
+    base: Path, blocks: list[bytes], repeat: int, fsync: bool
+) -> dict[str, list[float]]:
+    """GB/s per round of store and plain writes and reads (the order alternates each round)."""
+    total = sum(len(b) for b in blocks)
+    samples: dict[str, list[float]] = {"store_w": [], "plain_w": [], "store_r": [], "plain_r": []}
+    for round_ in range(repeat + 1):  # round 0 warms up
+        store = DirectoryStore(base / f"store{round_}", fsync=fsync)
+        plain = base / f"plain{round_}"
+        plain.mkdir()
+        if round_ % 2:
+            plain_s = plain_write(plain, blocks, fsync)
+            store_s, keys = store_write(store, blocks)
+        else:
+            store_s, keys = store_write(store, blocks)
+            plain_s = plain_write(plain, blocks, fsync)
+        reads = (store_read(store, keys), plain_read(plain, len(blocks)))
+        if round_:
+            samples["store_w"].append(total / store_s / GB)
+            samples["plain_w"].append(total / plain_s / GB)
+            samples["store_r"].append(total / reads[0] / GB)
+            samples["plain_r"].append(total / reads[1] / GB)
+        shutil.rmtree(store.root)
+        shutil.rmtree(plain)
+    return samples
 
 
 def bench_prefetch(root: Path, blocks: list[bytes], repeat: int, fsync: bool) -> float:

@@ -3,7 +3,7 @@
 Counters end in `_total`, times are in seconds. Each process exposes its own registry.
 """
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
@@ -88,119 +88,81 @@ class InstanceCollector(Collector):
 
     def collect(self) -> Iterable[Metric]:
         s = self._stats()
-        role = [s.role]
+        for kind, name, doc, labels, values in _families(s):
+            family_type = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
+            family = family_type(name, doc, labels=["role", *labels])
+            for label_values, value in values.items():
+                family.add_metric([s.role, *label_values], value)
+            yield family
 
-        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
-            family = CounterMetricFamily(name, doc, labels=["role"])
-            family.add_metric(role, value)
-            return family
 
-        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
-            family = GaugeMetricFamily(name, doc, labels=["role"])
-            family.add_metric(role, value)
-            return family
+# (kind, name, help, labels besides role, {label values: value}) of one instance family
+Family = tuple[str, str, str, tuple[str, ...], Mapping[tuple[str, ...], float]]
 
-        yield counter(
-            "pdserve_prefix_cache_queries",
-            "Prompt tokens of admitted requests (each request once).",
-            s.prefix_cache_queries,
-        )
-        hits = CounterMetricFamily(
-            "pdserve_prefix_cache_hits",
-            "Of those prompt tokens, the ones found in a cache tier (device or storage).",
-            labels=["role", "tier"],
-        )
-        hits.add_metric([s.role, "device"], s.prefix_cache_hits)
-        hits.add_metric([s.role, "storage"], s.storage.cache_hits)
-        yield hits
-        yield counter(
-            "pdserve_preemptions", "Requests preempted for lack of KV blocks.", s.num_preemptions
-        )
-        yield counter(
-            "pdserve_computed_tokens", "Tokens run through forward passes.", s.num_computed_tokens
-        )
-        blocks = GaugeMetricFamily(
-            "pdserve_kv_blocks",
-            "KV blocks: used (referenced by requests), free (reusable, cached ones included), "
-            "cached (published in the prefix cache, used or not).",
-            labels=["role", "state"],
-        )
-        blocks.add_metric([s.role, "used"], s.num_blocks - s.num_free_blocks)
-        blocks.add_metric([s.role, "free"], s.num_free_blocks)
-        blocks.add_metric([s.role, "cached"], s.num_cached_blocks)
-        yield blocks
-        yield gauge("pdserve_running_requests", "Requests in the running batch.", s.num_running)
-        yield gauge("pdserve_waiting_requests", "Requests waiting for admission.", s.num_waiting)
-        yield gauge(
-            "pdserve_reservations", "Decode reservations awaiting their KV.", s.num_reservations
-        )
-        transferred = CounterMetricFamily(
-            "pdserve_kv_transfer_bytes",
-            "KV bytes moved between instances, by direction and transport.",
-            labels=["role", "direction", "transport"],
-        )
-        for transport, count in s.kv_bytes_sent_by_transport.items():
-            transferred.add_metric([s.role, "sent", transport], count)
-        transferred.add_metric([s.role, "received", "any"], s.kv_bytes_received)
-        yield transferred
-        seconds = CounterMetricFamily(
-            "pdserve_kv_transfer_seconds",
-            "Seconds spent sending KV blocks, by transport.",
-            labels=["role", "transport"],
-        )
-        for transport, value in s.kv_transfer_seconds_by_transport.items():
-            seconds.add_metric([s.role, transport], value)
-        yield seconds
-        failures = CounterMetricFamily(
-            "pdserve_kv_transfer_failures",
-            "KV transfers that failed, by transport.",
-            labels=["role", "transport"],
-        )
-        for transport, count in s.kv_transfer_failures_by_transport.items():
-            failures.add_metric([s.role, transport], count)
-        yield failures
-        if s.HasField("storage"):
-            st = s.storage
-            yield gauge(
-                "pdserve_storage_available",
-                "1 while the storage tier's Redis answers.",
-                1.0 if st.available else 0.0,
-            )
-            yield counter(
-                "pdserve_storage_blocks_read", "Blocks read from the storage tier.", st.blocks_read
-            )
-            yield counter(
-                "pdserve_storage_blocks_written",
-                "Blocks written to the storage tier.",
-                st.blocks_written,
-            )
-            yield counter(
-                "pdserve_storage_bytes_read", "Bytes read from the storage tier.", st.bytes_read
-            )
-            yield counter(
-                "pdserve_storage_bytes_written",
-                "Bytes written to the storage tier.",
-                st.bytes_written,
-            )
-            errors = CounterMetricFamily(
-                "pdserve_storage_errors",
-                "Storage tier failures: read (checksum or missing bytes: recomputed), write, "
-                "redis (unreachable), dropped (write queue full or tier down).",
-                labels=["role", "kind"],
-            )
-            for kind, value in (
-                ("read", st.read_errors),
-                ("write", st.write_errors),
-                ("redis", st.redis_errors),
-                ("dropped", st.writes_dropped),
-            ):
-                errors.add_metric([s.role, kind], value)
-            yield errors
-            yield gauge(
-                "pdserve_storage_queue_depth",
-                "Storage jobs waiting for the writer.",
-                st.queue_depth,
-            )
+
+def _families(s: common_pb2.InstanceStats) -> list[Family]:
+    """The engine's and transfers' families, and the storage tier's when it runs."""
+    storage = _storage_families(s.storage) if s.HasField("storage") else []
+    return [*_engine_families(s), *storage]
+
+
+def _engine_families(s: common_pb2.InstanceStats) -> list[Family]:
+    sent: dict[tuple[str, ...], float] = {
+        ("sent", t): v for t, v in s.kv_bytes_sent_by_transport.items()
+    }
+    return [
+        ("counter", "pdserve_prefix_cache_queries",
+         "Prompt tokens of admitted requests (each request once).", (),
+         {(): s.prefix_cache_queries}),
+        ("counter", "pdserve_prefix_cache_hits",
+         "Of those prompt tokens, the ones found in a cache tier (device or storage).", ("tier",),
+         {("device",): s.prefix_cache_hits, ("storage",): s.storage.cache_hits}),
+        ("counter", "pdserve_preemptions", "Requests preempted for lack of KV blocks.", (),
+         {(): s.num_preemptions}),
+        ("counter", "pdserve_computed_tokens", "Tokens run through forward passes.", (),
+         {(): s.num_computed_tokens}),
+        ("gauge", "pdserve_kv_blocks",
+         "KV blocks: used (referenced by requests), free (reusable, cached ones included), "
+         "cached (published in the prefix cache, used or not).", ("state",),
+         {("used",): s.num_blocks - s.num_free_blocks, ("free",): s.num_free_blocks,
+          ("cached",): s.num_cached_blocks}),
+        ("gauge", "pdserve_running_requests", "Requests in the running batch.", (),
+         {(): s.num_running}),
+        ("gauge", "pdserve_waiting_requests", "Requests waiting for admission.", (),
+         {(): s.num_waiting}),
+        ("gauge", "pdserve_reservations", "Decode reservations awaiting their KV.", (),
+         {(): s.num_reservations}),
+        ("counter", "pdserve_kv_transfer_bytes",
+         "KV bytes moved between instances, by direction and transport.",
+         ("direction", "transport"), {**sent, ("received", "any"): s.kv_bytes_received}),
+        ("counter", "pdserve_kv_transfer_seconds",
+         "Seconds spent sending KV blocks, by transport.", ("transport",),
+         {(t,): v for t, v in s.kv_transfer_seconds_by_transport.items()}),
+        ("counter", "pdserve_kv_transfer_failures", "KV transfers that failed, by transport.",
+         ("transport",), {(t,): v for t, v in s.kv_transfer_failures_by_transport.items()}),
+    ]  # fmt: skip
+
+
+def _storage_families(st: common_pb2.StorageStats) -> list[Family]:
+    return [
+        ("gauge", "pdserve_storage_available", "1 while the storage tier's Redis answers.", (),
+         {(): 1.0 if st.available else 0.0}),
+        ("counter", "pdserve_storage_blocks_read", "Blocks read from the storage tier.", (),
+         {(): st.blocks_read}),
+        ("counter", "pdserve_storage_blocks_written", "Blocks written to the storage tier.", (),
+         {(): st.blocks_written}),
+        ("counter", "pdserve_storage_bytes_read", "Bytes read from the storage tier.", (),
+         {(): st.bytes_read}),
+        ("counter", "pdserve_storage_bytes_written", "Bytes written to the storage tier.", (),
+         {(): st.bytes_written}),
+        ("counter", "pdserve_storage_errors",
+         "Storage tier failures: read (checksum or missing bytes: recomputed), write, "
+         "redis (unreachable), dropped (write queue full or tier down).", ("kind",),
+         {("read",): st.read_errors, ("write",): st.write_errors,
+          ("redis",): st.redis_errors, ("dropped",): st.writes_dropped}),
+        ("gauge", "pdserve_storage_queue_depth", "Storage jobs waiting for the writer.", (),
+         {(): st.queue_depth}),
+    ]  # fmt: skip
 
 
 def serve_metrics(collector: Collector, host: str, port: int = 0) -> tuple[Any, int]:

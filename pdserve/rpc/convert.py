@@ -13,7 +13,7 @@ from pdserve.errors import (
     PdserveError,
     RequestNotFoundError,
 )
-from pdserve.transfer.base import KVTransferError
+from pdserve.transfer.base import KVEndpoints, KVTransferError
 from pdserve.v1 import common_pb2, decode_pb2
 
 FINISH_REASONS = {
@@ -128,3 +128,23 @@ _STATUS = {
     common_pb2.ERROR_CODE_ABORTED: grpc.StatusCode.CANCELLED,
     common_pb2.ERROR_CODE_INTERNAL: grpc.StatusCode.INTERNAL,
 }
+
+
+def endpoints_to_proto(endpoints: KVEndpoints) -> decode_pb2.KVEndpoints:
+    return decode_pb2.KVEndpoints(
+        host_id=endpoints.host_id,
+        shm_name=endpoints.shm_name,
+        mooncake_session=endpoints.mooncake_session,
+        mooncake_base=endpoints.mooncake_base,
+        kv_bytes=endpoints.kv_bytes,
+    )
+
+
+def endpoints_from_proto(message: decode_pb2.KVEndpoints) -> KVEndpoints:
+    return KVEndpoints(
+        message.host_id,
+        message.shm_name,
+        message.mooncake_session,
+        message.mooncake_base,
+        message.kv_bytes,
+    )

@@ -32,6 +32,7 @@ from services.controller import admin_cli
 
 if TYPE_CHECKING:
     from services.controller.cluster import Cluster, InstanceInfo
+    from services.router.server import RunningRouter
 
 EXIT_USAGE = 2
 
@@ -151,6 +152,7 @@ def _up(args: argparse.Namespace) -> int:
     router: RunningRouter | None = None
     admin_server: grpc.Server | None = None
     path = state_path(config)
+    targets_path = path.with_name("prometheus_targets.json")
     print("starting pdserve: placing instances on Ray ...", flush=True)
     cluster = Cluster(config)
     try:
@@ -164,46 +166,13 @@ def _up(args: argparse.Namespace) -> int:
             [i.address for i in instances if i.role == "decode"],
             [i.address for i in instances if i.role == "mixed"],
         )
-        router_address = router.url.removeprefix("http://")
-        targets_path = path.with_name("prometheus_targets.json")
-
-        def publish_targets() -> None:  # at start, and whenever scaling changes the instances
-            assert router is not None
-            groups = scrape_targets(cluster.config, cluster.instances, router_address)
-            router.router.scrape_targets = groups
-            write_file_sd(targets_path, groups)
-
-        publish_targets()
+        publish = TargetPublisher(cluster, router, targets_path)
+        publish()
         token = admin_token(config.admin, path.parent)
-        admin_server, admin_port = serve_admin(
-            config.admin, token, cluster, router.router, publish_targets
-        )
+        admin_server, admin_port = serve_admin(config.admin, token, cluster, router.router, publish)
         admin_address = f"{config.admin.host}:{admin_port}"
         cluster.write_state(path, router_url=router.url, admin_address=admin_address)
-        for info in instances:
-            print(
-                f"{info.name:<12} {info.role:<8} grpc://{info.address} "
-                f"metrics=http://{info.metrics_address}/metrics",
-                flush=True,
-            )
-        print(f"{'router':<12} {'openai':<8} {router.url}/v1", flush=True)
-        print(
-            f"{'prometheus':<12} {'targets':<8} {targets_path} (HTTP SD: "
-            f"{router.url}/prometheus/targets)",
-            flush=True,
-        )
-        print(f"{'admin':<12} {'grpc':<8} {admin_address} (`pdserve admin list`)", flush=True)
-        storage = cluster.config.storage
-        if storage.enabled:
-            where = "embedded" if cluster.embedded_redis is not None else "external"
-            print(f"{'storage':<12} {where:<8} {_redacted(storage.redis_url)}", flush=True)
-        print(f"pdserve is up ({path}); Ctrl-C or `pdserve down` stops it", flush=True)
-        print(
-            f"try: curl {router.url}/v1/completions -H 'Content-Type: application/json' "
-            f'-d \'{{"model": "{router.router.model_id}", "prompt": "Once upon a time", '
-            f'"max_tokens": 32}}\'',
-            flush=True,
-        )
+        _print_endpoints(cluster, router, targets_path, admin_address, path)
         _watch(cluster, stop, args.health_interval)
     finally:
         if admin_server is not None:
@@ -212,9 +181,51 @@ def _up(args: argparse.Namespace) -> int:
             router.stop()
         cluster.down()
         path.unlink(missing_ok=True)
-        path.with_name("prometheus_targets.json").unlink(missing_ok=True)
+        targets_path.unlink(missing_ok=True)
         print("pdserve is down", flush=True)
     return 0
+
+
+class TargetPublisher:
+    """Publishes the scrape targets (router HTTP SD and file_sd) at start, and again whenever
+    scaling changes the instances."""
+
+    def __init__(self, cluster: "Cluster", router: "RunningRouter", path: Path) -> None:
+        self._cluster, self._router, self._path = cluster, router, path
+
+    def __call__(self) -> None:
+        address = self._router.url.removeprefix("http://")
+        groups = scrape_targets(self._cluster.config, self._cluster.instances, address)
+        self._router.router.scrape_targets = groups
+        write_file_sd(self._path, groups)
+
+
+def _print_endpoints(
+    cluster: "Cluster", router: "RunningRouter", targets: Path, admin: str, state: Path
+) -> None:
+    for info in cluster.instances:
+        print(
+            f"{info.name:<12} {info.role:<8} grpc://{info.address} "
+            f"metrics=http://{info.metrics_address}/metrics",
+            flush=True,
+        )
+    print(f"{'router':<12} {'openai':<8} {router.url}/v1", flush=True)
+    print(
+        f"{'prometheus':<12} {'targets':<8} {targets} (HTTP SD: {router.url}/prometheus/targets)",
+        flush=True,
+    )
+    print(f"{'admin':<12} {'grpc':<8} {admin} (`pdserve admin list`)", flush=True)
+    storage = cluster.config.storage
+    if storage.enabled:
+        where = "embedded" if cluster.embedded_redis is not None else "external"
+        print(f"{'storage':<12} {where:<8} {_redacted(storage.redis_url)}", flush=True)
+    print(f"pdserve is up ({state}); Ctrl-C or `pdserve down` stops it", flush=True)
+    print(
+        f"try: curl {router.url}/v1/completions -H 'Content-Type: application/json' "
+        f'-d \'{{"model": "{router.router.model_id}", "prompt": "Once upon a time", '
+        f'"max_tokens": 32}}\'',
+        flush=True,
+    )
 
 
 def scrape_targets(

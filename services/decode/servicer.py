@@ -12,6 +12,7 @@ from pdserve.config import DecodeConfig, EngineConfig, StorageConfig, TransferCo
 from pdserve.errors import PdserveError
 from pdserve.rpc.convert import (
     ResourceExhaustedError,
+    endpoints_to_proto,
     error_proto,
     grpc_status,
     sampling_from_proto,
@@ -47,7 +48,6 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
             )
         except PdserveError as e:
             context.abort(grpc_status(e), str(e))
-        endpoints = self.instance.endpoints
         return decode_pb2.ReserveReply(
             granted=True,
             num_cached_tokens=grant.num_cached_tokens,
@@ -55,13 +55,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
             block_bytes=grant.block_bytes,
             block_ids=grant.block_ids,
             lease_ms=int(self.instance.config.reservation_timeout_s * 1000),
-            endpoints=decode_pb2.KVEndpoints(
-                host_id=endpoints.host_id,
-                shm_name=endpoints.shm_name,
-                mooncake_session=endpoints.mooncake_session,
-                mooncake_base=endpoints.mooncake_base,
-                kv_bytes=endpoints.kv_bytes,
-            ),
+            endpoints=endpoints_to_proto(self.instance.endpoints),
         )
 
     def CommitKV(

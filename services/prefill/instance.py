@@ -23,7 +23,7 @@ from pdserve.engine.engine import RequestOutput
 from pdserve.engine.request import Request, SamplingParams
 from pdserve.errors import PdserveError
 from pdserve.rpc.channels import ChannelPool
-from pdserve.rpc.convert import ResourceExhaustedError, generate_request
+from pdserve.rpc.convert import ResourceExhaustedError, endpoints_from_proto, generate_request
 from pdserve.rpc.instance import InstanceCore
 from pdserve.transfer.base import KVEndpoints, KVTarget, KVTransferError
 from pdserve.transfer.select import TransportSelector
@@ -169,15 +169,12 @@ class PrefillInstance:
             reply = stub.Reserve(message, timeout=30)
             if reply.granted:
                 lease_s = reply.lease_ms / 1000 if reply.lease_ms else float("inf")
-                e = reply.endpoints
                 return DecodeReservation(
                     reply.num_cached_tokens,
                     reply.num_blocks,
                     tuple(reply.block_ids),
                     reply.block_bytes,
-                    KVEndpoints(
-                        e.host_id, e.shm_name, e.mooncake_session, e.mooncake_base, e.kv_bytes
-                    ),
+                    endpoints_from_proto(reply.endpoints),
                     asked + lease_s - self.transfer.lease_margin_s,
                 )
             logger.info(
