@@ -461,6 +461,38 @@ def main() -> None:
     decision_us = figures["decision_us"]
     verdict = "PASS" if decision_us <= DECISION_TARGET_US else "FAIL"
     num_blocks = len(setup.hashes)
+    report_decisions(args, setup, figures, event_us, verdict, repeat)
+    results: dict[str, Any] = {
+        **figures,
+        "apply_event_pair_us": event_us,
+        "decision_vs_baseline": decision_us / figures["baseline_dict_loop_us"],
+        "decision_target_us": DECISION_TARGET_US,
+        "decision_pass": verdict == "PASS",
+        "hashing_in_decision": False,
+        "indexed_blocks": len(setup.index),
+        "prompt_blocks": num_blocks,
+        "repeat": repeat,
+        "calls_per_sample": number,
+    }
+    metrics = {"decision_us": decision_us, "proxy_rps": float("nan"), "proxy_ratio": float("nan")}
+    if not args.skip_proxy:
+        proxy = bench_proxy(args)
+        results["proxy"] = proxy
+        metrics["proxy_rps"] = proxy["proxy_rps"]
+        metrics["proxy_ratio"] = proxy["proxy_ratio"]
+        report_proxy(proxy)
+    finish(NAME, args, results, metrics)
+
+
+def report_decisions(
+    args: argparse.Namespace,
+    setup: Any,
+    figures: dict[str, float],
+    event_us: float,
+    verdict: str,
+    repeat: int,
+) -> None:
+    decision_us, num_blocks = figures["decision_us"], len(setup.hashes)
     print_table(
         f"cache_aware routing, {args.instances} instances, {len(setup.index):,} indexed blocks, "
         f"{args.tokens}-token prompt ({num_blocks} blocks), median of {repeat}",
@@ -483,52 +515,36 @@ def main() -> None:
         ],
     )
     print(f"\ndecision (hashing excluded): {decision_us:.1f} µs -> {verdict}")
-    results: dict[str, Any] = {
-        **figures,
-        "apply_event_pair_us": event_us,
-        "decision_vs_baseline": decision_us / figures["baseline_dict_loop_us"],
-        "decision_target_us": DECISION_TARGET_US,
-        "decision_pass": verdict == "PASS",
-        "hashing_in_decision": False,
-        "indexed_blocks": len(setup.index),
-        "prompt_blocks": num_blocks,
-        "repeat": repeat,
-        "calls_per_sample": number,
-    }
-    metrics = {"decision_us": decision_us, "proxy_rps": float("nan"), "proxy_ratio": float("nan")}
-    if not args.skip_proxy:
-        proxy = bench_proxy(args)
-        results["proxy"] = proxy
-        metrics["proxy_rps"] = proxy["proxy_rps"]
-        metrics["proxy_ratio"] = proxy["proxy_ratio"]
-        print_table(
-            f"HTTP router proxying to instant fake instances ({FAKE_PREFILL} prefill, "
-            f"{FAKE_DECODE} decode), {proxy['workers']} client workers, "
-            f"{proxy['seconds_per_side']:g} s x {proxy['rounds']} rounds, median",
-            ["side", "requests/s", "p50 ms", "p99 ms", "server CPU µs/req", "peer cores", "note"],
+
+
+def report_proxy(proxy: dict[str, Any]) -> None:
+    print_table(
+        f"HTTP router proxying to instant fake instances ({FAKE_PREFILL} prefill, "
+        f"{FAKE_DECODE} decode), {proxy['workers']} client workers, "
+        f"{proxy['seconds_per_side']:g} s x {proxy['rounds']} rounds, median",
+        ["side", "requests/s", "p50 ms", "p99 ms", "server CPU µs/req", "peer cores", "note"],
+        [
             [
-                [
-                    "router proxy",
-                    proxy["proxy_rps"],
-                    proxy["proxy_latency_p50_ms"],
-                    proxy["proxy_latency_p99_ms"],
-                    proxy["router_cpu_us_per_request"],
-                    proxy["proxy_peer_cores"],
-                    f"{proxy['proxy_errors']} errors",
-                ],
-                [
-                    "bare HTTP",
-                    proxy["bare_http_rps"],
-                    proxy["bare_latency_p50_ms"],
-                    float("nan"),
-                    proxy["bare_cpu_us_per_request"],
-                    proxy["bare_peer_cores"],
-                    "same schema, fixed reply",
-                ],
+                "router proxy",
+                proxy["proxy_rps"],
+                proxy["proxy_latency_p50_ms"],
+                proxy["proxy_latency_p99_ms"],
+                proxy["router_cpu_us_per_request"],
+                proxy["proxy_peer_cores"],
+                f"{proxy['proxy_errors']} errors",
             ],
-        )
-        print(f"\nproxy_rps {proxy['proxy_rps']:.0f}, {proxy['proxy_ratio']:.2f} x bare HTTP")
-    finish(NAME, args, results, metrics)
+            [
+                "bare HTTP",
+                proxy["bare_http_rps"],
+                proxy["bare_latency_p50_ms"],
+                float("nan"),
+                proxy["bare_cpu_us_per_request"],
+                proxy["bare_peer_cores"],
+                "same schema, fixed reply",
+            ],
+        ],
+    )
+    print(f"\nproxy_rps {proxy['proxy_rps']:.0f}, {proxy['proxy_ratio']:.2f} x bare HTTP")
 
 
 if __name__ == "__main__":

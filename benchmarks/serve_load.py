@@ -965,23 +965,34 @@ def main() -> None:
     tokenizer = Tokenizer.from_dir(model_dir)
     vocab_size = ModelConfig.from_dir(model_dir).vocab_size
     workload, described = build_workload(args, vocab_size)
-    working_set = workload.working_set_blocks()
 
     if args.url:
-        prefill = [a for a in args.prefill.split(",") if a]
-        model = args.model or httpx.get(args.url.rstrip("/") + "/v1/models").json()["data"][0]["id"]
-        result = asyncio.run(drive(args.url, model, workload, args, tokenizer, prefill))
-        print_table(
-            f"{described['kind']} workload against {args.url}", HEADERS, [row("run", result)]
-        )
-        metrics = {
-            k: float(result[k])
-            for k in ("hit_rate", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms")
-        }
-        metrics["output_tok_s"] = float(result["output_tok_s"])
-        finish(NAME, args, {"workload": described, "run": result}, metrics)
-        return
+        run_against_url(args, workload, described, tokenizer)
+    else:
+        run_headline(args, workload, described, tokenizer)
 
+
+def run_against_url(
+    args: argparse.Namespace, workload: Workload, described: dict[str, Any], tokenizer: Tokenizer
+) -> None:
+    """The workload once against a running router (`--url`)."""
+    prefill = [a for a in args.prefill.split(",") if a]
+    model = args.model or httpx.get(args.url.rstrip("/") + "/v1/models").json()["data"][0]["id"]
+    result = asyncio.run(drive(args.url, model, workload, args, tokenizer, prefill))
+    print_table(f"{described['kind']} workload against {args.url}", HEADERS, [row("run", result)])
+    metrics = {
+        k: float(result[k])
+        for k in ("hit_rate", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms")
+    }
+    metrics["output_tok_s"] = float(result["output_tok_s"])
+    finish(NAME, args, {"workload": described, "run": result}, metrics)
+
+
+def run_headline(
+    args: argparse.Namespace, workload: Workload, described: dict[str, Any], tokenizer: Tokenizer
+) -> None:
+    """The same workload against fresh round_robin / cache_aware / single clusters."""
+    working_set = workload.working_set_blocks()
     configs = [c for c in args.configs.split(",") if c]
     unknown = set(configs) - set(CONFIGS)
     if unknown:
@@ -1010,7 +1021,30 @@ def main() -> None:
                 flush=True,
             )
     runs = {name: merge(samples[name]) for name in configs}
+    print_runs(runs, described, workload, blocks, working_set, repeat)
+    metrics, verdicts = judge(runs)
+    results = {
+        "workload": described,
+        "working_set_blocks": working_set,
+        "kv_blocks_per_prefill": blocks,
+        "single_vs_round_robin": verdicts.pop("single_vs_round_robin"),
+        "targets": {"cache_aware_vs_round_robin": RATIO_RR_TARGET, "cache_aware_vs_single": 0.9},
+        "verdicts": verdicts,
+        "repeat": repeat,
+        "medians": runs,
+        "runs": samples,
+    }
+    finish(NAME, args, results, metrics)
 
+
+def print_runs(
+    runs: dict[str, dict[str, Any]],
+    described: dict[str, Any],
+    workload: Workload,
+    blocks: int,
+    working_set: int,
+    repeat: int,
+) -> None:
     print_table(
         f"{described['kind']} workload, {workload.num_requests()} requests; "
         f"prefill KV {blocks} blocks/instance (W = {working_set}), median of {repeat}",
@@ -1032,6 +1066,10 @@ def main() -> None:
             for name, r in runs.items()
         ],
     )
+
+
+def judge(runs: dict[str, dict[str, Any]]) -> tuple[dict[str, float], dict[str, Any]]:
+    """RESULT metrics, and the verdicts against the targets (printed)."""
 
     def hit(name: str) -> float:
         return float(runs[name]["hit_rate"]) if name in runs else float("nan")
@@ -1064,21 +1102,12 @@ def main() -> None:
         "cache_aware_vs_round_robin": ratio_rr,
         "cache_aware_vs_single": ratio_single,
     }
-    results = {
-        "workload": described,
-        "working_set_blocks": working_set,
-        "kv_blocks_per_prefill": blocks,
+    verdicts = {
+        "cache_aware_vs_round_robin": verdict_rr,
+        "cache_aware_vs_single": verdict_single,
         "single_vs_round_robin": ceiling,
-        "targets": {"cache_aware_vs_round_robin": RATIO_RR_TARGET, "cache_aware_vs_single": 0.9},
-        "verdicts": {
-            "cache_aware_vs_round_robin": verdict_rr,
-            "cache_aware_vs_single": verdict_single,
-        },
-        "repeat": repeat,
-        "medians": runs,
-        "runs": samples,
     }
-    finish(NAME, args, results, metrics)
+    return metrics, verdicts
 
 
 if __name__ == "__main__":
