@@ -4,13 +4,17 @@
         [--transport grpc,shm,mooncake] [--skip-ttft] [--prompt-len N]
 
 Transfer, for each block size of `--sizes` (default 1,000 of the tiny model's 64 KiB blocks, then
-96 Llama-3-8B-shaped blocks of 2 MiB: 16 tokens x 32 layers x 8 KV heads x 128 dims x K and V x
+256 Llama-3-8B-shaped blocks of 2 MiB: 16 tokens x 32 layers x 8 KV heads x 128 dims x K and V x
 bf16): the blocks are moved over loopback into reservations of a real decode instance
 (`serve_decode`, tiny model, fp32, block size = block bytes / 4 KiB tokens) running in a separate
 process, as a decode instance does, its KV cache in shared memory and registered with Mooncake.
-Reservations are made with the Reserve RPC (prompts under the 4,096-token context: 250 blocks of
-64 KiB or 7 of 2 MiB each), sent one after the other (the timed span), aborted and made afresh
-every round; the first round of each transport checks every byte in the receiving process.
+A reservation holds the KV of one prompt, made with the Reserve RPC: a prompt under 4,096 tokens
+in blocks of 16 tokens, whatever a block's bytes (at most 255 blocks; the 64 KiB case gets 4
+reservations of 250 blocks, the 2 MiB case 2 of 128: a 2,048-token Llama-3-8B prompt each). A
+2 MiB block holds 512 tiny-model tokens, so the receiver loads the tiny model with its context
+raised to fit such a prompt (a copy of its config; the weights are linked). Reservations are
+sent one after the other (the timed span), aborted and made afresh every round; the first round
+of each transport checks every byte in the receiving process.
 
 Each transport runs next to its baseline, measured between the same processes in the same run:
   grpc     `GrpcKVTransport.send`     vs bare grpcio: a generic stream-unary handler counting
@@ -35,15 +39,18 @@ OpenMP threads slow a forward pass ~10x whenever another process holds a core.
 import argparse
 import contextlib
 import hashlib
+import json
 import multiprocessing
 import random
 import socket
+import tempfile
 import threading
 import time
 from collections.abc import Iterator, Sequence
 from concurrent import futures
 from dataclasses import asdict, dataclass
 from multiprocessing.connection import Connection
+from pathlib import Path
 
 import grpc
 import torch
@@ -73,8 +80,10 @@ SERVER_WORKERS = 32  # as pdserve.rpc.server.create_server
 SINK_SERVICE = "pdserve.bench.ByteSink"
 RECEIVE_BUFFER_BYTES = 256 * 2**20  # the TCP sink's receive buffer (a ring): bigger than caches
 GB = 1e9
-DEFAULT_SIZES = "65536:1000,2097152:96"
-QUICK_SIZES = "65536:200,2097152:24"
+DEFAULT_SIZES = "65536:1000,2097152:256"
+QUICK_SIZES = "65536:200,2097152:64"
+PROMPT_TOKENS = 4096  # a reservation holds one prompt shorter than this, in blocks of
+PROMPT_BLOCK_TOKENS = DEFAULT_BLOCK_SIZE  # 16 tokens (the tiny model's and Llama-3-8B's)
 TARGETS = {"grpc": 0.8, "mooncake": 0.8, "shm": 0.5}
 BIG_BLOCK = 2 * 2**20  # the Llama-3-8B-shaped block: its ratios are the headline keys
 
@@ -142,20 +151,36 @@ class TransferPlan:
 def plan_transfer(
     num_blocks: int, block_bytes: int | None, chunk_bytes: int, context: int, token_bytes: int
 ) -> TransferPlan:
-    """Block size in tokens for `block_bytes`, and the fewest reservations (prompts shorter than
-    the context window) that cover `num_blocks`, split as evenly as possible."""
+    """Block size in tiny-model tokens for `block_bytes`, and the fewest reservations (each the
+    prompt of one request: under `PROMPT_TOKENS` tokens in blocks of `PROMPT_BLOCK_TOKENS`) that
+    cover `num_blocks`, split as evenly as possible. The plan's context is the model's, raised
+    when a reservation's prompt needs more tiny-model tokens."""
     block_bytes = block_bytes or DEFAULT_BLOCK_SIZE * token_bytes
     if block_bytes <= 0 or block_bytes % token_bytes:
         raise SystemExit(f"--block-bytes must be a positive multiple of {token_bytes}")
     if num_blocks < 1:
         raise SystemExit("--blocks must be at least 1")
     block_size = block_bytes // token_bytes
-    per_prompt = max(1, (context - 1) // block_size)  # a prompt leaves room for one output token
+    per_prompt = (PROMPT_TOKENS - 1) // PROMPT_BLOCK_TOKENS
     num_requests = -(-num_blocks // per_prompt)
     base, extra = divmod(num_blocks, num_requests)
     split = [base + (1 if i < extra else 0) for i in range(num_requests)]
     per_message = max(1, chunk_bytes // block_bytes)
+    context = max(context, max(split) * block_size + block_size)  # room for one output token
     return TransferPlan(block_bytes, block_size, split, per_message, chunk_bytes, context)
+
+
+def long_context_model(directory: Path, context: int) -> Path:
+    """The tiny model with its context window raised to `context` tokens: its config.json
+    rewritten under `directory`, its other files linked."""
+    source = default_model_dir()
+    config = json.loads((source / "config.json").read_text())
+    config["max_position_embeddings"] = context
+    (directory / "config.json").write_text(json.dumps(config))
+    for path in source.iterdir():
+        if path.name != "config.json":
+            (directory / path.name).symlink_to(path)
+    return directory
 
 
 class Prompts:
@@ -413,7 +438,7 @@ class Senders:
         targets = []
         for i, blocks in enumerate(self.plan.blocks_per_request):
             request_id = f"kv-{self.rounds}-{i}"
-            length = min(blocks * self.plan.block_size, self.plan.context - 1)
+            length = blocks * self.plan.block_size
             reply = self.stub.Reserve(
                 decode_pb2.ReserveRequest(
                     request=generate_request(request_id, self.prompts.take(length), params)
@@ -478,22 +503,23 @@ class TransferFigures:
     samples_gbps: dict[str, list[float]]  # per side, per round
 
 
-def bench_transfer(
-    args: argparse.Namespace, repeat: int, num_blocks: int, block_bytes: int
-) -> TransferFigures:
-    model_config = ModelConfig.from_dir(default_model_dir())
-    token_bytes = model_config.kv_bytes_per_token(torch.float32)
-    context = int(model_config.max_position_embeddings)
-    plan = plan_transfer(num_blocks, block_bytes, args.chunk_bytes, context, token_bytes)
+def receiver_engine(plan: TransferPlan, threads: int, model: Path | None) -> EngineConfig:
     num_requests = len(plan.blocks_per_request)
-    engine_config = EngineConfig(
+    return EngineConfig(
+        model=None if model is None else str(model),
         dtype="float32",
         block_size=plan.block_size,
         # a margin over the blocks sent: each reservation may grow by one block (its output)
         num_kv_blocks=plan.num_blocks + max(plan.num_blocks // 10, 2 * num_requests) + 16,
         enable_prefix_caching=False,
-        torch_threads=args.threads,
+        torch_threads=threads,
     )
+
+
+def measure_transfer(
+    args: argparse.Namespace, repeat: int, plan: TransferPlan, engine_config: EngineConfig
+) -> dict[str, list[float]]:
+    """GB/s per side and round: each transport, then its baseline (or the other way round)."""
     transports = [t for t in args.transport.split(",") if t]
     sides = [side for t in transports for side in (t, BASELINES[t])]
     receiver = Receiver(engine_config, args.threads)
@@ -511,6 +537,22 @@ def bench_transfer(
         if senders is not None:
             senders.close()
         receiver.close()
+    return samples
+
+
+def bench_transfer(
+    args: argparse.Namespace, repeat: int, num_blocks: int, block_bytes: int
+) -> TransferFigures:
+    model_config = ModelConfig.from_dir(default_model_dir())
+    token_bytes = model_config.kv_bytes_per_token(torch.float32)
+    context = int(model_config.max_position_embeddings)
+    plan = plan_transfer(num_blocks, block_bytes, args.chunk_bytes, context, token_bytes)
+    with tempfile.TemporaryDirectory(prefix="pdserve-kv-transfer-") as directory:
+        model = None
+        if plan.context > context:
+            model = long_context_model(Path(directory), plan.context)
+        samples = measure_transfer(args, repeat, plan, receiver_engine(plan, args.threads, model))
+    transports = [side for side in samples if side in BASELINES]
     ratios = {
         t: median([a / b for a, b in zip(samples[t], samples[BASELINES[t]], strict=True)])
         for t in transports

@@ -113,7 +113,8 @@ class TransferConfig:
     mooncake: bool = True  # start a Mooncake transfer engine when its package is installed
     mooncake_protocol: str = "tcp"  # tcp | rdma
     mooncake_devices: str | None = None  # RDMA devices (e.g. mlx5_0,mlx5_1); None for tcp
-    max_batch_entries: int = 1024  # Mooncake blocks per batch (its TCP queue is bounded)
+    max_batch_entries: int = 1024  # Mooncake transfers in flight (its TCP queue is bounded)
+    mooncake_tcp_chunk_bytes: int = 2**20  # bytes per socket read/write (MC_TCP_SLICE_SIZE)
     lease_margin_s: float = 2.0  # direct writes stop this long before a reservation's lease ends
 
     def __post_init__(self) -> None:
@@ -127,6 +128,8 @@ class TransferConfig:
             )
         if self.max_batch_entries <= 0:
             raise ConfigError("transfer.max_batch_entries must be positive")
+        if self.mooncake_tcp_chunk_bytes <= 0:
+            raise ConfigError("transfer.mooncake_tcp_chunk_bytes must be positive")
 
 
 @dataclass(frozen=True, slots=True)

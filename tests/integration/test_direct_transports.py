@@ -1,0 +1,146 @@
+"""Direct-write transports (shared memory, Mooncake over TCP) into the reservations of a real
+decode instance (its KV cache in shared memory and registered with its Mooncake engine): the
+bytes land in the reserved blocks whatever the order of decode's block ids, and Mooncake writes
+runs of blocks consecutive on both sides as single transfers."""
+
+import random
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from pdserve.config import DecodeConfig, EngineConfig, TransferConfig
+from pdserve.engine import LLMEngine, SamplingParams
+from pdserve.rpc.channels import ChannelPool
+from pdserve.rpc.convert import endpoints_from_proto, generate_request
+from pdserve.transfer.base import KVTarget, KVTransferError, KVTransport
+from pdserve.transfer.direct import ShmKVTransport, address_of
+from pdserve.transfer.mooncake import MooncakeEngine, MooncakeKVTransport, plan_writes
+from pdserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc
+from services.decode.instance import DecodeInstance
+from services.decode.servicer import serve_decode
+
+BLOCK_SIZE = 16
+NUM_BLOCKS = 64
+
+
+@pytest.fixture
+def decode(tiny_model_dir: Path) -> Iterator[tuple[DecodeInstance, str]]:
+    engine = EngineConfig(
+        model=str(tiny_model_dir), num_kv_blocks=NUM_BLOCKS, enable_prefix_caching=False
+    )
+    instance, server, port = serve_decode(engine, DecodeConfig(), transfer=TransferConfig())
+    try:
+        yield instance, f"127.0.0.1:{port}"
+    finally:
+        server.stop(0).wait()
+        instance.stop()
+
+
+class Sender:
+    """The sending side: source blocks in one registered buffer, and a transport."""
+
+    def __init__(self, name: str, address: str, block_bytes: int) -> None:
+        self.address = address
+        self.channels = ChannelPool()
+        self.stub = decode_pb2_grpc.DecodeServiceStub(self.channels.get(address))
+        self.source = bytearray(random.Random(7).randbytes(NUM_BLOCKS * block_bytes))
+        view = memoryview(self.source)
+        self.blocks = [view[i * block_bytes : (i + 1) * block_bytes] for i in range(NUM_BLOCKS)]
+        self.engine: MooncakeEngine | None = None
+        self.transport: KVTransport
+        if name == "shm":
+            self.transport = ShmKVTransport(self.channels)
+        else:
+            config = TransferConfig()
+            self.engine = MooncakeEngine(config, "127.0.0.1")
+            self.engine.register(address_of(view), len(self.source))
+            self.transport = MooncakeKVTransport(config, self.channels, self.engine)
+        self.serial = 0
+
+    def reserve(self, request_id: str, num_blocks: int) -> KVTarget:
+        self.serial += 1
+        prompt = [32 + (self.serial * 31 + 7 * i) % 90 for i in range(num_blocks * BLOCK_SIZE)]
+        reply = self.stub.Reserve(
+            decode_pb2.ReserveRequest(
+                request=generate_request(request_id, prompt, SamplingParams(max_tokens=1))
+            )
+        )
+        assert reply.granted and reply.num_blocks == num_blocks
+        return KVTarget(
+            self.address,
+            request_id,
+            0,
+            tuple(reply.block_ids),
+            reply.block_bytes,
+            endpoints_from_proto(reply.endpoints),
+        )
+
+    def abort(self, request_id: str) -> None:
+        self.stub.Abort(common_pb2.AbortRequest(request_id=request_id))
+
+    def close(self) -> None:
+        self.transport.close()
+        if self.engine is not None:
+            self.engine.close()
+        self.channels.close()
+
+
+def received(instance: DecodeInstance, request_id: str) -> list[bytes]:
+    def block_table(engine: LLMEngine) -> list[int]:
+        return list(engine.kv_cache.block_table(request_id))
+
+    core = instance.core
+    return [bytes(block) for block in core.block_io.read(core.loop.call(block_table))]
+
+
+@pytest.mark.parametrize("transport", ["shm", "mooncake"])
+def test_blocks_land_in_reservations_whatever_the_order_of_decode_block_ids(
+    transport: str, decode: tuple[DecodeInstance, str]
+) -> None:
+    instance, address = decode
+    sender = Sender(transport, address, instance.core.block_io.block_bytes)
+    try:
+        # a fresh pool hands out ascending ids (one transfer); blocks are freed tail first, so
+        # after two aborts a reservation takes ids that never follow each other
+        ascending = sender.reserve("ascending", 6)
+        assert len(plan_writes(ascending, sender.blocks[:6])) == 1
+        check_send(instance, sender, ascending, sender.blocks[:6])
+        sender.reserve("rest", NUM_BLOCKS - 6 - 1)  # decode keeps one block for running requests
+        sender.abort("ascending")
+        sender.abort("rest")
+        scattered = sender.reserve("scattered", 10)
+        assert len(plan_writes(scattered, sender.blocks[20:30])) == 10
+        check_send(instance, sender, scattered, sender.blocks[20:30])
+    finally:
+        for request_id in ("ascending", "rest", "scattered"):
+            sender.abort(request_id)
+        sender.close()
+    assert instance.stats().num_reservations == 0
+    instance.check_integrity()
+
+
+def check_send(
+    instance: DecodeInstance, sender: Sender, target: KVTarget, blocks: list[memoryview]
+) -> None:
+    result = sender.transport.send(target, blocks)
+    assert result.num_blocks == len(blocks)
+    assert received(instance, target.request_id) == [bytes(b) for b in blocks]
+
+
+def test_a_write_into_an_aborted_reservation_is_a_typed_error(
+    decode: tuple[DecodeInstance, str],
+) -> None:
+    """The Mooncake write lands, but the commit finds no reservation: the sender gets a
+    KVTransferError, and decode holds nothing."""
+    instance, address = decode
+    sender = Sender("mooncake", address, instance.core.block_io.block_bytes)
+    try:
+        target = sender.reserve("gone", 4)
+        sender.abort("gone")
+        with pytest.raises(KVTransferError, match="gone"):
+            sender.transport.send(target, sender.blocks[:4])
+    finally:
+        sender.close()
+    assert instance.stats().num_reservations == 0
+    instance.check_integrity()

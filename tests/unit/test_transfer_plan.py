@@ -1,0 +1,50 @@
+"""How direct writes are planned: runs of blocks consecutive on both sides become one transfer,
+cut at a size limit; anything that breaks a run on either side starts a new one."""
+
+from pdserve.transfer.base import KVEndpoints, KVTarget
+from pdserve.transfer.direct import address_of
+from pdserve.transfer.mooncake import plan_writes
+
+SIZE = 4096
+BASE = 1 << 40  # decode's KV cache address (never dereferenced: only planned)
+
+
+def target(block_ids: list[int]) -> KVTarget:
+    endpoints = KVEndpoints(mooncake_session="peer:1", mooncake_base=BASE, kv_bytes=64 * SIZE)
+    return KVTarget("decode:1", "r", 0, tuple(block_ids), SIZE, endpoints)
+
+
+def contiguous(num_blocks: int) -> list[memoryview]:
+    view = memoryview(bytearray(num_blocks * SIZE))
+    return [view[i * SIZE : (i + 1) * SIZE] for i in range(num_blocks)]
+
+
+def test_runs_follow_decode_block_ids() -> None:
+    blocks = contiguous(6)
+    source = address_of(blocks[0])
+    writes = plan_writes(target([3, 4, 5, 9, 2, 3]), blocks)
+    assert writes == [
+        (source, BASE + 3 * SIZE, 3 * SIZE),
+        (source + 3 * SIZE, BASE + 9 * SIZE, SIZE),
+        (source + 4 * SIZE, BASE + 2 * SIZE, 2 * SIZE),
+    ]
+
+
+def test_separate_source_buffers_break_runs() -> None:
+    blocks = [memoryview(bytearray(SIZE)) for _ in range(3)]
+    writes = plan_writes(target([0, 1, 2]), blocks)
+    assert [w[0] for w in writes] == [address_of(b) for b in blocks]
+    assert [w[1] for w in writes] == [BASE, BASE + SIZE, BASE + 2 * SIZE]
+
+
+def test_long_runs_are_cut_at_the_size_limit() -> None:
+    blocks = contiguous(10)
+    source = address_of(blocks[0])
+    writes = plan_writes(target(list(range(10, 20))), blocks, max_bytes=4 * SIZE)
+    assert [(w[0] - source, w[1] - BASE, w[2]) for w in writes] == [
+        (0, 10 * SIZE, 4 * SIZE),
+        (4 * SIZE, 14 * SIZE, 4 * SIZE),
+        (8 * SIZE, 18 * SIZE, 2 * SIZE),
+    ]
+    # a limit under one block still writes whole blocks
+    assert len(plan_writes(target(list(range(10, 20))), blocks, max_bytes=1)) == 10
