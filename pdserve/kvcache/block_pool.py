@@ -37,14 +37,17 @@ class BlockPool:
         return iter(self._free)
 
     def allocate(self, num_blocks: int) -> list[int]:
-        """Take `num_blocks` from the head of the free queue, each with one reference.
+        """Take `num_blocks` from the head of the free queue, each with one reference, in
+        ascending order: which blocks are taken is the eviction order's choice, their order in a
+        block table is free, and ascending ids make runs that a KV transfer or a storage copy
+        moves in one piece (blocks are freed tail first, which would reverse them).
 
         The caller must drop any hash the blocks still carry. Raises OutOfBlocksError (and changes
         nothing) when fewer blocks are free.
         """
         if num_blocks > len(self._free):
             raise OutOfBlocksError(f"need {num_blocks} KV blocks, {len(self._free)} free")
-        block_ids = [self._free.popitem(last=False)[0] for _ in range(num_blocks)]
+        block_ids = sorted(self._free.popitem(last=False)[0] for _ in range(num_blocks))
         for block_id in block_ids:
             self._ref_counts[block_id] = 1
         return block_ids

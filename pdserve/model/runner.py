@@ -42,6 +42,26 @@ def _shm_has_room(nbytes: int) -> bool:
     return stats.f_bavail * stats.f_frsize >= nbytes
 
 
+def _allocate_pages(name: str, nbytes: int) -> bool:
+    """Give a new shared-memory segment its pages now (`posix_fallocate`): /dev/shm may fill up
+    later, and touching a page it cannot back then kills the process (SIGBUS). Also keeps page
+    allocation and zeroing off the KV transfer path. False (and a warning) when it has no room."""
+    try:
+        fd = os.open(f"/dev/shm/{name.lstrip('/')}", os.O_RDWR)
+        try:
+            os.posix_fallocate(fd, 0, nbytes)
+        finally:
+            os.close(fd)
+    except OSError as e:
+        logger.warning(
+            "/dev/shm cannot hold the %d-byte KV cache (%s): keeping it private (no shm transfers)",
+            nbytes,
+            e,
+        )
+        return False
+    return True
+
+
 class ModelRunner:
     """Builds batch tensors from chunks, runs the model, returns logits. Not thread-safe."""
 
@@ -82,6 +102,10 @@ class ModelRunner:
         segment = shared_memory.SharedMemory(
             name=f"pdserve-kv-{os.getpid()}-{uuid.uuid4().hex[:8]}", create=True, size=nbytes
         )
+        if not _allocate_pages(segment.name, nbytes):
+            segment.close()
+            segment.unlink()
+            return cls(model, torch.zeros(shape, dtype=dtype, device=device))
         raw = torch.frombuffer(segment.buf, dtype=torch.uint8)[:nbytes]  # zeroed by the OS
         return cls(model, raw.view(dtype).view(shape), segment)
 

@@ -1,8 +1,9 @@
 """Direct-write transports (shared memory, Mooncake over TCP) into the reservations of a real
 decode instance (its KV cache in shared memory and registered with its Mooncake engine): the
-bytes land in the reserved blocks whatever the order of decode's block ids, and Mooncake writes
-runs of blocks consecutive on both sides as single transfers."""
+bytes land in the reserved blocks whether decode's block ids follow each other or not, and
+Mooncake writes runs of blocks consecutive on both sides as single transfers."""
 
+import os
 import random
 from collections.abc import Iterator
 from pathlib import Path
@@ -95,25 +96,27 @@ def received(instance: DecodeInstance, request_id: str) -> list[bytes]:
 
 
 @pytest.mark.parametrize("transport", ["shm", "mooncake"])
-def test_blocks_land_in_reservations_whatever_the_order_of_decode_block_ids(
+def test_blocks_land_in_reservations_whatever_decode_block_ids_they_get(
     transport: str, decode: tuple[DecodeInstance, str]
 ) -> None:
     instance, address = decode
     sender = Sender(transport, address, instance.core.block_io.block_bytes)
     try:
-        # a fresh pool hands out ascending ids (one transfer); blocks are freed tail first, so
-        # after two aborts a reservation takes ids that never follow each other
-        ascending = sender.reserve("ascending", 6)
-        assert len(plan_writes(ascending, sender.blocks[:6])) == 1
-        check_send(instance, sender, ascending, sender.blocks[:6])
-        sender.reserve("rest", NUM_BLOCKS - 6 - 1)  # decode keeps one block for running requests
+        # a fresh pool hands out consecutive ids: one transfer
+        ascending = sender.reserve("ascending", 4)
+        assert len(plan_writes(ascending, sender.blocks[:4])) == 1
+        check_send(instance, sender, ascending, sender.blocks[:4])
+        # holes: the blocks of two aborted reservations and the one block left at the end
+        sender.reserve("middle", 4)
+        sender.reserve("last", 4)
+        sender.reserve("fill", NUM_BLOCKS - 12 - 3)  # decode keeps a block per reservation
         sender.abort("ascending")
-        sender.abort("rest")
-        scattered = sender.reserve("scattered", 10)
-        assert len(plan_writes(scattered, sender.blocks[20:30])) == 10
-        check_send(instance, sender, scattered, sender.blocks[20:30])
+        sender.abort("last")
+        mixed = sender.reserve("mixed", 8)
+        assert 1 < len(plan_writes(mixed, sender.blocks[20:28])) < 8
+        check_send(instance, sender, mixed, sender.blocks[20:28])
     finally:
-        for request_id in ("ascending", "rest", "scattered"):
+        for request_id in ("ascending", "middle", "last", "fill", "mixed"):
             sender.abort(request_id)
         sender.close()
     assert instance.stats().num_reservations == 0
@@ -144,3 +147,16 @@ def test_a_write_into_an_aborted_reservation_is_a_typed_error(
         sender.close()
     assert instance.stats().num_reservations == 0
     instance.check_integrity()
+
+
+def test_the_shared_kv_cache_has_its_pages_from_the_start(
+    decode: tuple[DecodeInstance, str],
+) -> None:
+    """Allocated when the instance starts, not on first touch: a /dev/shm that fills up later
+    cannot kill the instance with SIGBUS in the middle of a transfer."""
+    instance, _ = decode
+    runner = instance.core.engine.runner
+    assert runner.segment is not None
+    nbytes = runner.kv_cache.numel() * runner.kv_cache.element_size()
+    stat = os.stat(f"/dev/shm/{runner.segment.name.lstrip('/')}")
+    assert stat.st_blocks * 512 >= nbytes

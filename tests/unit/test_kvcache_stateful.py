@@ -132,7 +132,8 @@ class KVCacheMachine(RuleBasedStateMachine):
         if revived:
             event("free cached prefix blocks revived")
         self.free_order = [b for b in self.free_order if b not in revived]
-        assert new_blocks == self.free_order[: len(new_blocks)], "not allocated from the LRU head"
+        head = self.free_order[: len(new_blocks)]
+        assert new_blocks == sorted(head), "not the LRU head, in ascending order"
         del self.free_order[: len(new_blocks)]
         for block_id in new_blocks:
             self.kv[block_id] = [None] * BLOCK_SIZE
