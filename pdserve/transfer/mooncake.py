@@ -31,7 +31,7 @@ logger = logging.getLogger(__name__)
 MAX_RUN_BYTES = 8 * 2**20  # a longer run is split, so that its parts spread over the lanes
 POLL_INTERVAL_S = 0.0002
 _SUBMIT_FAILED = (-1, 2**64 - 1)  # `transfer_submit_write` returns -1 as an unsigned batch id
-_DONE, _WAITING, _FAILED, _TIMED_OUT = 1, 0, -1, -2  # `transfer_check_status`
+_WAITING, _FAILED, _TIMED_OUT = 0, -1, -2  # `transfer_check_status` (1: done, batch freed)
 
 
 def _library_defaults(config: TransferConfig | None = None) -> None:
