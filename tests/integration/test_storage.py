@@ -41,9 +41,12 @@ def storage_config(redis_url: str, root: Path, **overrides: object) -> StorageCo
     return StorageConfig(**settings)  # type: ignore[arg-type]
 
 
-def make_tier(config: StorageConfig, tag: str = "test") -> StorageTier:
+def make_tier(config: StorageConfig, made: list[StorageTier], tag: str = "test") -> StorageTier:
+    """A tier, recorded in `made` (the `tiers` fixture, which checks and closes it)."""
     assert config.directory is not None
-    return StorageTier(config, tag, make_store(config, None, Path(config.directory)))
+    tier = StorageTier(config, tag, make_store(config, None, Path(config.directory)))
+    made.append(tier)
+    return tier
 
 
 @pytest.fixture
@@ -117,8 +120,7 @@ def blocks(count: int, seed: int = 0) -> list[tuple[BlockHash, bytes]]:
 def test_written_blocks_read_back_verified(
     redis_url: str, tmp_path: Path, tiers: list[StorageTier]
 ) -> None:
-    tier = make_tier(storage_config(redis_url, tmp_path))
-    tiers.append(tier)
+    tier = make_tier(storage_config(redis_url, tmp_path), tiers)
     items = blocks(4)
     assert tier.write(items) == 4
     tier.flush()
@@ -130,8 +132,7 @@ def test_written_blocks_read_back_verified(
 def test_corrupt_or_missing_bytes_are_detected_dropped_and_recomputed(
     redis_url: str, tmp_path: Path, tiers: list[StorageTier]
 ) -> None:
-    tier = make_tier(storage_config(redis_url, tmp_path))
-    tiers.append(tier)
+    tier = make_tier(storage_config(redis_url, tmp_path), tiers)
     items = blocks(3)
     tier.write(items)
     tier.flush()
@@ -153,8 +154,7 @@ def test_corrupt_or_missing_bytes_are_detected_dropped_and_recomputed(
 def test_writes_beyond_the_pending_limit_are_dropped_not_queued(
     redis_url: str, tmp_path: Path, tiers: list[StorageTier]
 ) -> None:
-    tier = make_tier(storage_config(redis_url, tmp_path, max_pending_bytes=2 * BLOCK))
-    tiers.append(tier)
+    tier = make_tier(storage_config(redis_url, tmp_path, max_pending_bytes=2 * BLOCK), tiers)
     release = threading.Event()
     tier.prefetch([], lambda _: release.wait(10))  # holds the worker
     assert tier.write(blocks(2)) == 2
@@ -193,8 +193,7 @@ def storage_engine(
     tiny_model_dir: Path, config: StorageConfig, num_kv_blocks: int, tiers: list[StorageTier]
 ) -> LLMEngine:
     engine = tight_engine(tiny_model_dir, None, num_kv_blocks)
-    tier = make_tier(config, engine.storage_tag())
-    tiers.append(tier)
+    tier = make_tier(config, tiers, engine.storage_tag())
     engine.attach_storage(tier)
     return engine
 
