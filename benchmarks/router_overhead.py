@@ -392,24 +392,7 @@ def bench_proxy(args: argparse.Namespace) -> dict[str, Any]:
         for round_index in range(rounds):
             order = ["bare", "proxy"] if round_index % 2 == 0 else ["proxy", "bare"]
             for side in order:
-                job = {
-                    "url": sides[side] + "/v1/completions",
-                    "body": body,
-                    "workers": args.workers,
-                    "warmup_s": WARMUP_S,
-                    "seconds": seconds,
-                }
-                parent.send(job)
-                time.sleep(WARMUP_S)
-                cpu = time.process_time()
-                time.sleep(seconds)
-                server_cpu = time.process_time() - cpu
-                sample = parent.recv()
-                sample["server_cpu_s"] = server_cpu
-                sample["server_cpu_us_per_request"] = (
-                    1e6 * server_cpu / sample["requests"] if sample["requests"] else float("nan")
-                )
-                samples[side].append(sample)
+                samples[side].append(drive(parent, sides[side], body, args.workers, seconds))
         leases = router.router.load.num_live_leases()
     finally:  # the router first: its channels close before the fake servers go away
         if router is not None:
@@ -420,6 +403,41 @@ def bench_proxy(args: argparse.Namespace) -> dict[str, Any]:
         peer.join(15)
         if peer.is_alive():
             peer.terminate()
+    return proxy_figures(samples, leases, args, seconds, rounds)
+
+
+def drive(
+    parent: Connection, url: str, body: dict[str, Any], workers: int, seconds: float
+) -> dict[str, Any]:
+    """One timed span of load on `url` from the peer process, with this process's CPU time
+    over it (the servers run here)."""
+    job = {
+        "url": url + "/v1/completions",
+        "body": body,
+        "workers": workers,
+        "warmup_s": WARMUP_S,
+        "seconds": seconds,
+    }
+    parent.send(job)
+    time.sleep(WARMUP_S)
+    cpu = time.process_time()
+    time.sleep(seconds)
+    server_cpu = time.process_time() - cpu
+    sample: dict[str, Any] = parent.recv()
+    sample["server_cpu_s"] = server_cpu
+    sample["server_cpu_us_per_request"] = (
+        1e6 * server_cpu / sample["requests"] if sample["requests"] else float("nan")
+    )
+    return sample
+
+
+def proxy_figures(
+    samples: dict[str, list[dict[str, Any]]],
+    leases: int,
+    args: argparse.Namespace,
+    seconds: float,
+    rounds: int,
+) -> dict[str, Any]:
     ratios = [p["rps"] / b["rps"] for p, b in zip(samples["proxy"], samples["bare"], strict=True)]
 
     def med(side: str, key: str) -> float:

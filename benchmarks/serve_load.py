@@ -94,7 +94,7 @@ import math
 import random
 import time
 from collections import Counter
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -408,21 +408,13 @@ class LoadClient:
     async def send(self, tag: str, body: dict[str, Any], max_tokens: int) -> Record:
         """Stream one request; never raises for a failed request (the Record holds the error)."""
         path = "/v1/chat/completions" if self.api == "chat" else "/v1/completions"
-        payload = {
-            "model": self.model,
-            **body,
-            "max_tokens": max_tokens,
-            "temperature": 0,
-            "stream": True,
-            "stream_options": {"include_usage": True},
-        }
         prompt = body.get("prompt")
         prompt_tokens = len(prompt) if isinstance(prompt, list) else 0
         start = time.perf_counter()
         record = Record(tag, prompt_tokens, start - self.t0)
         last = start
         texts: list[str] = []
-        chunks = 0
+        payload = self._payload(body, max_tokens)
         try:
             async with self.http.stream("POST", self.url + path, json=payload) as response:
                 if response.status_code != 200:
@@ -439,40 +431,55 @@ class LoadClient:
                     if "error" in chunk:
                         record.error = str(chunk["error"].get("message"))[:200]
                         break
-                    if chunk.get("usage"):
-                        record.output_tokens = int(chunk["usage"]["completion_tokens"])
-                        record.prompt_tokens = int(chunk["usage"]["prompt_tokens"])
-                    choices = chunk.get("choices") or []
-                    if not choices:
+                    text = self._token_text(chunk, record)
+                    if text is None:
                         continue
-                    choice = choices[0]
-                    if choice.get("finish_reason") is not None:
-                        record.finish_reason = choice["finish_reason"]
-                        continue
-                    if self.api == "chat":
-                        delta = choice.get("delta") or {}
-                        if "role" in delta:  # the opening chunk carries no token
-                            continue
-                        text = delta.get("content") or ""
-                    else:
-                        text = choice.get("text") or ""
                     now = time.perf_counter()
                     if record.ttft_s is None:
                         record.ttft_s = now - start
                     else:
                         record.itl_s.append(now - last)
                     last = now
-                    chunks += 1
                     texts.append(text)
         except (httpx.HTTPError, json.JSONDecodeError) as e:
             record.error = f"{type(e).__name__}: {e}"[:200]
         record.e2e_s = time.perf_counter() - start
         record.text = "".join(texts)
         if not record.output_tokens:
-            record.output_tokens = chunks
+            record.output_tokens = len(texts)
         if record.error is None and record.ttft_s is None:
             record.error = "no token received"
         return record
+
+    def _payload(self, body: dict[str, Any], max_tokens: int) -> dict[str, Any]:
+        return {
+            "model": self.model,
+            **body,
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+
+    def _token_text(self, chunk: dict[str, Any], record: Record) -> str | None:
+        """Fold one streamed chunk into the record: usage and finish reason. Its text when it
+        carries a token, else None."""
+        if chunk.get("usage"):
+            record.output_tokens = int(chunk["usage"]["completion_tokens"])
+            record.prompt_tokens = int(chunk["usage"]["prompt_tokens"])
+        choices = chunk.get("choices") or []
+        if not choices:
+            return None
+        choice = choices[0]
+        if choice.get("finish_reason") is not None:
+            record.finish_reason = choice["finish_reason"]
+            return None
+        if self.api != "chat":
+            return str(choice.get("text") or "")
+        delta = choice.get("delta") or {}
+        if "role" in delta:  # the opening chunk carries no token
+            return None
+        return str(delta.get("content") or "")
 
 
 def arrivals(rate: float, kind: str, seed: int) -> Callable[[], float]:
@@ -491,7 +498,6 @@ async def run_multiturn(
 ) -> list[Record]:
     conversations = workload.build()
     records: list[Record] = []
-    slots = asyncio.Semaphore(args.concurrency or len(conversations))
 
     async def one_turn(conv: Conversation) -> None:
         turn = conv.turn
@@ -500,20 +506,40 @@ async def run_multiturn(
         records.append(record)
         conv.add_answer(workload.api, record.text, tokenizer)
 
-    if args.rate is None:  # closed loop: each conversation sends its next turn when ready
+    if args.rate is None:
+        await closed_loop(conversations, workload, args, one_turn)
+    else:
+        await open_loop(conversations, workload, args, one_turn)
+    return records
 
-        async def converse(conv: Conversation) -> None:
-            think = random.Random(f"{args.seed}/think/{conv.index}")
-            async with slots:
-                for _ in range(workload.turns):
-                    if args.think_time_ms > 0:  # desynchronizes the conversations
-                        await asyncio.sleep(think.expovariate(1000 / args.think_time_ms))
-                    await one_turn(conv)
 
-        await asyncio.gather(*(converse(c) for c in conversations))
-        return records
+async def closed_loop(
+    conversations: list[Conversation],
+    workload: MultiturnWorkload,
+    args: argparse.Namespace,
+    one_turn: Callable[[Conversation], Awaitable[None]],
+) -> None:
+    """Each conversation sends its next turn when its answer is in (after a think time)."""
+    slots = asyncio.Semaphore(args.concurrency or len(conversations))
 
-    # open loop: one turn per release, to the conversation that has waited longest
+    async def converse(conv: Conversation) -> None:
+        think = random.Random(f"{args.seed}/think/{conv.index}")
+        async with slots:
+            for _ in range(workload.turns):
+                if args.think_time_ms > 0:  # desynchronizes the conversations
+                    await asyncio.sleep(think.expovariate(1000 / args.think_time_ms))
+                await one_turn(conv)
+
+    await asyncio.gather(*(converse(c) for c in conversations))
+
+
+async def open_loop(
+    conversations: list[Conversation],
+    workload: MultiturnWorkload,
+    args: argparse.Namespace,
+    one_turn: Callable[[Conversation], Awaitable[None]],
+) -> None:
+    """One turn per arrival, to the conversation that has waited longest."""
     ready: asyncio.Queue[Conversation] = asyncio.Queue()
     waiting = list(conversations)
     active = 0
@@ -546,7 +572,6 @@ async def run_multiturn(
         tasks.append(asyncio.ensure_future(run_turn(conv)))
         next_at = max(next_at, time.perf_counter() - 1.0) + gap()  # no catch-up bursts
     await asyncio.gather(*tasks)
-    return records
 
 
 async def run_trace(

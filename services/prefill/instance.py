@@ -131,14 +131,7 @@ class PrefillInstance:
             yield "computed"
             self._send_kv(request, reservation, decode_address, outcome)
             yield "transferred"
-            handoff = time.perf_counter()
-            self._decode_stub(decode_address).StartDecode(
-                decode_pb2.StartDecodeRequest(
-                    request_id=request_id, first_token_id=output.new_token_ids[0]
-                )
-            )
-            outcome.timings.handoff_s = time.perf_counter() - handoff
-            outcome.first_token_id = output.new_token_ids[0]
+            self._hand_off(request_id, decode_address, output.new_token_ids[0], outcome)
             decode_reserved = False
         except grpc.RpcError as e:
             raise KVTransferError(
@@ -151,6 +144,17 @@ class PrefillInstance:
             if decode_reserved:
                 self._abort_on_decode(request_id, decode_address)
         yield outcome
+
+    def _hand_off(
+        self, request_id: str, decode_address: str, first_token_id: int, outcome: PrefillOutcome
+    ) -> None:
+        """The KV is on decode: give it the first token, which starts the request there."""
+        start = time.perf_counter()
+        self._decode_stub(decode_address).StartDecode(
+            decode_pb2.StartDecodeRequest(request_id=request_id, first_token_id=first_token_id)
+        )
+        outcome.timings.handoff_s = time.perf_counter() - start
+        outcome.first_token_id = first_token_id
 
     def preallocate_resource_in_p(self, request: Request, decode_address: str) -> DecodeReservation:
         """Match the device prefix cache (extended by the storage tier), allocate blocks for the

@@ -199,12 +199,7 @@ class Router:
         failure: Exception | None = None
         for attempt in range(1, self.config.max_attempts + 1):
             prefill, decode, cached = self._choose(request_id, token_ids, hashes, excluded)
-            # Only the tokens the instance must compute count as its prefill load.
-            uncached = max(1, len(token_ids) - cached)
-            leases: tuple[Lease, ...] = (self.load.acquire(prefill, uncached),)
-            if decode is not None:
-                leases += (self.load.acquire(decode, 0),)
-            self._active[request_id] = _Active(prefill, decode, leases)
+            leases = self._take_leases(request_id, prefill, decode, len(token_ids) - cached)
             try:
                 events = self._start(prefill, decode, token_ids, params, request_id)
                 try:
@@ -240,6 +235,17 @@ class Router:
             "retry later",
             retry_ms,
         )
+
+    def _take_leases(
+        self, request_id: str, prefill: str, decode: str | None, uncached: int
+    ) -> tuple[Lease, ...]:
+        """Count the request on its instances: only the tokens prefill must compute count as
+        its prefill load."""
+        leases: tuple[Lease, ...] = (self.load.acquire(prefill, max(1, uncached)),)
+        if decode is not None:
+            leases += (self.load.acquire(decode, 0),)
+        self._active[request_id] = _Active(prefill, decode, leases)
+        return leases
 
     def _start(
         self,
