@@ -13,6 +13,7 @@ of per-round ratios; engine and bare steps alternate one by one); target >= 0.7 
 import argparse
 import time
 from collections.abc import Sequence
+from dataclasses import asdict, dataclass
 
 import torch
 from _common import finish, median, parse_args, print_table, repeats
@@ -116,14 +117,39 @@ def lockstep_round(
     return sides[0].produced / seconds[0], sides[1].produced / seconds[1]
 
 
-def main() -> None:
-    args = parse_args(__doc__ or NAME, configure)
-    batches = [int(b) for b in args.batches.split(",")]
-    steps = args.steps or (16 if args.quick else 64)
-    repeat = repeats(args, quick=3, full=5)
-    torch.set_num_threads(args.threads)
+@dataclass(frozen=True, slots=True)
+class BatchFigures:
+    engine_tok_s: float  # medians over rounds
+    bare_tok_s: float
+    ratio: float  # median of per-round engine / bare
+    engine_samples: list[float]
+    bare_samples: list[float]
+    ratios: list[float]
+    engine_step_ms: float
+    bare_step_ms: float
 
-    max_batch = max(batches)
+
+def batch_figures(batch: int, engine: list[float], bare: list[float]) -> BatchFigures:
+    """One batch size's figures from its rounds' tok/s, engine and bare runner."""
+    ratios = [e / b for e, b in zip(engine, bare, strict=True)]
+    engine_tps, bare_tps = median(engine), median(bare)
+    return BatchFigures(
+        engine_tps,
+        bare_tps,
+        median(ratios),
+        engine,
+        bare,
+        ratios,
+        1e3 * batch / engine_tps,
+        1e3 * batch / bare_tps,
+    )
+
+
+def make_engine_and_runner(
+    args: argparse.Namespace, max_batch: int, steps: int
+) -> tuple[LLMEngine, ModelRunner]:
+    """The engine, and a bare runner on the same weights, each with room for `max_batch`
+    sequences of the prompt plus `steps` tokens."""
     blocks_per_seq = -(-(args.prompt_len + steps + 1) // BLOCK_SIZE)
     config = EngineConfig(
         block_size=BLOCK_SIZE,
@@ -135,32 +161,30 @@ def main() -> None:
     engine = LLMEngine.from_config(config)
     loaded = engine.loaded
     runner = ModelRunner.create(loaded.model, max_batch * blocks_per_seq, BLOCK_SIZE, loaded.dtype)
+    return engine, runner
+
+
+def main() -> None:
+    args = parse_args(__doc__ or NAME, configure)
+    batches = [int(b) for b in args.batches.split(",")]
+    steps = args.steps or (16 if args.quick else 64)
+    repeat = repeats(args, quick=3, full=5)
+    torch.set_num_threads(args.threads)
+
+    engine, runner = make_engine_and_runner(args, max(batches), steps)
     prompts = Prompts(args.prompt_len)
 
     rows: list[list[str | int | float]] = []
-    per_batch: dict[str, dict[str, float | list[float]]] = {}
+    per_batch: dict[str, dict[str, object]] = {}
     metrics: dict[str, float] = {}
     for batch in batches:
         lockstep_round(engine, runner, prompts.take(batch), steps)  # warm-up
         rounds = [lockstep_round(engine, runner, prompts.take(batch), steps) for _ in range(repeat)]
-        samples = {"engine": [e for e, _ in rounds], "bare": [b for _, b in rounds]}
-        ratios = [e / b for e, b in zip(samples["engine"], samples["bare"], strict=True)]
-        ratio = median(ratios)
-        engine_tps, bare_tps = median(samples["engine"]), median(samples["bare"])
-        per_batch[str(batch)] = {
-            "engine_tok_s": engine_tps,
-            "bare_tok_s": bare_tps,
-            "ratio": ratio,
-            "engine_samples": samples["engine"],
-            "bare_samples": samples["bare"],
-            "ratios": ratios,
-            "engine_step_ms": 1e3 * batch / engine_tps,
-            "bare_step_ms": 1e3 * batch / bare_tps,
-        }
-        rows.append(
-            [batch, engine_tps, bare_tps, ratio, 1e3 * batch * (1 / engine_tps - 1 / bare_tps)]
-        )
-        metrics[f"ratio_b{batch}"] = ratio
+        f = batch_figures(batch, [e for e, _ in rounds], [b for _, b in rounds])
+        per_batch[str(batch)] = asdict(f)
+        overhead_ms = 1e3 * batch * (1 / f.engine_tok_s - 1 / f.bare_tok_s)
+        rows.append([batch, f.engine_tok_s, f.bare_tok_s, f.ratio, overhead_ms])
+        metrics[f"ratio_b{batch}"] = f.ratio
 
     print_table(
         f"decode tok/s, tiny model, {args.threads} threads, prompt {args.prompt_len}, "
