@@ -113,8 +113,9 @@ class TransferConfig:
     mooncake: bool = True  # start a Mooncake transfer engine when its package is installed
     mooncake_protocol: str = "tcp"  # tcp | rdma
     mooncake_devices: str | None = None  # RDMA devices (e.g. mlx5_0,mlx5_1); None for tcp
+    mooncake_engines: int = 0  # transfer engines a prefill instance sends with (one I/O thread
+    # each); 0 = auto: one per 4 cores, at most 4, and 1 over rdma
     max_batch_entries: int = 1024  # Mooncake transfers in flight (its TCP queue is bounded)
-    mooncake_tcp_chunk_bytes: int = 2**20  # bytes per socket read/write (MC_TCP_SLICE_SIZE)
     lease_margin_s: float = 2.0  # direct writes stop this long before a reservation's lease ends
 
     def __post_init__(self) -> None:
@@ -126,10 +127,10 @@ class TransferConfig:
             raise ConfigError(
                 f"transfer.mooncake_protocol must be tcp or rdma, got {self.mooncake_protocol!r}"
             )
+        if self.mooncake_engines < 0:
+            raise ConfigError("transfer.mooncake_engines must be 0 (auto) or positive")
         if self.max_batch_entries <= 0:
             raise ConfigError("transfer.max_batch_entries must be positive")
-        if self.mooncake_tcp_chunk_bytes <= 0:
-            raise ConfigError("transfer.mooncake_tcp_chunk_bytes must be positive")
 
 
 @dataclass(frozen=True, slots=True)

@@ -159,17 +159,22 @@ class InstanceCore:
         )
         return server, bound
 
-    def start_mooncake(self, config: TransferConfig, host: str) -> "MooncakeEngine | None":
-        """This instance's Mooncake transfer engine with its KV cache registered, when
-        `transfer.mooncake` is on and the package loads; None otherwise."""
+    def start_mooncake(
+        self, config: TransferConfig, host: str, sender: bool = False
+    ) -> "MooncakeEngine | None":
+        """This instance's Mooncake transfer engines with its KV cache registered (a `sender`
+        runs `sender_engines(config)` of them, a receiver one), when `transfer.mooncake` is on
+        and the package loads; None otherwise."""
         if not (config.mooncake or config.transport == "mooncake"):
             return None
-        from pdserve.transfer.mooncake import MooncakeEngine, mooncake_available
+        from pdserve.transfer.mooncake import MooncakeEngine, mooncake_available, sender_engines
 
         if not mooncake_available():
             logger.info("Mooncake transfer engine not installed: KV goes over shm or gRPC")
             return None
-        engine = MooncakeEngine(config, advertised_host(host))
+        count = sender_engines(config) if sender else 1
+        engine = MooncakeEngine(config, advertised_host(host), count)
+        logger.info("Mooncake transfer engines: %d (%s)", count, config.mooncake_protocol)
         kv = self.engine.runner.kv_cache
         engine.register(kv.data_ptr(), self.block_io.total_bytes)
         self.mooncake = engine

@@ -1,12 +1,19 @@
 """MooncakeKVTransport: KV blocks written straight into a decode instance's reserved blocks by the
 Mooncake transfer engine (RDMA on GPU clusters, TCP here), then committed over gRPC.
 
-Each instance runs one `MooncakeEngine` (P2P handshake: no metadata server) and registers its KV
+Each instance runs a `MooncakeEngine` (P2P handshake: no metadata server) and registers its KV
 cache with it at start. A decode instance's Reserve reply carries its engine's session
 (`host:port`) and the address of its KV cache; the sender computes each block's remote address
 (base + block id x block bytes). Blocks consecutive on both sides are written as one transfer
-(at most `MAX_RUN_BYTES`); at most `transfer.max_batch_entries` transfers are in flight per engine
+(at most `MAX_RUN_BYTES`); at most `transfer.max_batch_entries` transfers are in flight per sender
 (the engine's TCP queue is bounded), and the reservation's lease is checked before each group.
+
+Over TCP one transfer engine moves all its bytes on one I/O thread, in socket calls of at most
+64 KiB (its asio library's limit): that thread is a sender's ceiling (about 2.5 GB/s on a
+2.4 GHz EPYC core, where a blocking `sendall` reaches about 3). A prefill instance therefore
+runs `transfer.mooncake_engines` engines (auto: one per four cores, at most four; one over RDMA,
+whose NIC does the work) and deals its transfers round-robin over them; a decode instance
+receives with one.
 
 Completion is polled from Python with short naps (`POLL_INTERVAL_S`, the GIL released): the
 library's own synchronous calls spin on a core until the transfer ends, and on a small host that
@@ -28,21 +35,20 @@ from pdserve.transfer.direct import check_bounds, commit, copy_runs
 
 logger = logging.getLogger(__name__)
 
-MAX_RUN_BYTES = 8 * 2**20  # a longer run is split, so that its parts spread over the lanes
+MAX_RUN_BYTES = 8 * 2**20  # a longer run is split, so that its parts spread over lanes and engines
+MAX_AUTO_ENGINES = 4
+CORES_PER_AUTO_ENGINE = 4
 POLL_INTERVAL_S = 0.0002
 _SUBMIT_FAILED = (-1, 2**64 - 1)  # `transfer_submit_write` returns -1 as an unsigned batch id
 _WAITING, _FAILED, _TIMED_OUT = 0, -1, -2  # `transfer_check_status` (1: done, batch freed)
 
 
-def _library_defaults(config: TransferConfig | None = None) -> None:
+def _library_defaults() -> None:
     """Settings the library reads from the environment (an operator's own values win): errors
     only in its log (it still prints a benign "Local segment descriptor not found" per engine),
-    a frozen peer fails a write after 10 s, not 30, and TCP moves data in 1 MiB reads and
-    writes rather than 64 KiB ones."""
+    and a frozen peer fails a write after 10 s, not 30."""
     os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
     os.environ.setdefault("MC_TRANSFER_TIMEOUT", "10")
-    if config is not None:
-        os.environ.setdefault("MC_TCP_SLICE_SIZE", str(config.mooncake_tcp_chunk_bytes))
 
 
 def mooncake_available() -> bool:
@@ -58,15 +64,41 @@ def mooncake_available() -> bool:
     return True
 
 
-class MooncakeEngine:
-    """This process's Mooncake transfer engine, in P2P handshake mode."""
+def sender_engines(config: TransferConfig) -> int:
+    """How many transfer engines a sending instance runs: `transfer.mooncake_engines`, or when
+    0 (auto) one per `CORES_PER_AUTO_ENGINE` cores this process may use, at most
+    `MAX_AUTO_ENGINES`, and one over RDMA."""
+    if config.mooncake_engines:
+        return config.mooncake_engines
+    if config.mooncake_protocol == "rdma":
+        return 1
+    cores = len(os.sched_getaffinity(0))
+    return max(1, min(MAX_AUTO_ENGINES, cores // CORES_PER_AUTO_ENGINE))
 
-    def __init__(self, config: TransferConfig, hostname: str) -> None:
-        _library_defaults(config)
+
+class MooncakeEngine:
+    """This process's Mooncake transfer engines, in P2P handshake mode: `count` of them, each
+    with its own I/O thread. Peers write into the first (its `session`); a sender spreads its
+    writes over all (`engines`)."""
+
+    def __init__(self, config: TransferConfig, hostname: str, count: int = 1) -> None:
+        _library_defaults()
+        self.engines: list[Any] = []
+        self._registered: list[int] = []
+        try:
+            for _ in range(max(1, count)):
+                self.engines.append(self._start(config, hostname))
+        except BaseException:
+            self.close()
+            raise
+        self.session = f"{hostname}:{self.engines[0].get_rpc_port()}"
+
+    @staticmethod
+    def _start(config: TransferConfig, hostname: str) -> Any:
         from mooncake.engine import TransferEngine
 
-        self.engine: Any = TransferEngine()
-        rc = self.engine.initialize(
+        engine = TransferEngine()
+        rc = engine.initialize(
             hostname, "P2PHANDSHAKE", config.mooncake_protocol, config.mooncake_devices or ""
         )
         if rc != 0:
@@ -74,20 +106,26 @@ class MooncakeEngine:
                 f"Mooncake transfer engine failed to start on {hostname} "
                 f"({config.mooncake_protocol}): code {rc}"
             )
-        self.session = f"{hostname}:{self.engine.get_rpc_port()}"
-        self._registered: list[int] = []
+        return engine
 
     def register(self, address: int, size: int) -> None:
-        """Register memory that peers write into (or that this engine sends from)."""
-        rc = self.engine.register_memory(address, size)
-        if rc != 0:
-            raise KVTransferError(f"Mooncake could not register {size} bytes: code {rc}")
+        """Register memory that peers write into (or that these engines send from)."""
+        for engine in self.engines:
+            rc = engine.register_memory(address, size)
+            if rc != 0:
+                raise KVTransferError(f"Mooncake could not register {size} bytes: code {rc}")
         self._registered.append(address)
 
     def close(self) -> None:
         for address in self._registered:
-            self.engine.unregister_memory(address)
+            for engine in self.engines:
+                engine.unregister_memory(address)
         self._registered.clear()
+
+
+def deal(count: int, engines: int, first: int) -> list[int]:
+    """The engine of each of `count` transfers: round-robin from engine `first`."""
+    return [(first + i) % engines for i in range(count)]
 
 
 def plan_writes(
@@ -113,7 +151,9 @@ class MooncakeKVTransport(KVTransport):
         self._config = config
         self._channels = channels
         self._engine = engine
-        self._lock = threading.Lock()  # one group of transfers in flight per engine
+        self._lock = threading.Lock()  # one group of transfers in flight per sender
+        self._next_engine = 0  # where the next send starts dealing (small sends take turns)
+        self.writes_per_engine = [0] * len(engine.engines)  # transfers submitted, per engine
 
     def can_reach(self, target: KVTarget) -> bool:
         return bool(target.endpoints.mooncake_session)
@@ -136,22 +176,26 @@ class MooncakeKVTransport(KVTransport):
         return TransferResult(len(blocks), len(blocks) * size, time.perf_counter() - start)
 
     def _write(self, session: str, writes: Sequence[tuple[int, int, int]], deadline: float) -> str:
-        """Start every write, then wait until none is in flight (a write that lands after the
-        reservation is released would corrupt another request's blocks), or until the lease
-        ends (`deadline`; else the library's own limit: its transfer timeout plus 1 s per GiB).
-        What went wrong, or ""."""
-        engine = self._engine.engine
+        """Start every write (dealt over the engines), then wait until none is in flight (a
+        write that lands after the reservation is released would corrupt another request's
+        blocks), or until the lease ends (`deadline`; else the library's own limit: its
+        transfer timeout plus 1 s per GiB). What went wrong, or ""."""
+        engines = self._engine.engines
+        dealt = deal(len(writes), len(engines), self._next_engine)
+        self._next_engine = (self._next_engine + len(writes)) % len(engines)
         failure = ""
         pending = []
-        for source, destination, length in writes:
+        for (source, destination, length), index in zip(writes, dealt, strict=True):
+            engine = engines[index]
             batch = engine.transfer_submit_write(session, source, destination, length)
             if batch in _SUBMIT_FAILED:
                 failure = "the transfer engine refused a write (is the peer gone?)"
                 break
-            pending.append(batch)
+            pending.append((engine, batch))
+            self.writes_per_engine[index] += 1
         limit = float(os.environ.get("MC_TRANSFER_TIMEOUT", "30"))
         give_up = min(deadline, time.monotonic() + limit + sum(w[2] for w in writes) / 2**30)
-        for index, batch in enumerate(pending):  # in submission order, the order they finish in
+        for index, (engine, batch) in enumerate(pending):  # in submission order
             while (status := engine.transfer_check_status(batch)) == _WAITING:
                 if time.monotonic() >= give_up:
                     logger.error(

@@ -86,7 +86,9 @@ class PrefillInstance:
             self.transfer,
             self.channels,
             config.transfer_chunk_bytes,
-            self.core.start_mooncake(self.transfer, host) if transfer is not None else None,
+            self.core.start_mooncake(self.transfer, host, sender=True)
+            if transfer is not None
+            else None,
         )
         self._kv_ready: dict[str, Future[RequestOutput]] = {}
 

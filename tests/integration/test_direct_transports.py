@@ -41,7 +41,7 @@ def decode(tiny_model_dir: Path) -> Iterator[tuple[DecodeInstance, str]]:
 class Sender:
     """The sending side: source blocks in one registered buffer, and a transport."""
 
-    def __init__(self, name: str, address: str, block_bytes: int) -> None:
+    def __init__(self, name: str, address: str, block_bytes: int, engines: int = 1) -> None:
         self.address = address
         self.channels = ChannelPool()
         self.stub = decode_pb2_grpc.DecodeServiceStub(self.channels.get(address))
@@ -54,7 +54,7 @@ class Sender:
             self.transport = ShmKVTransport(self.channels)
         else:
             config = TransferConfig()
-            self.engine = MooncakeEngine(config, "127.0.0.1")
+            self.engine = MooncakeEngine(config, "127.0.0.1", engines)
             self.engine.register(address_of(view), len(self.source))
             self.transport = MooncakeKVTransport(config, self.channels, self.engine)
         self.serial = 0
@@ -117,6 +117,29 @@ def test_blocks_land_in_reservations_whatever_decode_block_ids_they_get(
         check_send(instance, sender, mixed, sender.blocks[20:28])
     finally:
         for request_id in ("ascending", "middle", "last", "fill", "mixed"):
+            sender.abort(request_id)
+        sender.close()
+    assert instance.stats().num_reservations == 0
+    instance.check_integrity()
+
+
+def test_a_sender_deals_its_writes_over_its_engines(decode: tuple[DecodeInstance, str]) -> None:
+    """Two sending engines (two I/O threads): every run of blocks goes through one of them, in
+    turn from send to send, and each lands in decode's reserved blocks."""
+    instance, address = decode
+    sender = Sender("mooncake", address, instance.core.block_io.block_bytes, engines=2)
+    assert isinstance(sender.transport, MooncakeKVTransport)
+    try:
+        one = sender.reserve("one", 4)
+        assert len(plan_writes(one, sender.blocks[:4])) == 1
+        check_send(instance, sender, one, sender.blocks[:4])
+        assert sender.transport.writes_per_engine == [1, 0]
+        # every other block of the source: 8 runs of one block, four through each engine
+        spread = sender.reserve("spread", 8)
+        check_send(instance, sender, spread, sender.blocks[8:24:2])
+        assert sender.transport.writes_per_engine == [5, 4]
+    finally:
+        for request_id in ("one", "spread"):
             sender.abort(request_id)
         sender.close()
     assert instance.stats().num_reservations == 0

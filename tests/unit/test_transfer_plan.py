@@ -1,9 +1,16 @@
 """How direct writes are planned: runs of blocks consecutive on both sides become one transfer,
-cut at a size limit; anything that breaks a run on either side starts a new one."""
+cut at a size limit; anything that breaks a run on either side starts a new one. Transfers are
+dealt round-robin over a sender's Mooncake engines, as many as the config or its cores say."""
 
+import os
+
+import pytest
+
+from pdserve.config import TransferConfig
+from pdserve.errors import ConfigError
 from pdserve.transfer.base import KVEndpoints, KVTarget
 from pdserve.transfer.direct import address_of
-from pdserve.transfer.mooncake import plan_writes
+from pdserve.transfer.mooncake import deal, plan_writes, sender_engines
 
 SIZE = 4096
 BASE = 1 << 40  # decode's KV cache address (never dereferenced: only planned)
@@ -48,3 +55,25 @@ def test_long_runs_are_cut_at_the_size_limit() -> None:
     ]
     # a limit under one block still writes whole blocks
     assert len(plan_writes(target(list(range(10, 20))), blocks, max_bytes=1)) == 10
+
+
+def test_transfers_are_dealt_round_robin_from_the_given_engine() -> None:
+    assert deal(5, 2, 0) == [0, 1, 0, 1, 0]
+    assert deal(3, 3, 2) == [2, 0, 1]
+    assert deal(4, 1, 0) == [0, 0, 0, 0]
+    assert deal(0, 4, 1) == []
+
+
+@pytest.mark.parametrize(("cores", "engines"), [(1, 1), (2, 1), (7, 1), (8, 2), (16, 4), (96, 4)])
+def test_auto_runs_one_sending_engine_per_four_cores_up_to_four(
+    cores: int, engines: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cores)))
+    assert sender_engines(TransferConfig()) == engines
+    assert sender_engines(TransferConfig(mooncake_protocol="rdma")) == 1
+    assert sender_engines(TransferConfig(mooncake_engines=3)) == 3
+
+
+def test_a_negative_engine_count_is_a_config_error() -> None:
+    with pytest.raises(ConfigError, match="mooncake_engines"):
+        TransferConfig(mooncake_engines=-1)
