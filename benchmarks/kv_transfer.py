@@ -21,11 +21,17 @@ Each transport runs next to its baseline, measured between the same processes in
            prebuilt `bytes` messages of exactly the transport's sizes (`--chunk-bytes`)
   shm      `ShmKVTransport.send`      vs memcpy of the same blocks within the sending process
   mooncake `MooncakeKVTransport.send` vs raw loopback TCP (length + blocks per reservation into a
-           ring buffer with `recv_into`, acknowledged)
+           ring buffer with `recv_into`, acknowledged); the sender runs `--mooncake-engines`
+           transfer engines (default: as a prefill instance, `transfer.mooncake_engines` auto)
 Direct transports include their CommitKV call. Each transport alternates round by round with its
 own baseline (which goes first flips). `ratio_<transport>` = median over rounds of transport GB/s
 / baseline GB/s (GB = 10^9 bytes) for the 2 MiB block; `ratio_<transport>_64k` for 64 KiB.
 Targets: grpc >= 0.8, mooncake >= 0.8, shm >= 0.5.
+Each timed span also records the CPU time of both processes (`<side>_cpu_ms_per_gib`: sender +
+receiver, per GiB moved) and the loopback packets (`<side>_packets_per_mib`, from
+/proc/net/dev: the host's, so other traffic adds to it); `cpu_ratio_<transport>` = median over
+rounds of the transport's CPU per byte / its baseline's. When both processes share few cores and
+keep them busy, GB/s follows CPU per byte: ratio ~ 1 / cpu_ratio.
 
 TTFT: one `--prompt-len`-token prompt (2,048; distinct every round: no prefix-cache hits) through
 in-process `serve_prefill` + `serve_decode` instances (tiny model, block size 16) with
@@ -42,6 +48,7 @@ import hashlib
 import json
 import multiprocessing
 import random
+import resource
 import socket
 import tempfile
 import threading
@@ -67,7 +74,7 @@ from pdserve.rpc.convert import endpoints_from_proto, generate_request
 from pdserve.transfer.base import KVTarget, KVTransport
 from pdserve.transfer.direct import ShmKVTransport, address_of
 from pdserve.transfer.grpc import DEFAULT_CHUNK_BYTES, GrpcKVTransport
-from pdserve.transfer.mooncake import MooncakeEngine, MooncakeKVTransport
+from pdserve.transfer.mooncake import MooncakeEngine, MooncakeKVTransport, sender_engines
 from pdserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc
 from services.decode.instance import DecodeInstance
 from services.decode.servicer import serve_decode
@@ -108,6 +115,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompt-len", type=int, default=2048, help="TTFT prompt tokens")
     parser.add_argument(
         "--threads", type=int, default=1, help="torch threads of both instances (default 1)"
+    )
+    parser.add_argument(
+        "--mooncake-engines",
+        type=int,
+        default=0,
+        help="sending Mooncake engines (0: auto, as transfer.mooncake_engines)",
     )
     parser.add_argument("--skip-ttft", action="store_true", help="only the transfer comparison")
 
@@ -297,6 +310,9 @@ def receiver_main(conn: Connection, engine_config: EngineConfig, threads: int) -
     try:
         conn.send((port, sink.port, tcp.port))
         while (command := conn.recv()) is not None:
+            if command == "cpu":
+                conn.send(process_cpu_seconds())
+                continue
             request_ids, expected = command
             conn.send(verify_blocks(instance, request_ids, expected))
     finally:
@@ -304,6 +320,47 @@ def receiver_main(conn: Connection, engine_config: EngineConfig, threads: int) -
         sink.close()
         server.stop(0).wait()
         instance.stop()
+
+
+def process_cpu_seconds() -> float:
+    """User + system CPU time of this process, all its threads."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def loopback_packets() -> int:
+    """Packets received by the loopback interface since boot (/proc/net/dev)."""
+    for line in Path("/proc/net/dev").read_text().splitlines():
+        name, _, counters = line.partition(":")
+        if name.strip() == "lo":
+            return int(counters.split()[1])
+    return 0
+
+
+@dataclass(frozen=True, slots=True)
+class Reading:
+    """One timed span: wall seconds, CPU seconds of both processes, loopback packets."""
+
+    seconds: float
+    cpu_seconds: float
+    packets: int
+
+
+class Span:
+    """Measures one timed span; the CPU readings (one of them a pipe round trip to the
+    receiver) are taken outside the wall-clock interval."""
+
+    def __init__(self, receiver: "Receiver") -> None:
+        self._receiver = receiver
+        self._cpu = receiver.cpu_seconds() + process_cpu_seconds()
+        self._packets = loopback_packets()
+        self._start = time.perf_counter()
+
+    def stop(self) -> Reading:
+        seconds = time.perf_counter() - self._start
+        packets = loopback_packets() - self._packets
+        cpu = self._receiver.cpu_seconds() + process_cpu_seconds() - self._cpu
+        return Reading(seconds, cpu, packets)
 
 
 def verify_blocks(
@@ -344,6 +401,11 @@ class Receiver:
             raise RuntimeError("the receiver process did not start within 120 s")
         self.decode_port, self.sink_port, self.tcp_port = self._conn.recv()
 
+    def cpu_seconds(self) -> float:
+        """The receiving process's CPU time so far."""
+        self._conn.send("cpu")
+        return float(self._conn.recv())
+
     def verify(self, request_ids: Sequence[str], expected: list[bytes]) -> None:
         self._conn.send((list(request_ids), expected))
         error = self._conn.recv()
@@ -365,9 +427,16 @@ class Senders:
     """Every side of one block size, in the sending process: the transports into fresh
     reservations (the Reserve RPC) of the receiver's decode instance, and the baselines."""
 
-    def __init__(self, plan: TransferPlan, receiver: Receiver, names: Sequence[str]) -> None:
+    def __init__(
+        self,
+        plan: TransferPlan,
+        receiver: Receiver,
+        names: Sequence[str],
+        transfer: TransferConfig,
+    ) -> None:
         self.plan = plan
         self.receiver = receiver
+        self.transfer = transfer
         self.address = f"127.0.0.1:{receiver.decode_port}"
         self.channels = ChannelPool()
         self.stub = decode_pb2_grpc.DecodeServiceStub(self.channels.get(self.address))
@@ -400,11 +469,11 @@ class Senders:
         self.tcp.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.destination = memoryview(touched_buffer(plan.total_bytes))
 
-    def run(self, side: str, verify: bool = False) -> float:
-        """Seconds to move the plan's bytes by `side` (reservation and release untimed)."""
+    def run(self, side: str, verify: bool = False) -> Reading:
+        """Moving the plan's bytes by `side` (reservation and release untimed)."""
         if side in self.names:
             return self._run_transport(self._transport(side), verify)
-        start = time.perf_counter()
+        span = Span(self.receiver)
         if side == "grpcio":
             for messages in self.prebuilt:
                 reply = self.count(iter(messages))
@@ -423,7 +492,7 @@ class Senders:
             size = self.plan.block_bytes
             for index, block in enumerate(self.blocks):
                 self.destination[index * size : (index + 1) * size] = block
-        return time.perf_counter() - start
+        return span.stop()
 
     def _transport(self, name: str) -> KVTransport:
         """Built on first use: a transport's machinery (Mooncake's engine and its registered
@@ -435,8 +504,8 @@ class Senders:
             elif name == "shm":
                 transport = ShmKVTransport(self.channels)
             else:
-                config = TransferConfig()
-                self.mooncake = MooncakeEngine(config, "127.0.0.1")
+                config = self.transfer
+                self.mooncake = MooncakeEngine(config, "127.0.0.1", sender_engines(config))
                 self.mooncake.register(address_of(memoryview(self.source)), len(self.source))
                 transport = MooncakeKVTransport(config, self.channels, self.mooncake)
             self.transports[name] = transport
@@ -469,22 +538,22 @@ class Senders:
         self.rounds += 1
         return targets
 
-    def _run_transport(self, transport: KVTransport, verify: bool) -> float:
+    def _run_transport(self, transport: KVTransport, verify: bool) -> Reading:
         targets: list[KVTarget] = []
         try:
             targets = self._reserve()
-            start = time.perf_counter()
+            span = Span(self.receiver)
             first = 0
             for target, count in zip(targets, self.plan.blocks_per_request, strict=True):
                 transport.send(target, self.blocks[first : first + count])
                 first += count
-            seconds = time.perf_counter() - start
+            reading = span.stop()
             if verify:
                 self.receiver.verify([t.request_id for t in targets], block_digests(self.blocks))
         finally:
             for target in targets:
                 self.stub.Abort(common_pb2.AbortRequest(request_id=target.request_id))
-        return seconds
+        return reading
 
     def close(self) -> None:
         for transport in self.transports.values():
@@ -509,7 +578,11 @@ class TransferFigures:
     blocks_per_message: int  # gRPC
     gbps: dict[str, float]  # per side: median over rounds
     ratios: dict[str, float]  # per transport: median of per-round transport / its baseline
+    cpu_ms_per_gib: dict[str, float]  # per side: median over rounds, sender + receiver
+    cpu_ratios: dict[str, float]  # per transport: median of per-round CPU per byte / baseline's
+    packets_per_mib: dict[str, float]  # per side: median over rounds, loopback
     samples_gbps: dict[str, list[float]]  # per side, per round
+    samples_cpu_ms_per_gib: dict[str, list[float]]
 
 
 def receiver_engine(plan: TransferPlan, threads: int, model: Path | None) -> EngineConfig:
@@ -527,21 +600,23 @@ def receiver_engine(plan: TransferPlan, threads: int, model: Path | None) -> Eng
 
 def measure_transfer(
     args: argparse.Namespace, repeat: int, plan: TransferPlan, engine_config: EngineConfig
-) -> dict[str, list[float]]:
-    """GB/s per side and round: each transport, then its baseline (or the other way round)."""
+) -> dict[str, list[Reading]]:
+    """A reading per side and round: each transport, then its baseline (or the other way
+    round)."""
     transports = [t for t in args.transport.split(",") if t]
     sides = [side for t in transports for side in (t, BASELINES[t])]
     receiver = Receiver(engine_config, args.threads)
     senders: Senders | None = None
-    samples: dict[str, list[float]] = {side: [] for side in sides}
+    samples: dict[str, list[Reading]] = {side: [] for side in sides}
     try:
-        senders = Senders(plan, receiver, transports)
+        transfer = TransferConfig(mooncake_engines=args.mooncake_engines)
+        senders = Senders(plan, receiver, transports, transfer)
         for transport in transports:  # each transport alternates with its own baseline only
             senders.run(transport, verify=True)  # warm-up, and a check that the bytes land intact
             pair = (transport, BASELINES[transport])
             for i in range(repeat):  # (which goes first flips round by round)
                 for side in pair if i % 2 == 0 else pair[::-1]:
-                    samples[side].append(plan.total_bytes / senders.run(side) / GB)
+                    samples[side].append(senders.run(side))
     finally:
         if senders is not None:
             senders.close()
@@ -560,12 +635,18 @@ def bench_transfer(
         model = None
         if plan.context > context:
             model = long_context_model(Path(directory), plan.context)
-        samples = measure_transfer(args, repeat, plan, receiver_engine(plan, args.threads, model))
-    transports = [side for side in samples if side in BASELINES]
-    ratios = {
-        t: median([a / b for a, b in zip(samples[t], samples[BASELINES[t]], strict=True)])
-        for t in transports
+        readings = measure_transfer(args, repeat, plan, receiver_engine(plan, args.threads, model))
+    gib = plan.total_bytes / 2**30
+    samples = {
+        side: [plan.total_bytes / r.seconds / GB for r in rs] for side, rs in readings.items()
     }
+    cpu = {side: [1e3 * r.cpu_seconds / gib for r in rs] for side, rs in readings.items()}
+    transports = [side for side in samples if side in BASELINES]
+
+    def per_round(values: dict[str, list[float]], t: str) -> float:
+        return median([a / b for a, b in zip(values[t], values[BASELINES[t]], strict=True)])
+
+    mib = plan.total_bytes / 2**20
     return TransferFigures(
         num_blocks=plan.num_blocks,
         block_bytes=plan.block_bytes,
@@ -574,8 +655,14 @@ def bench_transfer(
         reservations=plan.blocks_per_request,
         blocks_per_message=plan.blocks_per_message,
         gbps={side: median(values) for side, values in samples.items()},
-        ratios=ratios,
+        ratios={t: per_round(samples, t) for t in transports},
+        cpu_ms_per_gib={side: median(values) for side, values in cpu.items()},
+        cpu_ratios={t: per_round(cpu, t) for t in transports},
+        packets_per_mib={
+            side: median([r.packets / mib for r in rs]) for side, rs in readings.items()
+        },
         samples_gbps=samples,
+        samples_cpu_ms_per_gib=cpu,
     )
 
 
@@ -595,7 +682,7 @@ def one_request(client: PDClient, prefill: str, decode: str, prompt: list[int]) 
             token_times.extend(time.perf_counter() for _ in event.token_ids)
         else:
             finished = event
-    if finished is None or len(token_times) != 2:
+    if finished is None or finished.prefill is None or len(token_times) != 2:
         raise RuntimeError(f"request ended with {len(token_times)} tokens, expected 2")
     timings = finished.prefill.timings
     stages = {
@@ -658,12 +745,22 @@ def report_transfer(figures: TransferFigures, repeat: int) -> dict[str, str]:
     rows: list[list[str | int | float]] = []
     for transport, ratio in figures.ratios.items():
         baseline = BASELINES[transport]
-        rows.append([transport, figures.gbps[transport], ""])
-        rows.append([f"  {baseline} (baseline)", figures.gbps[baseline], ""])
+        for side, label in ((transport, transport), (baseline, f"  {baseline} (baseline)")):
+            rows.append(
+                [
+                    label,
+                    figures.gbps[side],
+                    figures.cpu_ms_per_gib[side],
+                    figures.packets_per_mib[side],
+                    "",
+                ]
+            )
         rows.append(
             [
                 f"  ratio_{transport}",
                 ratio,
+                figures.cpu_ratios[transport],
+                "",
                 f"target >= {TARGETS[transport]}: {verdicts[transport]}",
             ]
         )
@@ -671,7 +768,7 @@ def report_transfer(figures: TransferFigures, repeat: int) -> dict[str, str]:
         f"KV transfer: {figures.num_blocks} blocks of {figures.block_bytes} bytes "
         f"({figures.total_bytes / 2**20:.1f} MiB in {len(figures.reservations)} reservations), "
         f"median of {repeat}",
-        ["side", "GB/s", "note"],
+        ["side", "GB/s", "CPU ms/GiB", "packets/MiB", "note"],
         rows,
     )
     return verdicts
@@ -703,7 +800,13 @@ def main() -> None:
 
     sizes = parse_sizes(args.sizes or (QUICK_SIZES if args.quick else DEFAULT_SIZES))
     metrics: dict[str, float] = {}
-    results: dict[str, object] = {"targets": TARGETS, "repeat": repeat, "transfer": []}
+    engines = sender_engines(TransferConfig(mooncake_engines=args.mooncake_engines))
+    results: dict[str, object] = {
+        "targets": TARGETS,
+        "repeat": repeat,
+        "mooncake_engines": engines,
+        "transfer": [],
+    }
     verdict_lines = []
     for block_bytes, num_blocks in sizes:
         figures = bench_transfer(args, repeat, num_blocks, block_bytes)
@@ -714,6 +817,10 @@ def main() -> None:
             metrics[f"ratio_{transport}{suffix}"] = ratio
             metrics[f"{transport}_gbps{suffix}"] = figures.gbps[transport]
             metrics[f"{BASELINES[transport]}_gbps{suffix}"] = figures.gbps[BASELINES[transport]]
+            metrics[f"cpu_ratio_{transport}{suffix}"] = figures.cpu_ratios[transport]
+            for side in (transport, BASELINES[transport]):
+                metrics[f"{side}_cpu_ms_per_gib{suffix}"] = figures.cpu_ms_per_gib[side]
+                metrics[f"{side}_packets_per_mib{suffix}"] = figures.packets_per_mib[side]
             verdict_lines.append(
                 f"ratio_{transport}{suffix} {ratio:.3f}: target >= {TARGETS[transport]} -> "
                 f"{verdicts[transport]}"
