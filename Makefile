@@ -37,6 +37,9 @@ lint: install
 	$(VENV)/bin/ruff check pdserve services tests benchmarks
 	$(VENV)/bin/ruff format --check pdserve services tests benchmarks
 	$(VENV)/bin/mypy --strict pdserve services
+	$(VENV)/bin/lint-imports  # the layers contract in pyproject.toml: no upward imports, no cycles
+	$(VENV)/bin/vulture pdserve services scripts/vulture_whitelist.py --min-confidence 80 \
+	  --exclude pdserve/v1
 
 unit: install
 	$(VENV)/bin/pytest tests/unit -q

@@ -67,15 +67,15 @@ from _common import finish, median, parse_args, print_table, repeats
 from pdserve.config import DecodeConfig, EngineConfig, PrefillConfig, TransferConfig
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.request import SamplingParams
+from pdserve.instance.convert import endpoints_from_proto, generate_request
 from pdserve.model.config import ModelConfig
 from pdserve.model.tiny import default_model_dir
 from pdserve.rpc.channels import CHANNEL_OPTIONS, ChannelPool
-from pdserve.rpc.convert import endpoints_from_proto, generate_request
 from pdserve.transfer.base import KVTarget, KVTransport
 from pdserve.transfer.direct import ShmKVTransport, address_of
 from pdserve.transfer.grpc import DEFAULT_CHUNK_BYTES, GrpcKVTransport
 from pdserve.transfer.mooncake import MooncakeEngine, MooncakeKVTransport, sender_engines
-from pdserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc
+from pdserve.v1 import common_pb2, common_pb2_grpc, decode_pb2, decode_pb2_grpc
 from services.decode.instance import DecodeInstance
 from services.decode.servicer import serve_decode
 from services.prefill.servicer import serve_prefill
@@ -368,14 +368,14 @@ def verify_blocks(
 ) -> str:
     """An empty string when the reservations' blocks in the KV cache hold the expected bytes,
     block for block; else what differs."""
-    core = instance.core
+    runtime = instance.runtime
     received: list[bytes] = []
     for request_id in request_ids:
 
         def block_table(engine: LLMEngine, request_id: str = request_id) -> list[int]:
             return list(engine.kv_cache.block_table(request_id))
 
-        received += block_digests(core.block_io.read(core.loop.call(block_table)))
+        received += block_digests(runtime.block_io.read(runtime.loop.call(block_table)))
     if len(received) != len(expected):
         return f"{len(received)} blocks reserved, {len(expected)} sent"
     for index, (got, sent) in enumerate(zip(received, expected, strict=True)):
@@ -522,7 +522,7 @@ class Senders:
                     request=generate_request(request_id, self.prompts.take(length), params)
                 )
             )
-            if not reply.granted or reply.num_blocks != blocks or reply.num_cached_tokens:
+            if reply.num_blocks != blocks or reply.num_cached_tokens:
                 raise RuntimeError(f"reservation {request_id}: {reply}, expected {blocks} blocks")
             endpoints = endpoints_from_proto(reply.endpoints)
             targets.append(
@@ -552,7 +552,9 @@ class Senders:
                 self.receiver.verify([t.request_id for t in targets], block_digests(self.blocks))
         finally:
             for target in targets:
-                self.stub.Abort(common_pb2.AbortRequest(request_id=target.request_id))
+                common_pb2_grpc.InstanceServiceStub(self.channels.get(self.address)).Abort(
+                    common_pb2.AbortRequest(request_id=target.request_id)
+                )
         return reading
 
     def close(self) -> None:

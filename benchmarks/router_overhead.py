@@ -13,10 +13,10 @@ machine's baseline.
 
 `proxy_rps`: requests/s the OpenAI HTTP router (`serve_router`, the real app, `cache_aware` policy)
 proxies to instant fake instances. The fakes are minimal gRPC servers built on the generated
-servicer bases and `create_server`: 2 PrefillService (Prefill answers RESERVED then a final
-PrefillResult at once; GetStats; SubscribeKVEvents holds the stream open, sending nothing, until
-cancelled) and 1 DecodeService (StreamTokens answers one TokenChunk then TokenFinal; GetStats
-reports free blocks; Abort). A client of `--workers` (16) concurrent httpx workers posts
+servicer bases and `create_server`: 2 PrefillService (Prefill answers a PrefillResult at once) and
+1 DecodeService (StreamTokens answers one TokenChunk then TokenFinal), each with an
+InstanceService (GetStats reports free blocks; SubscribeKVEvents sends an empty snapshot and holds
+the stream open until cancelled; Abort). A client of `--workers` (16) concurrent httpx workers posts
 non-streaming `/v1/completions` with a `--proxy-prompt-tokens` (64) token-id prompt, max_tokens 2,
 for `--proxy-seconds` (5; quick 2) after a 1 s warm-up; only 200 responses are counted. Every
 request costs the router: JSON parsing and validation, hashing the prompt, a routing decision,
@@ -58,7 +58,14 @@ from pdserve.config import EngineConfig, RouterConfig
 from pdserve.kvcache.events import BlockRemoved, BlockStored
 from pdserve.kvcache.hashing import BlockHash, BlockHasher
 from pdserve.rpc.server import create_server
-from pdserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
+from pdserve.v1 import (
+    common_pb2,
+    common_pb2_grpc,
+    decode_pb2,
+    decode_pb2_grpc,
+    prefill_pb2,
+    prefill_pb2_grpc,
+)
 from services.router.kv_index import KVEventIndex
 from services.router.load import Lease, LoadTracker
 from services.router.openai_schema import CompletionRequest
@@ -186,17 +193,22 @@ def bench_events(setup: Setup, repeat: int, number: int) -> float:
 
 
 class FakePrefill(prefill_pb2_grpc.PrefillServiceServicer):
-    """Answers at once: RESERVED, then the result (first token FAKE_TOKEN); no KV events."""
+    """Answers at once with the result (first token FAKE_TOKEN)."""
 
     def Prefill(
         self, request: prefill_pb2.PrefillRequest, context: grpc.ServicerContext
-    ) -> Iterator[prefill_pb2.PrefillReply]:
-        stage = prefill_pb2.PrefillProgress(stage=prefill_pb2.PREFILL_STAGE_RESERVED)
-        yield prefill_pb2.PrefillReply(chunk=stage)
-        result = prefill_pb2.PrefillResult(
+    ) -> prefill_pb2.PrefillResult:
+        return prefill_pb2.PrefillResult(
             first_token_id=FAKE_TOKEN, num_prompt_tokens=len(request.request.prompt_token_ids)
         )
-        yield prefill_pb2.PrefillReply(final=result)
+
+
+class FakeInstance(common_pb2_grpc.InstanceServiceServicer):
+    """InstanceService of a fake: empty KV-event snapshot then nothing until cancelled; stats
+    report free blocks; Abort finds nothing."""
+
+    def __init__(self, role: str) -> None:
+        self.role = role
 
     def Abort(
         self, request: common_pb2.AbortRequest, context: grpc.ServicerContext
@@ -207,17 +219,17 @@ class FakePrefill(prefill_pb2_grpc.PrefillServiceServicer):
         self, request: common_pb2.StatsRequest, context: grpc.ServicerContext
     ) -> common_pb2.InstanceStats:
         return common_pb2.InstanceStats(
-            role="prefill", block_size=BLOCK_SIZE, num_blocks=4096, num_free_blocks=4096
+            role=self.role, block_size=BLOCK_SIZE, num_blocks=4096, num_free_blocks=4096
         )
 
     def SubscribeKVEvents(
         self, request: common_pb2.KVEventsRequest, context: grpc.ServicerContext
     ) -> Iterator[common_pb2.KVEvent]:
+        yield common_pb2.KVEvent(snapshot=common_pb2.BlocksStored())
         ended = threading.Event()
         context.add_callback(ended.set)
         while not ended.wait(0.5) and context.is_active():
             pass
-        yield from ()
 
 
 class FakeDecode(decode_pb2_grpc.DecodeServiceServicer):
@@ -225,24 +237,22 @@ class FakeDecode(decode_pb2_grpc.DecodeServiceServicer):
 
     def StreamTokens(
         self, request: decode_pb2.StreamTokensRequest, context: grpc.ServicerContext
-    ) -> Iterator[decode_pb2.TokenReply]:
-        yield decode_pb2.TokenReply(chunk=decode_pb2.TokenChunk(token_ids=[FAKE_TOKEN], text="B"))
-        final = decode_pb2.TokenFinal(
+    ) -> Iterator[common_pb2.TokenReply]:
+        yield common_pb2.TokenReply(chunk=common_pb2.TokenChunk(token_ids=[FAKE_TOKEN], text="B"))
+        final = common_pb2.TokenFinal(
             finish_reason=common_pb2.FINISH_REASON_LENGTH, num_output_tokens=1
         )
-        yield decode_pb2.TokenReply(final=final)
+        yield common_pb2.TokenReply(final=final)
 
-    def Abort(
-        self, request: common_pb2.AbortRequest, context: grpc.ServicerContext
-    ) -> common_pb2.AbortReply:
-        return common_pb2.AbortReply(found=False)
 
-    def GetStats(
-        self, request: common_pb2.StatsRequest, context: grpc.ServicerContext
-    ) -> common_pb2.InstanceStats:
-        return common_pb2.InstanceStats(
-            role="decode", block_size=BLOCK_SIZE, num_blocks=4096, num_free_blocks=4096
-        )
+def start_fake(
+    role: str, register: Callable[[grpc.Server], None], name: str
+) -> tuple[grpc.Server, int]:
+    def register_all(server: grpc.Server) -> None:
+        register(server)
+        common_pb2_grpc.add_InstanceServiceServicer_to_server(FakeInstance(role), server)
+
+    return create_server(register_all, [name, "pdserve.v1.InstanceService"])
 
 
 def start_fakes() -> tuple[list[grpc.Server], list[int], list[int]]:
@@ -250,16 +260,18 @@ def start_fakes() -> tuple[list[grpc.Server], list[int], list[int]]:
     servers: list[grpc.Server] = []
     prefill_ports, decode_ports = [], []
     for _ in range(FAKE_PREFILL):
-        server, port = create_server(
+        server, port = start_fake(
+            "prefill",
             lambda s: prefill_pb2_grpc.add_PrefillServiceServicer_to_server(FakePrefill(), s),
-            ["pdserve.v1.PrefillService"],
+            "pdserve.v1.PrefillService",
         )
         servers.append(server)
         prefill_ports.append(port)
     for _ in range(FAKE_DECODE):
-        server, port = create_server(
+        server, port = start_fake(
+            "decode",
             lambda s: decode_pb2_grpc.add_DecodeServiceServicer_to_server(FakeDecode(), s),
-            ["pdserve.v1.DecodeService"],
+            "pdserve.v1.DecodeService",
         )
         servers.append(server)
         decode_ports.append(port)

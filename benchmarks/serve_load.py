@@ -109,7 +109,7 @@ from pdserve.config import DecodeConfig, EngineConfig, PrefillConfig, RouterConf
 from pdserve.model.config import ModelConfig
 from pdserve.model.tiny import default_model_dir
 from pdserve.model.tokenizer import Tokenizer
-from pdserve.v1 import common_pb2, prefill_pb2_grpc
+from pdserve.v1 import common_pb2, common_pb2_grpc
 
 NAME = "serve_load"
 MODEL_NAME = "tiny"
@@ -610,7 +610,7 @@ def prefill_counters(addresses: Sequence[str]) -> dict[str, tuple[int, int]]:
     result = {}
     for address in addresses:
         with grpc.insecure_channel(address) as channel:
-            stats = prefill_pb2_grpc.PrefillServiceStub(channel).GetStats(
+            stats = common_pb2_grpc.InstanceServiceStub(channel).GetStats(
                 common_pb2.StatsRequest(), timeout=10
             )
         result[address] = (int(stats.prefix_cache_queries), int(stats.prefix_cache_hits))
@@ -841,7 +841,7 @@ def wait_for_subscriptions(cluster: LocalCluster, timeout_s: float = 10.0) -> No
     (there is no public count); if that ever goes away, it waits 1 s instead."""
     deadline = time.monotonic() + timeout_s
     for instance, _, _ in cluster.prefill:
-        subscribers = getattr(instance.core.events, "_subscribers", None)
+        subscribers = getattr(instance.runtime.events, "_subscribers", None)
         if subscribers is None:
             time.sleep(1.0)
             return

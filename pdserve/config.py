@@ -1,11 +1,30 @@
-"""Typed, validated configuration: YAML file -> PDSERVE_* environment -> explicit overrides.
+"""Typed, validated configuration.
 
-Each later source wins. Unknown keys and values of the wrong type are ConfigErrors that name the
-key and the source, so a typo in a deployment file fails at start-up, not at the first request.
+Sources, each later one winning:
+
+1. the YAML file: sections `engine`, `prefill`, `decode`, `mixed`, `router`, `storage`,
+   `transfer`, `admin`, `cluster`;
+2. `PDSERVE_<SETTING>` variables for engine and cluster settings, `PDSERVE_<SECTION>_<SETTING>`
+   for the other sections (e.g. `PDSERVE_DECODE_REPLICAS=2`);
+3. explicit overrides (CLI flags).
+
+Per-role engine settings: `prefill:`, `decode:` and `mixed:` may hold an `engine:` mapping, and
+`PDSERVE_<ROLE>_ENGINE_<SETTING>` variables (e.g. `PDSERVE_DECODE_ENGINE_NUM_KV_BLOCKS=40`) set
+one engine setting for that role only. A role's engine is the base engine (`engine:` section, then
+`PDSERVE_<SETTING>`), then its `<role>.engine` mapping, then its `PDSERVE_<ROLE>_ENGINE_*`
+variables; `ClusterConfig.engine_for(role)` returns it. The settings that shape a KV block or the
+router's prefix hashes (SHARED_ENGINE_FIELDS) are the base engine's only.
+
+Unknown sections, keys and `PDSERVE_*` variables, values of the wrong type and invalid choices are
+ConfigErrors that name the setting and its source (a misspelt key or variable gets the closest
+known name), so a typo in a deployment fails at start-up, not at the first request.
 """
 
 import dataclasses
+import difflib
+import functools
 import os
+import re
 import types
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -17,6 +36,31 @@ import yaml
 from pdserve.errors import ConfigError
 
 ENV_PREFIX = "PDSERVE_"
+ROLES = ("prefill", "decode", "mixed")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+DEVICE_PATTERN = re.compile(r"cpu|cuda(:[0-9]+)?")
+# The keys of services.router.policies.POLICIES (pdserve does not import services; a unit test
+# keeps the two equal).
+PREFILL_POLICIES = ("round_robin", "least_load", "cache_aware")
+PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")  # Ray's
+TRANSPORTS = ("auto", "grpc", "shm", "mooncake")
+MOONCAKE_PROTOCOLS = ("tcp", "rdma")
+STORES = ("directory", "memory")
+DEVICE_WRITE_POLICIES = ("on_eviction", "write_through", "off")
+REDIS_SCHEMES = ("redis", "rediss", "unix")
+# Engine settings a role may not change: KV blocks move between prefill and decode instances
+# byte for byte, and the router hashes prompt blocks with the base engine's model, block size
+# and dtype, so every role must agree with the base engine on them.
+SHARED_ENGINE_FIELDS = ("model", "block_size", "dtype")
+# PDSERVE_* variables read outside this module, so known even though no setting is loaded from
+# them: services/controller/admin_cli.py reads PDSERVE_ADMIN_TOKEN without loading a config, and
+# services/controller/admin.py falls back to it when admin.token is unset.
+EXTERNAL_VARIABLES = frozenset({"PDSERVE_ADMIN_TOKEN"})
+
+
+def _check_choice(where: str, value: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ConfigError(f"{where} must be one of {', '.join(choices)}, got {value!r}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,10 +86,9 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and value <= 0:
                 raise ConfigError(f"engine.{name} must be positive, got {value}")
-        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
-            raise ConfigError(
-                f"engine.dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}"
-            )
+        _check_choice("engine.dtype", self.dtype, DTYPES)
+        if not DEVICE_PATTERN.fullmatch(self.device):
+            raise ConfigError(f"engine.device must be cpu, cuda or cuda:N, got {self.device!r}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,6 +102,7 @@ class PrefillConfig:
     reserve_max_backoff_s: float = 1.0  # cap on the wait between attempts (decode suggests one)
     transfer_chunk_bytes: int = 2**20  # gRPC KV message size
     kv_ready_timeout_s: float = 300.0  # longest wait for a prompt's prefill to complete
+    engine: EngineConfig | None = None  # resolved `prefill.engine` settings; None = the base
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,6 +117,7 @@ class DecodeConfig:
     reserve_horizon_tokens: int | None = 256
     reservation_timeout_s: float = 30.0  # a reservation whose KV never completes is freed
     retry_after_ms: int = 200  # suggested to a refused prefill instance
+    engine: EngineConfig | None = None  # resolved `decode.engine` settings; None = the base
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,6 +127,7 @@ class MixedConfig:
     replicas: int = 0
     num_cpus: float = 1.0
     num_gpus: float = 0.0
+    engine: EngineConfig | None = None  # resolved `mixed.engine` settings; None = the base
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,6 +148,9 @@ class RouterConfig:
     max_body_bytes: int = 4 * 2**20  # larger request bodies get 413
     stats_interval_s: float = 0.5  # how often decode load is refreshed
 
+    def __post_init__(self) -> None:
+        _check_choice("router.prefill_policy", self.prefill_policy, PREFILL_POLICIES)
+
 
 @dataclass(frozen=True, slots=True)
 class TransferConfig:
@@ -119,14 +168,8 @@ class TransferConfig:
     lease_margin_s: float = 2.0  # direct writes stop this long before a reservation's lease ends
 
     def __post_init__(self) -> None:
-        if self.transport not in ("auto", "grpc", "shm", "mooncake"):
-            raise ConfigError(
-                f"transfer.transport must be auto, grpc, shm or mooncake, got {self.transport!r}"
-            )
-        if self.mooncake_protocol not in ("tcp", "rdma"):
-            raise ConfigError(
-                f"transfer.mooncake_protocol must be tcp or rdma, got {self.mooncake_protocol!r}"
-            )
+        _check_choice("transfer.transport", self.transport, TRANSPORTS)
+        _check_choice("transfer.mooncake_protocol", self.mooncake_protocol, MOONCAKE_PROTOCOLS)
         if self.mooncake_engines < 0:
             raise ConfigError("transfer.mooncake_engines must be 0 (auto) or positive")
         if self.max_batch_entries <= 0:
@@ -153,13 +196,15 @@ class StorageConfig:
     redis_timeout_s: float = 1.0  # per Redis call: a dead Redis must not stall an instance
 
     def __post_init__(self) -> None:
-        if self.store not in ("directory", "memory"):
-            raise ConfigError(f"storage.store must be directory or memory, got {self.store!r}")
-        policies = ("on_eviction", "write_through", "off")
-        if self.device_write_policy not in policies:
+        _check_choice("storage.store", self.store, STORES)
+        _check_choice(
+            "storage.device_write_policy", self.device_write_policy, DEVICE_WRITE_POLICIES
+        )
+        scheme = (self.redis_url or "").partition("://")[0]
+        if self.redis_url is not None and scheme not in REDIS_SCHEMES:
             raise ConfigError(
-                f"storage.device_write_policy must be one of {', '.join(policies)}, "
-                f"got {self.device_write_policy!r}"
+                "storage.redis_url must start with redis://, rediss:// or unix://, "
+                f"got {self.redis_url!r}"
             )
         for name in ("capacity_bytes", "max_pending_bytes", "redis_timeout_s"):
             if getattr(self, name) <= 0:
@@ -195,6 +240,38 @@ class ClusterConfig:
     placement_strategy: str = "PACK"  # PACK | SPREAD | STRICT_PACK | STRICT_SPREAD
     state_dir: str | None = None  # where `up` writes cluster.json; None = user state dir
 
+    def __post_init__(self) -> None:
+        _check_choice("cluster.placement_strategy", self.placement_strategy, PLACEMENT_STRATEGIES)
+        for role in ROLES:
+            engine = self.engine_for(role)
+            for name in SHARED_ENGINE_FIELDS:
+                if getattr(engine, name) != getattr(self.engine, name):
+                    raise ConfigError(
+                        f"{role}.engine.{name} ({getattr(engine, name)!r}) differs from "
+                        f"engine.{name} ({getattr(self.engine, name)!r}): every role shares "
+                        f"{', '.join(SHARED_ENGINE_FIELDS)}; set them in the engine: section only"
+                    )
+
+    def engine_for(self, role: str) -> EngineConfig:
+        """The engine settings of `role` instances: the role's resolved `engine` settings, or the
+        base `engine` when the role overrides none. Pure. Raises ConfigError for a role not in
+        ROLES."""
+        if role not in ROLES:
+            raise ConfigError(f"unknown role {role!r}; expected one of {', '.join(ROLES)}")
+        section: PrefillConfig | DecodeConfig | MixedConfig = getattr(self, role)
+        return self.engine if section.engine is None else section.engine
+
+
+SECTIONS: dict[str, type] = {
+    "prefill": PrefillConfig,
+    "decode": DecodeConfig,
+    "mixed": MixedConfig,
+    "router": RouterConfig,
+    "storage": StorageConfig,
+    "transfer": TransferConfig,
+    "admin": AdminConfig,
+}  # the YAML sections set by PDSERVE_<SECTION>_<SETTING>; `engine` and `cluster` have no prefix
+
 
 def load_cluster_config(
     path: str | Path | None = None,
@@ -202,29 +279,30 @@ def load_cluster_config(
     env: Mapping[str, str] | None = None,
     overrides: Mapping[str, Any] | None = None,
 ) -> ClusterConfig:
-    """ClusterConfig from a YAML file (sections `engine`, `prefill`, `decode`, `mixed`, `router`,
-    `storage`, `transfer`, `admin`, `cluster`), then `PDSERVE_<FIELD>` (engine and cluster fields),
-    `PDSERVE_<SECTION>_<FIELD>` for the other sections, then `overrides` of cluster fields."""
+    """ClusterConfig from a YAML file, then `PDSERVE_*` variables of `env` (default os.environ),
+    then `overrides` of cluster fields (None values ignored); see the module docstring. Reads
+    `path`; mutates nothing. Raises ConfigError for an unreadable file, an unknown section, key or
+    `PDSERVE_*` variable, or an invalid value."""
     env = os.environ if env is None else env
+    check_environment(env)
     document = _yaml_document(Path(path)) if path is not None else {}
-    known = {
-        "engine", "prefill", "decode", "mixed", "router", "storage", "transfer", "admin", "cluster"
-    }  # fmt: skip
-    unknown = sorted(set(document) - known)
+    unknown = sorted(set(document) - {"engine", "cluster", *SECTIONS})
     if unknown:
-        raise ConfigError(f"unknown config section(s): {', '.join(unknown)}")
-    sections = {
-        "engine": load_engine_config(path, env=env),
-        "prefill": _build(PrefillConfig, _section(document, "prefill", path), env, "PREFILL_"),
-        "decode": _build(DecodeConfig, _section(document, "decode", path), env, "DECODE_"),
-        "mixed": _build(MixedConfig, _section(document, "mixed", path), env, "MIXED_"),
-        "router": _build(RouterConfig, _section(document, "router", path), env, "ROUTER_"),
-        "storage": _build(StorageConfig, _section(document, "storage", path), env, "STORAGE_"),
-        "transfer": _build(TransferConfig, _section(document, "transfer", path), env, "TRANSFER_"),
-        "admin": _build(AdminConfig, _section(document, "admin", path), env, "ADMIN_"),
-    }
+        raise ConfigError(
+            f"unknown config section(s) in {path}: {', '.join(unknown)}; "
+            f"known: engine, {', '.join(SECTIONS)}, cluster"
+        )
+    engine = _build(EngineConfig, _section(document, "engine", path), env, "", "engine")
+    sections: dict[str, Any] = {"engine": engine}
+    for name, cls in SECTIONS.items():
+        values = _section(document, name, path)
+        section_overrides: dict[str, Any] = {}
+        if name in ROLES:
+            section_overrides["engine"] = _role_engine(engine, name, values, env, path)
+        prefix = f"{name.upper()}_"
+        sections[name] = _build(cls, values, env, prefix, name, section_overrides)
     cluster = _section(document, "cluster", path)
-    return _build(ClusterConfig, cluster, env, "", {**dict(overrides or {}), **sections})
+    return _build(ClusterConfig, cluster, env, "", "cluster", {**dict(overrides or {}), **sections})
 
 
 def load_engine_config(
@@ -234,10 +312,69 @@ def load_engine_config(
     overrides: Mapping[str, Any] | None = None,
 ) -> EngineConfig:
     """Build an EngineConfig from the `engine:` section of a YAML file, then `PDSERVE_<FIELD>`
-    variables, then `overrides` (e.g. CLI flags; None values are ignored)."""
-    document = _yaml_document(Path(path)) if path is not None else {}
+    variables of `env` (default os.environ), then `overrides` (e.g. CLI flags; None values are
+    ignored). Raises ConfigError like load_cluster_config, also for any `PDSERVE_*` variable that
+    load_cluster_config would not know."""
     env = os.environ if env is None else env
-    return _build(EngineConfig, _section(document, "engine", path), env, "", overrides)
+    check_environment(env)
+    document = _yaml_document(Path(path)) if path is not None else {}
+    return _build(EngineConfig, _section(document, "engine", path), env, "", "engine", overrides)
+
+
+def check_environment(env: Mapping[str, str]) -> None:
+    """Raise ConfigError naming every `PDSERVE_*` variable of `env` that is not in
+    known_variables(), each with the closest known name. Pure."""
+    known = known_variables()
+    unknown = sorted(name for name in env if name.startswith(ENV_PREFIX) and name not in known)
+    if not unknown:
+        return
+    # Compared without the common prefix, which would make every name look close.
+    suffixes = [name.removeprefix(ENV_PREFIX) for name in known]
+    described = []
+    for name in unknown:
+        closest = difflib.get_close_matches(name.removeprefix(ENV_PREFIX), suffixes, n=1)
+        described.append(f"{name} (did you mean {ENV_PREFIX}{closest[0]}?)" if closest else name)
+    raise ConfigError(
+        f"unknown environment variable(s): {'; '.join(described)}. Unset or rename them: engine "
+        "and cluster settings are PDSERVE_<SETTING>, other sections PDSERVE_<SECTION>_<SETTING>, "
+        "a role's engine settings PDSERVE_<ROLE>_ENGINE_<SETTING>"
+    )
+
+
+@functools.cache
+def known_variables() -> frozenset[str]:
+    """Every `PDSERVE_*` variable the loaders read, plus EXTERNAL_VARIABLES."""
+    names = {*_variables(EngineConfig, ""), *_variables(ClusterConfig, "")}
+    for section, cls in SECTIONS.items():
+        names.update(_variables(cls, f"{section.upper()}_"))
+    for role in ROLES:
+        names.update(_variables(EngineConfig, f"{role.upper()}_ENGINE_"))
+    return frozenset(names | EXTERNAL_VARIABLES)
+
+
+def _variables(cls: type, prefix: str) -> set[str]:
+    return {f"{ENV_PREFIX}{prefix}{name.upper()}" for name in _settings(cls)}
+
+
+def _role_engine(
+    base: EngineConfig,
+    role: str,
+    section: dict[str, Any],
+    env: Mapping[str, str],
+    path: str | Path | None,
+) -> EngineConfig | None:
+    """The engine of `role`: `base`, then the `engine` mapping popped from the role's `section`,
+    then `PDSERVE_<ROLE>_ENGINE_<FIELD>` variables; None when neither sets anything."""
+    mapping = section.pop("engine", None) or {}
+    if not isinstance(mapping, dict):
+        raise ConfigError(f"{role}.engine in {path} must be a mapping of engine settings")
+    values = _values(EngineConfig, mapping, env, f"{role.upper()}_ENGINE_", f"{role}.engine")
+    if not values:
+        return None
+    try:
+        return dataclasses.replace(base, **values)
+    except ConfigError as e:
+        raise ConfigError(f"{role}.engine (over the engine: section): {e}") from e
 
 
 T = TypeVar("T")
@@ -248,31 +385,60 @@ def _build(
     file_values: dict[str, Any],
     env: Mapping[str, str],
     env_prefix: str,
+    where: str,
     overrides: Mapping[str, Any] | None = None,
 ) -> T:
-    """Instantiate dataclass `cls`: file values, then `PDSERVE_<prefix><FIELD>` variables, then
-    `overrides` (None values ignored); each later source wins."""
+    """Instantiate dataclass `cls` (the `where` section): file values, then
+    `PDSERVE_<prefix><FIELD>` variables, then `overrides` (None values ignored); each later
+    source wins."""
+    values = _values(cls, file_values, env, env_prefix, where)
     hints = get_type_hints(cls)
-    section = cls.__name__.removesuffix("Config").lower()
-    unknown = sorted(set(file_values) - set(hints))
-    if unknown:
-        raise ConfigError(f"unknown {section} setting(s): {', '.join(unknown)}")
-    values: dict[str, Any] = {}
-    for name, hint in hints.items():
-        variable = f"{ENV_PREFIX}{env_prefix}{name.upper()}"
-        if dataclasses.is_dataclass(hint):
-            continue
-        if variable in env:
-            values[name] = _coerce(env[variable], hint, f"${variable}")
-        elif name in file_values:
-            values[name] = _coerce(file_values[name], hint, f"{section}.{name}")
     for name, value in (overrides or {}).items():
         if value is not None:
             if name not in hints:
-                raise ConfigError(f"unknown {section} setting: {name}")
-            is_section = dataclasses.is_dataclass(hints[name])
-            values[name] = value if is_section else _coerce(value, hints[name], f"{section}.{name}")
+                raise ConfigError(f"unknown {where} setting: {name}")
+            is_section = _is_section(hints[name])
+            values[name] = value if is_section else _coerce(value, hints[name], f"{where}.{name}")
     return cls(**values)
+
+
+def _values(
+    cls: type, file_values: dict[str, Any], env: Mapping[str, str], env_prefix: str, where: str
+) -> dict[str, Any]:
+    """The settings of `cls` that `file_values` or `PDSERVE_<prefix><FIELD>` variables set
+    (a variable wins over the file), coerced to their field types."""
+    settings = _settings(cls)
+    unknown = sorted(set(file_values) - set(settings))
+    if unknown:
+        raise ConfigError(_unknown_keys(where, unknown, settings))
+    values: dict[str, Any] = {}
+    for name, hint in settings.items():
+        variable = f"{ENV_PREFIX}{env_prefix}{name.upper()}"
+        if variable in env:
+            values[name] = _coerce(env[variable], hint, f"${variable}")
+        elif name in file_values:
+            values[name] = _coerce(file_values[name], hint, f"{where}.{name}")
+    return values
+
+
+def _unknown_keys(where: str, unknown: list[str], settings: Mapping[str, Any]) -> str:
+    described = []
+    for key in unknown:
+        closest = difflib.get_close_matches(str(key), settings, n=1)
+        hint = f" (did you mean {where}.{closest[0]}?)" if closest else ""
+        described.append(f"{where}.{key}{hint}")
+    return f"unknown {where} setting(s): {', '.join(described)}"
+
+
+def _settings(cls: type) -> dict[str, Any]:
+    """Field name -> type of the scalar settings of dataclass `cls` (nested sections excluded)."""
+    return {name: hint for name, hint in get_type_hints(cls).items() if not _is_section(hint)}
+
+
+def _is_section(hint: Any) -> bool:
+    """Whether a field of type `hint` holds a config section (a dataclass, optionally None)."""
+    options = get_args(hint) if get_origin(hint) in (Union, types.UnionType) else (hint,)
+    return any(dataclasses.is_dataclass(option) for option in options)
 
 
 def _yaml_document(path: Path) -> dict[str, Any]:

@@ -12,7 +12,7 @@ from pathlib import Path
 import grpc
 import httpx
 
-from pdserve.v1 import common_pb2, decode_pb2_grpc, prefill_pb2_grpc
+from pdserve.v1 import common_pb2, common_pb2_grpc
 
 CLI = [sys.executable, "-m", "services.controller.cli"]
 
@@ -36,11 +36,8 @@ class UpCluster:
         channel = self._channels.get(address)
         if channel is None:
             channel = self._channels[address] = grpc.insecure_channel(address)
-        role = next(r for r, a in self.instances.values() if a == address)
-        stub_type = prefill_pb2_grpc.PrefillServiceStub
-        if role == "decode":
-            stub_type = decode_pb2_grpc.DecodeServiceStub  # type: ignore[assignment]
-        return stub_type(channel).GetStats(common_pb2.StatsRequest(), timeout=10)
+        stub = common_pb2_grpc.InstanceServiceStub(channel)
+        return stub.GetStats(common_pb2.StatsRequest(), timeout=10)
 
     def router_metrics(self) -> dict[str, float]:
         """The router's /metrics samples: `name{labels}` -> value."""

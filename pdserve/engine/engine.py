@@ -1,18 +1,19 @@
 """LLMEngine: one in-process engine. Each step reads schedule -> run -> update."""
 
 import logging
-import queue
 import uuid
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from pdserve.config import EngineConfig
+from pdserve.engine.admission import Admission, PromptAdmission
 from pdserve.engine.detokenizer import IncrementalDetokenizer
-from pdserve.engine.request import Request, RequestStatus, SamplingParams, StorageFetch
+from pdserve.engine.request import Request, RequestStatus, SamplingParams
 from pdserve.engine.sampler import Sampler
 from pdserve.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from pdserve.engine.storage_connector import StorageConnector
 from pdserve.errors import (
     IntegrityError,
     InvalidRequestError,
@@ -23,11 +24,25 @@ from pdserve.kvcache.events import KVEventSink
 from pdserve.kvcache.hashing import BlockHash, BlockHasher
 from pdserve.kvcache.manager import KVCacheManager
 from pdserve.model.loader import LoadedModel, load_model
-from pdserve.model.runner import BlockIO, ModelRunner, SequenceChunk
+from pdserve.model.runner import ModelRunner, SequenceChunk
 from pdserve.model.tiny import default_model_dir
 from pdserve.storage.tier import StorageTier
 
 logger = logging.getLogger(__name__)
+
+StorageTierFactory = Callable[[str], StorageTier]
+"""Builds the storage tier for a KV layout tag (`storage_tag`)."""
+
+
+def storage_tag(loaded: LoadedModel, block_size: int) -> str:
+    """Names the KV layout: blocks are only shared between engines with the same tag."""
+    dtype = str(loaded.dtype).removeprefix("torch.")
+    return f"{loaded.model_tag}/{dtype}/b{block_size}/kv1"
+
+
+def is_out_of_memory(error: BaseException) -> bool:
+    """A device (or host) allocation failed: retrying with a smaller batch may succeed."""
+    return isinstance(error, torch.OutOfMemoryError | MemoryError)
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,7 +58,8 @@ class RequestOutput:
     stop_reason: str | int | None  # the stop string or stop token that ended it
     num_prompt_tokens: int
     num_output_tokens: int
-    num_cached_tokens: int
+    num_cached_tokens: int  # prompt tokens not computed here: device + storage hits
+    error: str | None = None  # set on the final output of a request its engine step failed
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,7 +75,7 @@ class Completion:
 
 class LLMEngine:
     """Continuous-batching engine over a paged, prefix-cached KV cache. Not thread-safe: one
-    thread drives `add_request`, `abort_request` and `step`."""
+    thread (the owner: the engine loop, or the caller of `generate`) drives every method."""
 
     def __init__(
         self,
@@ -68,98 +84,19 @@ class LLMEngine:
         scheduler: Scheduler,
         runner: ModelRunner,
         sampler: Sampler,
+        storage: StorageConnector | None = None,
     ) -> None:
         self.loaded = loaded
         self.tokenizer = loaded.tokenizer
         self.kv_cache = kv_cache
         self.scheduler = scheduler
+        self.admission = scheduler.admission
         self.runner = runner
         self.sampler = sampler
+        self.storage = storage
         self.hasher = BlockHasher.for_model(kv_cache.block_size, loaded.model_tag)
         self.max_model_len = min(loaded.max_model_len, kv_cache.num_blocks * kv_cache.block_size)
-        self.block_io = BlockIO(runner.kv_cache)
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
-        self.storage: StorageTier | None = None
-        self.on_storage_ready: Callable[[], None] | None = None  # wakes an idle loop
-        self._fetched: queue.SimpleQueue[tuple[Request, int, list[bytes]]] = queue.SimpleQueue()
-        self._fetches_in_flight = 0
-
-    # -- the storage tier -----------------------------------------------------------------------
-
-    def attach_storage(self, tier: StorageTier) -> None:
-        """Write published blocks back to `tier` as its config says, and read ahead from it
-        what a waiting request's device prefix hit lacks."""
-        self.storage = tier
-        kv, config = self.kv_cache, tier.config
-        kv.write_sink = self._write_back
-        kv.write_on_evict = config.device_write_policy == "on_eviction"
-        kv.write_through = config.device_write_policy == "write_through"
-        kv.write_on_preempt = config.write_back_on_preempt
-        self.scheduler.prefetch = self._prefetch
-
-    def storage_tag(self) -> str:
-        """Names the KV layout: blocks are only shared between engines with the same tag."""
-        return (
-            f"{self.loaded.model_tag}/{str(self.loaded.dtype).removeprefix('torch.')}"
-            f"/b{self.kv_cache.block_size}/kv1"
-        )
-
-    def _write_back(self, blocks: Sequence[tuple[int, BlockHash]]) -> None:
-        """Copy published blocks to host memory now (they may be overwritten next step) and
-        queue them for the storage writer. A copy, not I/O: the engine thread never waits."""
-        tier = self.storage
-        if tier is None:
-            return
-        fresh = [(b, h) for b, h in blocks if not tier.is_known_stored(h)]
-        if fresh:
-            views = self.block_io.read([b for b, _ in fresh])
-            tier.write([(h, bytes(v)) for (_, h), v in zip(fresh, views, strict=True)])
-
-    def _prefetch(self, request: Request, device_blocks: int) -> bool:
-        tier = self.storage
-        max_blocks = (request.num_tokens - 1) // self.kv_cache.block_size
-        if tier is None or device_blocks >= max_blocks or not tier.available:
-            return False
-        request.storage_fetch = StorageFetch.PENDING
-        self._fetches_in_flight += 1
-
-        def done(blocks: list[bytes]) -> None:  # on the storage worker thread
-            self._fetched.put((request, device_blocks, blocks))
-            if self.on_storage_ready is not None:
-                self.on_storage_ready()
-
-        tier.prefetch(request.block_hashes[device_blocks:max_blocks], done)
-        return True
-
-    def apply_fetched(self, wait: bool = False) -> None:
-        """Hand finished storage reads to their requests (admission can then proceed). With
-        `wait`, and nothing else to do, wait up to a second for one (loop-less `generate`)."""
-        block = wait and self._fetches_in_flight > 0
-        block = block and not self.scheduler.has_schedulable_requests()
-        while True:
-            try:
-                request, first_block, blocks = self._fetched.get(block=block, timeout=1.0)
-            except queue.Empty:
-                return
-            block = False
-            self._fetches_in_flight -= 1
-            if self.scheduler.requests.get(request.request_id) is request:
-                request.stage(first_block, blocks)
-
-    def load_staged(self, request: Request, device_blocks: int) -> int:
-        """Write the request's usable staged blocks into its table after its device prefix hit
-        of `device_blocks` blocks and publish them (their bytes were verified when read).
-        Returns how many were loaded."""
-        blocks = request.take_staged(device_blocks)
-        if not blocks:
-            return 0
-        table = self.kv_cache.block_table(request.request_id)
-        for block_id, data in zip(table[device_blocks:], blocks, strict=False):
-            self.block_io.write([block_id], memoryview(data))
-        block_size = self.kv_cache.block_size
-        self.kv_cache.update_cache_blocks(request, (device_blocks + len(blocks)) * block_size)
-        self.scheduler.stats.storage_loaded_tokens += len(blocks) * block_size
-        return len(blocks)
 
     @classmethod
     def from_config(
@@ -167,8 +104,12 @@ class LLMEngine:
         config: EngineConfig,
         event_sink: KVEventSink | None = None,
         shared_kv_cache: bool = False,
+        storage: StorageTierFactory | None = None,
+        wake: Callable[[], None] = lambda: None,
     ) -> "LLMEngine":
-        """An engine for `config`; `shared_kv_cache` puts a CPU KV cache in shared memory."""
+        """An engine for `config`; `shared_kv_cache` puts a CPU KV cache in shared memory;
+        `storage(tag)` builds the storage tier for the engine's KV layout tag (None: no tier);
+        `wake` is called from other threads when a storage read finished (must not block)."""
         if config.torch_threads is not None:
             torch.set_num_threads(config.torch_threads)
         model_dir = config.model or default_model_dir()
@@ -180,20 +121,30 @@ class LLMEngine:
             config.kv_cache_bytes
             // (loaded.config.kv_bytes_per_token(loaded.dtype) * config.block_size),
         )
+        runner = ModelRunner.create(
+            loaded.model, num_blocks, config.block_size, loaded.dtype, shared=shared_kv_cache
+        )
+        tier = storage(storage_tag(loaded, config.block_size)) if storage is not None else None
+        connector = (
+            StorageConnector(tier, runner.block_io, config.block_size, wake)
+            if tier is not None
+            else None
+        )
         kv_cache = KVCacheManager(
             num_blocks,
             config.block_size,
             enable_prefix_caching=config.enable_prefix_caching,
             event_sink=event_sink,
+            write_back=connector,
         )
         scheduler = Scheduler(
-            SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens), kv_cache
-        )
-        runner = ModelRunner.create(
-            loaded.model, num_blocks, config.block_size, loaded.dtype, shared=shared_kv_cache
+            SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens),
+            kv_cache,
+            PromptAdmission(kv_cache, connector),
         )
         logger.info("engine ready: %d KV blocks of %d tokens", num_blocks, config.block_size)
-        return cls(loaded, kv_cache, scheduler, runner, Sampler(loaded.device, config.seed))
+        sampler = Sampler(loaded.device, config.seed)
+        return cls(loaded, kv_cache, scheduler, runner, sampler, connector)
 
     # -- requests -----------------------------------------------------------------------------
 
@@ -237,21 +188,16 @@ class LLMEngine:
             self.tokenizer, request.sampling_params.stop
         )
 
-    def preallocate(self, request: Request) -> bool:
-        """Match the request's prefix and allocate blocks for its whole prompt now, loading the
-        blocks staged from storage (`InstanceCore.read_ahead`) after the device hit.
-
-        Sets `num_computed_tokens` to the hit. Returns False (changing nothing) when the pool
-        cannot hold the prompt at the moment; the scheduler then allocates at admission.
-        """
-        prefix = self.kv_cache.match_prefix(request)
-        if not self.kv_cache.can_allocate(request, request.num_prompt_tokens, prefix):
-            return False
-        self.kv_cache.allocate(request, request.num_prompt_tokens, prefix)
-        loaded = self.load_staged(request, len(prefix.block_ids)) * self.kv_cache.block_size
-        request.num_storage_tokens = loaded
-        request.num_computed_tokens = prefix.num_tokens + loaded
-        return True
+    def preallocate(self, request: Request, growth_headroom_blocks: int = 0) -> Admission | None:
+        """Admit a request that is not queued (`PromptAdmission.admit`: device hit, the blocks
+        staged from storage, blocks for the whole prompt) if `growth_headroom_blocks` stay free.
+        Returns None, changing nothing, when the pool cannot hold it now."""
+        admission = self.admission.admit(request, growth_headroom_blocks=growth_headroom_blocks)
+        if admission is not None:
+            request.record_first_admission(
+                admission.device_hit_tokens, admission.storage_hit_tokens
+            )
+        return admission
 
     def admit_prefilled(self, request: Request, first_token_id: int) -> RequestOutput:
         """Start decoding a request whose prompt KV is already in its (allocated) blocks.
@@ -260,8 +206,6 @@ class LLMEngine:
         instance), applies the stop conditions to it and returns its output.
         """
         request.num_computed_tokens = request.num_prompt_tokens
-        if request.num_cached_tokens is None:
-            request.num_cached_tokens = 0
         self.kv_cache.update_cache_blocks(request, request.num_prompt_tokens)
         self.scheduler.admit_running(request)
         self._detokenizers[request.request_id] = IncrementalDetokenizer(
@@ -278,6 +222,8 @@ class LLMEngine:
             self._finish(request, RequestStatus.FINISHED_STOPPED)
         else:
             self.kv_cache.free(request_id)
+            if self.storage is not None:
+                self.storage.forget(request_id)
 
     def abort_request(self, request_id: str) -> None:
         """Stop a request and free its blocks; raises RequestNotFoundError if it is not live."""
@@ -289,17 +235,68 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
+    def has_work(self) -> bool:
+        """Whether a step could advance a request now (finished storage reads are handed to
+        their requests first; requests waiting on I/O do not count)."""
+        if self.storage is not None:
+            self.storage.apply_fetched()
+        return self.scheduler.has_schedulable_requests()
+
+    def published_hashes(self) -> list[BlockHash]:
+        """Every block hash the device prefix cache can match now (a KV-event snapshot)."""
+        return self.kv_cache.prefix_cache.hashes()
+
     # -- the loop -----------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Run one batch: schedule -> run -> update. Returns the outputs of this step."""
+        """Run one batch: schedule -> run -> update. Returns the outputs of this step.
+
+        A forward pass that raises fails only its batch (`_recover`); the engine goes on."""
         if self.storage is not None:
-            self.apply_fetched(wait=True)
+            self.storage.apply_fetched(wait=not self.scheduler.has_schedulable_requests())
         scheduled = self.scheduler.schedule()
-        for load in scheduled.loads:
-            self.load_staged(load.request, load.first_block)
-        sampled = self._run(scheduled)
+        try:
+            sampled = self._run(scheduled)
+        except Exception as error:
+            return self._recover(scheduled, error)
         return self._update(scheduled, sampled)
+
+    def _recover(self, scheduled: SchedulerOutput, error: Exception) -> list[RequestOutput]:
+        """After a failed forward pass: out of memory preempts the newer half of the batch and
+        retries the rest once; any other error (or a failed retry) fails the batch's requests
+        with StepFailedError outputs. Their blocks are freed; nothing was published."""
+        if is_out_of_memory(error) and len(scheduled.chunks) > 1:
+            keep = len(scheduled.chunks) // 2
+            by_age = sorted(scheduled.chunks, key=lambda c: c.request.arrival_order)
+            for chunk in by_age[keep:]:
+                self.scheduler.preempt(chunk.request)
+            logger.warning(
+                "step ran out of memory: preempted %d requests, retrying %d",
+                len(by_age) - keep, keep,
+            )  # fmt: skip
+            retry = SchedulerOutput(chunks=by_age[:keep])
+            try:
+                return self._update(retry, self._run(retry))
+            except Exception as again:
+                scheduled, error = retry, again
+        logger.exception("engine step failed; failing its %d requests", len(scheduled.chunks))
+        return [self._fail(chunk.request, error) for chunk in scheduled.chunks]
+
+    def _fail(self, request: Request, error: Exception) -> RequestOutput:
+        self._finish(request, RequestStatus.FINISHED_ABORTED)
+        return RequestOutput(
+            request_id=request.request_id,
+            new_token_ids=(),
+            new_text="",
+            finished=True,
+            kv_ready=False,
+            finish_reason="abort",
+            stop_reason=None,
+            num_prompt_tokens=request.num_prompt_tokens,
+            num_output_tokens=request.num_output_tokens,
+            num_cached_tokens=request.num_cached_tokens,
+            error=f"the engine step failed ({type(error).__name__}: {error}); retry the request",
+        )
 
     def _run(self, scheduled: SchedulerOutput) -> list[int]:
         """Forward the scheduled chunks, then sample for those that completed their tokens."""
@@ -375,7 +372,7 @@ class LLMEngine:
             stop_reason=stop_reason,
             num_prompt_tokens=request.num_prompt_tokens,
             num_output_tokens=request.num_output_tokens,
-            num_cached_tokens=request.num_cached_tokens or 0,
+            num_cached_tokens=request.num_cached_tokens,
         )
 
     def _kv_ready(self, request: Request) -> RequestOutput:
@@ -389,7 +386,7 @@ class LLMEngine:
             stop_reason=None,
             num_prompt_tokens=request.num_prompt_tokens,
             num_output_tokens=request.num_output_tokens,
-            num_cached_tokens=request.num_cached_tokens or 0,
+            num_cached_tokens=request.num_cached_tokens,
         )
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
@@ -440,18 +437,24 @@ class LLMEngine:
             if request_id in self.scheduler.requests:
                 self.abort_request(request_id)
 
-    def check_integrity(self) -> None:
-        """Raise IntegrityError unless the KV cache and scheduler bookkeeping agree."""
+    def check_integrity(self, reserved: Collection[str] = ()) -> None:
+        """Raise IntegrityError unless the KV cache and the scheduler agree. Call when idle (no
+        request between admission steps on another thread). Every block table must belong to a
+        live request or to one of the `reserved` ids (a decode instance's reservations); a
+        running or transferring request's table covers its computed tokens; a preempted one
+        holds none."""
         self.kv_cache.check_integrity()
+        owners = set(self.scheduler.requests) | set(reserved)
+        orphans = sorted(set(self.kv_cache.request_ids()) - owners)
+        if orphans:
+            raise IntegrityError(f"block tables without a live request: {', '.join(orphans)}")
         for request_id, request in self.scheduler.requests.items():
             table = self.kv_cache.block_table(request_id)
-            running = request.status == RequestStatus.RUNNING
-            if running and len(table) * self.kv_cache.block_size < request.num_computed_tokens:
-                raise IntegrityError(f"running request {request_id} lacks blocks for its KV")
-            if not running and table:
-                raise IntegrityError(
-                    f"request {request_id} holds blocks while {request.status.name}"
-                )
+            if request.status in (RequestStatus.RUNNING, RequestStatus.TRANSFERRING):
+                if len(table) * self.kv_cache.block_size < request.num_computed_tokens:
+                    raise IntegrityError(f"request {request_id} lacks blocks for its KV")
+            elif request.status == RequestStatus.PREEMPTED and table:
+                raise IntegrityError(f"preempted request {request_id} still holds blocks")
 
     def _validate_prompt(self, token_ids: Sequence[int]) -> None:
         if not token_ids:

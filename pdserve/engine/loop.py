@@ -1,8 +1,10 @@
-"""EngineLoop: runs an LLMEngine on a dedicated thread.
+"""EngineLoop: runs an LLMEngine on a dedicated thread (its owner).
 
 The engine is not thread-safe; gRPC handler threads never touch it directly. They `call` small
 functions that run on the loop thread between steps, and receive outputs through `on_outputs`.
-Blocking I/O (transfers, RPCs to peers) stays on the caller's thread, never on the loop.
+Blocking I/O (transfers, RPCs to peers) stays on the caller's thread, never on the loop. Other
+threads wake an idle loop through its `Mailbox` (built before the engine, so that the engine's
+storage connector is given `mailbox.wake` at construction).
 """
 
 import logging
@@ -18,6 +20,18 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 OutputHandler = Callable[[list[RequestOutput]], None]
+Command = tuple[Callable[[LLMEngine], object], "Future[object]"]
+
+
+class Mailbox:
+    """Commands for the loop thread; any thread may post. Thread-safe."""
+
+    def __init__(self) -> None:
+        self.commands: queue.SimpleQueue[Command] = queue.SimpleQueue()
+
+    def wake(self) -> None:
+        """Let an idle loop run a step now (a storage read it waits for has finished)."""
+        self.commands.put((lambda _: None, Future()))
 
 
 class EngineLoop:
@@ -25,6 +39,7 @@ class EngineLoop:
         self,
         engine: LLMEngine,
         on_outputs: OutputHandler,
+        mailbox: Mailbox | None = None,
         *,
         on_tick: Callable[[], None] | None = None,
         tick_s: float = 0.05,
@@ -33,16 +48,9 @@ class EngineLoop:
         self._on_outputs = on_outputs
         self._on_tick = on_tick
         self._tick_s = tick_s
-        self._commands: queue.SimpleQueue[tuple[Callable[[LLMEngine], object], Future[object]]] = (
-            queue.SimpleQueue()
-        )
+        self._commands = (mailbox or Mailbox()).commands
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
-        engine.on_storage_ready = self._wake  # a storage read finished: admission may proceed
-
-    def _wake(self) -> None:
-        if not self._stopped.is_set():
-            self._commands.put((lambda engine: engine.apply_fetched(), Future()))
 
     def start(self) -> None:
         self._thread.start()
@@ -66,16 +74,17 @@ class EngineLoop:
         return self.submit(fn).result(timeout_s)
 
     def _run(self) -> None:
-        scheduler = self.engine.scheduler
+        engine = self.engine
         while not self._stopped.is_set():
-            self._drain_commands(block=not scheduler.has_schedulable_requests())
+            self._drain_commands(block=not engine.has_work())
             if self._on_tick is not None:
                 self._on_tick()
-            if scheduler.has_schedulable_requests():
+            if engine.has_work():
                 try:
-                    outputs = self.engine.step()
-                except Exception:  # a bug: keep the loop alive, surface it in the log
-                    logger.exception("engine step failed")
+                    outputs = self.engine.step()  # a failed forward pass fails its batch only
+                except Exception:  # a bug outside the forward pass: log it, do not spin
+                    logger.exception("engine step failed outside the forward pass")
+                    self._stopped.wait(self._tick_s)
                     continue
                 if outputs:
                     self._on_outputs(outputs)

@@ -26,10 +26,6 @@ class RequestStatus(IntEnum):
     FINISHED_ABORTED = 6
 
     @property
-    def is_finished(self) -> bool:
-        return self >= RequestStatus.FINISHED_STOPPED
-
-    @property
     def finish_reason(self) -> str | None:
         """OpenAI's names: `stop`, `length`, `abort`; None while unfinished."""
         return _FINISH_REASONS.get(self)
@@ -40,14 +36,6 @@ _FINISH_REASONS = {
     RequestStatus.FINISHED_LENGTH: "length",
     RequestStatus.FINISHED_ABORTED: "abort",
 }
-
-
-class StorageFetch(IntEnum):
-    """Where a waiting request stands with the storage tier's read-ahead."""
-
-    NONE = 0  # not asked yet (or asked again after a preemption)
-    PENDING = 1  # a read is in flight: admission waits for it
-    DONE = 2  # answered (possibly with nothing)
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,17 +90,14 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
-    num_cached_tokens: int | None = None  # prefix hit at first admission
+    # hits at first admission (prompt tokens not computed here); None until admitted
+    device_hit_tokens: int | None = None
+    storage_hit_tokens: int = 0
+    first_scheduled_at: float | None = None  # time.perf_counter() of its first step
     num_preemptions: int = 0
     arrival_order: int = field(default_factory=lambda: next(_arrival_counter))
     block_hashes: list[BlockHash] = field(default_factory=list)
     _all_token_ids: list[int] = field(default_factory=list)
-    # Storage tier: verified bytes of blocks [staged_first_block, + len(staged_blocks)) read ahead
-    # of admission; consumed when the request gets its blocks.
-    storage_fetch: StorageFetch = StorageFetch.NONE
-    staged_first_block: int = 0
-    staged_blocks: list[bytes] = field(default_factory=list)
-    num_storage_tokens: int = 0  # of num_cached_tokens, loaded from the storage tier
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:
@@ -139,30 +124,17 @@ class Request:
         return len(self.output_token_ids)
 
     @property
-    def is_finished(self) -> bool:
-        return self.status.is_finished
+    def num_cached_tokens(self) -> int:
+        """Prompt tokens found cached at first admission (device + storage hits)."""
+        return (self.device_hit_tokens or 0) + self.storage_hit_tokens
 
-    def stage(self, first_block: int, blocks: list[bytes]) -> None:
-        """Hold verified block bytes from storage until the request is given its blocks."""
-        self.staged_first_block, self.staged_blocks = first_block, blocks
-        self.storage_fetch = StorageFetch.DONE
-
-    def num_usable_staged(self, device_blocks: int) -> int:
-        """How many staged blocks extend a device prefix hit of `device_blocks` blocks (they must
-        continue it without a gap), never covering the last token."""
-        max_blocks = (self.num_tokens - 1) // self.hasher.block_size
-        end = min(self.staged_first_block + len(self.staged_blocks), max_blocks)
-        if not self.staged_first_block <= device_blocks < end:
-            return 0
-        return end - device_blocks
-
-    def take_staged(self, device_blocks: int) -> list[bytes]:
-        """The usable staged blocks (see `num_usable_staged`); the rest are dropped."""
-        count = self.num_usable_staged(device_blocks)
-        start = device_blocks - self.staged_first_block
-        blocks = self.staged_blocks[start : start + count] if count else []
-        self.staged_blocks = []
-        return blocks
+    def record_first_admission(self, device_hit_tokens: int, storage_hit_tokens: int) -> bool:
+        """Remember the hits of the request's first admission; False (changing nothing) when
+        it was admitted before (a re-admission after preemption)."""
+        if self.device_hit_tokens is not None:
+            return False
+        self.device_hit_tokens, self.storage_hit_tokens = device_hit_tokens, storage_hit_tokens
+        return True
 
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)

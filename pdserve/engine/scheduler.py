@@ -8,13 +8,14 @@ KV pool allow. When a running request cannot get a block, the newest running req
 
 import bisect
 import logging
+import time
 from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from pdserve.engine.request import Request, RequestStatus, StorageFetch
+from pdserve.engine.admission import PromptAdmission
+from pdserve.engine.request import Request, RequestStatus
 from pdserve.errors import DuplicateRequestError
-from pdserve.kvcache.manager import NO_MATCH, KVCacheManager
+from pdserve.kvcache.manager import KVCacheManager
 
 logger = logging.getLogger(__name__)
 
@@ -36,21 +37,10 @@ class ScheduledChunk:
         return self.request.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
 
 
-@dataclass(frozen=True, slots=True)
-class StagedLoad:
-    """Blocks [first_block, first_block + num_blocks) of the request's table are to be filled
-    from its staged storage bytes before this step's forward pass."""
-
-    request: Request
-    first_block: int
-    num_blocks: int
-
-
 @dataclass(slots=True)
 class SchedulerOutput:
     chunks: list[ScheduledChunk] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
-    loads: list[StagedLoad] = field(default_factory=list)
 
     @property
     def num_batched_tokens(self) -> int:
@@ -59,28 +49,24 @@ class SchedulerOutput:
 
 @dataclass(slots=True)
 class SchedulerStats:
+    """Counted on the engine thread; read there too (stats snapshots are engine-thread calls)."""
+
     num_preemptions: int = 0
-    prefix_cache_queries: int = 0  # prompt tokens of requests admitted for the first time
-    prefix_cache_hits: int = 0  # of which were found in the device prefix cache
-    storage_cache_hits: int = 0  # of which were loaded from the storage tier
-    storage_loaded_tokens: int = 0  # every load from storage, re-admissions after preemption too
+    prefix_cache_queries: int = 0  # prompt tokens of requests scheduled for the first time
+    device_hit_tokens: int = 0  # of which were found in the device prefix cache
+    storage_hit_tokens: int = 0  # of which were loaded from the storage tier
     num_computed_tokens: int = 0  # tokens run through forward passes
 
 
 class Scheduler:
-    """Owns the waiting queue and the running batch. Not thread-safe: the engine loop calls it."""
+    """Owns the waiting queue and the running batch. Engine thread only (not thread-safe)."""
 
     def __init__(
-        self,
-        config: SchedulerConfig,
-        kv_cache: KVCacheManager,
-        prefetch: Callable[[Request, int], bool] | None = None,
+        self, config: SchedulerConfig, kv_cache: KVCacheManager, admission: PromptAdmission
     ) -> None:
         self.config = config
         self.kv_cache = kv_cache
-        # asks the storage tier to read ahead what a request's device prefix hit lacks; returns
-        # whether it did (the request then waits for the answer, others are admitted meanwhile)
-        self.prefetch = prefetch
+        self.admission = admission
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # sorted by arrival_order
         self.requests: dict[str, Request] = {}
@@ -97,9 +83,10 @@ class Scheduler:
 
     def has_schedulable_requests(self) -> bool:
         """Requests a step could advance (TRANSFERRING requests and storage reads wait on I/O)."""
-        return bool(self.running) or any(
-            r.storage_fetch != StorageFetch.PENDING for r in self.waiting
-        )
+        storage = self.admission.storage
+        if storage is None or not storage.has_pending:
+            return bool(self.running or self.waiting)
+        return bool(self.running) or any(not storage.is_pending(r.request_id) for r in self.waiting)
 
     def schedule(self) -> SchedulerOutput:
         """Choose this step's chunks and allocate their KV blocks."""
@@ -117,6 +104,8 @@ class Scheduler:
         self._unqueue(request)
         request.status = status
         self.kv_cache.free(request.request_id)
+        if self.admission.storage is not None:
+            self.admission.storage.forget(request.request_id)
 
     def hold_for_transfer(self, request: Request) -> None:
         """Take a request out of the batch but keep its blocks pinned (status TRANSFERRING)."""
@@ -156,17 +145,20 @@ class Scheduler:
         Returns False when `request` had to be preempted itself."""
         while not self.kv_cache.can_allocate(request, num_tokens):
             victim = self.running[-1]
-            self._preempt(victim)
+            self.preempt(victim)
             output.preempted.append(victim)
             if victim is request:
                 return False
         return True
 
-    def _preempt(self, request: Request) -> None:
-        self.running.pop()
+    def preempt(self, request: Request) -> None:
+        """Take a running request out of the batch and free its blocks; it waits at the head of
+        the queue to be recomputed (or restored from storage). Counted once per preemption."""
+        self.running.remove(request)
         self.kv_cache.free(request.request_id, preempted=True)
         request.status = RequestStatus.PREEMPTED
-        request.storage_fetch = StorageFetch.NONE  # its blocks may be in storage by re-admission
+        if self.admission.storage is not None:  # its blocks may be in storage by re-admission
+            self.admission.storage.forget(request.request_id)
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         self.stats.num_preemptions += 1
@@ -174,47 +166,40 @@ class Scheduler:
         logger.info("preempted request %s (%d tokens)", request.request_id, request.num_tokens)
 
     def _schedule_waiting(self, output: SchedulerOutput, budget: int) -> None:
+        storage = self.admission.storage
         for request in list(self.waiting):
             if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
                 return
-            if request.storage_fetch == StorageFetch.PENDING:
+            if storage is not None and storage.is_pending(request.request_id):
                 continue  # its storage read is in flight; later requests may go first
-            preallocated = self.kv_cache.has_request(request.request_id)  # prefix already set
-            loaded = 0
-            if preallocated:
-                prefix, num_computed = NO_MATCH, request.num_computed_tokens
-            else:
-                prefix = self.kv_cache.match_prefix(request)
-                device_blocks = len(prefix.block_ids)
-                if request.staged_blocks and device_blocks < request.staged_first_block:
-                    request.storage_fetch = StorageFetch.NONE  # the device lost blocks since the
-                    request.staged_blocks = []  # read: read again from the shorter device hit
-                if (
-                    request.storage_fetch == StorageFetch.NONE
-                    and self.prefetch is not None
-                    and self.prefetch(request, device_blocks)
-                ):
-                    continue
-                loaded = request.num_usable_staged(device_blocks)
-                num_computed = prefix.num_tokens + loaded * self.kv_cache.block_size
-            num_new = min(request.num_tokens - num_computed, budget)
-            if not self.kv_cache.can_allocate(request, num_computed + num_new, prefix):
+            if not self.kv_cache.has_request(request.request_id):  # else: preallocated
+                if storage is not None:
+                    device_blocks = self.admission.device_hit_blocks(request)
+                    if storage.needs_prefetch(request, device_blocks):
+                        storage.prefetch(request, device_blocks)
+                        continue
+                admission = self.admission.admit(request, token_budget=budget)
+                if admission is None:
+                    return
+                request.record_first_admission(
+                    admission.device_hit_tokens, admission.storage_hit_tokens
+                )
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if not self.kv_cache.can_allocate(request, request.num_computed_tokens + num_new):
                 return
-            self.kv_cache.allocate(request, num_computed + num_new, prefix)
+            self.kv_cache.allocate(request, request.num_computed_tokens + num_new)
             self.waiting.remove(request)
-            if loaded:
-                output.loads.append(StagedLoad(request, len(prefix.block_ids), loaded))
-            else:
-                request.staged_blocks = []
-            request.num_computed_tokens = num_computed
-            if request.num_cached_tokens is None:
-                if not preallocated:
-                    request.num_storage_tokens = loaded * self.kv_cache.block_size
-                request.num_cached_tokens = num_computed
-                self.stats.prefix_cache_queries += request.num_prompt_tokens
-                self.stats.prefix_cache_hits += num_computed - request.num_storage_tokens
-                self.stats.storage_cache_hits += request.num_storage_tokens
+            self._count_first_step(request)
             request.status = RequestStatus.RUNNING
             bisect.insort(self.running, request, key=lambda r: r.arrival_order)
             output.chunks.append(ScheduledChunk(request, num_new))
             budget -= num_new
+
+    def _count_first_step(self, request: Request) -> None:
+        """Hit-rate counters: each request once, when it is first scheduled."""
+        if request.first_scheduled_at is not None:
+            return
+        request.first_scheduled_at = time.perf_counter()
+        self.stats.prefix_cache_queries += request.num_prompt_tokens
+        self.stats.device_hit_tokens += request.device_hit_tokens or 0
+        self.stats.storage_hit_tokens += request.storage_hit_tokens

@@ -49,6 +49,16 @@ class KVEventBroadcaster:
             if subscriber in self._subscribers:
                 self._subscribers.remove(subscriber)
 
+    def disconnect_all(self) -> None:
+        """End every subscription: each subscriber receives None (and may resubscribe)."""
+        with self._lock:
+            subscribers, self._subscribers = self._subscribers, []
+        for subscriber in subscribers:
+            if subscriber.full():  # make room for the None
+                with contextlib.suppress(queue.Empty):
+                    subscriber.get_nowait()
+            subscriber.put_nowait(None)
+
     def publish(self, event: KVEvent) -> None:
         with self._lock:
             subscribers = list(self._subscribers)

@@ -12,7 +12,7 @@ logits are needed. Not thread-safe: the owner (the scheduler) serialises calls.
 
 import logging
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -56,9 +56,24 @@ class PrefixMatch:
 
 NO_MATCH = PrefixMatch()
 
-BlockWriteSink = Callable[[Sequence[tuple[int, BlockHash]]], None]
-"""Receives (block id, hash) of published blocks whose bytes should be copied out now, while
-they are intact (the storage tier's write-back)."""
+
+class WriteBack(Protocol):
+    """Where published blocks are copied out while their bytes are intact (the storage tier's
+    connector), and when: blocks about to be overwritten (`write_on_evict`), blocks as they are
+    published (`write_through`), a preempted request's (`write_on_preempt`)."""
+
+    @property
+    def write_on_evict(self) -> bool: ...
+
+    @property
+    def write_through(self) -> bool: ...
+
+    @property
+    def write_on_preempt(self) -> bool: ...
+
+    def write_back(self, blocks: Sequence[tuple[int, BlockHash]]) -> None:
+        """Take (block id, hash) pairs; copy their bytes now, never block on I/O."""
+        ...
 
 
 class KVCacheManager:
@@ -71,6 +86,7 @@ class KVCacheManager:
         *,
         enable_prefix_caching: bool = True,
         event_sink: KVEventSink | None = None,
+        write_back: WriteBack | None = None,
     ) -> None:
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
@@ -81,12 +97,7 @@ class KVCacheManager:
         self._event_sink = event_sink
         self._tables: dict[str, list[int]] = {}
         self._num_published: dict[str, int] = {}
-        # storage write-back, wired by the engine: evicted blocks (`write_on_evict`), blocks as
-        # they are published (`write_through`), a preempted request's (`write_on_preempt`)
-        self.write_sink: BlockWriteSink | None = None
-        self.write_on_evict = False
-        self.write_through = False
-        self.write_on_preempt = False
+        self._write_back = write_back
 
     # -- queries (no side effects) ------------------------------------------------------------
 
@@ -102,15 +113,15 @@ class KVCacheManager:
     def num_cached_blocks(self) -> int:
         return len(self.prefix_cache)
 
-    def usage(self) -> float:
-        """Fraction of blocks referenced by live requests."""
-        return 1.0 - self.pool.num_free / self.pool.num_blocks
-
     def block_table(self, request_id: str) -> Sequence[int]:
         return self._tables.get(request_id, ())
 
     def has_request(self, request_id: str) -> bool:
         return request_id in self._tables
+
+    def request_ids(self) -> list[str]:
+        """Ids of the requests that hold a block table."""
+        return list(self._tables)
 
     def match_prefix(self, request: CacheRequest) -> PrefixMatch:
         """Longest published prefix of `request`, never covering its last token."""
@@ -195,8 +206,8 @@ class KVCacheManager:
         self._num_published[request.request_id] = num_full
         if stored and self._event_sink is not None:
             self._event_sink(BlockStored(tuple(h for _, h in stored)))
-        if stored and self.write_through and self.write_sink is not None:
-            self.write_sink(stored)
+        if stored and self._write_back is not None and self._write_back.write_through:
+            self._write_back.write_back(stored)
         return len(stored)
 
     def free(self, request_id: str, preempted: bool = False) -> None:
@@ -207,9 +218,10 @@ class KVCacheManager:
         num_published = self._num_published.pop(request_id, 0)
         if table is None:
             return
-        if preempted and self.write_on_preempt and self.write_sink is not None:
+        sink = self._write_back
+        if preempted and sink is not None and sink.write_on_preempt:
             published = [(b, self.prefix_cache.hash_of(b)) for b in table[:num_published]]
-            self.write_sink([(b, h) for b, h in published if h is not None])
+            sink.write_back([(b, h) for b, h in published if h is not None])
         self.pool.free(reversed(table))
 
     def evict_cached_blocks(self, max_blocks: int | None = None) -> int:
@@ -258,11 +270,11 @@ class KVCacheManager:
         return table
 
     def _unpublish(self, block_ids: Sequence[int]) -> None:
-        if self.write_on_evict and self.write_sink is not None:
+        if self._write_back is not None and self._write_back.write_on_evict:
             cached = [(b, self.prefix_cache.hash_of(b)) for b in block_ids]
             evicted = [(b, h) for b, h in cached if h is not None]
             if evicted:
-                self.write_sink(evicted)
+                self._write_back.write_back(evicted)
         removed = [h for b in block_ids if (h := self.prefix_cache.drop_block(b)) is not None]
         if removed and self._event_sink is not None:
             self._event_sink(BlockRemoved(tuple(removed)))

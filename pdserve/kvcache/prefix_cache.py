@@ -21,6 +21,10 @@ class PrefixCache:
     def __len__(self) -> int:
         return len(self._block_of)
 
+    def hashes(self) -> list[BlockHash]:
+        """Every matchable hash, in publication order (parents before their children)."""
+        return list(self._block_of)
+
     def lookup(self, block_hashes: Sequence[BlockHash]) -> list[int]:
         """Block ids of the longest prefix of `block_hashes` that is cached. No side effects."""
         block_ids: list[int] = []

@@ -76,6 +76,7 @@ class ModelRunner:
         self.block_size = kv_cache.shape[3]
         self.device = kv_cache.device
         self.segment = segment  # the KV cache's shared-memory segment, if it lives in one
+        self.block_io = BlockIO(kv_cache)
 
     @classmethod
     def create(

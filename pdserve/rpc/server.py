@@ -8,7 +8,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from pdserve.rpc.channels import CHANNEL_OPTIONS
+from pdserve.rpc.channels import SERVER_OPTIONS
 
 
 def create_server(
@@ -27,7 +27,7 @@ def create_server(
     """
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=max_workers),
-        options=CHANNEL_OPTIONS,
+        options=SERVER_OPTIONS,
         interceptors=list(interceptors),
     )
     register(server)

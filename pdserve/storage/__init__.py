@@ -1,8 +1,9 @@
 """The shared KV storage tier: a Redis index (`CacheIndex`) over block stores, used by every
 instance through its `StorageTier` (DESIGN.md §5)."""
 
+from pdserve.errors import BlockStoreError
 from pdserve.storage.index import CacheIndex, IndexEntry
-from pdserve.storage.stores import BlockStore, BlockStoreError, DirectoryStore, HostMemoryStore
+from pdserve.storage.stores import BlockStore, DirectoryStore, HostMemoryStore
 from pdserve.storage.tier import StorageTier, checksum
 
 __all__ = [

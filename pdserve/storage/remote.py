@@ -5,8 +5,9 @@ from collections.abc import Iterable, Iterator
 
 import grpc
 
+from pdserve.errors import BlockStoreError
 from pdserve.rpc.channels import ChannelPool
-from pdserve.storage.stores import BlockStore, BlockStoreError, HostMemoryStore
+from pdserve.storage.stores import BlockStore, HostMemoryStore
 from pdserve.v1 import storage_pb2, storage_pb2_grpc
 
 SERVICE_NAME = "pdserve.v1.StorageService"

@@ -16,11 +16,7 @@ from collections import OrderedDict
 from collections.abc import Iterable
 from pathlib import Path
 
-from pdserve.errors import PdserveError
-
-
-class BlockStoreError(PdserveError):
-    """A store could not write, read or delete a block (missing bytes, disk full, peer gone)."""
+from pdserve.errors import BlockStoreError
 
 
 class BlockStore(ABC):

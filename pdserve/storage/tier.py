@@ -25,12 +25,12 @@ from pathlib import Path
 import redis
 
 from pdserve.config import StorageConfig
-from pdserve.errors import ConfigError, IntegrityError
+from pdserve.errors import BlockStoreError, ConfigError, IntegrityError
 from pdserve.kvcache.hashing import BlockHash
 from pdserve.rpc.channels import ChannelPool
 from pdserve.storage.index import CacheIndex, IndexEntry, redis_client
 from pdserve.storage.remote import MEMORY_PREFIX, RemoteMemoryStore
-from pdserve.storage.stores import BlockStore, BlockStoreError, DirectoryStore, HostMemoryStore
+from pdserve.storage.stores import BlockStore, DirectoryStore, HostMemoryStore
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +41,9 @@ GC_INTERVAL_S = 1.0
 
 @dataclass(slots=True)
 class StorageCounters:
+    """Counted by the tier's worker and by handler threads (`read_chain`): every update goes
+    through `add`, every read through `snapshot`, both under the lock."""
+
     blocks_written: int = 0
     bytes_written: int = 0
     blocks_read: int = 0
@@ -51,6 +54,23 @@ class StorageCounters:
     read_errors: int = 0  # checksum mismatches and missing bytes (recomputed instead)
     redis_errors: int = 0
     evictions: int = 0
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def add(self, **deltas: int) -> None:
+        with self._lock:
+            for name, delta in deltas.items():
+                setattr(self, name, getattr(self, name) + delta)
+
+    def snapshot(self) -> "StorageCounters":
+        """A consistent copy (its own lock unused)."""
+        with self._lock:
+            return StorageCounters(**{f: getattr(self, f) for f in _COUNTER_FIELDS})
+
+
+_COUNTER_FIELDS = (
+    "blocks_written", "bytes_written", "blocks_read", "bytes_read", "writes_skipped",
+    "writes_dropped", "write_errors", "read_errors", "redis_errors", "evictions",
+)  # fmt: skip
 
 
 @dataclass(slots=True)
@@ -124,7 +144,7 @@ class StorageTier:
         return self._available or time.monotonic() >= self._retry_at
 
     def _redis_failed(self, error: Exception) -> None:
-        self.counters.redis_errors += 1
+        self.counters.add(redis_errors=1)
         if self._available:
             logger.warning(
                 "storage tier unavailable (Redis: %s); serving without it, retrying every %.1f s",
@@ -151,13 +171,13 @@ class StorageTier:
         Returns how many were queued."""
         with self._lock:
             fresh = [(h, d) for h, d in items if h not in self._known_stored]
-        self.counters.writes_skipped += len(items) - len(fresh)
+        self.counters.add(writes_skipped=len(items) - len(fresh))
         if not fresh:
             return 0
         size = sum(len(d) for _, d in fresh)
         with self._lock:
             if not self.available or self._pending_bytes + size > self.config.max_pending_bytes:
-                self.counters.writes_dropped += len(fresh)
+                self.counters.add(writes_dropped=len(fresh))
                 return 0
             self._pending_bytes += size
         self._jobs.put(_Write(fresh))
@@ -167,7 +187,7 @@ class StorageTier:
         try:
             for block_hash, data in job.items:
                 if not self.available:
-                    self.counters.writes_dropped += 1
+                    self.counters.add(writes_dropped=1)
                     continue
                 self._write_one(block_hash, data)
         finally:
@@ -177,7 +197,7 @@ class StorageTier:
     def _write_one(self, block_hash: BlockHash, data: bytes) -> None:
         try:
             if not self.index.claim(block_hash):
-                self.counters.writes_skipped += 1
+                self.counters.add(writes_skipped=1)
                 self._remember(block_hash)
                 return
             self._redis_ok()
@@ -185,7 +205,7 @@ class StorageTier:
             try:
                 self.store.put(key, memoryview(data))
             except BlockStoreError as e:
-                self.counters.write_errors += 1
+                self.counters.add(write_errors=1)
                 logger.warning("storage write failed: %s", e)
                 return
             entry = IndexEntry(self.store.store_id, key, len(data), checksum(data))
@@ -194,16 +214,15 @@ class StorageTier:
             )
         except redis.RedisError as e:
             self._redis_failed(e)
-            self.counters.writes_dropped += 1
+            self.counters.add(writes_dropped=1)
             return
-        self.counters.evictions += result.evicted
+        self.counters.add(evictions=result.evicted)
         if result.published:
-            self.counters.blocks_written += 1
-            self.counters.bytes_written += len(data)
+            self.counters.add(blocks_written=1, bytes_written=len(data))
             self._remember(block_hash)
         else:
             self.store.delete([key])  # published meanwhile by another writer (or too large)
-            self.counters.writes_skipped += 1
+            self.counters.add(writes_skipped=1)
 
     def _remember(self, block_hash: BlockHash) -> None:
         with self._lock:
@@ -233,8 +252,7 @@ class StorageTier:
                 break
             blocks.append(data)
             self._remember(block_hash)
-        self.counters.blocks_read += len(blocks)
-        self.counters.bytes_read += sum(len(b) for b in blocks)
+        self.counters.add(blocks_read=len(blocks), bytes_read=sum(len(b) for b in blocks))
         return blocks
 
     def _read_verified(self, block_hash: BlockHash, entry: IndexEntry) -> bytes | None:
@@ -252,7 +270,7 @@ class StorageTier:
             problem = str(e)
         if problem is None:
             return data
-        self.counters.read_errors += 1
+        self.counters.add(read_errors=1)
         logger.warning("stored block %s is unusable (%s): recomputing", block_hash.hex(), problem)
         try:
             self.index.remove([block_hash], self.config.grace_period_s)

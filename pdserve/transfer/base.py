@@ -17,11 +17,7 @@ from functools import cache
 from pathlib import Path
 from typing import Protocol
 
-from pdserve.errors import PdserveError
-
-
-class KVTransferError(PdserveError):
-    """A transfer failed (peer gone, reservation unknown or expired, size mismatch)."""
+from pdserve.errors import KVTransferError
 
 
 @dataclass(frozen=True, slots=True)

@@ -13,36 +13,24 @@ import threading
 import time
 from collections.abc import Iterator, Sequence
 
-import grpc
 import numpy as np
 
+from pdserve.errors import KVTransferError, PdserveError
 from pdserve.rpc.channels import ChannelPool
-from pdserve.transfer.base import (
-    KVTarget,
-    KVTransferError,
-    KVTransport,
-    TransferResult,
-    host_id,
-)
-from pdserve.v1 import decode_pb2, decode_pb2_grpc
+from pdserve.rpc.clients import DecodeClient
+from pdserve.transfer.base import KVTarget, KVTransport, TransferResult, host_id
 
 
 def commit(channels: ChannelPool, target: KVTarget, num_blocks: int) -> None:
-    """Tell the decode instance that blocks [first_block, + num_blocks) are written."""
-    stub = decode_pb2_grpc.DecodeServiceStub(channels.get(target.address))
+    """Tell the decode instance that blocks [first_block, + num_blocks) are written. Raises
+    KVTransferError (whatever decode answered: the transfer did not complete)."""
     try:
-        stub.CommitKV(
-            decode_pb2.CommitKVRequest(
-                request_id=target.request_id,
-                first_block=target.first_block,
-                num_blocks=num_blocks,
-            ),
-            timeout=30,
+        DecodeClient(target.address, channels).commit_kv(
+            target.request_id, target.first_block, num_blocks
         )
-    except grpc.RpcError as e:
+    except PdserveError as e:
         raise KVTransferError(
-            f"decode {target.address} did not commit the KV of request {target.request_id}: "
-            f"{e.code().name}: {e.details()}"
+            f"decode {target.address} did not commit the KV of request {target.request_id}: {e}"
         ) from e
 
 

@@ -10,8 +10,9 @@ from collections.abc import Iterator, Sequence
 
 import grpc
 
+from pdserve.errors import KVTransferError
 from pdserve.rpc.channels import ChannelPool
-from pdserve.transfer.base import KVTarget, KVTransferError, KVTransport, TransferResult
+from pdserve.transfer.base import KVTarget, KVTransport, TransferResult
 from pdserve.v1 import decode_pb2
 
 DEFAULT_CHUNK_BYTES = 2**20

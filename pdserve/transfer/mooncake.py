@@ -29,8 +29,9 @@ from collections.abc import Sequence
 from typing import Any
 
 from pdserve.config import TransferConfig
+from pdserve.errors import KVTransferError
 from pdserve.rpc.channels import ChannelPool
-from pdserve.transfer.base import KVTarget, KVTransferError, KVTransport, TransferResult
+from pdserve.transfer.base import KVTarget, KVTransport, TransferResult
 from pdserve.transfer.direct import check_bounds, commit, copy_runs
 
 logger = logging.getLogger(__name__)

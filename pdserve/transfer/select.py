@@ -6,8 +6,9 @@ import threading
 from typing import TYPE_CHECKING
 
 from pdserve.config import TransferConfig
+from pdserve.errors import KVTransferError
 from pdserve.rpc.channels import ChannelPool
-from pdserve.transfer.base import KVTarget, KVTransferError, KVTransport
+from pdserve.transfer.base import KVTarget, KVTransport
 from pdserve.transfer.direct import ShmKVTransport
 from pdserve.transfer.grpc import GrpcKVTransport
 

@@ -3,6 +3,7 @@
 import grpc
 import warnings
 
+from pdserve.v1 import common_pb2 as pdserve_dot_v1_dot_common__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -22,3 +23,166 @@ if _version_not_supported:
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
     )
+
+
+class InstanceServiceStub:
+    """Served once by every instance (prefill, decode, mixed) next to its role's service.
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.Abort = channel.unary_unary(
+                '/pdserve.v1.InstanceService/Abort',
+                request_serializer=pdserve_dot_v1_dot_common__pb2.AbortRequest.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_common__pb2.AbortReply.FromString,
+                _registered_method=True)
+        self.GetStats = channel.unary_unary(
+                '/pdserve.v1.InstanceService/GetStats',
+                request_serializer=pdserve_dot_v1_dot_common__pb2.StatsRequest.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_common__pb2.InstanceStats.FromString,
+                _registered_method=True)
+        self.SubscribeKVEvents = channel.unary_stream(
+                '/pdserve.v1.InstanceService/SubscribeKVEvents',
+                request_serializer=pdserve_dot_v1_dot_common__pb2.KVEventsRequest.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_common__pb2.KVEvent.FromString,
+                _registered_method=True)
+
+
+class InstanceServiceServicer:
+    """Served once by every instance (prefill, decode, mixed) next to its role's service.
+    """
+
+    def Abort(self, request, context):
+        """Stop a live request (or release its reservation) and end its output stream.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetStats(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def SubscribeKVEvents(self, request, context):
+        """Every block the instance publishes now (one `snapshot` event), then live events.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_InstanceServiceServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'Abort': grpc.unary_unary_rpc_method_handler(
+                    servicer.Abort,
+                    request_deserializer=pdserve_dot_v1_dot_common__pb2.AbortRequest.FromString,
+                    response_serializer=pdserve_dot_v1_dot_common__pb2.AbortReply.SerializeToString,
+            ),
+            'GetStats': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetStats,
+                    request_deserializer=pdserve_dot_v1_dot_common__pb2.StatsRequest.FromString,
+                    response_serializer=pdserve_dot_v1_dot_common__pb2.InstanceStats.SerializeToString,
+            ),
+            'SubscribeKVEvents': grpc.unary_stream_rpc_method_handler(
+                    servicer.SubscribeKVEvents,
+                    request_deserializer=pdserve_dot_v1_dot_common__pb2.KVEventsRequest.FromString,
+                    response_serializer=pdserve_dot_v1_dot_common__pb2.KVEvent.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'pdserve.v1.InstanceService', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('pdserve.v1.InstanceService', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class InstanceService:
+    """Served once by every instance (prefill, decode, mixed) next to its role's service.
+    """
+
+    @staticmethod
+    def Abort(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.InstanceService/Abort',
+            pdserve_dot_v1_dot_common__pb2.AbortRequest.SerializeToString,
+            pdserve_dot_v1_dot_common__pb2.AbortReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetStats(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.InstanceService/GetStats',
+            pdserve_dot_v1_dot_common__pb2.StatsRequest.SerializeToString,
+            pdserve_dot_v1_dot_common__pb2.InstanceStats.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SubscribeKVEvents(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/pdserve.v1.InstanceService/SubscribeKVEvents',
+            pdserve_dot_v1_dot_common__pb2.KVEventsRequest.SerializeToString,
+            pdserve_dot_v1_dot_common__pb2.KVEvent.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)

@@ -41,26 +41,20 @@ Global___ReserveRequest: _TypeAlias = ReserveRequest  # noqa: Y015
 
 @_typing.final
 class ReserveReply(_message.Message):
+    """A granted reservation (a refusal is RESOURCE_EXHAUSTED with a retry-after)."""
+
     DESCRIPTOR: _descriptor.Descriptor
 
-    GRANTED_FIELD_NUMBER: _builtins.int
     NUM_CACHED_TOKENS_FIELD_NUMBER: _builtins.int
     NUM_BLOCKS_FIELD_NUMBER: _builtins.int
-    RETRY_AFTER_MS_FIELD_NUMBER: _builtins.int
-    REASON_FIELD_NUMBER: _builtins.int
     BLOCK_BYTES_FIELD_NUMBER: _builtins.int
     BLOCK_IDS_FIELD_NUMBER: _builtins.int
     LEASE_MS_FIELD_NUMBER: _builtins.int
     ENDPOINTS_FIELD_NUMBER: _builtins.int
-    granted: _builtins.bool
     num_cached_tokens: _builtins.int
-    """prefix decode already holds: send blocks from here on"""
+    """prompt tokens decode already holds: send blocks from here on"""
     num_blocks: _builtins.int
     """blocks covering the prompt"""
-    retry_after_ms: _builtins.int
-    """when refused"""
-    reason: _builtins.str
-    """when refused"""
     block_bytes: _builtins.int
     """bytes of one block in decode's layout"""
     lease_ms: _builtins.int
@@ -76,11 +70,8 @@ class ReserveReply(_message.Message):
     def __init__(
         self,
         *,
-        granted: _builtins.bool = ...,
         num_cached_tokens: _builtins.int = ...,
         num_blocks: _builtins.int = ...,
-        retry_after_ms: _builtins.int = ...,
-        reason: _builtins.str = ...,
         block_bytes: _builtins.int = ...,
         block_ids: _abc.Iterable[_builtins.int] | None = ...,
         lease_ms: _builtins.int = ...,
@@ -88,7 +79,7 @@ class ReserveReply(_message.Message):
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["endpoints", b"endpoints"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_bytes", b"block_bytes", "block_ids", b"block_ids", "endpoints", b"endpoints", "granted", b"granted", "lease_ms", b"lease_ms", "num_blocks", b"num_blocks", "num_cached_tokens", b"num_cached_tokens", "reason", b"reason", "retry_after_ms", b"retry_after_ms"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_bytes", b"block_bytes", "block_ids", b"block_ids", "endpoints", b"endpoints", "lease_ms", b"lease_ms", "num_blocks", b"num_blocks", "num_cached_tokens", b"num_cached_tokens"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -289,87 +280,3 @@ class StreamTokensRequest(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___StreamTokensRequest: _TypeAlias = StreamTokensRequest  # noqa: Y015
-
-@_typing.final
-class TokenChunk(_message.Message):
-    DESCRIPTOR: _descriptor.Descriptor
-
-    TOKEN_IDS_FIELD_NUMBER: _builtins.int
-    TEXT_FIELD_NUMBER: _builtins.int
-    text: _builtins.str
-    @_builtins.property
-    def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
-    def __init__(
-        self,
-        *,
-        token_ids: _abc.Iterable[_builtins.int] | None = ...,
-        text: _builtins.str = ...,
-    ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
-    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["text", b"text", "token_ids", b"token_ids"]  # noqa: Y015
-    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
-
-Global___TokenChunk: _TypeAlias = TokenChunk  # noqa: Y015
-
-@_typing.final
-class TokenFinal(_message.Message):
-    DESCRIPTOR: _descriptor.Descriptor
-
-    FINISH_REASON_FIELD_NUMBER: _builtins.int
-    STOP_REASON_FIELD_NUMBER: _builtins.int
-    NUM_PROMPT_TOKENS_FIELD_NUMBER: _builtins.int
-    NUM_OUTPUT_TOKENS_FIELD_NUMBER: _builtins.int
-    NUM_CACHED_TOKENS_FIELD_NUMBER: _builtins.int
-    finish_reason: _common_pb2.FinishReason.ValueType
-    stop_reason: _builtins.str
-    num_prompt_tokens: _builtins.int
-    num_output_tokens: _builtins.int
-    num_cached_tokens: _builtins.int
-    def __init__(
-        self,
-        *,
-        finish_reason: _common_pb2.FinishReason.ValueType = ...,
-        stop_reason: _builtins.str = ...,
-        num_prompt_tokens: _builtins.int = ...,
-        num_output_tokens: _builtins.int = ...,
-        num_cached_tokens: _builtins.int = ...,
-    ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
-    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["finish_reason", b"finish_reason", "num_cached_tokens", b"num_cached_tokens", "num_output_tokens", b"num_output_tokens", "num_prompt_tokens", b"num_prompt_tokens", "stop_reason", b"stop_reason"]  # noqa: Y015
-    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
-
-Global___TokenFinal: _TypeAlias = TokenFinal  # noqa: Y015
-
-@_typing.final
-class TokenReply(_message.Message):
-    DESCRIPTOR: _descriptor.Descriptor
-
-    CHUNK_FIELD_NUMBER: _builtins.int
-    FINAL_FIELD_NUMBER: _builtins.int
-    ERROR_FIELD_NUMBER: _builtins.int
-    @_builtins.property
-    def chunk(self) -> Global___TokenChunk: ...
-    @_builtins.property
-    def final(self) -> Global___TokenFinal: ...
-    @_builtins.property
-    def error(self) -> _common_pb2.Error: ...
-    def __init__(
-        self,
-        *,
-        chunk: Global___TokenChunk | None = ...,
-        final: Global___TokenFinal | None = ...,
-        error: _common_pb2.Error | None = ...,
-    ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["chunk", b"chunk", "error", b"error", "final", b"final", "reply", b"reply"]  # noqa: Y015
-    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunk", b"chunk", "error", b"error", "final", b"final", "reply", b"reply"]  # noqa: Y015
-    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_reply: _TypeAlias = _typing.Literal["chunk", "final", "error"]  # noqa: Y015
-    _WhichOneofArgType_reply: _TypeAlias = _typing.Literal["reply", b"reply"]  # noqa: Y015
-    def WhichOneof(self, oneof_group: _WhichOneofArgType_reply) -> _WhichOneofReturnType_reply | None: ...
-
-Global___TokenReply: _TypeAlias = TokenReply  # noqa: Y015

@@ -27,7 +27,9 @@ if _version_not_supported:
 
 
 class DecodeServiceStub:
-    """Missing associated documentation comment in .proto file."""
+    """Abort, GetStats and SubscribeKVEvents: InstanceService (common.proto). Unary errors are gRPC
+    statuses with the pdserve error code in the trailing metadata.
+    """
 
     def __init__(self, channel):
         """Constructor.
@@ -58,27 +60,14 @@ class DecodeServiceStub:
         self.StreamTokens = channel.unary_stream(
                 '/pdserve.v1.DecodeService/StreamTokens',
                 request_serializer=pdserve_dot_v1_dot_decode__pb2.StreamTokensRequest.SerializeToString,
-                response_deserializer=pdserve_dot_v1_dot_decode__pb2.TokenReply.FromString,
-                _registered_method=True)
-        self.Abort = channel.unary_unary(
-                '/pdserve.v1.DecodeService/Abort',
-                request_serializer=pdserve_dot_v1_dot_common__pb2.AbortRequest.SerializeToString,
-                response_deserializer=pdserve_dot_v1_dot_common__pb2.AbortReply.FromString,
-                _registered_method=True)
-        self.GetStats = channel.unary_unary(
-                '/pdserve.v1.DecodeService/GetStats',
-                request_serializer=pdserve_dot_v1_dot_common__pb2.StatsRequest.SerializeToString,
-                response_deserializer=pdserve_dot_v1_dot_common__pb2.InstanceStats.FromString,
-                _registered_method=True)
-        self.SubscribeKVEvents = channel.unary_stream(
-                '/pdserve.v1.DecodeService/SubscribeKVEvents',
-                request_serializer=pdserve_dot_v1_dot_common__pb2.KVEventsRequest.SerializeToString,
-                response_deserializer=pdserve_dot_v1_dot_common__pb2.KVEvent.FromString,
+                response_deserializer=pdserve_dot_v1_dot_common__pb2.TokenReply.FromString,
                 _registered_method=True)
 
 
 class DecodeServiceServicer:
-    """Missing associated documentation comment in .proto file."""
+    """Abort, GetStats and SubscribeKVEvents: InstanceService (common.proto). Unary errors are gRPC
+    statuses with the pdserve error code in the trailing metadata.
+    """
 
     def Reserve(self, request, context):
         """preallocate_resource_in_d: reserve blocks for the prompt's KV (a lease).
@@ -115,24 +104,6 @@ class DecodeServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def Abort(self, request, context):
-        """Missing associated documentation comment in .proto file."""
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def GetStats(self, request, context):
-        """Missing associated documentation comment in .proto file."""
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def SubscribeKVEvents(self, request, context):
-        """Missing associated documentation comment in .proto file."""
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
 
 def add_DecodeServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -159,22 +130,7 @@ def add_DecodeServiceServicer_to_server(servicer, server):
             'StreamTokens': grpc.unary_stream_rpc_method_handler(
                     servicer.StreamTokens,
                     request_deserializer=pdserve_dot_v1_dot_decode__pb2.StreamTokensRequest.FromString,
-                    response_serializer=pdserve_dot_v1_dot_decode__pb2.TokenReply.SerializeToString,
-            ),
-            'Abort': grpc.unary_unary_rpc_method_handler(
-                    servicer.Abort,
-                    request_deserializer=pdserve_dot_v1_dot_common__pb2.AbortRequest.FromString,
-                    response_serializer=pdserve_dot_v1_dot_common__pb2.AbortReply.SerializeToString,
-            ),
-            'GetStats': grpc.unary_unary_rpc_method_handler(
-                    servicer.GetStats,
-                    request_deserializer=pdserve_dot_v1_dot_common__pb2.StatsRequest.FromString,
-                    response_serializer=pdserve_dot_v1_dot_common__pb2.InstanceStats.SerializeToString,
-            ),
-            'SubscribeKVEvents': grpc.unary_stream_rpc_method_handler(
-                    servicer.SubscribeKVEvents,
-                    request_deserializer=pdserve_dot_v1_dot_common__pb2.KVEventsRequest.FromString,
-                    response_serializer=pdserve_dot_v1_dot_common__pb2.KVEvent.SerializeToString,
+                    response_serializer=pdserve_dot_v1_dot_common__pb2.TokenReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -185,7 +141,9 @@ def add_DecodeServiceServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class DecodeService:
-    """Missing associated documentation comment in .proto file."""
+    """Abort, GetStats and SubscribeKVEvents: InstanceService (common.proto). Unary errors are gRPC
+    statuses with the pdserve error code in the trailing metadata.
+    """
 
     @staticmethod
     def Reserve(request,
@@ -311,88 +269,7 @@ class DecodeService:
             target,
             '/pdserve.v1.DecodeService/StreamTokens',
             pdserve_dot_v1_dot_decode__pb2.StreamTokensRequest.SerializeToString,
-            pdserve_dot_v1_dot_decode__pb2.TokenReply.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def Abort(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/pdserve.v1.DecodeService/Abort',
-            pdserve_dot_v1_dot_common__pb2.AbortRequest.SerializeToString,
-            pdserve_dot_v1_dot_common__pb2.AbortReply.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def GetStats(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/pdserve.v1.DecodeService/GetStats',
-            pdserve_dot_v1_dot_common__pb2.StatsRequest.SerializeToString,
-            pdserve_dot_v1_dot_common__pb2.InstanceStats.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def SubscribeKVEvents(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_stream(
-            request,
-            target,
-            '/pdserve.v1.DecodeService/SubscribeKVEvents',
-            pdserve_dot_v1_dot_common__pb2.KVEventsRequest.SerializeToString,
-            pdserve_dot_v1_dot_common__pb2.KVEvent.FromString,
+            pdserve_dot_v1_dot_common__pb2.TokenReply.FromString,
             options,
             channel_credentials,
             insecure,

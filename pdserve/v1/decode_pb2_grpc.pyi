@@ -28,6 +28,10 @@ GRPC_GENERATED_VERSION: str
 GRPC_VERSION: str
 
 class DecodeServiceStub:
+    """Abort, GetStats and SubscribeKVEvents: InstanceService (common.proto). Unary errors are gRPC
+    statuses with the pdserve error code in the trailing metadata.
+    """
+
     @_typing.overload
     def __new__(cls, channel: _grpc.Channel) -> _Self: ...
     @_typing.overload
@@ -40,14 +44,15 @@ class DecodeServiceStub:
     """A direct-write transport (shared memory, Mooncake) wrote these blocks of a reservation."""
     StartDecode: _grpc.UnaryUnaryMultiCallable[_decode_pb2.StartDecodeRequest, _decode_pb2.StartDecodeReply]
     """First-token handoff: the KV is complete; the request joins the running batch."""
-    StreamTokens: _grpc.UnaryStreamMultiCallable[_decode_pb2.StreamTokensRequest, _decode_pb2.TokenReply]
+    StreamTokens: _grpc.UnaryStreamMultiCallable[_decode_pb2.StreamTokensRequest, _common_pb2.TokenReply]
     """Every output of a request from its first token on, buffered until read."""
-    Abort: _grpc.UnaryUnaryMultiCallable[_common_pb2.AbortRequest, _common_pb2.AbortReply]
-    GetStats: _grpc.UnaryUnaryMultiCallable[_common_pb2.StatsRequest, _common_pb2.InstanceStats]
-    SubscribeKVEvents: _grpc.UnaryStreamMultiCallable[_common_pb2.KVEventsRequest, _common_pb2.KVEvent]
 
 @_typing.type_check_only
 class DecodeServiceAsyncStub(DecodeServiceStub):
+    """Abort, GetStats and SubscribeKVEvents: InstanceService (common.proto). Unary errors are gRPC
+    statuses with the pdserve error code in the trailing metadata.
+    """
+
     def __init__(self, channel: _aio.Channel) -> None: ...
     Reserve: _aio.UnaryUnaryMultiCallable[_decode_pb2.ReserveRequest, _decode_pb2.ReserveReply]  # type: ignore[assignment]
     """preallocate_resource_in_d: reserve blocks for the prompt's KV (a lease)."""
@@ -57,13 +62,14 @@ class DecodeServiceAsyncStub(DecodeServiceStub):
     """A direct-write transport (shared memory, Mooncake) wrote these blocks of a reservation."""
     StartDecode: _aio.UnaryUnaryMultiCallable[_decode_pb2.StartDecodeRequest, _decode_pb2.StartDecodeReply]  # type: ignore[assignment]
     """First-token handoff: the KV is complete; the request joins the running batch."""
-    StreamTokens: _aio.UnaryStreamMultiCallable[_decode_pb2.StreamTokensRequest, _decode_pb2.TokenReply]  # type: ignore[assignment]
+    StreamTokens: _aio.UnaryStreamMultiCallable[_decode_pb2.StreamTokensRequest, _common_pb2.TokenReply]  # type: ignore[assignment]
     """Every output of a request from its first token on, buffered until read."""
-    Abort: _aio.UnaryUnaryMultiCallable[_common_pb2.AbortRequest, _common_pb2.AbortReply]  # type: ignore[assignment]
-    GetStats: _aio.UnaryUnaryMultiCallable[_common_pb2.StatsRequest, _common_pb2.InstanceStats]  # type: ignore[assignment]
-    SubscribeKVEvents: _aio.UnaryStreamMultiCallable[_common_pb2.KVEventsRequest, _common_pb2.KVEvent]  # type: ignore[assignment]
 
 class DecodeServiceServicer(metaclass=_abc_1.ABCMeta):
+    """Abort, GetStats and SubscribeKVEvents: InstanceService (common.proto). Unary errors are gRPC
+    statuses with the pdserve error code in the trailing metadata.
+    """
+
     @_abc_1.abstractmethod
     def Reserve(
         self,
@@ -101,28 +107,7 @@ class DecodeServiceServicer(metaclass=_abc_1.ABCMeta):
         self,
         request: _decode_pb2.StreamTokensRequest,
         context: _ServicerContext,
-    ) -> _typing.Union[_abc.Iterator[_decode_pb2.TokenReply], _abc.AsyncIterator[_decode_pb2.TokenReply]]:
+    ) -> _typing.Union[_abc.Iterator[_common_pb2.TokenReply], _abc.AsyncIterator[_common_pb2.TokenReply]]:
         """Every output of a request from its first token on, buffered until read."""
-
-    @_abc_1.abstractmethod
-    def Abort(
-        self,
-        request: _common_pb2.AbortRequest,
-        context: _ServicerContext,
-    ) -> _typing.Union[_common_pb2.AbortReply, _abc.Awaitable[_common_pb2.AbortReply]]: ...
-
-    @_abc_1.abstractmethod
-    def GetStats(
-        self,
-        request: _common_pb2.StatsRequest,
-        context: _ServicerContext,
-    ) -> _typing.Union[_common_pb2.InstanceStats, _abc.Awaitable[_common_pb2.InstanceStats]]: ...
-
-    @_abc_1.abstractmethod
-    def SubscribeKVEvents(
-        self,
-        request: _common_pb2.KVEventsRequest,
-        context: _ServicerContext,
-    ) -> _typing.Union[_abc.Iterator[_common_pb2.KVEvent], _abc.AsyncIterator[_common_pb2.KVEvent]]: ...
 
 def add_DecodeServiceServicer_to_server(servicer: DecodeServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

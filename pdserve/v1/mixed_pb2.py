@@ -23,16 +23,15 @@ _sym_db = _symbol_database.Default()
 
 
 from pdserve.v1 import common_pb2 as pdserve_dot_v1_dot_common__pb2
-from pdserve.v1 import decode_pb2 as pdserve_dot_v1_dot_decode__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16pdserve/v1/mixed.proto\x12\npdserve.v1\x1a\x17pdserve/v1/common.proto\x1a\x17pdserve/v1/decode.proto2\x96\x02\n\x0cMixedService\x12\x41\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x16.pdserve.v1.TokenReply0\x01\x12\x39\n\x05\x41\x62ort\x12\x18.pdserve.v1.AbortRequest\x1a\x16.pdserve.v1.AbortReply\x12?\n\x08GetStats\x12\x18.pdserve.v1.StatsRequest\x1a\x19.pdserve.v1.InstanceStats\x12G\n\x11SubscribeKVEvents\x12\x1b.pdserve.v1.KVEventsRequest\x1a\x13.pdserve.v1.KVEvent0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16pdserve/v1/mixed.proto\x12\npdserve.v1\x1a\x17pdserve/v1/common.proto2Q\n\x0cMixedService\x12\x41\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x16.pdserve.v1.TokenReply0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'pdserve.v1.mixed_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_MIXEDSERVICE']._serialized_start=89
-  _globals['_MIXEDSERVICE']._serialized_end=367
+  _globals['_MIXEDSERVICE']._serialized_start=63
+  _globals['_MIXEDSERVICE']._serialized_end=144
 # @@protoc_insertion_point(module_scope)

@@ -4,7 +4,6 @@ import grpc
 import warnings
 
 from pdserve.v1 import common_pb2 as pdserve_dot_v1_dot_common__pb2
-from pdserve.v1 import decode_pb2 as pdserve_dot_v1_dot_decode__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -27,7 +26,8 @@ if _version_not_supported:
 
 
 class MixedServiceStub:
-    """Missing associated documentation comment in .proto file."""
+    """Abort, GetStats and SubscribeKVEvents: InstanceService (common.proto).
+    """
 
     def __init__(self, channel):
         """Constructor.
@@ -38,49 +38,17 @@ class MixedServiceStub:
         self.Generate = channel.unary_stream(
                 '/pdserve.v1.MixedService/Generate',
                 request_serializer=pdserve_dot_v1_dot_common__pb2.GenerateRequest.SerializeToString,
-                response_deserializer=pdserve_dot_v1_dot_decode__pb2.TokenReply.FromString,
-                _registered_method=True)
-        self.Abort = channel.unary_unary(
-                '/pdserve.v1.MixedService/Abort',
-                request_serializer=pdserve_dot_v1_dot_common__pb2.AbortRequest.SerializeToString,
-                response_deserializer=pdserve_dot_v1_dot_common__pb2.AbortReply.FromString,
-                _registered_method=True)
-        self.GetStats = channel.unary_unary(
-                '/pdserve.v1.MixedService/GetStats',
-                request_serializer=pdserve_dot_v1_dot_common__pb2.StatsRequest.SerializeToString,
-                response_deserializer=pdserve_dot_v1_dot_common__pb2.InstanceStats.FromString,
-                _registered_method=True)
-        self.SubscribeKVEvents = channel.unary_stream(
-                '/pdserve.v1.MixedService/SubscribeKVEvents',
-                request_serializer=pdserve_dot_v1_dot_common__pb2.KVEventsRequest.SerializeToString,
-                response_deserializer=pdserve_dot_v1_dot_common__pb2.KVEvent.FromString,
+                response_deserializer=pdserve_dot_v1_dot_common__pb2.TokenReply.FromString,
                 _registered_method=True)
 
 
 class MixedServiceServicer:
-    """Missing associated documentation comment in .proto file."""
+    """Abort, GetStats and SubscribeKVEvents: InstanceService (common.proto).
+    """
 
     def Generate(self, request, context):
         """Generate from a tokenized prompt; token chunks, then a final reply (or an error).
         """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def Abort(self, request, context):
-        """Missing associated documentation comment in .proto file."""
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def GetStats(self, request, context):
-        """Missing associated documentation comment in .proto file."""
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def SubscribeKVEvents(self, request, context):
-        """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -91,22 +59,7 @@ def add_MixedServiceServicer_to_server(servicer, server):
             'Generate': grpc.unary_stream_rpc_method_handler(
                     servicer.Generate,
                     request_deserializer=pdserve_dot_v1_dot_common__pb2.GenerateRequest.FromString,
-                    response_serializer=pdserve_dot_v1_dot_decode__pb2.TokenReply.SerializeToString,
-            ),
-            'Abort': grpc.unary_unary_rpc_method_handler(
-                    servicer.Abort,
-                    request_deserializer=pdserve_dot_v1_dot_common__pb2.AbortRequest.FromString,
-                    response_serializer=pdserve_dot_v1_dot_common__pb2.AbortReply.SerializeToString,
-            ),
-            'GetStats': grpc.unary_unary_rpc_method_handler(
-                    servicer.GetStats,
-                    request_deserializer=pdserve_dot_v1_dot_common__pb2.StatsRequest.FromString,
-                    response_serializer=pdserve_dot_v1_dot_common__pb2.InstanceStats.SerializeToString,
-            ),
-            'SubscribeKVEvents': grpc.unary_stream_rpc_method_handler(
-                    servicer.SubscribeKVEvents,
-                    request_deserializer=pdserve_dot_v1_dot_common__pb2.KVEventsRequest.FromString,
-                    response_serializer=pdserve_dot_v1_dot_common__pb2.KVEvent.SerializeToString,
+                    response_serializer=pdserve_dot_v1_dot_common__pb2.TokenReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -117,7 +70,8 @@ def add_MixedServiceServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class MixedService:
-    """Missing associated documentation comment in .proto file."""
+    """Abort, GetStats and SubscribeKVEvents: InstanceService (common.proto).
+    """
 
     @staticmethod
     def Generate(request,
@@ -135,88 +89,7 @@ class MixedService:
             target,
             '/pdserve.v1.MixedService/Generate',
             pdserve_dot_v1_dot_common__pb2.GenerateRequest.SerializeToString,
-            pdserve_dot_v1_dot_decode__pb2.TokenReply.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def Abort(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/pdserve.v1.MixedService/Abort',
-            pdserve_dot_v1_dot_common__pb2.AbortRequest.SerializeToString,
-            pdserve_dot_v1_dot_common__pb2.AbortReply.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def GetStats(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/pdserve.v1.MixedService/GetStats',
-            pdserve_dot_v1_dot_common__pb2.StatsRequest.SerializeToString,
-            pdserve_dot_v1_dot_common__pb2.InstanceStats.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def SubscribeKVEvents(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_stream(
-            request,
-            target,
-            '/pdserve.v1.MixedService/SubscribeKVEvents',
-            pdserve_dot_v1_dot_common__pb2.KVEventsRequest.SerializeToString,
-            pdserve_dot_v1_dot_common__pb2.KVEvent.FromString,
+            pdserve_dot_v1_dot_common__pb2.TokenReply.FromString,
             options,
             channel_credentials,
             insecure,

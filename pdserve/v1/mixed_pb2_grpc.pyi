@@ -8,7 +8,6 @@ baseline every PD measurement is compared to, served behind the same router.
 from collections import abc as _abc
 from grpc import aio as _aio
 from pdserve.v1 import common_pb2 as _common_pb2
-from pdserve.v1 import decode_pb2 as _decode_pb2
 import abc as _abc_1
 import grpc as _grpc
 import sys
@@ -30,53 +29,32 @@ GRPC_GENERATED_VERSION: str
 GRPC_VERSION: str
 
 class MixedServiceStub:
+    """Abort, GetStats and SubscribeKVEvents: InstanceService (common.proto)."""
+
     @_typing.overload
     def __new__(cls, channel: _grpc.Channel) -> _Self: ...
     @_typing.overload
     def __new__(cls, channel: _aio.Channel) -> MixedServiceAsyncStub: ...
-    Generate: _grpc.UnaryStreamMultiCallable[_common_pb2.GenerateRequest, _decode_pb2.TokenReply]
+    Generate: _grpc.UnaryStreamMultiCallable[_common_pb2.GenerateRequest, _common_pb2.TokenReply]
     """Generate from a tokenized prompt; token chunks, then a final reply (or an error)."""
-    Abort: _grpc.UnaryUnaryMultiCallable[_common_pb2.AbortRequest, _common_pb2.AbortReply]
-    GetStats: _grpc.UnaryUnaryMultiCallable[_common_pb2.StatsRequest, _common_pb2.InstanceStats]
-    SubscribeKVEvents: _grpc.UnaryStreamMultiCallable[_common_pb2.KVEventsRequest, _common_pb2.KVEvent]
 
 @_typing.type_check_only
 class MixedServiceAsyncStub(MixedServiceStub):
+    """Abort, GetStats and SubscribeKVEvents: InstanceService (common.proto)."""
+
     def __init__(self, channel: _aio.Channel) -> None: ...
-    Generate: _aio.UnaryStreamMultiCallable[_common_pb2.GenerateRequest, _decode_pb2.TokenReply]  # type: ignore[assignment]
+    Generate: _aio.UnaryStreamMultiCallable[_common_pb2.GenerateRequest, _common_pb2.TokenReply]  # type: ignore[assignment]
     """Generate from a tokenized prompt; token chunks, then a final reply (or an error)."""
-    Abort: _aio.UnaryUnaryMultiCallable[_common_pb2.AbortRequest, _common_pb2.AbortReply]  # type: ignore[assignment]
-    GetStats: _aio.UnaryUnaryMultiCallable[_common_pb2.StatsRequest, _common_pb2.InstanceStats]  # type: ignore[assignment]
-    SubscribeKVEvents: _aio.UnaryStreamMultiCallable[_common_pb2.KVEventsRequest, _common_pb2.KVEvent]  # type: ignore[assignment]
 
 class MixedServiceServicer(metaclass=_abc_1.ABCMeta):
+    """Abort, GetStats and SubscribeKVEvents: InstanceService (common.proto)."""
+
     @_abc_1.abstractmethod
     def Generate(
         self,
         request: _common_pb2.GenerateRequest,
         context: _ServicerContext,
-    ) -> _typing.Union[_abc.Iterator[_decode_pb2.TokenReply], _abc.AsyncIterator[_decode_pb2.TokenReply]]:
+    ) -> _typing.Union[_abc.Iterator[_common_pb2.TokenReply], _abc.AsyncIterator[_common_pb2.TokenReply]]:
         """Generate from a tokenized prompt; token chunks, then a final reply (or an error)."""
-
-    @_abc_1.abstractmethod
-    def Abort(
-        self,
-        request: _common_pb2.AbortRequest,
-        context: _ServicerContext,
-    ) -> _typing.Union[_common_pb2.AbortReply, _abc.Awaitable[_common_pb2.AbortReply]]: ...
-
-    @_abc_1.abstractmethod
-    def GetStats(
-        self,
-        request: _common_pb2.StatsRequest,
-        context: _ServicerContext,
-    ) -> _typing.Union[_common_pb2.InstanceStats, _abc.Awaitable[_common_pb2.InstanceStats]]: ...
-
-    @_abc_1.abstractmethod
-    def SubscribeKVEvents(
-        self,
-        request: _common_pb2.KVEventsRequest,
-        context: _ServicerContext,
-    ) -> _typing.Union[_abc.Iterator[_common_pb2.KVEvent], _abc.AsyncIterator[_common_pb2.KVEvent]]: ...
 
 def add_MixedServiceServicer_to_server(servicer: MixedServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -25,25 +25,19 @@ _sym_db = _symbol_database.Default()
 from pdserve.v1 import common_pb2 as pdserve_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18pdserve/v1/prefill.proto\x12\npdserve.v1\x1a\x17pdserve/v1/common.proto\"V\n\x0ePrefillRequest\x12,\n\x07request\x18\x01 \x01(\x0b\x32\x1b.pdserve.v1.GenerateRequest\x12\x16\n\x0e\x64\x65\x63ode_address\x18\x02 \x01(\t\":\n\x0fPrefillProgress\x12\'\n\x05stage\x18\x01 \x01(\x0e\x32\x18.pdserve.v1.PrefillStage\"n\n\x0ePrefillTimings\x12\x11\n\treserve_s\x18\x01 \x01(\x01\x12\x0f\n\x07queue_s\x18\x02 \x01(\x01\x12\x11\n\tcompute_s\x18\x03 \x01(\x01\x12\x12\n\ntransfer_s\x18\x04 \x01(\x01\x12\x11\n\thandoff_s\x18\x05 \x01(\x01\"\xee\x01\n\rPrefillResult\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\r\x12\x19\n\x11num_prompt_tokens\x18\x02 \x01(\r\x12\x19\n\x11num_cached_tokens\x18\x03 \x01(\r\x12 \n\x18num_decode_cached_tokens\x18\x04 \x01(\r\x12\x16\n\x0ekv_blocks_sent\x18\x05 \x01(\r\x12\x15\n\rkv_bytes_sent\x18\x06 \x01(\x04\x12+\n\x07timings\x18\x07 \x01(\x0b\x32\x1a.pdserve.v1.PrefillTimings\x12\x11\n\ttransport\x18\x08 \x01(\t\"\x95\x01\n\x0cPrefillReply\x12,\n\x05\x63hunk\x18\x01 \x01(\x0b\x32\x1b.pdserve.v1.PrefillProgressH\x00\x12*\n\x05\x66inal\x18\x02 \x01(\x0b\x32\x19.pdserve.v1.PrefillResultH\x00\x12\"\n\x05\x65rror\x18\x03 \x01(\x0b\x32\x11.pdserve.v1.ErrorH\x00\x42\x07\n\x05reply*\x84\x01\n\x0cPrefillStage\x12\x1d\n\x19PREFILL_STAGE_UNSPECIFIED\x10\x00\x12\x1a\n\x16PREFILL_STAGE_RESERVED\x10\x01\x12\x1a\n\x16PREFILL_STAGE_COMPUTED\x10\x02\x12\x1d\n\x19PREFILL_STAGE_TRANSFERRED\x10\x03\x32\x98\x02\n\x0ePrefillService\x12\x41\n\x07Prefill\x12\x1a.pdserve.v1.PrefillRequest\x1a\x18.pdserve.v1.PrefillReply0\x01\x12\x39\n\x05\x41\x62ort\x12\x18.pdserve.v1.AbortRequest\x1a\x16.pdserve.v1.AbortReply\x12?\n\x08GetStats\x12\x18.pdserve.v1.StatsRequest\x1a\x19.pdserve.v1.InstanceStats\x12G\n\x11SubscribeKVEvents\x12\x1b.pdserve.v1.KVEventsRequest\x1a\x13.pdserve.v1.KVEvent0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18pdserve/v1/prefill.proto\x12\npdserve.v1\x1a\x17pdserve/v1/common.proto\"V\n\x0ePrefillRequest\x12,\n\x07request\x18\x01 \x01(\x0b\x32\x1b.pdserve.v1.GenerateRequest\x12\x16\n\x0e\x64\x65\x63ode_address\x18\x02 \x01(\t\"n\n\x0ePrefillTimings\x12\x11\n\treserve_s\x18\x01 \x01(\x01\x12\x0f\n\x07queue_s\x18\x02 \x01(\x01\x12\x11\n\tcompute_s\x18\x03 \x01(\x01\x12\x12\n\ntransfer_s\x18\x04 \x01(\x01\x12\x11\n\thandoff_s\x18\x05 \x01(\x01\"\xee\x01\n\rPrefillResult\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\r\x12\x19\n\x11num_prompt_tokens\x18\x02 \x01(\r\x12\x19\n\x11num_cached_tokens\x18\x03 \x01(\r\x12 \n\x18num_decode_cached_tokens\x18\x04 \x01(\r\x12\x16\n\x0ekv_blocks_sent\x18\x05 \x01(\r\x12\x15\n\rkv_bytes_sent\x18\x06 \x01(\x04\x12+\n\x07timings\x18\x07 \x01(\x0b\x32\x1a.pdserve.v1.PrefillTimings\x12\x11\n\ttransport\x18\x08 \x01(\t2R\n\x0ePrefillService\x12@\n\x07Prefill\x12\x1a.pdserve.v1.PrefillRequest\x1a\x19.pdserve.v1.PrefillResultb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'pdserve.v1.prefill_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_PREFILLSTAGE']._serialized_start=719
-  _globals['_PREFILLSTAGE']._serialized_end=851
   _globals['_PREFILLREQUEST']._serialized_start=65
   _globals['_PREFILLREQUEST']._serialized_end=151
-  _globals['_PREFILLPROGRESS']._serialized_start=153
-  _globals['_PREFILLPROGRESS']._serialized_end=211
-  _globals['_PREFILLTIMINGS']._serialized_start=213
-  _globals['_PREFILLTIMINGS']._serialized_end=323
-  _globals['_PREFILLRESULT']._serialized_start=326
-  _globals['_PREFILLRESULT']._serialized_end=564
-  _globals['_PREFILLREPLY']._serialized_start=567
-  _globals['_PREFILLREPLY']._serialized_end=716
-  _globals['_PREFILLSERVICE']._serialized_start=854
-  _globals['_PREFILLSERVICE']._serialized_end=1134
+  _globals['_PREFILLTIMINGS']._serialized_start=153
+  _globals['_PREFILLTIMINGS']._serialized_end=263
+  _globals['_PREFILLRESULT']._serialized_start=266
+  _globals['_PREFILLRESULT']._serialized_end=504
+  _globals['_PREFILLSERVICE']._serialized_start=506
+  _globals['_PREFILLSERVICE']._serialized_end=588
 # @@protoc_insertion_point(module_scope)

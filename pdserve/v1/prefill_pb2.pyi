@@ -5,7 +5,6 @@ The prefill instance: computes a prompt's KV and hands it to a decode instance."
 
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
-from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from pdserve.v1 import common_pb2 as _common_pb2
 import builtins as _builtins
 import sys
@@ -17,31 +16,6 @@ else:
     from typing_extensions import TypeAlias as _TypeAlias, Never as _Never
 
 DESCRIPTOR: _descriptor.FileDescriptor
-
-class _PrefillStage:
-    ValueType = _typing.NewType("ValueType", _builtins.int)
-    V: _TypeAlias = ValueType  # noqa: Y015
-
-class _PrefillStageEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_PrefillStage.ValueType], _builtins.type):
-    DESCRIPTOR: _descriptor.EnumDescriptor
-    PREFILL_STAGE_UNSPECIFIED: _PrefillStage.ValueType  # 0
-    PREFILL_STAGE_RESERVED: _PrefillStage.ValueType  # 1
-    """the decode instance reserved blocks"""
-    PREFILL_STAGE_COMPUTED: _PrefillStage.ValueType  # 2
-    """the prompt's KV is computed"""
-    PREFILL_STAGE_TRANSFERRED: _PrefillStage.ValueType  # 3
-    """the KV blocks decode lacked were written there"""
-
-class PrefillStage(_PrefillStage, metaclass=_PrefillStageEnumTypeWrapper): ...
-
-PREFILL_STAGE_UNSPECIFIED: PrefillStage.ValueType  # 0
-PREFILL_STAGE_RESERVED: PrefillStage.ValueType  # 1
-"""the decode instance reserved blocks"""
-PREFILL_STAGE_COMPUTED: PrefillStage.ValueType  # 2
-"""the prompt's KV is computed"""
-PREFILL_STAGE_TRANSFERRED: PrefillStage.ValueType  # 3
-"""the KV blocks decode lacked were written there"""
-Global___PrefillStage: _TypeAlias = PrefillStage  # noqa: Y015
 
 @_typing.final
 class PrefillRequest(_message.Message):
@@ -66,25 +40,6 @@ class PrefillRequest(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___PrefillRequest: _TypeAlias = PrefillRequest  # noqa: Y015
-
-@_typing.final
-class PrefillProgress(_message.Message):
-    DESCRIPTOR: _descriptor.Descriptor
-
-    STAGE_FIELD_NUMBER: _builtins.int
-    stage: Global___PrefillStage.ValueType
-    def __init__(
-        self,
-        *,
-        stage: Global___PrefillStage.ValueType = ...,
-    ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
-    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["stage", b"stage"]  # noqa: Y015
-    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
-
-Global___PrefillProgress: _TypeAlias = PrefillProgress  # noqa: Y015
 
 @_typing.final
 class PrefillTimings(_message.Message):
@@ -139,9 +94,9 @@ class PrefillResult(_message.Message):
     first_token_id: _builtins.int
     num_prompt_tokens: _builtins.int
     num_cached_tokens: _builtins.int
-    """prefix hit on the prefill instance"""
+    """prompt tokens prefill did not compute (device + storage)"""
     num_decode_cached_tokens: _builtins.int
-    """prefix already held by the decode instance"""
+    """prompt tokens decode already held (device + storage)"""
     kv_blocks_sent: _builtins.int
     kv_bytes_sent: _builtins.int
     transport: _builtins.str
@@ -167,33 +122,3 @@ class PrefillResult(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___PrefillResult: _TypeAlias = PrefillResult  # noqa: Y015
-
-@_typing.final
-class PrefillReply(_message.Message):
-    DESCRIPTOR: _descriptor.Descriptor
-
-    CHUNK_FIELD_NUMBER: _builtins.int
-    FINAL_FIELD_NUMBER: _builtins.int
-    ERROR_FIELD_NUMBER: _builtins.int
-    @_builtins.property
-    def chunk(self) -> Global___PrefillProgress: ...
-    @_builtins.property
-    def final(self) -> Global___PrefillResult: ...
-    @_builtins.property
-    def error(self) -> _common_pb2.Error: ...
-    def __init__(
-        self,
-        *,
-        chunk: Global___PrefillProgress | None = ...,
-        final: Global___PrefillResult | None = ...,
-        error: _common_pb2.Error | None = ...,
-    ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["chunk", b"chunk", "error", b"error", "final", b"final", "reply", b"reply"]  # noqa: Y015
-    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunk", b"chunk", "error", b"error", "final", b"final", "reply", b"reply"]  # noqa: Y015
-    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_reply: _TypeAlias = _typing.Literal["chunk", "final", "error"]  # noqa: Y015
-    _WhichOneofArgType_reply: _TypeAlias = _typing.Literal["reply", b"reply"]  # noqa: Y015
-    def WhichOneof(self, oneof_group: _WhichOneofArgType_reply) -> _WhichOneofReturnType_reply | None: ...
-
-Global___PrefillReply: _TypeAlias = PrefillReply  # noqa: Y015

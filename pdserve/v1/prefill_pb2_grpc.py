@@ -3,7 +3,6 @@
 import grpc
 import warnings
 
-from pdserve.v1 import common_pb2 as pdserve_dot_v1_dot_common__pb2
 from pdserve.v1 import prefill_pb2 as pdserve_dot_v1_dot_prefill__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
@@ -27,7 +26,8 @@ if _version_not_supported:
 
 
 class PrefillServiceStub:
-    """Missing associated documentation comment in .proto file."""
+    """Abort, GetStats and SubscribeKVEvents: InstanceService (common.proto).
+    """
 
     def __init__(self, channel):
         """Constructor.
@@ -35,52 +35,21 @@ class PrefillServiceStub:
         Args:
             channel: A grpc.Channel.
         """
-        self.Prefill = channel.unary_stream(
+        self.Prefill = channel.unary_unary(
                 '/pdserve.v1.PrefillService/Prefill',
                 request_serializer=pdserve_dot_v1_dot_prefill__pb2.PrefillRequest.SerializeToString,
-                response_deserializer=pdserve_dot_v1_dot_prefill__pb2.PrefillReply.FromString,
-                _registered_method=True)
-        self.Abort = channel.unary_unary(
-                '/pdserve.v1.PrefillService/Abort',
-                request_serializer=pdserve_dot_v1_dot_common__pb2.AbortRequest.SerializeToString,
-                response_deserializer=pdserve_dot_v1_dot_common__pb2.AbortReply.FromString,
-                _registered_method=True)
-        self.GetStats = channel.unary_unary(
-                '/pdserve.v1.PrefillService/GetStats',
-                request_serializer=pdserve_dot_v1_dot_common__pb2.StatsRequest.SerializeToString,
-                response_deserializer=pdserve_dot_v1_dot_common__pb2.InstanceStats.FromString,
-                _registered_method=True)
-        self.SubscribeKVEvents = channel.unary_stream(
-                '/pdserve.v1.PrefillService/SubscribeKVEvents',
-                request_serializer=pdserve_dot_v1_dot_common__pb2.KVEventsRequest.SerializeToString,
-                response_deserializer=pdserve_dot_v1_dot_common__pb2.KVEvent.FromString,
+                response_deserializer=pdserve_dot_v1_dot_prefill__pb2.PrefillResult.FromString,
                 _registered_method=True)
 
 
 class PrefillServiceServicer:
-    """Missing associated documentation comment in .proto file."""
+    """Abort, GetStats and SubscribeKVEvents: InstanceService (common.proto).
+    """
 
     def Prefill(self, request, context):
-        """Prefill `request`, move its KV to `decode_address` and hand over the first token.
+        """Prefill `request`, move its KV to `decode_address` and hand over the first token. Errors
+        are gRPC statuses with the pdserve error code in the trailing metadata.
         """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def Abort(self, request, context):
-        """Missing associated documentation comment in .proto file."""
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def GetStats(self, request, context):
-        """Missing associated documentation comment in .proto file."""
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def SubscribeKVEvents(self, request, context):
-        """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -88,25 +57,10 @@ class PrefillServiceServicer:
 
 def add_PrefillServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
-            'Prefill': grpc.unary_stream_rpc_method_handler(
+            'Prefill': grpc.unary_unary_rpc_method_handler(
                     servicer.Prefill,
                     request_deserializer=pdserve_dot_v1_dot_prefill__pb2.PrefillRequest.FromString,
-                    response_serializer=pdserve_dot_v1_dot_prefill__pb2.PrefillReply.SerializeToString,
-            ),
-            'Abort': grpc.unary_unary_rpc_method_handler(
-                    servicer.Abort,
-                    request_deserializer=pdserve_dot_v1_dot_common__pb2.AbortRequest.FromString,
-                    response_serializer=pdserve_dot_v1_dot_common__pb2.AbortReply.SerializeToString,
-            ),
-            'GetStats': grpc.unary_unary_rpc_method_handler(
-                    servicer.GetStats,
-                    request_deserializer=pdserve_dot_v1_dot_common__pb2.StatsRequest.FromString,
-                    response_serializer=pdserve_dot_v1_dot_common__pb2.InstanceStats.SerializeToString,
-            ),
-            'SubscribeKVEvents': grpc.unary_stream_rpc_method_handler(
-                    servicer.SubscribeKVEvents,
-                    request_deserializer=pdserve_dot_v1_dot_common__pb2.KVEventsRequest.FromString,
-                    response_serializer=pdserve_dot_v1_dot_common__pb2.KVEvent.SerializeToString,
+                    response_serializer=pdserve_dot_v1_dot_prefill__pb2.PrefillResult.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -117,7 +71,8 @@ def add_PrefillServiceServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class PrefillService:
-    """Missing associated documentation comment in .proto file."""
+    """Abort, GetStats and SubscribeKVEvents: InstanceService (common.proto).
+    """
 
     @staticmethod
     def Prefill(request,
@@ -130,93 +85,12 @@ class PrefillService:
             wait_for_ready=None,
             timeout=None,
             metadata=None):
-        return grpc.experimental.unary_stream(
+        return grpc.experimental.unary_unary(
             request,
             target,
             '/pdserve.v1.PrefillService/Prefill',
             pdserve_dot_v1_dot_prefill__pb2.PrefillRequest.SerializeToString,
-            pdserve_dot_v1_dot_prefill__pb2.PrefillReply.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def Abort(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/pdserve.v1.PrefillService/Abort',
-            pdserve_dot_v1_dot_common__pb2.AbortRequest.SerializeToString,
-            pdserve_dot_v1_dot_common__pb2.AbortReply.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def GetStats(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/pdserve.v1.PrefillService/GetStats',
-            pdserve_dot_v1_dot_common__pb2.StatsRequest.SerializeToString,
-            pdserve_dot_v1_dot_common__pb2.InstanceStats.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def SubscribeKVEvents(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_stream(
-            request,
-            target,
-            '/pdserve.v1.PrefillService/SubscribeKVEvents',
-            pdserve_dot_v1_dot_common__pb2.KVEventsRequest.SerializeToString,
-            pdserve_dot_v1_dot_common__pb2.KVEvent.FromString,
+            pdserve_dot_v1_dot_prefill__pb2.PrefillResult.FromString,
             options,
             channel_credentials,
             insecure,

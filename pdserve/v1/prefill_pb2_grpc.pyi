@@ -5,7 +5,6 @@ The prefill instance: computes a prompt's KV and hands it to a decode instance."
 
 from collections import abc as _abc
 from grpc import aio as _aio
-from pdserve.v1 import common_pb2 as _common_pb2
 from pdserve.v1 import prefill_pb2 as _prefill_pb2
 import abc as _abc_1
 import grpc as _grpc
@@ -28,53 +27,38 @@ GRPC_GENERATED_VERSION: str
 GRPC_VERSION: str
 
 class PrefillServiceStub:
+    """Abort, GetStats and SubscribeKVEvents: InstanceService (common.proto)."""
+
     @_typing.overload
     def __new__(cls, channel: _grpc.Channel) -> _Self: ...
     @_typing.overload
     def __new__(cls, channel: _aio.Channel) -> PrefillServiceAsyncStub: ...
-    Prefill: _grpc.UnaryStreamMultiCallable[_prefill_pb2.PrefillRequest, _prefill_pb2.PrefillReply]
-    """Prefill `request`, move its KV to `decode_address` and hand over the first token."""
-    Abort: _grpc.UnaryUnaryMultiCallable[_common_pb2.AbortRequest, _common_pb2.AbortReply]
-    GetStats: _grpc.UnaryUnaryMultiCallable[_common_pb2.StatsRequest, _common_pb2.InstanceStats]
-    SubscribeKVEvents: _grpc.UnaryStreamMultiCallable[_common_pb2.KVEventsRequest, _common_pb2.KVEvent]
+    Prefill: _grpc.UnaryUnaryMultiCallable[_prefill_pb2.PrefillRequest, _prefill_pb2.PrefillResult]
+    """Prefill `request`, move its KV to `decode_address` and hand over the first token. Errors
+    are gRPC statuses with the pdserve error code in the trailing metadata.
+    """
 
 @_typing.type_check_only
 class PrefillServiceAsyncStub(PrefillServiceStub):
+    """Abort, GetStats and SubscribeKVEvents: InstanceService (common.proto)."""
+
     def __init__(self, channel: _aio.Channel) -> None: ...
-    Prefill: _aio.UnaryStreamMultiCallable[_prefill_pb2.PrefillRequest, _prefill_pb2.PrefillReply]  # type: ignore[assignment]
-    """Prefill `request`, move its KV to `decode_address` and hand over the first token."""
-    Abort: _aio.UnaryUnaryMultiCallable[_common_pb2.AbortRequest, _common_pb2.AbortReply]  # type: ignore[assignment]
-    GetStats: _aio.UnaryUnaryMultiCallable[_common_pb2.StatsRequest, _common_pb2.InstanceStats]  # type: ignore[assignment]
-    SubscribeKVEvents: _aio.UnaryStreamMultiCallable[_common_pb2.KVEventsRequest, _common_pb2.KVEvent]  # type: ignore[assignment]
+    Prefill: _aio.UnaryUnaryMultiCallable[_prefill_pb2.PrefillRequest, _prefill_pb2.PrefillResult]  # type: ignore[assignment]
+    """Prefill `request`, move its KV to `decode_address` and hand over the first token. Errors
+    are gRPC statuses with the pdserve error code in the trailing metadata.
+    """
 
 class PrefillServiceServicer(metaclass=_abc_1.ABCMeta):
+    """Abort, GetStats and SubscribeKVEvents: InstanceService (common.proto)."""
+
     @_abc_1.abstractmethod
     def Prefill(
         self,
         request: _prefill_pb2.PrefillRequest,
         context: _ServicerContext,
-    ) -> _typing.Union[_abc.Iterator[_prefill_pb2.PrefillReply], _abc.AsyncIterator[_prefill_pb2.PrefillReply]]:
-        """Prefill `request`, move its KV to `decode_address` and hand over the first token."""
-
-    @_abc_1.abstractmethod
-    def Abort(
-        self,
-        request: _common_pb2.AbortRequest,
-        context: _ServicerContext,
-    ) -> _typing.Union[_common_pb2.AbortReply, _abc.Awaitable[_common_pb2.AbortReply]]: ...
-
-    @_abc_1.abstractmethod
-    def GetStats(
-        self,
-        request: _common_pb2.StatsRequest,
-        context: _ServicerContext,
-    ) -> _typing.Union[_common_pb2.InstanceStats, _abc.Awaitable[_common_pb2.InstanceStats]]: ...
-
-    @_abc_1.abstractmethod
-    def SubscribeKVEvents(
-        self,
-        request: _common_pb2.KVEventsRequest,
-        context: _ServicerContext,
-    ) -> _typing.Union[_abc.Iterator[_common_pb2.KVEvent], _abc.AsyncIterator[_common_pb2.KVEvent]]: ...
+    ) -> _typing.Union[_prefill_pb2.PrefillResult, _abc.Awaitable[_prefill_pb2.PrefillResult]]:
+        """Prefill `request`, move its KV to `decode_address` and hand over the first token. Errors
+        are gRPC statuses with the pdserve error code in the trailing metadata.
+        """
 
 def add_PrefillServiceServicer_to_server(servicer: PrefillServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

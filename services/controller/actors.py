@@ -12,7 +12,6 @@ import torch
 
 from pdserve.config import ClusterConfig
 from pdserve.rpc.server import advertised_host
-from pdserve.v1 import common_pb2
 from services.decode.instance import DecodeInstance
 from services.decode.servicer import serve_decode
 from services.mixed.instance import MixedInstance
@@ -32,14 +31,15 @@ class InstanceActor:
         logging.basicConfig(
             level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
         )
-        if config.engine.torch_threads is not None:
-            torch.set_num_threads(config.engine.torch_threads)
+        engine = config.engine_for(role)
+        if engine.torch_threads is not None:
+            torch.set_num_threads(engine.torch_threads)
         self.role = role
         self.instance: PrefillInstance | DecodeInstance | MixedInstance
         self.server: grpc.Server
         if role == "prefill":
             self.instance, self.server, port = serve_prefill(
-                config.engine,
+                engine,
                 config.prefill,
                 config.host,
                 storage=config.storage,
@@ -47,7 +47,7 @@ class InstanceActor:
             )
         elif role == "decode":
             self.instance, self.server, port = serve_decode(
-                config.engine,
+                engine,
                 config.decode,
                 config.host,
                 storage=config.storage,
@@ -55,7 +55,7 @@ class InstanceActor:
             )
         else:
             self.instance, self.server, port = serve_mixed(
-                config.engine, config.host, storage=config.storage
+                engine, config.host, storage=config.storage
             )
         self._address = f"{advertised_host(config.host)}:{port}"
 
@@ -65,26 +65,17 @@ class InstanceActor:
 
     def metrics_address(self) -> str:
         """host:port of this instance's Prometheus endpoint (`/metrics`)."""
-        return self.instance.core.metrics_address
+        return self.instance.runtime.metrics_address
 
     def ping(self) -> bool:
         return True
-
-    def stats(self) -> bytes:
-        """Serialized `pdserve.v1.InstanceStats`."""
-        stats: common_pb2.InstanceStats = self.instance.stats()
-        return stats.SerializeToString()
 
     def flush_cache(self, tier: str) -> int:
         """Unpublish every unreferenced block of the device prefix cache (`device`), or drop
         every entry of the storage tier's index (`storage`; shared by all instances). Returns
         how many blocks or entries went."""
-        core = self.instance.core
-        if tier == "device":
-            return int(core.loop.call(lambda engine: engine.kv_cache.evict_cached_blocks()))
-        if core.storage is None:
-            return 0
-        return core.storage.index.clear()
+        runtime = self.instance.runtime
+        return runtime.flush_device_cache() if tier == "device" else runtime.flush_storage()
 
     def check_integrity(self) -> None:
         self.instance.check_integrity()

@@ -20,10 +20,10 @@ import grpc
 import ray
 
 from pdserve.config import AdminConfig
-from pdserve.errors import ConfigError
+from pdserve.errors import ClusterError, ConfigError, PdserveError
 from pdserve.rpc.server import create_server
 from pdserve.v1 import admin_pb2, admin_pb2_grpc, common_pb2
-from services.controller.cluster import Cluster, ClusterError, InstanceInfo
+from services.controller.cluster import Cluster, InstanceInfo
 from services.router.router import Router
 
 logger = logging.getLogger(__name__)
@@ -98,12 +98,9 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
             drained=info.address in self.router.drained,
         )
         try:
-            stats = common_pb2.InstanceStats.FromString(
-                ray.get(self.cluster.actor(info.name).stats.remote(), timeout=10)
-            )
-            message.stats.CopyFrom(stats)
+            message.stats.CopyFrom(self.router.client.instance(info.address).stats())
             message.alive = True
-        except (ray.exceptions.RayError, TimeoutError):
+        except PdserveError:  # unreachable, or no answer within the deadline
             message.alive = False
         return message
 

@@ -138,16 +138,17 @@ def _generate_on_cluster(
 
 
 def _up(args: argparse.Namespace) -> int:
-    from services.controller.cluster import Cluster, state_path
-
+    # The whole config is validated (ConfigError: one line, exit 2) before Ray is even imported,
+    # let alone started, and before the embedded Redis.
     config = load_cluster_config(
         args.config, overrides={"ray_address": args.address, "state_dir": args.state_dir}
     )
+    if args.redis_url:  # replace() re-runs StorageConfig's checks on the URL
+        config = replace(config, storage=replace(config.storage, redis_url=args.redis_url))
     from services.controller.admin import admin_token, serve_admin
+    from services.controller.cluster import Cluster, state_path
     from services.router.server import RunningRouter, serve_router
 
-    if args.redis_url:
-        config = replace(config, storage=replace(config.storage, redis_url=args.redis_url))
     stop = threading.Event()
     router: RunningRouter | None = None
     admin_server: grpc.Server | None = None

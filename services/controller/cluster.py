@@ -20,7 +20,7 @@ from ray.util.placement_group import PlacementGroup, placement_group, remove_pla
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from pdserve.config import ClusterConfig, DecodeConfig, MixedConfig, PrefillConfig
-from pdserve.errors import PdserveError
+from pdserve.errors import ClusterError
 from pdserve.rpc.server import advertised_host
 from pdserve.storage.redis_server import EmbeddedRedis
 from services.controller.actors import InstanceActor
@@ -28,10 +28,6 @@ from services.controller.actors import InstanceActor
 logger = logging.getLogger(__name__)
 
 READY_TIMEOUT_S = 600.0
-
-
-class ClusterError(PdserveError):
-    """The cluster cannot be started (resources, actors failing to start)."""
 
 
 @dataclass(frozen=True, slots=True)

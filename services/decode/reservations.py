@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from pdserve.engine.request import Request
-from pdserve.transfer.base import KVTransferError
+from pdserve.errors import IntegrityError, KVTransferError
 
 
 @dataclass(slots=True)
@@ -119,3 +119,14 @@ class ReservationTable:
             for reservation in expired:
                 del self._reservations[reservation.request.request_id]
             return expired
+
+    def check_integrity(self) -> None:
+        """Raise IntegrityError unless every reservation's bookkeeping is consistent."""
+        with self._lock:
+            for request_id, r in self._reservations.items():
+                writable = range(r.num_cached_blocks, len(r.block_ids))
+                if r.active_streams < 0 or not r.received <= set(writable):
+                    raise IntegrityError(
+                        f"reservation of {request_id}: {r.active_streams} streams, received "
+                        f"blocks outside [{writable.start}, {writable.stop})"
+                    )

@@ -9,16 +9,9 @@ from typing import Any
 import grpc
 
 from pdserve.config import DecodeConfig, EngineConfig, StorageConfig, TransferConfig
-from pdserve.errors import PdserveError
-from pdserve.rpc.convert import (
-    ResourceExhaustedError,
-    endpoints_to_proto,
-    error_proto,
-    grpc_status,
-    sampling_from_proto,
-    token_reply,
-)
-from pdserve.transfer.base import KVTransferError
+from pdserve.errors import KVTransferError, PdserveError
+from pdserve.instance.convert import endpoints_to_proto, sampling_from_proto, token_replies
+from pdserve.rpc.status import abort_with, error_reply
 from pdserve.transfer.wire import KVChunkView, parse_kv_chunk
 from pdserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc
 from services.decode.instance import DecodeInstance
@@ -42,14 +35,10 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
                 list(generate.prompt_token_ids),
                 sampling_from_proto(generate.sampling),
             )
-        except ResourceExhaustedError as e:
-            return decode_pb2.ReserveReply(
-                granted=False, retry_after_ms=e.retry_after_ms, reason=str(e)
-            )
-        except PdserveError as e:
-            context.abort(grpc_status(e), str(e))
+        except Exception as e:  # a refusal is RESOURCE_EXHAUSTED with decode's retry-after
+            _log_unexpected(e, "Reserve", generate.request_id)
+            abort_with(context, e)
         return decode_pb2.ReserveReply(
-            granted=True,
             num_cached_tokens=grant.num_cached_tokens,
             num_blocks=grant.num_blocks,
             block_bytes=grant.block_bytes,
@@ -63,8 +52,9 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
     ) -> decode_pb2.CommitKVReply:
         try:
             self.instance.commit_blocks(request.request_id, request.first_block, request.num_blocks)
-        except KVTransferError as e:
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+        except Exception as e:
+            _log_unexpected(e, "CommitKV", request.request_id)
+            abort_with(context, e)
         return decode_pb2.CommitKVReply()
 
     def PushKV(
@@ -96,7 +86,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
             completed = saw_last and context.is_active()
         except KVTransferError as e:
             settle_if_broken()  # settle now, before the sender sees the error
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+            abort_with(context, e)
         finally:
             settle_if_broken()
         return decode_pb2.PushKVReply(blocks_received=blocks, bytes_received=received)
@@ -106,13 +96,14 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
     ) -> decode_pb2.StartDecodeReply:
         try:
             self.instance.start_decode(request.request_id, request.first_token_id)
-        except PdserveError as e:
-            context.abort(grpc_status(e), str(e))
+        except Exception as e:
+            _log_unexpected(e, "StartDecode", request.request_id)
+            abort_with(context, e)
         return decode_pb2.StartDecodeReply()
 
     def StreamTokens(
         self, request: decode_pb2.StreamTokensRequest, context: grpc.ServicerContext
-    ) -> Iterator[decode_pb2.TokenReply]:
+    ) -> Iterator[common_pb2.TokenReply]:
         request_id = request.request_id
 
         def on_disconnect() -> None:
@@ -124,25 +115,16 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         try:
             for output in self.instance.stream_outputs(request_id):
                 finished = output.finished
-                yield from token_reply(output)
+                yield from token_replies(output)
         except PdserveError as e:
             finished = True
-            yield decode_pb2.TokenReply(error=error_proto(e))
+            yield common_pb2.TokenReply(error=error_reply(e))
 
-    def Abort(
-        self, request: common_pb2.AbortRequest, context: grpc.ServicerContext
-    ) -> common_pb2.AbortReply:
-        return common_pb2.AbortReply(found=self.instance.abort(request.request_id))
 
-    def GetStats(
-        self, request: common_pb2.StatsRequest, context: grpc.ServicerContext
-    ) -> common_pb2.InstanceStats:
-        return self.instance.stats()
-
-    def SubscribeKVEvents(
-        self, request: common_pb2.KVEventsRequest, context: grpc.ServicerContext
-    ) -> Iterator[common_pb2.KVEvent]:
-        return self.instance.core.kv_event_stream(context)
+def _log_unexpected(error: Exception, method: str, request_id: str) -> None:
+    """A PdserveError is the caller's business (its status says it); anything else is a bug."""
+    if not isinstance(error, PdserveError):
+        logger.exception("%s of request %s failed", method, request_id)
 
 
 class _HandlerRecorder:
@@ -181,7 +163,7 @@ def serve_decode(
     instance = DecodeInstance(engine_config, config, storage, transfer, host)
     instance.start()
     servicer = DecodeServicer(instance)
-    server, bound = instance.core.serve(
-        lambda s: add_decode_servicer(servicer, s), SERVICE_NAME, host, port, instance.stats
+    server, bound = instance.runtime.serve(
+        lambda s: add_decode_servicer(servicer, s), SERVICE_NAME, instance, host, port
     )
     return instance, server, bound

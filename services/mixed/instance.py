@@ -1,56 +1,48 @@
 """MixedInstance: serves whole generations from one engine (no disaggregation)."""
 
-import queue
 from collections.abc import Iterator
 
 from pdserve.config import EngineConfig, StorageConfig
-from pdserve.engine.engine import LLMEngine, RequestOutput
+from pdserve.engine.engine import RequestOutput
 from pdserve.engine.request import SamplingParams
-from pdserve.rpc.instance import InstanceCore
+from pdserve.instance.runtime import InstanceRuntime
 from pdserve.v1 import common_pb2
 
 
 class MixedInstance:
     def __init__(self, engine_config: EngineConfig, storage: StorageConfig | None = None) -> None:
-        self.core = InstanceCore.create(
-            "mixed", engine_config, on_tick=lambda: None, storage=storage
-        )
+        self.runtime = InstanceRuntime.create("mixed", engine_config, storage=storage)
 
     def start(self) -> None:
-        self.core.start()
+        self.runtime.start()
 
     def stop(self) -> None:
-        self.core.stop()
+        self.runtime.stop()
 
     def generate(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
     ) -> Iterator[RequestOutput]:
         """Every output of the request until it finishes; closing the iterator early aborts it.
-        Raises InvalidRequestError / PromptTooLongError before the first output."""
-        outputs: queue.SimpleQueue[RequestOutput] = queue.SimpleQueue()
-
-        def add(engine: LLMEngine) -> None:
-            request = engine.make_request(prompt_token_ids, params, request_id)
-            self.core.set_sink(request_id, outputs.put)
-            engine.submit(request)
-
-        self.core.loop.call(add)
+        Raises InvalidRequestError / PromptTooLongError before the first output, and the error
+        of a failed engine step (StepFailedError)."""
+        request = self.runtime.make_request(prompt_token_ids, params, request_id)
+        stream = self.runtime.open_stream(request_id)
         finished = False
         try:
-            while not finished:
-                output = outputs.get()
+            self.runtime.loop.call(lambda engine: engine.submit(request))
+            for output in stream:
                 finished = output.finished
                 yield output
         finally:
-            self.core.drop_sink(request_id)
+            self.runtime.close_stream(request_id)
             if not finished:
-                self.core.abort(request_id)
+                self.runtime.abort(request_id)
 
     def abort(self, request_id: str) -> bool:
-        return self.core.abort(request_id)
+        return self.runtime.abort(request_id)
 
     def stats(self) -> common_pb2.InstanceStats:
-        return self.core.stats()
+        return self.runtime.stats()
 
     def check_integrity(self) -> None:
-        self.core.check_integrity()
+        self.runtime.check_integrity()

@@ -7,8 +7,9 @@ import grpc
 
 from pdserve.config import EngineConfig, StorageConfig
 from pdserve.errors import PdserveError
-from pdserve.rpc.convert import error_proto, sampling_from_proto, token_reply
-from pdserve.v1 import common_pb2, decode_pb2, mixed_pb2_grpc
+from pdserve.instance.convert import sampling_from_proto, token_replies
+from pdserve.rpc.status import error_reply
+from pdserve.v1 import common_pb2, mixed_pb2_grpc
 from services.mixed.instance import MixedInstance
 
 logger = logging.getLogger(__name__)
@@ -22,7 +23,7 @@ class MixedServicer(mixed_pb2_grpc.MixedServiceServicer):
 
     def Generate(
         self, request: common_pb2.GenerateRequest, context: grpc.ServicerContext
-    ) -> Iterator[decode_pb2.TokenReply]:
+    ) -> Iterator[common_pb2.TokenReply]:
         def abort_on_exit() -> None:  # runs when the RPC ends; a no-op once finished
             self.instance.abort(request.request_id)
 
@@ -33,24 +34,9 @@ class MixedServicer(mixed_pb2_grpc.MixedServiceServicer):
                 request.request_id, list(request.prompt_token_ids), params
             )
             for output in outputs:
-                yield from token_reply(output)
+                yield from token_replies(output)
         except PdserveError as e:
-            yield decode_pb2.TokenReply(error=error_proto(e))
-
-    def Abort(
-        self, request: common_pb2.AbortRequest, context: grpc.ServicerContext
-    ) -> common_pb2.AbortReply:
-        return common_pb2.AbortReply(found=self.instance.abort(request.request_id))
-
-    def GetStats(
-        self, request: common_pb2.StatsRequest, context: grpc.ServicerContext
-    ) -> common_pb2.InstanceStats:
-        return self.instance.stats()
-
-    def SubscribeKVEvents(
-        self, request: common_pb2.KVEventsRequest, context: grpc.ServicerContext
-    ) -> Iterator[common_pb2.KVEvent]:
-        return self.instance.core.kv_event_stream(context)
+            yield common_pb2.TokenReply(error=error_reply(e))
 
 
 def serve_mixed(
@@ -63,11 +49,11 @@ def serve_mixed(
     instance = MixedInstance(engine_config, storage)
     instance.start()
     servicer = MixedServicer(instance)
-    server, bound = instance.core.serve(
+    server, bound = instance.runtime.serve(
         lambda s: mixed_pb2_grpc.add_MixedServiceServicer_to_server(servicer, s),
         SERVICE_NAME,
+        instance,
         host,
         port,
-        instance.stats,
     )
     return instance, server, bound

@@ -11,29 +11,31 @@ Any failure releases the blocks here and the reservation there.
 """
 
 import logging
+import queue
 import time
-from collections.abc import Iterator
-from concurrent.futures import Future
 from dataclasses import dataclass, field
-
-import grpc
 
 from pdserve.config import EngineConfig, PrefillConfig, StorageConfig, TransferConfig
 from pdserve.engine.engine import RequestOutput
 from pdserve.engine.request import Request, SamplingParams
-from pdserve.errors import PdserveError
+from pdserve.errors import (
+    InstanceUnavailableError,
+    KVTransferError,
+    PdserveError,
+    RequestAbortedError,
+    RequestNotFoundError,
+    ResourceExhaustedError,
+)
+from pdserve.instance.convert import endpoints_from_proto, generate_request
+from pdserve.instance.runtime import InstanceRuntime
+from pdserve.instance.streams import OutputStream
 from pdserve.rpc.channels import ChannelPool
-from pdserve.rpc.convert import ResourceExhaustedError, endpoints_from_proto, generate_request
-from pdserve.rpc.instance import InstanceCore
-from pdserve.transfer.base import KVEndpoints, KVTarget, KVTransferError
+from pdserve.rpc.clients import DEFAULT_DEADLINES, Deadlines, DecodeClient, InstanceClient
+from pdserve.transfer.base import KVEndpoints, KVTarget
 from pdserve.transfer.select import TransportSelector
-from pdserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc
+from pdserve.v1 import common_pb2, decode_pb2
 
 logger = logging.getLogger(__name__)
-
-
-class RequestAbortedError(PdserveError):
-    """The request was aborted while it was being prefilled."""
 
 
 @dataclass(slots=True)
@@ -47,10 +49,12 @@ class PrefillTimings:
 
 @dataclass(slots=True)
 class PrefillOutcome:
+    """Filled in as one request's prefill and handoff progress (by its handler thread only)."""
+
     first_token_id: int
     num_prompt_tokens: int
-    num_cached_tokens: int
-    num_decode_cached_tokens: int
+    num_cached_tokens: int  # prompt tokens prefill did not compute (device + storage hits)
+    num_decode_cached_tokens: int  # prompt tokens decode already held
     blocks_sent: int
     bytes_sent: int
     timings: PrefillTimings = field(default_factory=PrefillTimings)
@@ -68,6 +72,9 @@ class DecodeReservation:
 
 
 class PrefillInstance:
+    """Threads: one gRPC handler thread per request runs `prefill`; the runtime's engine thread
+    computes. Shared state: the runtime (thread-safe) and the transport selector (thread-safe)."""
+
     def __init__(
         self,
         engine_config: EngineConfig,
@@ -75,28 +82,27 @@ class PrefillInstance:
         storage: StorageConfig | None = None,
         transfer: TransferConfig | None = None,
         host: str = "127.0.0.1",
+        deadlines: Deadlines = DEFAULT_DEADLINES,
     ) -> None:
         self.config = config
-        self.core = InstanceCore.create(
-            "prefill", engine_config, on_tick=lambda: None, storage=storage
-        )
+        self.runtime = InstanceRuntime.create("prefill", engine_config, storage=storage)
         self.channels = ChannelPool()
+        self.deadlines = deadlines
         self.transfer = transfer or TransferConfig()
         self.transports = TransportSelector(
             self.transfer,
             self.channels,
             config.transfer_chunk_bytes,
-            self.core.start_mooncake(self.transfer, host, sender=True)
+            self.runtime.start_mooncake(self.transfer, host, sender=True)
             if transfer is not None
             else None,
         )
-        self._kv_ready: dict[str, Future[RequestOutput]] = {}
 
     def start(self) -> None:
-        self.core.start()
+        self.runtime.start()
 
     def stop(self) -> None:
-        self.core.stop()
+        self.runtime.stop()
         self.transports.close()
         self.channels.close()
 
@@ -106,106 +112,107 @@ class PrefillInstance:
         prompt_token_ids: list[int],
         params: SamplingParams,
         decode_address: str,
-    ) -> Iterator[common_pb2.Error | str | PrefillOutcome]:
-        """Run one request's prefill and handoff, yielding progress stages then the outcome.
+    ) -> PrefillOutcome:
+        """Run one request's prefill and handoff.
 
-        Raises InvalidRequestError, ResourceExhaustedError (decode refused until the backoff ran
-        out), KVTransferError or RequestAbortedError; blocks are released on every path.
+        Raises InvalidRequestError (bad input, here or on decode), ResourceExhaustedError
+        (decode refused until the backoff ran out), KVTransferError, InstanceUnavailableError,
+        StepFailedError or RequestAbortedError; blocks are released on every path.
         """
         outcome = PrefillOutcome(0, len(prompt_token_ids), 0, 0, 0, 0)
         start = time.perf_counter()
-        request = self.core.loop.call(
-            lambda engine: engine.make_request(
-                prompt_token_ids, params, request_id, prefill_only=True
-            )
-        )
-        ready: Future[RequestOutput] = Future()
-        self._kv_ready[request_id] = ready
-        self.core.set_sink(request_id, ready.set_result)
+        request = self.runtime.make_request(prompt_token_ids, params, request_id, prefill_only=True)
+        stream = self.runtime.open_stream(request_id)
+        decode = DecodeClient(decode_address, self.channels, self.deadlines)
         decode_reserved = False
         try:
-            reservation = self.preallocate_resource_in_p(request, decode_address)
+            reservation = self.preallocate_resource_in_p(request, decode)
             decode_reserved = True
             outcome.num_decode_cached_tokens = reservation.num_cached_tokens
             outcome.timings.reserve_s = time.perf_counter() - start
-            yield "reserved"
-            output = self._compute(request, ready, outcome)
-            yield "computed"
+            output = self._compute(request, stream, outcome)
             self._send_kv(request, reservation, decode_address, outcome)
-            yield "transferred"
-            self._hand_off(request_id, decode_address, output.new_token_ids[0], outcome)
+            self._hand_off(request_id, decode, output.new_token_ids[0], outcome)
             decode_reserved = False
-        except grpc.RpcError as e:
-            raise KVTransferError(
-                f"handoff of request {request_id} to {decode_address} failed: {e.details()}"
-            ) from e
         finally:
-            self._kv_ready.pop(request_id, None)
-            self.core.drop_sink(request_id)
-            self.core.loop.call(lambda engine: engine.release(request_id))
+            self.runtime.close_stream(request_id)
+            self.runtime.loop.call(lambda engine: engine.release(request_id))
             if decode_reserved:
-                self._abort_on_decode(request_id, decode_address)
-        yield outcome
+                self._abort_on_decode(request_id, decode)
+        return outcome
 
     def _hand_off(
-        self, request_id: str, decode_address: str, first_token_id: int, outcome: PrefillOutcome
+        self, request_id: str, decode: DecodeClient, first_token_id: int, outcome: PrefillOutcome
     ) -> None:
         """The KV is on decode: give it the first token, which starts the request there."""
         start = time.perf_counter()
-        self._decode_stub(decode_address).StartDecode(
-            decode_pb2.StartDecodeRequest(request_id=request_id, first_token_id=first_token_id)
-        )
+        decode.start_decode(request_id, first_token_id)
         outcome.timings.handoff_s = time.perf_counter() - start
         outcome.first_token_id = first_token_id
 
-    def preallocate_resource_in_p(self, request: Request, decode_address: str) -> DecodeReservation:
-        """Match the device prefix cache (extended by the storage tier), allocate blocks for the
-        rest of the prompt, and ask the decode instance to reserve blocks for it (retrying,
-        bounded, while it refuses)."""
-        self.core.read_ahead(request)
-        self.core.loop.call(lambda engine: engine.preallocate(request))
-        stub = self._decode_stub(decode_address)
+    def preallocate_resource_in_p(
+        self, request: Request, decode: DecodeClient
+    ) -> DecodeReservation:
+        """Admit the prompt here (device prefix hit, storage blocks staged after it, blocks for
+        the rest; when the pool is short the scheduler admits it later) and ask the decode
+        instance to reserve blocks for it (retrying, bounded, while it refuses)."""
+        self.runtime.read_ahead(request)
+        self.runtime.loop.call(lambda engine: engine.preallocate(request))
         message = decode_pb2.ReserveRequest(
             request=generate_request(
                 request.request_id, list(request.prompt_token_ids), request.sampling_params
             )
         )
-        for attempt in range(1, self.config.reserve_max_attempts + 1):
+        attempts = self.config.reserve_max_attempts
+        for attempt in range(1, attempts + 1):
             asked = time.monotonic()
-            reply = stub.Reserve(message, timeout=30)
-            if reply.granted:
-                lease_s = reply.lease_ms / 1000 if reply.lease_ms else float("inf")
-                return DecodeReservation(
-                    reply.num_cached_tokens,
-                    reply.num_blocks,
-                    tuple(reply.block_ids),
-                    reply.block_bytes,
-                    endpoints_from_proto(reply.endpoints),
-                    asked + lease_s - self.transfer.lease_margin_s,
-                )
-            logger.info(
-                "decode %s refused request %s (attempt %d): %s",
-                decode_address,
-                request.request_id,
-                attempt,
-                reply.reason,
+            try:
+                reply = decode.reserve(message)
+            except ResourceExhaustedError as refusal:
+                logger.info(
+                    "decode %s refused request %s (attempt %d): %s",
+                    decode.address, request.request_id, attempt, refusal,
+                )  # fmt: skip
+                if attempt == attempts:
+                    raise ResourceExhaustedError(
+                        f"decode instance {decode.address} refused request "
+                        f"{request.request_id} {attempts} times: {refusal}",
+                        refusal.retry_after_ms,
+                    ) from refusal
+                time.sleep(min(refusal.retry_after_ms / 1000, self.config.reserve_max_backoff_s))
+                continue
+            lease_s = reply.lease_ms / 1000 if reply.lease_ms else float("inf")
+            return DecodeReservation(
+                reply.num_cached_tokens,
+                reply.num_blocks,
+                tuple(reply.block_ids),
+                reply.block_bytes,
+                endpoints_from_proto(reply.endpoints),
+                asked + lease_s - self.transfer.lease_margin_s,
             )
-            if attempt < self.config.reserve_max_attempts:
-                time.sleep(min(reply.retry_after_ms / 1000, self.config.reserve_max_backoff_s))
-        raise ResourceExhaustedError(
-            f"decode instance {decode_address} refused request {request.request_id} "
-            f"{self.config.reserve_max_attempts} times: {reply.reason}",
-            reply.retry_after_ms,
-        )
+        raise AssertionError("unreachable: the last attempt returns or raises")
 
     def _compute(
-        self, request: Request, ready: "Future[RequestOutput]", outcome: PrefillOutcome
+        self, request: Request, stream: OutputStream, outcome: PrefillOutcome
     ) -> RequestOutput:
+        """Queue the prompt and wait until its KV is computed (the first token sampled)."""
         queued = time.perf_counter()
-        self.core.loop.call(lambda engine: engine.submit(request))
-        output = ready.result(timeout=self.config.kv_ready_timeout_s)
+        self.runtime.loop.call(lambda engine: engine.submit(request))
+        try:
+            output = stream.get(timeout_s=self.config.kv_ready_timeout_s)
+        except queue.Empty:
+            raise InstanceUnavailableError(
+                f"request {request.request_id} was not prefilled within "
+                f"{self.config.kv_ready_timeout_s:g} s (prefill.kv_ready_timeout_s)",
+                1000,
+            ) from None
+        if not output.kv_ready:
+            raise RequestAbortedError(f"request {request.request_id} was aborted")
         outcome.num_cached_tokens = output.num_cached_tokens
-        outcome.timings.compute_s = time.perf_counter() - queued
+        done = time.perf_counter()
+        scheduled = request.first_scheduled_at or queued
+        outcome.timings.queue_s = max(0.0, scheduled - queued)
+        outcome.timings.compute_s = done - max(scheduled, queued)
         return output
 
     def _send_kv(
@@ -216,10 +223,8 @@ class PrefillInstance:
         outcome: PrefillOutcome,
     ) -> None:
         started = time.perf_counter()
-        first_block = reservation.num_cached_tokens // self.core.engine.kv_cache.block_size
-        table = self.core.loop.call(
-            lambda engine: list(engine.kv_cache.block_table(request.request_id))
-        )
+        first_block = reservation.num_cached_tokens // self.runtime.block_size
+        table = self.runtime.block_table(request.request_id)
         block_ids = table[first_block : reservation.num_blocks]
         if block_ids:
             target = KVTarget(
@@ -233,38 +238,35 @@ class PrefillInstance:
             )
             transport = self.transports.choose(target)
             try:
-                result = transport.send(target, self.core.block_io.read(block_ids))
+                result = transport.send(target, self.runtime.block_io.read(block_ids))
             except KVTransferError:
-                self.core.counters.failed(transport.name)
+                self.runtime.counters.failed(transport.name)
                 raise
             outcome.transport = transport.name
             outcome.blocks_sent, outcome.bytes_sent = result.num_blocks, result.num_bytes
-            self.core.counters.sent(transport.name, result)
+            self.runtime.counters.sent(transport.name, result)
         outcome.timings.transfer_s = time.perf_counter() - started
 
     def abort(self, request_id: str) -> bool:
-        ready = self._kv_ready.get(request_id)
-        found = self.core.abort(request_id)
-        if ready is not None and not ready.done():
-            ready.set_exception(RequestAbortedError(f"request {request_id} was aborted"))
-            found = True
-        return found
-
-    def _abort_on_decode(self, request_id: str, decode_address: str) -> None:
+        """Abort a request being prefilled: in the engine, or still waiting for its decode
+        reservation (its handler then raises RequestAbortedError when it wakes)."""
+        if self.runtime.abort(request_id):
+            return True
         try:
-            self._decode_stub(decode_address).Abort(
-                common_pb2.AbortRequest(request_id=request_id), timeout=5
-            )
-        except grpc.RpcError as e:  # decode gone: its lease expiry frees the reservation
-            logger.warning(
-                "could not abort request %s on %s: %s", request_id, decode_address, e.details()
-            )
+            stream = self.runtime.stream(request_id)
+        except RequestNotFoundError:
+            return False
+        stream.fail(RequestAbortedError(f"request {request_id} was aborted"))
+        return True
 
-    def _decode_stub(self, address: str) -> decode_pb2_grpc.DecodeServiceStub:
-        return decode_pb2_grpc.DecodeServiceStub(self.channels.get(address))
+    def _abort_on_decode(self, request_id: str, decode: DecodeClient) -> None:
+        try:
+            InstanceClient(decode.address, self.channels, self.deadlines).abort(request_id)
+        except PdserveError as e:  # decode gone: its lease frees the reservation
+            logger.warning("could not abort request %s on %s: %s", request_id, decode.address, e)
 
     def stats(self) -> common_pb2.InstanceStats:
-        return self.core.stats()
+        return self.runtime.stats()
 
     def check_integrity(self) -> None:
-        self.core.check_integrity()
+        self.runtime.check_integrity()

@@ -1,24 +1,19 @@
 """PrefillService servicer: convert -> delegate to PrefillInstance -> convert."""
 
 import logging
-from collections.abc import Iterator
 
 import grpc
 
 from pdserve.config import EngineConfig, PrefillConfig, StorageConfig, TransferConfig
-from pdserve.errors import PdserveError
-from pdserve.rpc.convert import error_proto, sampling_from_proto
-from pdserve.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
+from pdserve.errors import InvalidRequestError, PdserveError
+from pdserve.instance.convert import sampling_from_proto
+from pdserve.rpc.status import abort_with
+from pdserve.v1 import prefill_pb2, prefill_pb2_grpc
 from services.prefill.instance import PrefillInstance, PrefillOutcome
 
 logger = logging.getLogger(__name__)
 
 SERVICE_NAME = "pdserve.v1.PrefillService"
-STAGES = {
-    "reserved": prefill_pb2.PREFILL_STAGE_RESERVED,
-    "computed": prefill_pb2.PREFILL_STAGE_COMPUTED,
-    "transferred": prefill_pb2.PREFILL_STAGE_TRANSFERRED,
-}
 
 
 class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
@@ -27,50 +22,30 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
 
     def Prefill(
         self, request: prefill_pb2.PrefillRequest, context: grpc.ServicerContext
-    ) -> Iterator[prefill_pb2.PrefillReply]:
+    ) -> prefill_pb2.PrefillResult:
         generate = request.request
 
         def abort_on_exit() -> None:  # runs when the RPC ends; a no-op after a handoff
             self.instance.abort(generate.request_id)
 
         context.add_callback(abort_on_exit)
-        if not request.decode_address:
-            yield _error(PdserveError("decode_address is required"), context)
-            return
         try:
+            if not request.decode_address:
+                raise InvalidRequestError("decode_address is required")
             params = sampling_from_proto(generate.sampling)
-            steps = self.instance.prefill(
+            outcome = self.instance.prefill(
                 generate.request_id, list(generate.prompt_token_ids), params, request.decode_address
             )
-            for step in steps:
-                if isinstance(step, PrefillOutcome):
-                    yield prefill_pb2.PrefillReply(final=_result(step))
-                elif isinstance(step, str):
-                    yield prefill_pb2.PrefillReply(
-                        chunk=prefill_pb2.PrefillProgress(stage=STAGES[step])
-                    )
         except PdserveError as e:
-            logger.info("prefill of request %s failed: %s", generate.request_id, e)
-            yield _error(e, context)
-
-    def Abort(
-        self, request: common_pb2.AbortRequest, context: grpc.ServicerContext
-    ) -> common_pb2.AbortReply:
-        return common_pb2.AbortReply(found=self.instance.abort(request.request_id))
-
-    def GetStats(
-        self, request: common_pb2.StatsRequest, context: grpc.ServicerContext
-    ) -> common_pb2.InstanceStats:
-        return self.instance.stats()
-
-    def SubscribeKVEvents(
-        self, request: common_pb2.KVEventsRequest, context: grpc.ServicerContext
-    ) -> Iterator[common_pb2.KVEvent]:
-        return self.instance.core.kv_event_stream(context)
-
-
-def _error(error: Exception, context: grpc.ServicerContext) -> prefill_pb2.PrefillReply:
-    return prefill_pb2.PrefillReply(error=error_proto(error))
+            logger.info(
+                "prefill of request %s for %s failed: %s",
+                generate.request_id, request.decode_address, e,
+            )  # fmt: skip
+            abort_with(context, e)
+        except Exception as e:
+            logger.exception("prefill of request %s failed", generate.request_id)
+            abort_with(context, e)
+        return _result(outcome)
 
 
 def _result(outcome: PrefillOutcome) -> prefill_pb2.PrefillResult:
@@ -105,11 +80,11 @@ def serve_prefill(
     instance = PrefillInstance(engine_config, config, storage, transfer, host)
     instance.start()
     servicer = PrefillServicer(instance)
-    server, bound = instance.core.serve(
+    server, bound = instance.runtime.serve(
         lambda s: prefill_pb2_grpc.add_PrefillServiceServicer_to_server(servicer, s),
         SERVICE_NAME,
+        instance,
         host,
         port,
-        instance.stats,
     )
     return instance, server, bound

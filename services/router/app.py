@@ -20,12 +20,18 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.concurrency import run_in_threadpool
 
 from pdserve.config import RouterConfig
-from pdserve.errors import InvalidRequestError, PdserveError, PromptTooLongError
+from pdserve.errors import (
+    InvalidRequestError,
+    ModelNotFoundError,
+    NoCapacityError,
+    PdserveError,
+    PromptTooLongError,
+    ResourceExhaustedError,
+)
 from pdserve.metrics import RouterMetrics
-from pdserve.rpc.convert import ResourceExhaustedError
 from services.router.openai_schema import ChatCompletionRequest, CompletionRequest, OpenAIRequest
 from services.router.pd_client import Finished, TokenDelta
-from services.router.router import ModelNotFoundError, NoCapacityError, Router
+from services.router.router import Router
 
 logger = logging.getLogger(__name__)
 

@@ -52,6 +52,14 @@ class KVEventIndex:
             elif isinstance(event, BlockRemoved):
                 self._remove(instance_id, slot, event.block_hashes)
 
+    def replace_instance(self, instance_id: str, block_hashes: Sequence[BlockHash]) -> None:
+        """Make `block_hashes` the whole view of `instance_id` (a KV-event snapshot), in one
+        step under the lock: no query sees a half-replaced view."""
+        with self._lock:
+            slot = self._slot_of(instance_id)
+            self._clear(instance_id, slot)
+            self._store(instance_id, slot, block_hashes)
+
     def reset_instance(self, instance_id: str) -> None:
         """Forget every block of `instance_id` but keep the instance known (its event stream
         restarted and will repopulate it). Unknown ids are ignored. Takes the lock."""

@@ -21,12 +21,8 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import TypeVar
 
-from pdserve.errors import ConfigError, PdserveError
+from pdserve.errors import ConfigError, NoCandidateError
 from services.router.load import IDLE, InstanceLoad
-
-
-class NoCandidateError(PdserveError):
-    """No live instance of the needed role is available to route to."""
 
 
 class RouteReason(StrEnum):

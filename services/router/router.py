@@ -18,19 +18,26 @@ import grpc
 
 from pdserve.config import RouterConfig
 from pdserve.engine.request import SamplingParams
-from pdserve.errors import ConfigError, InvalidRequestError, PdserveError, PromptTooLongError
+from pdserve.errors import (
+    ConfigError,
+    InvalidRequestError,
+    ModelNotFoundError,
+    NoCandidateError,
+    NoCapacityError,
+    PdserveError,
+    PromptTooLongError,
+    ResourceExhaustedError,
+)
 from pdserve.kvcache.events import BlockRemoved, BlockStored
 from pdserve.kvcache.hashing import BlockHash, BlockHasher
 from pdserve.metrics import RouterMetrics
 from pdserve.model.tokenizer import Tokenizer
-from pdserve.rpc.convert import ResourceExhaustedError
-from pdserve.v1 import common_pb2, decode_pb2_grpc, mixed_pb2_grpc, prefill_pb2_grpc
+from pdserve.v1 import common_pb2
 from services.router.kv_index import KVEventIndex
 from services.router.load import Lease, LoadTracker
 from services.router.pd_client import Finished, PDClient, TokenDelta
 from services.router.policies import (
     DecodeCapacity,
-    NoCandidateError,
     PolicyConfig,
     RouteRequest,
     make_decode_policy,
@@ -40,18 +47,6 @@ from services.router.policies import (
 logger = logging.getLogger(__name__)
 
 UNHEALTHY_COOLDOWN_S = 5.0
-
-
-class ModelNotFoundError(InvalidRequestError):
-    """The request names a model this router does not serve."""
-
-
-class NoCapacityError(PdserveError):
-    """Every attempt failed or no instance is available; retry later."""
-
-    def __init__(self, message: str, retry_after_ms: int = 1000) -> None:
-        super().__init__(message)
-        self.retry_after_ms = retry_after_ms
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,7 +99,6 @@ class Router:
         self._unhealthy_until: dict[str, float] = {}
         self.drained: set[str] = set()  # no new requests; in-flight ones finish
         self._active: dict[str, _Active] = {}
-        self._lock = threading.Lock()
         self._stopped = threading.Event()
         self._threads: list[threading.Thread] = []
 
@@ -229,7 +223,7 @@ class Router:
                 return
             finally:
                 self._release(request_id)
-        retry_ms = getattr(failure, "retry_after_ms", 0) or 1000
+        retry_ms = getattr(failure, "retry_after_ms", 0) or 1000  # RetryableError carries one
         raise NoCapacityError(
             f"the request failed on {self.config.max_attempts} attempts; last error: {failure}; "
             "retry later",
@@ -286,14 +280,14 @@ class Router:
             self.metrics.indexed_blocks.labels(address).set(self.index.num_blocks(address))
 
     def _blame(self, error: Exception, prefill: str, decode: str | None) -> set[str]:
-        """Instances not to retry on, marked unhealthy for a while (their index dropped)."""
+        """Instances not to retry on, marked unhealthy for a while. A prefill's KV-event view is
+        kept: its event stream says by itself whether it is alive (a broken stream drops it)."""
         if isinstance(error, ResourceExhaustedError) and decode is not None:
             return {decode}
         now = time.monotonic()
         blamed = {prefill} if decode is None else {prefill, decode}
         for address in blamed:
             self._unhealthy_until[address] = now + UNHEALTHY_COOLDOWN_S
-        self.index.drop_instance(prefill)
         return blamed
 
     def _choose(
@@ -316,7 +310,7 @@ class Router:
             decodes = self._candidates(self.decode, excluded)
             decode = self.decode_policy.choose(decodes, request, dict(self._decode_load))
         except NoCandidateError as e:
-            raise NoCapacityError(str(e)) from e
+            raise NoCapacityError(str(e), 1000) from e
         logger.debug(
             "request %s -> prefill %s (%s, %d blocks cached) -> decode %s",
             request_id, prefill.instance_id, prefill.reason, prefill.overlap_blocks,
@@ -331,42 +325,46 @@ class Router:
         preferred = [i for i in healthy if i not in excluded]
         chosen = preferred or healthy or [i for i in instances if i not in excluded] or instances
         if not chosen:
-            raise NoCapacityError("no instance is configured")
+            raise NoCapacityError("no instance is configured", 1000)
         return chosen
 
     # -- background -------------------------------------------------------------------------------
 
     def _follow_kv_events(self, address: str) -> None:
-        """Mirror one prefill instance's KV events; on disconnect drop its view, resubscribe
-        (until the instance is removed)."""
+        """Mirror one prefill (or mixed) instance's KV events: each subscription starts with a
+        snapshot that replaces the view, then live events. On disconnect drop the view and
+        resubscribe (until the instance is removed)."""
         while not self._stopped.is_set() and address in self.prefill:
-            channel = self.client.channels.get(address)
-            stub: Any = (
-                mixed_pb2_grpc.MixedServiceStub(channel)
-                if self.mixed
-                else prefill_pb2_grpc.PrefillServiceStub(channel)
-            )
-            stream = stub.SubscribeKVEvents(common_pb2.KVEventsRequest())
+            stream = self.client.instance(address).kv_events()
             try:
                 for event in stream:
-                    self._unhealthy_until.pop(address, None)
-                    hashes = tuple(event.stored.block_hashes or event.removed.block_hashes)
-                    kind = BlockStored if event.WhichOneof("event") == "stored" else BlockRemoved
-                    self.index.apply(address, kind(tuple(BlockHash(h) for h in hashes)))
-                    if self._stopped.is_set():
+                    self._apply_kv_event(address, event)
+                    if self._stopped.is_set() or address not in self.prefill:
                         stream.cancel()
             except grpc.RpcError:
                 pass
             self.index.drop_instance(address)
             self._stopped.wait(1.0)
 
+    def _apply_kv_event(self, address: str, event: common_pb2.KVEvent) -> None:
+        self._unhealthy_until.pop(address, None)
+        kind = event.WhichOneof("event")
+        if kind == "snapshot":
+            hashes = tuple(BlockHash(h) for h in event.snapshot.block_hashes)
+            self.index.replace_instance(address, hashes)
+        elif kind == "stored":
+            hashes = tuple(BlockHash(h) for h in event.stored.block_hashes)
+            self.index.apply(address, BlockStored(hashes))
+        elif kind == "removed":
+            hashes = tuple(BlockHash(h) for h in event.removed.block_hashes)
+            self.index.apply(address, BlockRemoved(hashes))
+
     def _poll_decode_load(self) -> None:
         while not self._stopped.wait(self.config.stats_interval_s):
             for address in self.decode:
-                stub = decode_pb2_grpc.DecodeServiceStub(self.client.channels.get(address))
                 try:
-                    stats = stub.GetStats(common_pb2.StatsRequest(), timeout=2)
-                except grpc.RpcError:
+                    stats = self.client.instance(address).stats()
+                except PdserveError:
                     self._decode_load.pop(address, None)
                     continue
                 self._decode_load[address] = DecodeCapacity(

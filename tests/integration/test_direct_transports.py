@@ -12,12 +12,13 @@ import pytest
 
 from pdserve.config import DecodeConfig, EngineConfig, TransferConfig
 from pdserve.engine import LLMEngine, SamplingParams
+from pdserve.errors import KVTransferError
+from pdserve.instance.convert import endpoints_from_proto, generate_request
 from pdserve.rpc.channels import ChannelPool
-from pdserve.rpc.convert import endpoints_from_proto, generate_request
-from pdserve.transfer.base import KVTarget, KVTransferError, KVTransport
+from pdserve.transfer.base import KVTarget, KVTransport
 from pdserve.transfer.direct import ShmKVTransport, address_of
 from pdserve.transfer.mooncake import MooncakeEngine, MooncakeKVTransport, plan_writes
-from pdserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc
+from pdserve.v1 import common_pb2, common_pb2_grpc, decode_pb2, decode_pb2_grpc
 from services.decode.instance import DecodeInstance
 from services.decode.servicer import serve_decode
 
@@ -67,7 +68,7 @@ class Sender:
                 request=generate_request(request_id, prompt, SamplingParams(max_tokens=1))
             )
         )
-        assert reply.granted and reply.num_blocks == num_blocks
+        assert reply.num_blocks == num_blocks
         return KVTarget(
             self.address,
             request_id,
@@ -78,7 +79,9 @@ class Sender:
         )
 
     def abort(self, request_id: str) -> None:
-        self.stub.Abort(common_pb2.AbortRequest(request_id=request_id))
+        common_pb2_grpc.InstanceServiceStub(self.channels.get(self.address)).Abort(
+            common_pb2.AbortRequest(request_id=request_id)
+        )
 
     def close(self) -> None:
         self.transport.close()
@@ -91,8 +94,8 @@ def received(instance: DecodeInstance, request_id: str) -> list[bytes]:
     def block_table(engine: LLMEngine) -> list[int]:
         return list(engine.kv_cache.block_table(request_id))
 
-    core = instance.core
-    return [bytes(block) for block in core.block_io.read(core.loop.call(block_table))]
+    runtime = instance.runtime
+    return [bytes(block) for block in runtime.block_io.read(runtime.loop.call(block_table))]
 
 
 @pytest.mark.parametrize("transport", ["shm", "mooncake"])
@@ -100,7 +103,7 @@ def test_blocks_land_in_reservations_whatever_decode_block_ids_they_get(
     transport: str, decode: tuple[DecodeInstance, str]
 ) -> None:
     instance, address = decode
-    sender = Sender(transport, address, instance.core.block_io.block_bytes)
+    sender = Sender(transport, address, instance.runtime.block_io.block_bytes)
     try:
         # a fresh pool hands out consecutive ids: one transfer
         ascending = sender.reserve("ascending", 4)
@@ -127,7 +130,7 @@ def test_a_sender_deals_its_writes_over_its_engines(decode: tuple[DecodeInstance
     """Two sending engines (two I/O threads): every run of blocks goes through one of them, in
     turn from send to send, and each lands in decode's reserved blocks."""
     instance, address = decode
-    sender = Sender("mooncake", address, instance.core.block_io.block_bytes, engines=2)
+    sender = Sender("mooncake", address, instance.runtime.block_io.block_bytes, engines=2)
     assert isinstance(sender.transport, MooncakeKVTransport)
     try:
         one = sender.reserve("one", 4)
@@ -160,7 +163,7 @@ def test_a_write_into_an_aborted_reservation_is_a_typed_error(
     """The Mooncake write lands, but the commit finds no reservation: the sender gets a
     KVTransferError, and decode holds nothing."""
     instance, address = decode
-    sender = Sender("mooncake", address, instance.core.block_io.block_bytes)
+    sender = Sender("mooncake", address, instance.runtime.block_io.block_bytes)
     try:
         target = sender.reserve("gone", 4)
         sender.abort("gone")
@@ -178,7 +181,7 @@ def test_the_shared_kv_cache_has_its_pages_from_the_start(
     """Allocated when the instance starts, not on first touch: a /dev/shm that fills up later
     cannot kill the instance with SIGBUS in the middle of a transfer."""
     instance, _ = decode
-    runner = instance.core.engine.runner
+    runner = instance.runtime.engine.runner
     assert runner.segment is not None
     nbytes = runner.kv_cache.numel() * runner.kv_cache.element_size()
     stat = os.stat(f"/dev/shm/{runner.segment.name.lstrip('/')}")

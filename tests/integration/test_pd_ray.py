@@ -13,7 +13,7 @@ from waiting import wait_for
 from pdserve.config import ClusterConfig, DecodeConfig, EngineConfig, PrefillConfig
 from pdserve.engine import LLMEngine, SamplingParams
 from pdserve.errors import PdserveError
-from pdserve.v1 import common_pb2, decode_pb2_grpc
+from pdserve.v1 import common_pb2
 from services.controller.cluster import Cluster
 from services.router.pd_client import Finished, PDClient, TokenDelta
 
@@ -37,8 +37,7 @@ def addresses(cluster: Cluster) -> dict[str, str]:
 
 
 def decode_stats(client: PDClient, address: str) -> common_pb2.InstanceStats:
-    stub = decode_pb2_grpc.DecodeServiceStub(client.channels.get(address))
-    return stub.GetStats(common_pb2.StatsRequest())
+    return client.instance(address).stats()
 
 
 @pytest.fixture(scope="module")

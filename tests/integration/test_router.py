@@ -7,6 +7,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import grpc
 import httpx
 import openai
 import pytest
@@ -14,8 +15,9 @@ from pdserve_up import scrape_metrics
 from waiting import wait_for
 
 from pdserve.config import DecodeConfig, EngineConfig, PrefillConfig, RouterConfig
+from pdserve.instance.runtime import INSTANCE_SERVICE, InstanceServicer
 from pdserve.rpc.server import create_server
-from pdserve.v1 import prefill_pb2_grpc
+from pdserve.v1 import common_pb2_grpc, prefill_pb2_grpc
 from services.decode.servicer import serve_decode
 from services.prefill.servicer import SERVICE_NAME, PrefillServicer, serve_prefill
 from services.router.server import RunningRouter, serve_router
@@ -81,11 +83,14 @@ def test_dead_prefill_is_routed_around_and_rejoins_when_it_returns(stack: Stack)
         wait_for(lambda: address not in router.index.instances())
     finally:
         servicer = PrefillServicer(instance)
-        revived, _ = create_server(
-            lambda s: prefill_pb2_grpc.add_PrefillServiceServicer_to_server(servicer, s),
-            [SERVICE_NAME],
-            port=port,
-        )
+
+        def register(s: grpc.Server) -> None:
+            prefill_pb2_grpc.add_PrefillServiceServicer_to_server(servicer, s)
+            common_pb2_grpc.add_InstanceServiceServicer_to_server(
+                InstanceServicer(instance, instance.runtime), s
+            )
+
+        revived, _ = create_server(register, [SERVICE_NAME, INSTANCE_SERVICE], port=port)
         stack.prefill[0] = (instance, revived, port)
     # Its KV events flow again: a prompt prefilled there shows up in the router's index.
     wait_for(lambda: router._unhealthy_until.get(address, 0) < time.monotonic(), 10)

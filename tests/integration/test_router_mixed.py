@@ -90,7 +90,7 @@ def test_instance_metrics_count_exactly_the_hits_of_a_scripted_workload(
     """Prompt tokens are counted once per request at admission; hits are whole cached blocks."""
     _, instances = mixed_stack
     instance = instances[0]
-    url = f"http://{instance.core.metrics_address}"
+    url = f"http://{instance.runtime.metrics_address}"
     before = scrape_metrics(url)
     first = [(7 * i + 3) % 250 for i in range(70)]
     second = [*first[:50], 9, 9, 9, 9]  # shares 50 tokens: 3 whole blocks of 16
@@ -114,7 +114,7 @@ def test_every_metrics_endpoint_passes_promtool(
     mixed_stack: tuple[RunningRouter, list[MixedInstance]],
 ) -> None:
     router, instances = mixed_stack
-    urls = [router.url] + [f"http://{i.core.metrics_address}" for i in instances]
+    urls = [router.url] + [f"http://{i.runtime.metrics_address}" for i in instances]
     for url in urls:
         text = httpx.get(f"{url}/metrics", timeout=10).text
         check = subprocess.run(

@@ -180,22 +180,19 @@ def reference(tiny_model_dir: Path) -> LLMEngine:
     return LLMEngine.from_config(EngineConfig(model=str(tiny_model_dir), num_kv_blocks=512))
 
 
-def tight_engine(tiny_model_dir: Path, tier: StorageTier | None, num_kv_blocks: int) -> LLMEngine:
-    engine = LLMEngine.from_config(
+def tight_engine(tiny_model_dir: Path, num_kv_blocks: int) -> LLMEngine:
+    return LLMEngine.from_config(
         EngineConfig(model=str(tiny_model_dir), num_kv_blocks=num_kv_blocks)
     )
-    if tier is not None:
-        engine.attach_storage(tier)
-    return engine
 
 
 def storage_engine(
     tiny_model_dir: Path, config: StorageConfig, num_kv_blocks: int, tiers: list[StorageTier]
 ) -> LLMEngine:
-    engine = tight_engine(tiny_model_dir, None, num_kv_blocks)
-    tier = make_tier(config, tiers, engine.storage_tag())
-    engine.attach_storage(tier)
-    return engine
+    return LLMEngine.from_config(
+        EngineConfig(model=str(tiny_model_dir), num_kv_blocks=num_kv_blocks),
+        storage=lambda tag: make_tier(config, tiers, tag),
+    )
 
 
 def test_a_preempted_request_resumes_from_storage_with_identical_output(
@@ -207,20 +204,21 @@ def test_a_preempted_request_resumes_from_storage_with_identical_output(
 ) -> None:
     batch = prompts(3, 90)
     expected = [c.token_ids for c in reference.generate(batch, GREEDY)]
-    plain = tight_engine(tiny_model_dir, None, 20)  # 320 tokens for 3 x 138: preemption
+    plain = tight_engine(tiny_model_dir, 20)  # 320 tokens for 3 x 138: preemption
     assert [c.token_ids for c in plain.generate(batch, GREEDY)] == expected
     engine = storage_engine(tiny_model_dir, storage_config(redis_url, tmp_path), 20, tiers)
 
     assert [c.token_ids for c in engine.generate(batch, GREEDY)] == expected
-    stats, tier = engine.scheduler.stats, engine.storage
-    assert tier is not None
+    stats, connector = engine.scheduler.stats, engine.storage
+    assert connector is not None
+    tier = connector.tier
     assert (
         stats.num_preemptions > 0 and stats.num_preemptions == plain.scheduler.stats.num_preemptions
     )
     assert tier.counters.blocks_written > 0 and tier.counters.blocks_read > 0
-    assert stats.storage_loaded_tokens > 0
+    assert connector.loaded_tokens > 0
     # the loaded tokens were not computed again
-    assert stats.num_computed_tokens + stats.storage_loaded_tokens <= (
+    assert stats.num_computed_tokens + connector.loaded_tokens <= (
         plain.scheduler.stats.num_computed_tokens
     )
     engine.check_integrity()
@@ -240,14 +238,14 @@ def test_a_prefix_evicted_from_the_device_is_served_from_storage(
     engine.generate([first], params)
     assert engine.kv_cache.evict_cached_blocks() > 0  # written back on eviction
     assert engine.storage is not None
-    engine.storage.flush()
+    engine.storage.tier.flush()
     before = dataclasses.replace(engine.scheduler.stats)
     [result] = engine.generate([second], params)
     [expected] = reference.generate([second], params)
     assert result.token_ids == expected.token_ids
     stats = engine.scheduler.stats
-    assert stats.storage_cache_hits - before.storage_cache_hits == 160  # 10 whole blocks
-    assert stats.prefix_cache_hits == before.prefix_cache_hits  # none from the device tier
+    assert stats.storage_hit_tokens - before.storage_hit_tokens == 160  # 10 whole blocks
+    assert stats.device_hit_tokens == before.device_hit_tokens  # none from the device tier
     assert result.num_cached_tokens == 160
 
 
@@ -258,8 +256,8 @@ def test_write_through_publishes_blocks_as_they_are_computed(
     engine = storage_engine(tiny_model_dir, config, 64, tiers)
     engine.generate(prompts(1, 64, seed=5), SamplingParams(max_tokens=1))
     assert engine.storage is not None
-    engine.storage.flush()
-    assert engine.storage.counters.blocks_written == 4  # the 64-token prompt: 4 full blocks
+    engine.storage.tier.flush()
+    assert engine.storage.tier.counters.blocks_written == 4  # the 64-token prompt: 4 full blocks
 
 
 def test_two_engines_sharing_a_store_under_pressure_never_corrupt_kv(
@@ -295,9 +293,9 @@ def test_two_engines_sharing_a_store_under_pressure_never_corrupt_kv(
     assert results == {0: expected, 1: expected}
     for engine in engines:
         assert engine.storage is not None
-        assert engine.storage.counters.read_errors == 0
+        assert engine.storage.tier.counters.read_errors == 0
         engine.check_integrity()
-    assert sum(e.storage.counters.blocks_read for e in engines if e.storage) > 0
+    assert sum(e.storage.tier.counters.blocks_read for e in engines if e.storage) > 0
 
 
 def test_serving_survives_redis_dying_and_uses_storage_again_when_it_returns(
@@ -308,7 +306,7 @@ def test_serving_survives_redis_dying_and_uses_storage_again_when_it_returns(
     try:
         config = storage_config(server.url, tmp_path, device_write_policy="write_through")
         engine = storage_engine(tiny_model_dir, config, 64, own)
-        tier = engine.storage
+        tier = engine.storage.tier if engine.storage else None
         assert tier is not None
         params = SamplingParams(max_tokens=6)
         batch = prompts(3, 40, seed=21)
@@ -372,9 +370,9 @@ def test_pd_instances_resume_and_serve_prefixes_from_storage(
         assert decode_stats.num_preemptions > 0
         assert decode_stats.storage.loaded_tokens > 0 and decode_stats.storage.blocks_read > 0
 
-        assert prefill.core.loop.call(lambda e: e.kv_cache.evict_cached_blocks()) > 0
-        assert prefill.core.storage is not None
-        prefill.core.storage.flush()
+        assert prefill.runtime.flush_device_cache() > 0
+        assert prefill.runtime.storage is not None
+        prefill.runtime.storage.flush()
         follow_up = [*batch[0][:80], 33, 34, 35]
         before = prefill.stats()
         assert pd_tokens(client, *addresses, follow_up) == list(
@@ -384,8 +382,8 @@ def test_pd_instances_resume_and_serve_prefixes_from_storage(
         assert after.storage.cache_hits - before.storage.cache_hits == 80  # 5 whole blocks
         assert after.prefix_cache_hits == before.prefix_cache_hits
         for instance in (prefill, decode):  # no write in flight anywhere, then check
-            assert instance.core.storage is not None
-            instance.core.storage.flush()
+            assert instance.runtime.storage is not None
+            instance.runtime.storage.flush()
         for instance in (prefill, decode):
             instance.check_integrity()
     finally:
@@ -409,9 +407,9 @@ def test_host_memory_blocks_are_read_by_a_peer_over_grpc(
         shared = prompts(1, 96, seed=40)[0]
         params = SamplingParams(max_tokens=4)
         list(owner.generate("first", [*shared, 1, 2], params))
-        assert owner.core.storage is not None
-        owner.core.storage.flush()
-        assert owner.core.storage.store.store_id == f"mem:127.0.0.1:{owner_port}"
+        assert owner.runtime.storage is not None
+        owner.runtime.storage.flush()
+        assert owner.runtime.storage.store.store_id == f"mem:127.0.0.1:{owner_port}"
 
         second = [*shared, 3, 4]
         tokens = [t for out in peer.generate("second", second, params) for t in out.new_token_ids]
@@ -419,7 +417,7 @@ def test_host_memory_blocks_are_read_by_a_peer_over_grpc(
         stats = peer.stats().storage
         assert stats.cache_hits == 96 and stats.blocks_read == 6  # read from the owner's memory
         for instance, _, _ in served:
-            instance.core.check_integrity()
+            instance.runtime.check_integrity()
     finally:
         for instance, server, _ in served:
             server.stop(0).wait()

@@ -217,7 +217,7 @@ def test_prefix_cache_counts_hits_once_at_admission(make_engine: MakeEngine) -> 
     [second] = engine.generate([prompt(40)], greedy(3))
     stats = engine.scheduler.stats
     assert second.num_cached_tokens == 32  # 2 full blocks; the last token is always computed
-    assert (stats.prefix_cache_queries, stats.prefix_cache_hits) == (80, 32)
+    assert (stats.prefix_cache_queries, stats.device_hit_tokens) == (80, 32)
 
 
 def test_second_request_does_not_hit_blocks_still_being_prefilled(make_engine: MakeEngine) -> None:

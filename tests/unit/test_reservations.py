@@ -3,8 +3,8 @@
 import pytest
 
 from pdserve.engine.request import Request, SamplingParams
+from pdserve.errors import KVTransferError
 from pdserve.kvcache.hashing import BlockHasher
-from pdserve.transfer.base import KVTransferError
 from services.decode.reservations import ReservationTable
 
 

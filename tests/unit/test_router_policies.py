@@ -4,7 +4,7 @@ from collections.abc import Mapping
 
 import pytest
 
-from pdserve.errors import ConfigError
+from pdserve.errors import ConfigError, NoCandidateError
 from services.router.load import InstanceLoad, LoadTracker
 from services.router.policies import (
     DECODE_POLICIES,
@@ -13,7 +13,6 @@ from services.router.policies import (
     POLICIES,
     CacheAwarePolicy,
     DecodeCapacity,
-    NoCandidateError,
     PolicyConfig,
     RouteReason,
     RouteRequest,

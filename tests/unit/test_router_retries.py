@@ -12,11 +12,15 @@ from hypothesis import strategies as st
 
 from pdserve.config import EngineConfig, RouterConfig
 from pdserve.engine.request import SamplingParams
-from pdserve.errors import InvalidRequestError, PdserveError
-from pdserve.rpc.convert import ResourceExhaustedError
-from pdserve.transfer.base import KVTransferError
+from pdserve.errors import (
+    InvalidRequestError,
+    KVTransferError,
+    NoCapacityError,
+    PdserveError,
+    ResourceExhaustedError,
+)
 from services.router.pd_client import Finished, TokenDelta
-from services.router.router import ModelInfo, NoCapacityError, Router
+from services.router.router import ModelInfo, Router
 from services.router.server import model_info
 
 PREFILL = ["p0", "p1", "p2"]

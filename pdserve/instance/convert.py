@@ -1,19 +1,9 @@
-"""Proto <-> dataclass conversion shared by the instance services, and error mapping.
-
-The only place where pdserve's typed objects meet generated messages.
-"""
-
-import grpc
+"""Proto <-> dataclass conversion for the instance services: the one place where pdserve's typed
+objects meet generated messages (errors: `pdserve.rpc.status`)."""
 
 from pdserve.engine.engine import RequestOutput
 from pdserve.engine.request import SamplingParams
-from pdserve.errors import (
-    InvalidRequestError,
-    OutOfBlocksError,
-    PdserveError,
-    RequestNotFoundError,
-)
-from pdserve.transfer.base import KVEndpoints, KVTransferError
+from pdserve.transfer.base import KVEndpoints
 from pdserve.v1 import common_pb2, decode_pb2
 
 FINISH_REASONS = {
@@ -22,14 +12,6 @@ FINISH_REASONS = {
     "abort": common_pb2.FINISH_REASON_ABORT,
 }
 FINISH_REASON_NAMES = {code: name for name, code in FINISH_REASONS.items()}
-
-
-class ResourceExhaustedError(PdserveError):
-    """No capacity now; retry after `retry_after_ms`."""
-
-    def __init__(self, message: str, retry_after_ms: int) -> None:
-        super().__init__(message)
-        self.retry_after_ms = retry_after_ms
 
 
 def sampling_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
@@ -72,15 +54,15 @@ def generate_request(
     )
 
 
-def token_reply(output: RequestOutput) -> list[decode_pb2.TokenReply]:
+def token_replies(output: RequestOutput) -> list[common_pb2.TokenReply]:
     """One engine output as stream replies: a chunk, then a final reply when finished."""
     replies = [
-        decode_pb2.TokenReply(
-            chunk=decode_pb2.TokenChunk(token_ids=list(output.new_token_ids), text=output.new_text)
+        common_pb2.TokenReply(
+            chunk=common_pb2.TokenChunk(token_ids=list(output.new_token_ids), text=output.new_text)
         )
     ]
     if output.finished:
-        final = decode_pb2.TokenFinal(
+        final = common_pb2.TokenFinal(
             finish_reason=FINISH_REASONS.get(
                 output.finish_reason or "", common_pb2.FINISH_REASON_UNSPECIFIED
             ),
@@ -89,45 +71,8 @@ def token_reply(output: RequestOutput) -> list[decode_pb2.TokenReply]:
             num_output_tokens=output.num_output_tokens,
             num_cached_tokens=output.num_cached_tokens,
         )
-        replies.append(decode_pb2.TokenReply(final=final))
+        replies.append(common_pb2.TokenReply(final=final))
     return replies
-
-
-def error_proto(error: Exception) -> common_pb2.Error:
-    """A typed exception as a stream error reply (bugs become INTERNAL without details)."""
-    code, retry_after_ms = _error_code(error)
-    message = str(error) if isinstance(error, PdserveError) else "internal error"
-    return common_pb2.Error(code=code, message=message, retry_after_ms=retry_after_ms)
-
-
-def grpc_status(error: Exception) -> grpc.StatusCode:
-    """The gRPC status for a typed exception raised by a unary handler."""
-    code, _ = _error_code(error)
-    return _STATUS[code]
-
-
-def _error_code(error: Exception) -> tuple[common_pb2.ErrorCode.ValueType, int]:
-    if isinstance(error, ResourceExhaustedError):
-        return common_pb2.ERROR_CODE_RESOURCE_EXHAUSTED, error.retry_after_ms
-    if isinstance(error, OutOfBlocksError):
-        return common_pb2.ERROR_CODE_RESOURCE_EXHAUSTED, 0
-    if isinstance(error, InvalidRequestError):
-        return common_pb2.ERROR_CODE_INVALID_REQUEST, 0
-    if isinstance(error, RequestNotFoundError):
-        return common_pb2.ERROR_CODE_NOT_FOUND, 0
-    if isinstance(error, KVTransferError):
-        return common_pb2.ERROR_CODE_TRANSFER_FAILED, 0
-    return common_pb2.ERROR_CODE_INTERNAL, 0
-
-
-_STATUS = {
-    common_pb2.ERROR_CODE_RESOURCE_EXHAUSTED: grpc.StatusCode.RESOURCE_EXHAUSTED,
-    common_pb2.ERROR_CODE_INVALID_REQUEST: grpc.StatusCode.INVALID_ARGUMENT,
-    common_pb2.ERROR_CODE_NOT_FOUND: grpc.StatusCode.NOT_FOUND,
-    common_pb2.ERROR_CODE_TRANSFER_FAILED: grpc.StatusCode.UNAVAILABLE,
-    common_pb2.ERROR_CODE_ABORTED: grpc.StatusCode.CANCELLED,
-    common_pb2.ERROR_CODE_INTERNAL: grpc.StatusCode.INTERNAL,
-}
 
 
 def endpoints_to_proto(endpoints: KVEndpoints) -> decode_pb2.KVEndpoints:

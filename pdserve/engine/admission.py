@@ -1,0 +1,74 @@
+"""PromptAdmission: the one path by which a prompt gets its KV blocks.
+
+Device prefix match -> the storage blocks staged after it -> allocation (leaving growth
+headroom free) -> load of the staged bytes -> publication of the loaded blocks. The scheduler's
+admission of waiting requests, `preallocate_resource_in_p` and `preallocate_resource_in_d` all
+call `admit`. Engine thread only (it changes the KV cache manager).
+"""
+
+from dataclasses import dataclass
+
+from pdserve.engine.request import Request
+from pdserve.engine.storage_connector import StorageConnector
+from pdserve.kvcache.manager import KVCacheManager
+
+
+@dataclass(frozen=True, slots=True)
+class Admission:
+    """Where a prompt stands after admission. Hits count prompt tokens this instance did not
+    compute: `device_hit_tokens` found in its device prefix cache, `storage_hit_tokens` loaded
+    from the storage tier right after them."""
+
+    device_hit_tokens: int
+    storage_hit_tokens: int
+    block_ids: tuple[int, ...]  # the request's block table after admission
+
+    @property
+    def num_computed_tokens(self) -> int:
+        """Tokens whose KV is in the request's blocks at admission."""
+        return self.device_hit_tokens + self.storage_hit_tokens
+
+
+class PromptAdmission:
+    def __init__(self, kv_cache: KVCacheManager, storage: StorageConnector | None) -> None:
+        self.kv_cache = kv_cache
+        self.storage = storage
+
+    def device_hit_blocks(self, request: Request) -> int:
+        """Blocks of the request's prefix in the device cache now (no side effects)."""
+        return len(self.kv_cache.match_prefix(request).block_ids)
+
+    def admit(
+        self,
+        request: Request,
+        *,
+        token_budget: int | None = None,
+        growth_headroom_blocks: int = 0,
+    ) -> Admission | None:
+        """Give a request without blocks its prefix hit plus blocks for up to `token_budget`
+        more tokens (None: the rest of its tokens), if `growth_headroom_blocks` stay free after.
+
+        Sets `num_computed_tokens` to the hit and loads the staged storage blocks. Returns None,
+        changing nothing, when the pool is too short.
+        """
+        kv = self.kv_cache
+        prefix = kv.match_prefix(request)
+        device_blocks = len(prefix.block_ids)
+        staged = self.storage.num_usable(request, device_blocks) if self.storage else 0
+        computed = prefix.num_tokens + staged * kv.block_size
+        remaining = request.num_tokens - computed
+        target = computed + (remaining if token_budget is None else min(remaining, token_budget))
+        if not kv.can_allocate(request, target, prefix, reserve_blocks=growth_headroom_blocks):
+            return None
+        kv.allocate(request, target, prefix)
+        table = kv.block_table(request.request_id)
+        if staged and self.storage is not None:
+            self.storage.load(request, table, device_blocks)
+            kv.update_cache_blocks(request, computed)
+        request.num_computed_tokens = computed
+        return Admission(prefix.num_tokens, staged * kv.block_size, tuple(table))
+
+    def num_blocks_needed(self, request: Request) -> int:
+        """Free blocks `admit(request)` would take (for refusal messages)."""
+        prefix = self.kv_cache.match_prefix(request)
+        return self.kv_cache.num_blocks_to_allocate(request, request.num_tokens, prefix)

@@ -1,0 +1,175 @@
+"""StorageConnector: the engine's side of the shared KV storage tier.
+
+It writes published blocks back (the KV cache manager's write sink), reads ahead the blocks a
+request's device prefix hit lacks, holds the verified bytes per request until the request is
+given its blocks, and then loads them into those blocks.
+
+Threads: `write_back`, `prefetch`, `apply_fetched`, `num_usable`, `load`, `forget` and
+`is_pending` run on the engine thread (the owner). `read_ahead` blocks on storage I/O and runs on
+a handler thread, for a request the engine does not schedule yet; its result is handed over
+through a lock. The tier's worker answers prefetches through a queue and `wake` (which must not
+block), never touching the connector's state itself.
+"""
+
+import logging
+import queue
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from pdserve.kvcache.hashing import BlockHash
+from pdserve.kvcache.manager import CacheRequest
+from pdserve.model.runner import BlockIO
+from pdserve.storage.tier import StorageTier
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class StagedBlocks:
+    """Verified bytes of blocks [first_block, first_block + len(blocks)) of one request."""
+
+    first_block: int
+    blocks: tuple[bytes, ...]
+
+    @property
+    def end_block(self) -> int:
+        return self.first_block + len(self.blocks)
+
+
+class StorageConnector:
+    def __init__(
+        self,
+        tier: StorageTier,
+        block_io: BlockIO,
+        block_size: int,
+        wake: Callable[[], None] = lambda: None,
+    ) -> None:
+        self.tier = tier
+        self._block_io = block_io
+        self._block_size = block_size
+        self._wake = wake
+        self._staged: dict[str, StagedBlocks] = {}
+        self._pending: set[str] = set()  # request ids whose prefetch is in flight
+        self._fetched: queue.SimpleQueue[tuple[str, StagedBlocks]] = queue.SimpleQueue()
+        self._lock = threading.Lock()  # guards `_staged` against `read_ahead`'s handler thread
+        self.loaded_tokens = 0  # every load, re-admissions after preemption included
+
+    @property
+    def write_on_evict(self) -> bool:
+        return self.tier.config.device_write_policy == "on_eviction"
+
+    @property
+    def write_through(self) -> bool:
+        return self.tier.config.device_write_policy == "write_through"
+
+    @property
+    def write_on_preempt(self) -> bool:
+        return self.tier.config.write_back_on_preempt
+
+    # -- write-back ---------------------------------------------------------------------------
+
+    def write_back(self, blocks: Sequence[tuple[int, BlockHash]]) -> None:
+        """Copy published blocks to host memory now (they may be overwritten next step) and
+        queue them for the storage writer. A copy, not I/O: the engine thread never waits."""
+        fresh = [(b, h) for b, h in blocks if not self.tier.is_known_stored(h)]
+        if fresh:
+            views = self._block_io.read([b for b, _ in fresh])
+            self.tier.write([(h, bytes(v)) for (_, h), v in zip(fresh, views, strict=True)])
+
+    # -- reads ----------------------------------------------------------------------------------
+
+    def _chain_end(self, request: CacheRequest) -> int:
+        """Blocks a hit may cover: never the last token (it must be computed)."""
+        return (request.num_tokens - 1) // self._block_size
+
+    def read_ahead(self, request: CacheRequest, device_blocks: int) -> None:
+        """Stage the stored blocks that follow a device hit of `device_blocks` blocks. Blocking
+        I/O, on the caller's (handler) thread; the request must not be scheduled yet."""
+        end = self._chain_end(request)
+        if device_blocks >= end:
+            return
+        blocks = self.tier.read_chain(request.block_hashes[device_blocks:end])
+        with self._lock:
+            self._staged[request.request_id] = StagedBlocks(device_blocks, tuple(blocks))
+
+    def needs_prefetch(self, request: CacheRequest, device_blocks: int) -> bool:
+        """Whether admission should wait for a read: nothing staged from at most
+        `device_blocks` (never asked, or the device hit shrank since), storage could add
+        blocks, and the tier is up."""
+        if request.request_id in self._pending or device_blocks >= self._chain_end(request):
+            return False
+        with self._lock:
+            staged = self._staged.get(request.request_id)
+        if staged is not None and staged.first_block <= device_blocks:
+            return False
+        return self.tier.available
+
+    def prefetch(self, request: CacheRequest, device_blocks: int) -> None:
+        """Read ahead on the tier's worker; the request waits (`is_pending`) until
+        `apply_fetched` hands the answer over."""
+        request_id = request.request_id
+        self._pending.add(request_id)
+
+        def done(blocks: list[bytes]) -> None:  # on the storage worker thread
+            self._fetched.put((request_id, StagedBlocks(device_blocks, tuple(blocks))))
+            self._wake()
+
+        self.tier.prefetch(request.block_hashes[device_blocks : self._chain_end(request)], done)
+
+    def is_pending(self, request_id: str) -> bool:
+        return request_id in self._pending
+
+    @property
+    def has_pending(self) -> bool:
+        return bool(self._pending)
+
+    def apply_fetched(self, wait: bool = False) -> None:
+        """Stage finished prefetches (admission can then proceed). With `wait`, wait up to a
+        second for one (a loop-less `generate` with nothing else to do)."""
+        block = wait and bool(self._pending)
+        while True:
+            try:
+                request_id, staged = self._fetched.get(block=block, timeout=1.0)
+            except queue.Empty:
+                return
+            block = False
+            if request_id in self._pending:  # else: forgotten (finished) meanwhile
+                self._pending.discard(request_id)
+                with self._lock:
+                    self._staged[request_id] = staged
+
+    def num_usable(self, request: CacheRequest, device_blocks: int) -> int:
+        """Staged blocks that extend a device hit of `device_blocks` blocks without a gap."""
+        with self._lock:
+            staged = self._staged.get(request.request_id)
+        if staged is None:
+            return 0
+        end = min(staged.end_block, self._chain_end(request))
+        if not staged.first_block <= device_blocks < end:
+            return 0
+        return end - device_blocks
+
+    def load(self, request: CacheRequest, block_table: Sequence[int], device_blocks: int) -> int:
+        """Write the usable staged blocks into `block_table` after the device hit and drop the
+        staged bytes. Returns how many blocks were loaded (the caller publishes them: their
+        bytes were verified when read)."""
+        count = self.num_usable(request, device_blocks)
+        with self._lock:
+            staged = self._staged.pop(request.request_id, None)
+        if staged is None or count == 0:
+            return 0
+        start = device_blocks - staged.first_block
+        for block_id, data in zip(
+            block_table[device_blocks:], staged.blocks[start : start + count], strict=False
+        ):
+            self._block_io.write([block_id], memoryview(data))
+        self.loaded_tokens += count * self._block_size
+        return count
+
+    def forget(self, request_id: str) -> None:
+        """Drop what is staged or pending for a request (finished, or preempted: its blocks
+        may be in storage by the time it is admitted again)."""
+        self._pending.discard(request_id)
+        with self._lock:
+            self._staged.pop(request_id, None)

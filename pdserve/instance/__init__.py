@@ -1,0 +1,1 @@
+"""The instance runtime every prefill, decode and mixed instance is built on (services/*)."""

@@ -1,0 +1,451 @@
+"""InstanceRuntime: what every engine-backed instance (prefill, decode, mixed) is built on.
+
+It owns the engine loop, one OutputStream per request, the KV-event fan-out (snapshot + live
+events), stats snapshots, the gRPC server (the role's service plus InstanceService) and the
+narrow operations callers need (KV endpoints, a request's block table, cache flushes). Roles
+compose it and add their own RPCs; they never reach into the engine's collaborators.
+
+Threads: the engine loop thread owns the engine; gRPC handler threads call `loop.call` for engine
+work and read OutputStreams; `_dispatch` runs on the engine thread and only puts into streams.
+"""
+
+import logging
+import queue
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
+
+import grpc
+import platformdirs
+
+from pdserve.config import EngineConfig, StorageConfig, TransferConfig
+from pdserve.engine.engine import LLMEngine, RequestOutput
+from pdserve.engine.loop import EngineLoop, Mailbox
+from pdserve.engine.request import Request
+from pdserve.errors import DuplicateRequestError, RequestNotFoundError
+from pdserve.instance.streams import OutputStream, aborted_output
+from pdserve.kvcache.events import BlockStored, KVEvent, KVEventBroadcaster
+from pdserve.kvcache.hashing import BlockHash
+from pdserve.metrics import InstanceCollector, serve_metrics
+from pdserve.model.runner import BlockIO
+from pdserve.rpc.server import advertised_host, create_server
+from pdserve.storage.remote import SERVICE_NAME as STORAGE_SERVICE
+from pdserve.storage.remote import StorageServicer
+from pdserve.storage.stores import HostMemoryStore
+from pdserve.storage.tier import StorageTier, make_store
+from pdserve.transfer.base import TransferResult
+from pdserve.v1 import common_pb2, common_pb2_grpc, storage_pb2_grpc
+
+if TYPE_CHECKING:
+    from pdserve.transfer.mooncake import MooncakeEngine
+
+logger = logging.getLogger(__name__)
+
+INSTANCE_SERVICE = "pdserve.v1.InstanceService"
+
+
+@dataclass(slots=True)
+class TransferCounters:
+    """KV bytes an instance sent and received. Thread-safe: handler threads update them while
+    a stats snapshot reads them."""
+
+    bytes_sent: int = 0
+    blocks_sent: int = 0
+    bytes_received: int = 0
+    blocks_received: int = 0
+    blocks_sent_by_transport: dict[str, int] = field(default_factory=dict)
+    bytes_sent_by_transport: dict[str, int] = field(default_factory=dict)
+    seconds_by_transport: dict[str, float] = field(default_factory=dict)
+    failures_by_transport: dict[str, int] = field(default_factory=dict)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def sent(self, transport: str, result: TransferResult) -> None:
+        with self._lock:
+            self.blocks_sent += result.num_blocks
+            self.bytes_sent += result.num_bytes
+            for table, value in (
+                (self.blocks_sent_by_transport, result.num_blocks),
+                (self.bytes_sent_by_transport, result.num_bytes),
+            ):
+                table[transport] = table.get(transport, 0) + value
+            seconds = self.seconds_by_transport
+            seconds[transport] = seconds.get(transport, 0.0) + result.seconds
+
+    def received(self, num_blocks: int, num_bytes: int) -> None:
+        with self._lock:
+            self.blocks_received += num_blocks
+            self.bytes_received += num_bytes
+
+    def failed(self, transport: str) -> None:
+        with self._lock:
+            failures = self.failures_by_transport
+            failures[transport] = failures.get(transport, 0) + 1
+
+    def fill(self, stats: common_pb2.InstanceStats) -> None:
+        """Copy the counters into a stats message (one consistent read)."""
+        with self._lock:
+            stats.kv_bytes_sent = self.bytes_sent
+            stats.kv_blocks_sent = self.blocks_sent
+            stats.kv_bytes_received = self.bytes_received
+            stats.kv_blocks_received = self.blocks_received
+            stats.kv_blocks_sent_by_transport.update(self.blocks_sent_by_transport)
+            stats.kv_bytes_sent_by_transport.update(self.bytes_sent_by_transport)
+            stats.kv_transfer_seconds_by_transport.update(self.seconds_by_transport)
+            stats.kv_transfer_failures_by_transport.update(self.failures_by_transport)
+
+
+class InstanceRole(Protocol):
+    """What InstanceService asks of a role (prefill, decode, mixed)."""
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a live request (or release its reservation); False when there is none."""
+        ...
+
+    def stats(self) -> common_pb2.InstanceStats: ...
+
+
+class InstanceRuntime:
+    def __init__(
+        self,
+        role: str,
+        engine: LLMEngine,
+        events: KVEventBroadcaster,
+        mailbox: Mailbox,
+        on_tick: Callable[[], None] = lambda: None,
+    ) -> None:
+        self.role = role
+        self.engine = engine
+        self.events = events
+        self.block_io: BlockIO = engine.runner.block_io
+        self.counters = TransferCounters()
+        self.storage: StorageTier | None = engine.storage.tier if engine.storage else None
+        self.mooncake: MooncakeEngine | None = None
+        self.metrics_address = ""  # host:port of /metrics once `serve` started it
+        self._metrics_server: Any = None
+        self._streams: dict[str, OutputStream] = {}
+        self._streams_lock = threading.Lock()
+        self.loop = EngineLoop(engine, self.deliver, mailbox, on_tick=on_tick)
+
+    @classmethod
+    def create(
+        cls,
+        role: str,
+        config: EngineConfig,
+        on_tick: Callable[[], None] = lambda: None,
+        storage: StorageConfig | None = None,
+        shared_kv_cache: bool = False,
+    ) -> "InstanceRuntime":
+        """An engine for `config`, with the storage tier when `storage` is given and enabled,
+        its KV cache in shared memory with `shared_kv_cache` (CPU)."""
+        events = KVEventBroadcaster()
+        mailbox = Mailbox()
+        tier_factory = None
+        if storage is not None and storage.enabled:
+            default_root = Path(platformdirs.user_cache_dir("pdserve")) / "kv-store"
+            config_ = storage
+
+            def tier_factory(tag: str) -> StorageTier:
+                return StorageTier(config_, tag, make_store(config_, None, default_root))
+
+        engine = LLMEngine.from_config(
+            config,
+            event_sink=events.publish,
+            shared_kv_cache=shared_kv_cache,
+            storage=tier_factory,
+            wake=mailbox.wake,
+        )
+        return cls(role, engine, events, mailbox, on_tick)
+
+    # -- serving --------------------------------------------------------------------------------
+
+    def serve(
+        self,
+        register: Callable[[grpc.Server], None],
+        service_name: str,
+        role: InstanceRole,
+        host: str,
+        port: int,
+    ) -> tuple[grpc.Server, int]:
+        """Start the instance's gRPC server with its role's service (`register`) and
+        InstanceService (answered by `role`), plus the storage service when its storage tier
+        keeps blocks in host memory (then named after the server's address), and its
+        Prometheus endpoint (`/metrics` on a port of its own). Returns (server, bound port)."""
+        store = self.storage.store if self.storage is not None else None
+        memory = store if isinstance(store, HostMemoryStore) else None
+        services = [service_name, INSTANCE_SERVICE] + ([STORAGE_SERVICE] if memory else [])
+
+        def register_all(server: grpc.Server) -> None:
+            register(server)
+            common_pb2_grpc.add_InstanceServiceServicer_to_server(
+                InstanceServicer(role, self), server
+            )
+            if memory is not None:
+                storage_pb2_grpc.add_StorageServiceServicer_to_server(
+                    StorageServicer(memory), server
+                )
+
+        server, bound = create_server(register_all, services, host, port)
+        if memory is not None:
+            memory.bind(f"{advertised_host(host)}:{bound}")
+        self._metrics_server, metrics_port = serve_metrics(InstanceCollector(role.stats), host)
+        self.metrics_address = f"{advertised_host(host)}:{metrics_port}"
+        logger.info(
+            "%s instance serving on %s:%d (metrics on :%d)", self.role, host, bound, metrics_port
+        )
+        return server, bound
+
+    def start_mooncake(
+        self, config: TransferConfig, host: str, sender: bool = False
+    ) -> "MooncakeEngine | None":
+        """This instance's Mooncake transfer engines with its KV cache registered (a `sender`
+        runs `sender_engines(config)` of them, a receiver one), when `transfer.mooncake` is on
+        and the package loads; None otherwise."""
+        if not (config.mooncake or config.transport == "mooncake"):
+            return None
+        from pdserve.transfer.mooncake import MooncakeEngine, mooncake_available, sender_engines
+
+        if not mooncake_available():
+            logger.info("Mooncake transfer engine not installed: KV goes over shm or gRPC")
+            return None
+        count = sender_engines(config) if sender else 1
+        engine = MooncakeEngine(config, advertised_host(host), count)
+        logger.info("Mooncake transfer engines: %d (%s)", count, config.mooncake_protocol)
+        engine.register(self.kv_base_address, self.block_io.total_bytes)
+        self.mooncake = engine
+        return engine
+
+    # -- narrow views of the engine --------------------------------------------------------------
+
+    @property
+    def block_size(self) -> int:
+        return self.engine.kv_cache.block_size
+
+    @property
+    def kv_base_address(self) -> int:
+        """Address of the KV cache's first byte (direct-write transports)."""
+        return int(self.engine.runner.kv_cache.data_ptr())
+
+    @property
+    def shm_name(self) -> str:
+        """The KV cache's shared-memory segment; empty when it is private."""
+        segment = self.engine.runner.segment
+        return segment.name if segment is not None else ""
+
+    @property
+    def vocab_size(self) -> int:
+        return self.engine.loaded.config.vocab_size
+
+    def block_table(self, request_id: str) -> list[int]:
+        """A copy of the request's block table (empty when it holds none)."""
+        return self.loop.call(lambda engine: list(engine.kv_cache.block_table(request_id)))
+
+    def flush_device_cache(self) -> int:
+        """Unpublish every unreferenced block of the device prefix cache; returns how many."""
+        return self.loop.call(lambda engine: engine.kv_cache.evict_cached_blocks())
+
+    def flush_storage(self) -> int:
+        """Drop every entry of the storage tier's index (shared by every instance); returns
+        how many went (0 without a storage tier)."""
+        return self.storage.index.clear() if self.storage is not None else 0
+
+    def make_request(
+        self, prompt_token_ids: Sequence[int], params: Any, request_id: str, **kwargs: Any
+    ) -> Request:
+        """Validate and build a request (no engine state is read but immutable model facts)."""
+        return self.loop.call(
+            lambda engine: engine.make_request(prompt_token_ids, params, request_id, **kwargs)
+        )
+
+    def read_ahead(self, request: Request) -> None:
+        """Stage from the storage tier the blocks the device prefix cache lacks, before the
+        request is admitted outside the scheduler (prefill preallocation, decode reservation).
+        Blocking I/O: on the caller's (handler) thread, never the engine's."""
+        connector = self.engine.storage
+        if connector is None:
+            return
+        device_blocks = self.loop.call(lambda engine: engine.admission.device_hit_blocks(request))
+        connector.read_ahead(request, device_blocks)
+
+    # -- output streams ---------------------------------------------------------------------------
+
+    def open_stream(self, request_id: str) -> OutputStream:
+        """Register the stream that will carry the request's outputs. Raises
+        DuplicateRequestError when one is open."""
+        with self._streams_lock:
+            if request_id in self._streams:
+                raise DuplicateRequestError(f"request id {request_id!r} is already in flight")
+            stream = self._streams[request_id] = OutputStream(request_id)
+            return stream
+
+    def stream(self, request_id: str) -> OutputStream:
+        """The open stream of a request; raises RequestNotFoundError."""
+        with self._streams_lock:
+            stream = self._streams.get(request_id)
+        if stream is None:
+            raise RequestNotFoundError(f"no request {request_id!r} on this {self.role} instance")
+        return stream
+
+    def close_stream(self, request_id: str, final: RequestOutput | None = None) -> None:
+        """Unregister a request's stream (its reader is done with it, or it is aborted),
+        ending it with `final` first when given. Idempotent."""
+        with self._streams_lock:
+            stream = self._streams.pop(request_id, None)
+        if stream is not None and final is not None:
+            stream.put(final)
+
+    def deliver(self, outputs: Sequence[RequestOutput]) -> None:
+        """Hand each output to its request's stream (never blocks). The stream stays registered
+        until its reader closes it: a reader may attach after the request finished."""
+        for output in outputs:
+            with self._streams_lock:
+                stream = self._streams.get(output.request_id)
+            if stream is not None:
+                stream.put(output)
+
+    def abort(self, request_id: str) -> bool:
+        """Abort a live request on the engine thread and end its stream with an `abort` output;
+        False when the engine does not hold it."""
+
+        def abort(engine: LLMEngine) -> bool:
+            try:
+                engine.abort_request(request_id)
+            except RequestNotFoundError:
+                return False
+            return True
+
+        found = self.loop.call(abort)
+        if found:
+            self.close_stream(request_id, aborted_output(request_id))
+        return found
+
+    # -- stats and events -------------------------------------------------------------------------
+
+    def stats(self, **extra: Any) -> common_pb2.InstanceStats:
+        def snapshot(engine: LLMEngine) -> common_pb2.InstanceStats:
+            kv, scheduler = engine.kv_cache, engine.scheduler
+            stats = common_pb2.InstanceStats(
+                role=self.role,
+                block_size=kv.block_size,
+                num_blocks=kv.num_blocks,
+                num_free_blocks=kv.num_free_blocks,
+                num_cached_blocks=kv.num_cached_blocks,
+                num_running=len(scheduler.running),
+                num_waiting=len(scheduler.waiting),
+                num_preemptions=scheduler.stats.num_preemptions,
+                prefix_cache_queries=scheduler.stats.prefix_cache_queries,
+                prefix_cache_hits=scheduler.stats.device_hit_tokens,
+                num_computed_tokens=scheduler.stats.num_computed_tokens,
+                **extra,
+            )
+            storage = self._storage_stats(engine)
+            if storage is not None:
+                stats.storage.CopyFrom(storage)
+            return stats
+
+        stats = self.loop.call(snapshot)
+        self.counters.fill(stats)
+        return stats
+
+    def _storage_stats(self, engine: LLMEngine) -> common_pb2.StorageStats | None:
+        connector = engine.storage
+        if connector is None:
+            return None
+        tier, c = connector.tier, connector.tier.counters.snapshot()
+        return common_pb2.StorageStats(
+            available=tier.available,
+            cache_hits=engine.scheduler.stats.storage_hit_tokens,
+            loaded_tokens=connector.loaded_tokens,
+            blocks_written=c.blocks_written,
+            bytes_written=c.bytes_written,
+            blocks_read=c.blocks_read,
+            bytes_read=c.bytes_read,
+            writes_skipped=c.writes_skipped,
+            writes_dropped=c.writes_dropped,
+            write_errors=c.write_errors,
+            read_errors=c.read_errors,
+            redis_errors=c.redis_errors,
+            evictions=c.evictions,
+            queue_depth=tier.queue_depth,
+        )
+
+    def subscribe_kv_events(
+        self,
+    ) -> "tuple[list[BlockHash], queue.Queue[KVEvent | None]]":
+        """Every block published now and a subscription to every later event, taken together
+        on the engine thread (which publishes events): nothing is lost or seen twice."""
+
+        def subscribe(engine: LLMEngine) -> "tuple[list[BlockHash], queue.Queue[KVEvent | None]]":
+            return engine.published_hashes(), self.events.subscribe()
+
+        return self.loop.call(subscribe)
+
+    def kv_event_stream(self, context: grpc.ServicerContext) -> Iterator[common_pb2.KVEvent]:
+        """A snapshot of the published blocks, then every KV event, until the client goes away
+        (or falls too far behind)."""
+        snapshot, subscriber = self.subscribe_kv_events()
+        try:
+            yield common_pb2.KVEvent(snapshot=common_pb2.BlocksStored(block_hashes=snapshot))
+            while context.is_active():
+                try:
+                    event = subscriber.get(timeout=0.5)
+                except queue.Empty:  # poll the context again
+                    continue
+                if event is None:
+                    return
+                hashes = list(event.block_hashes)
+                if isinstance(event, BlockStored):
+                    yield common_pb2.KVEvent(stored=common_pb2.BlocksStored(block_hashes=hashes))
+                else:
+                    yield common_pb2.KVEvent(removed=common_pb2.BlocksRemoved(block_hashes=hashes))
+        finally:
+            self.events.unsubscribe(subscriber)
+
+    # -- lifecycle --------------------------------------------------------------------------------
+
+    def check_integrity(self, reserved: Sequence[str] = ()) -> None:
+        """Raise IntegrityError unless the engine (tables owned by live requests or the
+        `reserved` ids) and the storage tier are consistent. Call when idle."""
+        self.loop.call(lambda engine: engine.check_integrity(reserved))
+        if self.storage is not None:
+            self.storage.flush()
+            self.storage.check_integrity()
+
+    def start(self) -> None:
+        self.loop.start()
+
+    def stop(self) -> None:
+        self.events.disconnect_all()  # KV-event streams end now, not at their next poll
+        if self._metrics_server is not None:
+            self._metrics_server.shutdown()
+            self._metrics_server.server_close()
+        self.loop.stop()
+        if self.storage is not None:
+            self.storage.close()
+        if self.mooncake is not None:
+            self.mooncake.close()
+        self.engine.runner.close()
+
+
+class InstanceServicer(common_pb2_grpc.InstanceServiceServicer):
+    """InstanceService: convert -> delegate to the role / runtime -> convert."""
+
+    def __init__(self, role: InstanceRole, runtime: InstanceRuntime) -> None:
+        self.role = role
+        self.runtime = runtime
+
+    def Abort(
+        self, request: common_pb2.AbortRequest, context: grpc.ServicerContext
+    ) -> common_pb2.AbortReply:
+        return common_pb2.AbortReply(found=self.role.abort(request.request_id))
+
+    def GetStats(
+        self, request: common_pb2.StatsRequest, context: grpc.ServicerContext
+    ) -> common_pb2.InstanceStats:
+        return self.role.stats()
+
+    def SubscribeKVEvents(
+        self, request: common_pb2.KVEventsRequest, context: grpc.ServicerContext
+    ) -> Iterator[common_pb2.KVEvent]:
+        return self.runtime.kv_event_stream(context)

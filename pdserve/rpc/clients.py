@@ -1,0 +1,150 @@
+"""One client per instance service: every RPC to a peer goes through these.
+
+Each call has a deadline (`Deadlines`); token streams, which last as long as a generation, have
+a long deadline and rely on the channels' keepalive pings to notice a dead peer. A failed call
+raises the exception the server raised (`pdserve.rpc.status`), or InstanceUnavailableError when
+the peer could not be reached. The clients speak protobuf messages: converting them to
+pdserve's dataclasses is the caller's job (`pdserve.instance.convert`). Thread-safe.
+"""
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+
+from pdserve.rpc.channels import ChannelPool
+from pdserve.rpc.status import error_from_reply, error_from_rpc
+from pdserve.v1 import (
+    common_pb2,
+    common_pb2_grpc,
+    decode_pb2,
+    decode_pb2_grpc,
+    mixed_pb2_grpc,
+    prefill_pb2,
+    prefill_pb2_grpc,
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Deadlines:
+    """Seconds each kind of call may take before it fails with InstanceUnavailableError."""
+
+    control_s: float = 10.0  # Abort, GetStats, CommitKV, StartDecode
+    reserve_s: float = 30.0  # Reserve (decode reads the storage tier before answering)
+    prefill_s: float = 900.0  # Prefill: queueing, compute, reservation backoff and transfer
+    stream_s: float = 24 * 3600.0  # token streams; keepalive notices a dead peer much sooner
+
+
+DEFAULT_DEADLINES = Deadlines()
+
+
+class _Client:
+    def __init__(
+        self, address: str, channels: ChannelPool, deadlines: Deadlines = DEFAULT_DEADLINES
+    ) -> None:
+        self.address = address
+        self._channel = channels.get(address)
+        self.deadlines = deadlines
+
+    def _call(self, method: Any, message: Any, timeout: float) -> Any:
+        try:
+            return method(message, timeout=timeout)
+        except grpc.RpcError as e:
+            raise error_from_rpc(e, self.address) from e
+
+
+class InstanceClient(_Client):
+    """InstanceService of any instance (prefill, decode, mixed)."""
+
+    def abort(self, request_id: str) -> bool:
+        stub = common_pb2_grpc.InstanceServiceStub(self._channel)
+        reply = self._call(
+            stub.Abort, common_pb2.AbortRequest(request_id=request_id), self.deadlines.control_s
+        )
+        return bool(reply.found)
+
+    def stats(self) -> common_pb2.InstanceStats:
+        stub = common_pb2_grpc.InstanceServiceStub(self._channel)
+        stats: common_pb2.InstanceStats = self._call(
+            stub.GetStats, common_pb2.StatsRequest(), self.deadlines.control_s
+        )
+        return stats
+
+    def kv_events(self) -> Any:
+        """The instance's KV events: a snapshot, then live events. Cancel it to stop; iterating
+        raises grpc.RpcError when the stream breaks (the caller resubscribes)."""
+        stub = common_pb2_grpc.InstanceServiceStub(self._channel)
+        return stub.SubscribeKVEvents(common_pb2.KVEventsRequest())
+
+
+class PrefillClient(_Client):
+    def prefill(self, message: prefill_pb2.PrefillRequest) -> prefill_pb2.PrefillResult:
+        stub = prefill_pb2_grpc.PrefillServiceStub(self._channel)
+        result: prefill_pb2.PrefillResult = self._call(
+            stub.Prefill, message, self.deadlines.prefill_s
+        )
+        return result
+
+
+class DecodeClient(_Client):
+    def reserve(self, message: decode_pb2.ReserveRequest) -> decode_pb2.ReserveReply:
+        """Raises ResourceExhaustedError (with decode's retry-after) when refused."""
+        stub = decode_pb2_grpc.DecodeServiceStub(self._channel)
+        reply: decode_pb2.ReserveReply = self._call(stub.Reserve, message, self.deadlines.reserve_s)
+        return reply
+
+    def commit_kv(self, request_id: str, first_block: int, num_blocks: int) -> None:
+        stub = decode_pb2_grpc.DecodeServiceStub(self._channel)
+        message = decode_pb2.CommitKVRequest(
+            request_id=request_id, first_block=first_block, num_blocks=num_blocks
+        )
+        self._call(stub.CommitKV, message, self.deadlines.control_s)
+
+    def start_decode(self, request_id: str, first_token_id: int) -> None:
+        stub = decode_pb2_grpc.DecodeServiceStub(self._channel)
+        message = decode_pb2.StartDecodeRequest(
+            request_id=request_id, first_token_id=first_token_id
+        )
+        self._call(stub.StartDecode, message, self.deadlines.control_s)
+
+    def stream_tokens(self, request_id: str) -> "TokenStream":
+        stub = decode_pb2_grpc.DecodeServiceStub(self._channel)
+        call = stub.StreamTokens(
+            decode_pb2.StreamTokensRequest(request_id=request_id), timeout=self.deadlines.stream_s
+        )
+        return TokenStream(call, self.address)
+
+
+class MixedClient(_Client):
+    def generate(self, message: common_pb2.GenerateRequest) -> "TokenStream":
+        stub = mixed_pb2_grpc.MixedServiceStub(self._channel)
+        return TokenStream(stub.Generate(message, timeout=self.deadlines.stream_s), self.address)
+
+
+class TokenStream:
+    """A token stream's chunks and final reply; an error reply or a broken stream raises the
+    typed exception. Closing it (or leaving the loop) cancels the call."""
+
+    def __init__(self, call: Any, peer: str) -> None:
+        self._call = call
+        self._peer = peer
+
+    def __iter__(self) -> Iterator[common_pb2.TokenChunk | common_pb2.TokenFinal]:
+        try:
+            for reply in self._call:
+                kind = reply.WhichOneof("reply")
+                if kind == "chunk":
+                    yield reply.chunk
+                elif kind == "final":
+                    yield reply.final
+                    return
+                else:
+                    raise error_from_reply(reply.error)
+        except grpc.RpcError as e:
+            raise error_from_rpc(e, self._peer) from e
+        finally:
+            self._call.cancel()
+
+    def cancel(self) -> None:
+        self._call.cancel()

@@ -1,0 +1,126 @@
+"""The one table between pdserve's exceptions and the wire: gRPC status + `ErrorCode`.
+
+Servers call `abort_with` (unary RPCs) or `error_reply` (an `Error` message inside a stream);
+clients call `error_from_rpc` / `error_from_reply`, which rebuild the same exception class with
+its message and retry-after. An error raised on decode therefore reaches the router as itself.
+A failure with no pdserve code (the peer is gone, a deadline passed) becomes
+InstanceUnavailableError.
+"""
+
+from typing import NoReturn, TypeAlias
+
+import grpc
+
+from pdserve.errors import (
+    DuplicateRequestError,
+    InstanceUnavailableError,
+    InvalidRequestError,
+    KVTransferError,
+    ModelNotFoundError,
+    NoCapacityError,
+    OutOfBlocksError,
+    PdserveError,
+    PromptTooLongError,
+    RequestAbortedError,
+    RequestNotFoundError,
+    ResourceExhaustedError,
+    RetryableError,
+    StepFailedError,
+)
+from pdserve.v1 import common_pb2
+
+ERROR_CODE_KEY = "pdserve-error-code"
+RETRY_AFTER_KEY = "pdserve-retry-after-ms"
+
+Code: TypeAlias = common_pb2.ErrorCode.ValueType
+
+# Most specific class first: the first `isinstance` match names an exception's code.
+_TABLE: tuple[tuple[type[PdserveError], Code, grpc.StatusCode], ...] = (
+    (PromptTooLongError, common_pb2.ERROR_CODE_PROMPT_TOO_LONG, grpc.StatusCode.INVALID_ARGUMENT),
+    (
+        DuplicateRequestError,
+        common_pb2.ERROR_CODE_DUPLICATE_REQUEST,
+        grpc.StatusCode.ALREADY_EXISTS,
+    ),
+    (ModelNotFoundError, common_pb2.ERROR_CODE_MODEL_NOT_FOUND, grpc.StatusCode.NOT_FOUND),
+    (InvalidRequestError, common_pb2.ERROR_CODE_INVALID_REQUEST, grpc.StatusCode.INVALID_ARGUMENT),
+    (RequestNotFoundError, common_pb2.ERROR_CODE_NOT_FOUND, grpc.StatusCode.NOT_FOUND),
+    (RequestAbortedError, common_pb2.ERROR_CODE_REQUEST_ABORTED, grpc.StatusCode.CANCELLED),
+    (
+        OutOfBlocksError,
+        common_pb2.ERROR_CODE_RESOURCE_EXHAUSTED,
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+    ),
+    (
+        ResourceExhaustedError,
+        common_pb2.ERROR_CODE_RESOURCE_EXHAUSTED,
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+    ),
+    (NoCapacityError, common_pb2.ERROR_CODE_RESOURCE_EXHAUSTED, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (KVTransferError, common_pb2.ERROR_CODE_TRANSFER_FAILED, grpc.StatusCode.FAILED_PRECONDITION),
+    (InstanceUnavailableError, common_pb2.ERROR_CODE_UNAVAILABLE, grpc.StatusCode.UNAVAILABLE),
+    (StepFailedError, common_pb2.ERROR_CODE_STEP_FAILED, grpc.StatusCode.ABORTED),
+)
+# The class a code is rebuilt as (the first row of each code: its most general reading).
+_CLASSES: dict[Code, type[PdserveError]] = {}
+for _cls, _code, _ in reversed(_TABLE):
+    _CLASSES[_code] = _cls
+_CLASSES[common_pb2.ERROR_CODE_RESOURCE_EXHAUSTED] = ResourceExhaustedError
+
+
+def classify(error: BaseException) -> tuple[Code, grpc.StatusCode, str, int]:
+    """(error code, gRPC status, message, retry-after ms) of an exception. Anything that is not
+    a PdserveError is a bug: INTERNAL, without its details."""
+    if isinstance(error, PdserveError):
+        retry_after_ms = error.retry_after_ms if isinstance(error, RetryableError) else 0
+        for cls, code, status in _TABLE:
+            if isinstance(error, cls):
+                return code, status, str(error), retry_after_ms
+        return common_pb2.ERROR_CODE_INTERNAL, grpc.StatusCode.INTERNAL, str(error), 0
+    return common_pb2.ERROR_CODE_INTERNAL, grpc.StatusCode.INTERNAL, "internal error", 0
+
+
+def abort_with(context: grpc.ServicerContext, error: BaseException) -> NoReturn:
+    """End a unary RPC with `error`'s status; its code and retry-after go in trailing metadata."""
+    code, status, message, retry_after_ms = classify(error)
+    context.set_trailing_metadata(
+        ((ERROR_CODE_KEY, str(int(code))), (RETRY_AFTER_KEY, str(retry_after_ms)))
+    )
+    context.abort(status, message)
+    raise AssertionError("context.abort returned")  # it always raises
+
+
+def error_reply(error: BaseException) -> common_pb2.Error:
+    """`error` as the `Error` message of a stream reply."""
+    code, _, message, retry_after_ms = classify(error)
+    return common_pb2.Error(code=code, message=message, retry_after_ms=retry_after_ms)
+
+
+def error_from_reply(error: common_pb2.Error) -> PdserveError:
+    """The exception an `Error` stream reply stands for."""
+    return _build(error.code, error.message, error.retry_after_ms)
+
+
+def error_from_rpc(error: grpc.RpcError, peer: str) -> PdserveError:
+    """The exception a failed call to `peer` stands for: the server's own class when it sent a
+    pdserve code, else InstanceUnavailableError (unreachable, deadline, cancelled, crashed)."""
+    metadata = dict(_trailing(error))
+    details = error.details() if hasattr(error, "details") else str(error)
+    if ERROR_CODE_KEY in metadata:
+        retry_after_ms = int(metadata.get(RETRY_AFTER_KEY, "0") or 0)
+        return _build(int(metadata[ERROR_CODE_KEY]), details or "", retry_after_ms)
+    status = error.code().name if hasattr(error, "code") else "UNKNOWN"
+    return InstanceUnavailableError(f"instance {peer} failed: {status}: {details}")
+
+
+def _build(code: int, message: str, retry_after_ms: int) -> PdserveError:
+    cls: type[PdserveError] = _CLASSES.get(code, PdserveError)  # type: ignore[call-overload]
+    if issubclass(cls, RetryableError):
+        return cls(message, retry_after_ms)
+    return cls(message)
+
+
+def _trailing(error: grpc.RpcError) -> list[tuple[str, str]]:
+    getter = getattr(error, "trailing_metadata", None)
+    metadata = getter() if getter is not None else None
+    return [(k, v if isinstance(v, str) else v.decode()) for k, v in (metadata or ())]

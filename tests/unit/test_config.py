@@ -1,0 +1,184 @@
+"""Config loading: per-role engine settings, unknown PDSERVE_* variables, invalid choices."""
+
+from pathlib import Path
+
+import pytest
+
+from pdserve.config import (
+    PREFILL_POLICIES,
+    ClusterConfig,
+    EngineConfig,
+    RouterConfig,
+    check_environment,
+    known_variables,
+    load_cluster_config,
+    load_engine_config,
+)
+from pdserve.errors import ConfigError
+from services.router.policies import POLICIES
+
+
+def _yaml(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "pdserve.yaml"
+    path.write_text(text)
+    return path
+
+
+def test_role_yaml_engine_override_applies_to_that_role_only(tmp_path: Path) -> None:
+    path = _yaml(
+        tmp_path,
+        "engine:\n  num_kv_blocks: 100\n  max_num_seqs: 8\n"
+        "decode:\n  replicas: 2\n  engine:\n    num_kv_blocks: 40\n    torch_threads: 2\n",
+    )
+    config = load_cluster_config(path, env={})
+    decode = config.engine_for("decode")
+    assert (decode.num_kv_blocks, decode.torch_threads, decode.max_num_seqs) == (40, 2, 8)
+    assert config.decode.replicas == 2
+    assert (
+        config.engine_for("prefill")
+        == config.engine
+        == EngineConfig(num_kv_blocks=100, max_num_seqs=8)
+    )
+    assert config.engine_for("mixed") is config.engine
+
+
+def test_role_environment_override_wins_over_role_yaml(tmp_path: Path) -> None:
+    path = _yaml(tmp_path, "decode:\n  engine:\n    num_kv_blocks: 40\n")
+    env = {
+        "PDSERVE_NUM_KV_BLOCKS": "10",
+        "PDSERVE_DECODE_ENGINE_NUM_KV_BLOCKS": "64",
+        "PDSERVE_PREFILL_ENGINE_MAX_NUM_BATCHED_TOKENS": "2048",
+    }
+    config = load_cluster_config(path, env=env)
+    assert config.engine_for("decode").num_kv_blocks == 64
+    assert config.engine_for("prefill") == EngineConfig(
+        num_kv_blocks=10, max_num_batched_tokens=2048
+    )
+    assert config.engine.num_kv_blocks == 10
+
+
+def test_role_engine_is_none_without_overrides(tmp_path: Path) -> None:
+    path = _yaml(tmp_path, "engine:\n  max_num_seqs: 4\nprefill:\n  engine: {}\n")
+    config = load_cluster_config(path, env={})
+    assert (config.prefill.engine, config.decode.engine, config.mixed.engine) == (None, None, None)
+    for role in ("prefill", "decode", "mixed"):
+        assert config.engine_for(role) is config.engine
+
+
+def test_engine_for_rejects_an_unknown_role() -> None:
+    with pytest.raises(ConfigError, match=r"unknown role 'router'.*prefill, decode, mixed"):
+        ClusterConfig().engine_for("router")
+
+
+def test_old_role_variable_is_rejected_with_the_engine_spelling() -> None:
+    with pytest.raises(ConfigError, match="PDSERVE_DECODE_NUM_KV_BLOCKS") as info:
+        load_cluster_config(env={"PDSERVE_DECODE_NUM_KV_BLOCKS": "40"})
+    assert "did you mean PDSERVE_DECODE_ENGINE_NUM_KV_BLOCKS?" in str(info.value)
+
+
+def test_unknown_variable_is_rejected_by_the_engine_loader_too() -> None:
+    with pytest.raises(ConfigError, match=r"PDSERVE_BLOK_SIZE \(did you mean PDSERVE_BLOCK_SIZE"):
+        load_engine_config(env={"PDSERVE_BLOK_SIZE": "32"})
+
+
+def test_known_variables_pass_the_environment_check() -> None:
+    env = {name: "x" for name in known_variables()} | {"HOME": "/root", "PDSERVEX": "1"}
+    check_environment(env)
+    assert {
+        "PDSERVE_BLOCK_SIZE",
+        "PDSERVE_PLACEMENT_STRATEGY",
+        "PDSERVE_DECODE_REPLICAS",
+        "PDSERVE_MIXED_ENGINE_DEVICE",
+        "PDSERVE_ADMIN_TOKEN",
+    } <= known_variables()
+    assert "PDSERVE_DECODE_ENGINE" not in known_variables()
+
+
+def test_unknown_key_in_role_engine_section_is_named(tmp_path: Path) -> None:
+    path = _yaml(tmp_path, "decode:\n  engine:\n    num_kv_blokcs: 40\n")
+    with pytest.raises(ConfigError, match=r"decode\.engine\.num_kv_blokcs") as info:
+        load_cluster_config(path, env={})
+    assert "did you mean decode.engine.num_kv_blocks?" in str(info.value)
+
+
+def test_engine_setting_directly_in_role_section_is_rejected(tmp_path: Path) -> None:
+    path = _yaml(tmp_path, "decode:\n  num_kv_blocks: 40\n")
+    with pytest.raises(ConfigError, match=r"unknown decode setting\(s\): decode\.num_kv_blocks"):
+        load_cluster_config(path, env={})
+
+
+def test_role_engine_section_must_be_a_mapping(tmp_path: Path) -> None:
+    path = _yaml(tmp_path, "prefill:\n  engine: 40\n")
+    with pytest.raises(ConfigError, match=r"prefill\.engine .* must be a mapping"):
+        load_cluster_config(path, env={})
+
+
+def test_merged_role_engine_is_validated(tmp_path: Path) -> None:
+    path = _yaml(tmp_path, "mixed:\n  engine:\n    max_num_seqs: 0\n")
+    with pytest.raises(ConfigError, match=r"mixed\.engine.*max_num_seqs must be positive"):
+        load_cluster_config(path, env={})
+    with pytest.raises(ConfigError, match=r"\$PDSERVE_DECODE_ENGINE_NUM_KV_BLOCKS must be int"):
+        load_cluster_config(env={"PDSERVE_DECODE_ENGINE_NUM_KV_BLOCKS": "lots"})
+
+
+@pytest.mark.parametrize(
+    ("name", "value"), [("block_size", "32"), ("dtype", "float32"), ("model", "/models/other")]
+)
+def test_role_may_not_change_a_shared_engine_setting(name: str, value: str) -> None:
+    with pytest.raises(ConfigError, match=rf"decode\.engine\.{name} .* differs from engine\."):
+        load_cluster_config(env={f"PDSERVE_DECODE_ENGINE_{name.upper()}": value})
+
+
+def test_role_engine_device_may_differ() -> None:
+    config = load_cluster_config(env={"PDSERVE_DECODE_ENGINE_DEVICE": "cuda:1"})
+    assert (config.engine_for("decode").device, config.engine.device) == ("cuda:1", "cpu")
+
+
+def test_bad_prefill_policy_is_rejected_with_the_choices(tmp_path: Path) -> None:
+    path = _yaml(tmp_path, "router:\n  prefill_policy: cache-aware\n")
+    expected = r"router\.prefill_policy must be one of round_robin, least_load, cache_aware"
+    with pytest.raises(ConfigError, match=expected):
+        load_cluster_config(path, env={})
+    with pytest.raises(ConfigError, match="'random'"):
+        RouterConfig(prefill_policy="random")
+
+
+def test_prefill_policies_match_the_router_registry() -> None:
+    assert set(PREFILL_POLICIES) == set(POLICIES)
+    assert len(PREFILL_POLICIES) == len(POLICIES)
+
+
+@pytest.mark.parametrize(
+    ("env", "message"),
+    [
+        ({"PDSERVE_PLACEMENT_STRATEGY": "pack"}, r"cluster\.placement_strategy must be one of"),
+        ({"PDSERVE_DEVICE": "gpu"}, r"engine\.device must be cpu, cuda or cuda:N, got 'gpu'"),
+        ({"PDSERVE_DTYPE": "int8"}, r"engine\.dtype must be one of auto, float32"),
+        ({"PDSERVE_TRANSFER_TRANSPORT": "rdma"}, r"transfer\.transport must be one of"),
+        ({"PDSERVE_TRANSFER_MOONCAKE_PROTOCOL": "udp"}, r"transfer\.mooncake_protocol"),
+        ({"PDSERVE_STORAGE_STORE": "s3"}, r"storage\.store must be one of directory, memory"),
+        ({"PDSERVE_STORAGE_DEVICE_WRITE_POLICY": "always"}, r"storage\.device_write_policy"),
+        ({"PDSERVE_STORAGE_REDIS_URL": "localhost:6379"}, r"storage\.redis_url must start with"),
+    ],
+)
+def test_invalid_choice_is_rejected_naming_the_setting(env: dict[str, str], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        load_cluster_config(env=env)
+
+
+def test_valid_choices_load(tmp_path: Path) -> None:
+    path = _yaml(
+        tmp_path,
+        "engine:\n  device: cuda:0\nrouter:\n  prefill_policy: least_load\n"
+        "storage:\n  redis_url: rediss://redis.example:6380/0\n"
+        "cluster:\n  placement_strategy: STRICT_SPREAD\n",
+    )
+    config = load_cluster_config(path, env={})
+    assert (config.engine.device, config.router.prefill_policy) == ("cuda:0", "least_load")
+    assert config.placement_strategy == "STRICT_SPREAD"
+
+
+def test_section_name_under_cluster_is_an_unknown_key(tmp_path: Path) -> None:
+    path = _yaml(tmp_path, "cluster:\n  decode:\n    replicas: 2\n")
+    with pytest.raises(ConfigError, match=r"unknown cluster setting\(s\): cluster\.decode"):
+        load_cluster_config(path, env={})
