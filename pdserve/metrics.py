@@ -16,7 +16,11 @@ LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0
 
 
 class RouterMetrics:
-    """The router's metrics, in a registry of their own (tests build several routers)."""
+    """The router's metrics, in a registry of their own (tests build several routers).
+
+    Thread-safe (prometheus-client metrics): request handlers and the router's threads update
+    it.
+    """
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry()

@@ -58,7 +58,7 @@ class PromptAdmission:
         computed = prefix.num_tokens + staged * kv.block_size
         remaining = request.num_tokens - computed
         target = computed + (remaining if token_budget is None else min(remaining, token_budget))
-        if not kv.can_allocate(request, target, prefix, reserve_blocks=growth_headroom_blocks):
+        if not kv.can_allocate(request, target, prefix, keep_free_blocks=growth_headroom_blocks):
             return None
         kv.allocate(request, target, prefix)
         table = kv.block_table(request.request_id)

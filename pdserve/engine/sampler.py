@@ -13,6 +13,8 @@ class Sampler:
     A seeded request draws its n-th output token from a generator seeded by (seed, n): the same
     tokens whatever shares its batch, on whichever instance (prefill samples the first token,
     decode the rest) and after preemption. Unseeded requests share the engine's generator.
+
+    Engine thread only (the engine's owner calls it in `step`).
     """
 
     def __init__(self, device: torch.device, seed: int = 0) -> None:

@@ -31,7 +31,10 @@ KVEventSink = Callable[[KVEvent], None]
 class KVEventBroadcaster:
     """Fans KV events out to subscribers (e.g. router streams). `publish` never blocks: a
     subscriber that falls `max_backlog` events behind is dropped (it receives None and must
-    resubscribe and rebuild its view)."""
+    resubscribe and rebuild its view).
+
+    Thread-safe: the engine thread publishes, gRPC handler threads subscribe and read.
+    """
 
     def __init__(self, max_backlog: int = 10_000) -> None:
         self._subscribers: list[queue.Queue[KVEvent | None]] = []

@@ -149,11 +149,11 @@ class KVCacheManager:
         num_tokens: int,
         prefix: PrefixMatch = NO_MATCH,
         *,
-        reserve_blocks: int = 0,
+        keep_free_blocks: int = 0,
     ) -> bool:
-        """Whether `allocate` would succeed and still leave `reserve_blocks` free."""
+        """Whether `allocate` would succeed and still leave `keep_free_blocks` free."""
         needed = self.num_blocks_to_allocate(request, num_tokens, prefix)
-        return needed + reserve_blocks <= self.pool.num_free
+        return needed + keep_free_blocks <= self.pool.num_free
 
     # -- state changes ------------------------------------------------------------------------
 

@@ -166,6 +166,9 @@ class BlockIO:
 
     Reads return views (CPU) or host copies (GPU). Callers must only touch blocks they own
     exclusively (reserved for them) or that are pinned and published (immutable).
+
+    Thread-safe for disjoint blocks: handler threads read and write only blocks pinned by or
+    reserved for their request; the engine thread never touches those meanwhile.
     """
 
     def __init__(self, kv_cache: torch.Tensor) -> None:

@@ -135,7 +135,11 @@ def _now_ms() -> int:
 
 class CacheIndex:
     """The Redis side of the storage tier. Raises redis.RedisError when Redis is unreachable;
-    the caller (StorageTier) decides what that means."""
+    the caller (StorageTier) decides what that means.
+
+    Thread-safe: the tier's worker and handler threads share it (redis-py's client pools
+    connections).
+    """
 
     def __init__(self, client: redis.Redis, tag: str) -> None:
         self.client = client

@@ -17,6 +17,8 @@ logger = logging.getLogger(__name__)
 
 
 class EmbeddedRedis:
+    """Owned by the thread that starts and stops it (`pdserve up`'s main thread, or a test)."""
+
     def __init__(
         self, host: str = "127.0.0.1", port: int = 0, advertise: str | None = None
     ) -> None:

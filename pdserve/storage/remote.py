@@ -15,6 +15,8 @@ MEMORY_PREFIX = "mem:"
 
 
 class StorageServicer(storage_pb2_grpc.StorageServiceServicer):
+    """Runs on gRPC handler threads; the HostMemoryStore it serves is thread-safe."""
+
     def __init__(self, store: HostMemoryStore) -> None:
         self.store = store
 
@@ -29,7 +31,10 @@ class StorageServicer(storage_pb2_grpc.StorageServiceServicer):
 
 
 class RemoteMemoryStore(BlockStore):
-    """Read-only view of another instance's host memory store (`mem:host:port`)."""
+    """Read-only view of another instance's host memory store (`mem:host:port`).
+
+    Thread-safe: it holds only a shared ChannelPool.
+    """
 
     writable = False
 

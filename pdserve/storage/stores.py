@@ -48,6 +48,8 @@ class BlockStore(ABC):
 
 
 class DirectoryStore(BlockStore):
+    """Thread-safe: every put writes its own temporary file and renames it into place."""
+
     def __init__(self, root: str | Path, store_id: str | None = None, fsync: bool = True) -> None:
         self.root = Path(root).expanduser()
         self.root.mkdir(parents=True, exist_ok=True)
@@ -90,7 +92,11 @@ class HostMemoryStore(BlockStore):
     """Blocks in this process's memory, up to `capacity_bytes` (the index's capacity accounting
     keeps it there; a put beyond it fails rather than grow without bound). Its id names the
     instance's gRPC address (`mem:host:port`), where peers read it: `bind` sets it once the
-    server is listening."""
+    server is listening.
+
+    Thread-safe: a lock guards the pool (the tier's worker writes, peers' reads arrive on
+    handler threads).
+    """
 
     def __init__(self, store_id: str | None, capacity_bytes: int) -> None:
         self.store_id = store_id or "mem:unbound"

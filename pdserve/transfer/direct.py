@@ -75,6 +75,8 @@ def copy_runs(
 
 
 class ShmKVTransport(KVTransport):
+    """Thread-safe (the KVTransport contract): request threads send concurrently."""
+
     name = "shm"
 
     def __init__(self, channels: ChannelPool) -> None:

@@ -21,6 +21,10 @@ _DATA_TAG = bytes([(4 << 3) | 2])  # KVChunk.data: field 4, length-delimited
 
 
 class GrpcKVTransport(KVTransport):
+    """Thread-safe (the KVTransport contract): request threads send concurrently over shared
+    channels.
+    """
+
     name = "grpc"
 
     def __init__(

@@ -21,6 +21,8 @@ AUTO_ORDER = ("shm", "mooncake")
 
 
 class TransportSelector:
+    """Thread-safe: request threads choose concurrently; a lock guards the per-pair choices."""
+
     def __init__(
         self,
         config: TransferConfig,

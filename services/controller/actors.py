@@ -25,6 +25,10 @@ ROLES = ("prefill", "decode", "mixed")
 
 
 class InstanceActor:
+    """Ray calls its methods one at a time (a synchronous actor); the instance it holds runs its own
+    threads.
+    """
+
     def __init__(self, role: str, config: ClusterConfig) -> None:
         if role not in ROLES:
             raise ValueError(f"unknown role {role!r}; expected one of {ROLES}")

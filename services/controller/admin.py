@@ -34,7 +34,10 @@ ROLES = ("prefill", "decode", "mixed")
 
 
 class BearerTokenInterceptor(grpc.ServerInterceptor):
-    """Rejects calls whose `authorization` metadata is not `Bearer <token>`."""
+    """Rejects calls whose `authorization` metadata is not `Bearer <token>`.
+
+    Stateless after construction: safe on every handler thread.
+    """
 
     def __init__(self, token: str) -> None:
         self._expected = f"Bearer {token}".encode()
@@ -73,6 +76,10 @@ def admin_token(config: AdminConfig, state_dir: Path) -> str:
 
 
 class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
+    """Runs on the admin server's handler threads; scaling and draining change the router's
+    candidate lists, which the router reads without a lock (list replacement is atomic).
+    """
+
     def __init__(
         self, cluster: Cluster, router: Router, on_change: Callable[[], None] = lambda: None
     ) -> None:

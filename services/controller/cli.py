@@ -189,7 +189,11 @@ def _up(args: argparse.Namespace) -> int:
 
 class TargetPublisher:
     """Publishes the scrape targets (router HTTP SD and file_sd) at start, and again whenever
-    scaling changes the instances."""
+    scaling changes the instances.
+
+    Called from the admin server's handler threads after scaling; rewrites files atomically
+    (temp + rename).
+    """
 
     def __init__(self, cluster: "Cluster", router: "RunningRouter", path: Path) -> None:
         self._cluster, self._router, self._path = cluster, router, path

@@ -39,6 +39,10 @@ class InstanceInfo:
 
 
 class Cluster:
+    """Owned by `pdserve up`'s main thread; the admin handlers call add/remove_instance one at a
+    time.
+    """
+
     def __init__(self, config: ClusterConfig) -> None:
         self.config = config
         self.instances: list[InstanceInfo] = []

@@ -22,6 +22,8 @@ SERVICE_NAME = "pdserve.v1.DecodeService"
 
 
 class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
+    """Thin: runs on gRPC handler threads, delegates to the thread-safe DecodeInstance."""
+
     def __init__(self, instance: DecodeInstance) -> None:
         self.instance = instance
 

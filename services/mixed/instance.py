@@ -10,6 +10,10 @@ from pdserve.v1 import common_pb2
 
 
 class MixedInstance:
+    """Threads: one gRPC handler thread per request reads its OutputStream; the runtime's engine
+    thread generates.
+    """
+
     def __init__(self, engine_config: EngineConfig, storage: StorageConfig | None = None) -> None:
         self.runtime = InstanceRuntime.create("mixed", engine_config, storage=storage)
 

@@ -18,6 +18,8 @@ SERVICE_NAME = "pdserve.v1.MixedService"
 
 
 class MixedServicer(mixed_pb2_grpc.MixedServiceServicer):
+    """Thin: runs on gRPC handler threads, delegates to the thread-safe MixedInstance."""
+
     def __init__(self, instance: MixedInstance) -> None:
         self.instance = instance
 

@@ -17,6 +17,8 @@ SERVICE_NAME = "pdserve.v1.PrefillService"
 
 
 class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
+    """Thin: runs on gRPC handler threads, delegates to the thread-safe PrefillInstance."""
+
     def __init__(self, instance: PrefillInstance) -> None:
         self.instance = instance
 

@@ -311,8 +311,8 @@ def test_can_allocate_has_no_side_effects_when_prefix_blocks_are_free(
     assert len(prefix.block_ids) == 2
     before = snapshot(manager, ["a", "b"])
     assert manager.can_allocate(request, request.num_tokens, prefix)
-    assert manager.can_allocate(request, request.num_tokens, prefix, reserve_blocks=3)
-    assert not manager.can_allocate(request, request.num_tokens, prefix, reserve_blocks=4)
+    assert manager.can_allocate(request, request.num_tokens, prefix, keep_free_blocks=3)
+    assert not manager.can_allocate(request, request.num_tokens, prefix, keep_free_blocks=4)
     assert manager.num_blocks_to_allocate(request, request.num_tokens, prefix) == 3
     assert snapshot(manager, ["a", "b"]) == before
     assert manager.match_prefix(request) == prefix
