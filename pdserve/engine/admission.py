@@ -62,8 +62,8 @@ class PromptAdmission:
             return None
         kv.allocate(request, target, prefix)
         table = kv.block_table(request.request_id)
-        if staged and self.storage is not None:
-            self.storage.load(request, table, device_blocks)
+        # `load` drops every staged byte of the request, usable or not
+        if self.storage is not None and self.storage.load(request, table, device_blocks):
             kv.update_cache_blocks(request, computed)
         request.num_computed_tokens = computed
         return Admission(prefix.num_tokens, staged * kv.block_size, tuple(table))

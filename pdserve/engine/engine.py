@@ -1,6 +1,7 @@
 """LLMEngine: one in-process engine. Each step reads schedule -> run -> update."""
 
 import logging
+import time
 import uuid
 from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass
@@ -206,6 +207,7 @@ class LLMEngine:
         instance), applies the stop conditions to it and returns its output.
         """
         request.num_computed_tokens = request.num_prompt_tokens
+        request.first_scheduled_at = time.perf_counter()  # not counted as a routing hit here
         self.kv_cache.update_cache_blocks(request, request.num_prompt_tokens)
         self.scheduler.admit_running(request)
         self._detokenizers[request.request_id] = IncrementalDetokenizer(
@@ -259,7 +261,11 @@ class LLMEngine:
             sampled = self._run(scheduled)
         except Exception as error:
             return self._recover(scheduled, error)
-        return self._update(scheduled, sampled)
+        try:
+            return self._update(scheduled, sampled)
+        except Exception as error:  # after the forward pass: no retry, the batch is failed
+            logger.exception("updating a step's requests failed; failing them")
+            return [self._fail(chunk.request, error) for chunk in scheduled.chunks]
 
     def _recover(self, scheduled: SchedulerOutput, error: Exception) -> list[RequestOutput]:
         """After a failed forward pass: out of memory preempts the newer half of the batch and
@@ -268,7 +274,7 @@ class LLMEngine:
         if is_out_of_memory(error) and len(scheduled.chunks) > 1:
             keep = len(scheduled.chunks) // 2
             by_age = sorted(scheduled.chunks, key=lambda c: c.request.arrival_order)
-            for chunk in by_age[keep:]:
+            for chunk in reversed(by_age[keep:]):  # newest first: the oldest ends up first
                 self.scheduler.preempt(chunk.request)
             logger.warning(
                 "step ran out of memory: preempted %d requests, retrying %d",
@@ -448,6 +454,8 @@ class LLMEngine:
         orphans = sorted(set(self.kv_cache.request_ids()) - owners)
         if orphans:
             raise IntegrityError(f"block tables without a live request: {', '.join(orphans)}")
+        if self.storage is not None:
+            self.storage.check_integrity(owners)
         for request_id, request in self.scheduler.requests.items():
             table = self.kv_cache.block_table(request_id)
             if request.status in (RequestStatus.RUNNING, RequestStatus.TRANSFERRING):

@@ -14,9 +14,10 @@ block), never touching the connector's state itself.
 import logging
 import queue
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
+from pdserve.errors import IntegrityError
 from pdserve.kvcache.hashing import BlockHash
 from pdserve.kvcache.manager import CacheRequest
 from pdserve.model.runner import BlockIO
@@ -25,10 +26,12 @@ from pdserve.storage.tier import StorageTier
 logger = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, eq=False)
 class StagedBlocks:
-    """Verified bytes of blocks [first_block, first_block + len(blocks)) of one request."""
+    """Verified bytes of blocks [first_block, first_block + len(blocks)) of one request (the
+    very object `owner`: a later request that reuses the id never takes them)."""
 
+    owner: CacheRequest
     first_block: int
     blocks: tuple[bytes, ...]
 
@@ -50,8 +53,8 @@ class StorageConnector:
         self._block_size = block_size
         self._wake = wake
         self._staged: dict[str, StagedBlocks] = {}
-        self._pending: set[str] = set()  # request ids whose prefetch is in flight
-        self._fetched: queue.SimpleQueue[tuple[str, StagedBlocks]] = queue.SimpleQueue()
+        self._pending: dict[str, CacheRequest] = {}  # prefetches in flight, by request id
+        self._fetched: queue.SimpleQueue[StagedBlocks] = queue.SimpleQueue()
         self._lock = threading.Lock()  # guards `_staged` against `read_ahead`'s handler thread
         self.loaded_tokens = 0  # every load, re-admissions after preemption included
 
@@ -91,7 +94,12 @@ class StorageConnector:
             return
         blocks = self.tier.read_chain(request.block_hashes[device_blocks:end])
         with self._lock:
-            self._staged[request.request_id] = StagedBlocks(device_blocks, tuple(blocks))
+            self._staged[request.request_id] = StagedBlocks(request, device_blocks, tuple(blocks))
+
+    def _staged_for(self, request: CacheRequest) -> StagedBlocks | None:
+        with self._lock:
+            staged = self._staged.get(request.request_id)
+        return staged if staged is not None and staged.owner is request else None
 
     def needs_prefetch(self, request: CacheRequest, device_blocks: int) -> bool:
         """Whether admission should wait for a read: nothing staged from at most
@@ -99,8 +107,7 @@ class StorageConnector:
         blocks, and the tier is up."""
         if request.request_id in self._pending or device_blocks >= self._chain_end(request):
             return False
-        with self._lock:
-            staged = self._staged.get(request.request_id)
+        staged = self._staged_for(request)
         if staged is not None and staged.first_block <= device_blocks:
             return False
         return self.tier.available
@@ -108,11 +115,10 @@ class StorageConnector:
     def prefetch(self, request: CacheRequest, device_blocks: int) -> None:
         """Read ahead on the tier's worker; the request waits (`is_pending`) until
         `apply_fetched` hands the answer over."""
-        request_id = request.request_id
-        self._pending.add(request_id)
+        self._pending[request.request_id] = request
 
         def done(blocks: list[bytes]) -> None:  # on the storage worker thread
-            self._fetched.put((request_id, StagedBlocks(device_blocks, tuple(blocks))))
+            self._fetched.put(StagedBlocks(request, device_blocks, tuple(blocks)))
             self._wake()
 
         self.tier.prefetch(request.block_hashes[device_blocks : self._chain_end(request)], done)
@@ -130,19 +136,19 @@ class StorageConnector:
         block = wait and bool(self._pending)
         while True:
             try:
-                request_id, staged = self._fetched.get(block=block, timeout=1.0)
+                staged = self._fetched.get(block=block, timeout=1.0)
             except queue.Empty:
                 return
             block = False
-            if request_id in self._pending:  # else: forgotten (finished) meanwhile
-                self._pending.discard(request_id)
+            request_id = staged.owner.request_id
+            if self._pending.get(request_id) is staged.owner:  # else forgotten meanwhile
+                del self._pending[request_id]
                 with self._lock:
                     self._staged[request_id] = staged
 
     def num_usable(self, request: CacheRequest, device_blocks: int) -> int:
         """Staged blocks that extend a device hit of `device_blocks` blocks without a gap."""
-        with self._lock:
-            staged = self._staged.get(request.request_id)
+        staged = self._staged_for(request)
         if staged is None:
             return 0
         end = min(staged.end_block, self._chain_end(request))
@@ -151,13 +157,15 @@ class StorageConnector:
         return end - device_blocks
 
     def load(self, request: CacheRequest, block_table: Sequence[int], device_blocks: int) -> int:
-        """Write the usable staged blocks into `block_table` after the device hit and drop the
-        staged bytes. Returns how many blocks were loaded (the caller publishes them: their
-        bytes were verified when read)."""
+        """Write the usable staged blocks into `block_table` after the device hit and drop every
+        staged byte of the request, usable or not. Returns how many blocks were loaded (the
+        caller publishes them: their bytes were verified when read)."""
         count = self.num_usable(request, device_blocks)
-        with self._lock:
-            staged = self._staged.pop(request.request_id, None)
-        if staged is None or count == 0:
+        staged = self._staged_for(request)
+        if staged is None:
+            return 0
+        self.forget(request.request_id)
+        if count == 0:
             return 0
         start = device_blocks - staged.first_block
         for block_id, data in zip(
@@ -170,6 +178,20 @@ class StorageConnector:
     def forget(self, request_id: str) -> None:
         """Drop what is staged or pending for a request (finished, or preempted: its blocks
         may be in storage by the time it is admitted again)."""
-        self._pending.discard(request_id)
+        self._pending.pop(request_id, None)
         with self._lock:
             self._staged.pop(request_id, None)
+
+    @property
+    def num_staged_blocks(self) -> int:
+        """Blocks read ahead and held in host memory until their requests are admitted."""
+        with self._lock:
+            return sum(len(staged.blocks) for staged in self._staged.values())
+
+    def check_integrity(self, live: Collection[str]) -> None:
+        """Raise IntegrityError when bytes are staged or a read is pending for a request that
+        is not in `live` (a leak). Engine thread, when idle."""
+        with self._lock:
+            stale = (set(self._staged) | set(self._pending)) - set(live)
+        if stale:
+            raise IntegrityError(f"storage reads held for requests no longer live: {sorted(stale)}")

@@ -287,13 +287,22 @@ class InstanceRuntime:
             raise RequestNotFoundError(f"no request {request_id!r} on this {self.role} instance")
         return stream
 
-    def close_stream(self, request_id: str, final: RequestOutput | None = None) -> None:
+    def close_stream(
+        self,
+        request_id: str,
+        final: RequestOutput | None = None,
+        stream: OutputStream | None = None,
+    ) -> None:
         """Unregister a request's stream (its reader is done with it, or it is aborted),
-        ending it with `final` first when given. Idempotent."""
+        ending it with `final` first when given. With `stream`, only that very stream is
+        unregistered (not a newer one of a request that reuses the id). Idempotent."""
         with self._streams_lock:
-            stream = self._streams.pop(request_id, None)
-        if stream is not None and final is not None:
-            stream.put(final)
+            current = self._streams.get(request_id)
+            if current is None or (stream is not None and current is not stream):
+                return
+            del self._streams[request_id]
+        if final is not None:
+            current.put(final)
 
     def deliver(self, outputs: Sequence[RequestOutput]) -> None:
         """Hand each output to its request's stream (never blocks). The stream stays registered

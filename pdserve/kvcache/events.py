@@ -57,10 +57,7 @@ class KVEventBroadcaster:
         with self._lock:
             subscribers, self._subscribers = self._subscribers, []
         for subscriber in subscribers:
-            if subscriber.full():  # make room for the None
-                with contextlib.suppress(queue.Empty):
-                    subscriber.get_nowait()
-            subscriber.put_nowait(None)
+            _end(subscriber)
 
     def publish(self, event: KVEvent) -> None:
         with self._lock:
@@ -70,6 +67,16 @@ class KVEventBroadcaster:
                 subscriber.put_nowait(event)
             except queue.Full:
                 self.unsubscribe(subscriber)
-                with contextlib.suppress(queue.Empty):
-                    subscriber.get_nowait()
-                subscriber.put_nowait(None)
+                _end(subscriber)
+
+
+def _end(subscriber: "queue.Queue[KVEvent | None]") -> None:
+    """Put the None that ends a subscription, dropping older events to make room (it ends, so
+    they no longer matter; the engine thread may still be publishing into it)."""
+    while True:
+        try:
+            subscriber.put_nowait(None)
+            return
+        except queue.Full:
+            with contextlib.suppress(queue.Empty):
+                subscriber.get_nowait()

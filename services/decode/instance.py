@@ -13,8 +13,10 @@ from pdserve.config import DecodeConfig, EngineConfig, StorageConfig, TransferCo
 from pdserve.engine.engine import LLMEngine, RequestOutput
 from pdserve.engine.request import Request, SamplingParams
 from pdserve.errors import (
+    DuplicateRequestError,
     InvalidRequestError,
     KVTransferError,
+    PdserveError,
     RequestNotFoundError,
     ResourceExhaustedError,
 )
@@ -83,18 +85,30 @@ class DecodeInstance:
         for an id in flight here.
         """
         request = self.runtime.make_request(prompt_token_ids, params, request_id)
-        self.runtime.open_stream(request_id)
+        stream = self.runtime.open_stream(request_id)
         try:
             self.runtime.read_ahead(request)  # blocks this instance lacks but storage has
             return self.runtime.loop.call(lambda engine: self._reserve(engine, request))
-        except BaseException:
-            self.runtime.close_stream(request_id)
+        except BaseException as e:
+            self.runtime.close_stream(request_id, stream=stream)
+            if not isinstance(e, PdserveError):  # e.g. timed out: `_reserve` may still run
+                self.runtime.loop.submit(lambda engine: self._undo(engine, request))
             raise
 
     def _reserve(self, engine: LLMEngine, request: Request) -> ReservationGrant:
+        """Engine thread. Raises DuplicateRequestError, ResourceExhaustedError (refused: the
+        bytes staged for the request are dropped)."""
+        request_id = request.request_id
+        if (
+            request_id in engine.scheduler.requests
+            or engine.kv_cache.has_request(request_id)
+            or self.reservations.holds(request_id)
+        ):
+            raise DuplicateRequestError(f"request id {request_id!r} is already in flight here")
         headroom = self.growth_headroom_blocks(engine)
         admission = engine.preallocate(request, growth_headroom_blocks=headroom)
         if admission is None:
+            engine.release(request_id)  # it holds no blocks: drops its staged bytes
             raise ResourceExhaustedError(
                 f"decode instance cannot take {engine.admission.num_blocks_needed(request)} "
                 f"blocks: {engine.kv_cache.num_free_blocks} free, {headroom} kept for the "
@@ -111,6 +125,15 @@ class DecodeInstance:
             self.runtime.block_io.block_bytes,
             admission.block_ids,
         )
+
+    def _undo(self, engine: LLMEngine, request: Request) -> None:
+        """Engine thread: release what a reservation whose caller gave up left (its
+        reservation, if `_reserve` ran after all, its blocks and staged bytes)."""
+        if self.reservations.pop_if(request) is not None or (
+            request.request_id not in engine.scheduler.requests
+            and not self.reservations.holds(request.request_id)
+        ):
+            engine.release(request.request_id)
 
     def growth_headroom_blocks(self, engine: LLMEngine) -> int:
         """Free blocks the running and reserved requests may still need: each may grow by
@@ -192,7 +215,7 @@ class DecodeInstance:
         try:
             yield from stream
         finally:
-            self.runtime.close_stream(request_id)
+            self.runtime.close_stream(request_id, stream=stream)
 
     def abort(self, request_id: str) -> bool:
         reservation = self.reservations.pop(request_id)

@@ -107,6 +107,19 @@ class ReservationTable:
                 return None
             return self._reservations.pop(request_id)
 
+    def holds(self, request_id: str) -> bool:
+        with self._lock:
+            return request_id in self._reservations
+
+    def pop_if(self, request: Request) -> Reservation | None:
+        """Remove the reservation of this very request (not of another with its id), unless a
+        stream writes into it (then it is only marked cancelled, as in `pop`)."""
+        with self._lock:
+            reservation = self._reservations.get(request.request_id)
+            if reservation is None or reservation.request is not request:
+                return None
+        return self.pop(request.request_id)
+
     def pop_expired(self) -> list[Reservation]:
         """Remove and return the reservations whose lease ran out and that no stream writes."""
         now = self._clock()

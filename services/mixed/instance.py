@@ -38,9 +38,9 @@ class MixedInstance:
                 finished = output.finished
                 yield output
         finally:
-            self.runtime.close_stream(request_id)
             if not finished:
                 self.runtime.abort(request_id)
+            self.runtime.close_stream(request_id, stream=stream)
 
     def abort(self, request_id: str) -> bool:
         return self.runtime.abort(request_id)

@@ -16,12 +16,14 @@ import time
 from dataclasses import dataclass, field
 
 from pdserve.config import EngineConfig, PrefillConfig, StorageConfig, TransferConfig
-from pdserve.engine.engine import RequestOutput
-from pdserve.engine.request import Request, SamplingParams
+from pdserve.engine.engine import LLMEngine, RequestOutput
+from pdserve.engine.request import Request, RequestStatus, SamplingParams
 from pdserve.errors import (
     InstanceUnavailableError,
+    InvalidRequestError,
     KVTransferError,
     PdserveError,
+    PromptTooLongError,
     RequestAbortedError,
     RequestNotFoundError,
     ResourceExhaustedError,
@@ -126,16 +128,22 @@ class PrefillInstance:
         decode = DecodeClient(decode_address, self.channels, self.deadlines)
         decode_reserved = False
         try:
-            reservation = self.preallocate_resource_in_p(request, decode)
+            try:
+                reservation = self.preallocate_resource_in_p(request, decode)
+            except InstanceUnavailableError:  # decode may still grant it: release it there
+                self._abort_on_decode(request_id, decode)
+                raise
             decode_reserved = True
             outcome.num_decode_cached_tokens = reservation.num_cached_tokens
             outcome.timings.reserve_s = time.perf_counter() - start
+            _check_not_aborted(stream)
             output = self._compute(request, stream, outcome)
             self._send_kv(request, reservation, decode_address, outcome)
+            _check_not_aborted(stream)  # aborted while sending: its blocks were kept until now
             self._hand_off(request_id, decode, output.new_token_ids[0], outcome)
             decode_reserved = False
         finally:
-            self.runtime.close_stream(request_id)
+            self.runtime.close_stream(request_id, stream=stream)
             self.runtime.loop.call(lambda engine: engine.release(request_id))
             if decode_reserved:
                 self._abort_on_decode(request_id, decode)
@@ -146,7 +154,12 @@ class PrefillInstance:
     ) -> None:
         """The KV is on decode: give it the first token, which starts the request there."""
         start = time.perf_counter()
-        decode.start_decode(request_id, first_token_id)
+        try:
+            decode.start_decode(request_id, first_token_id)
+        except InvalidRequestError as e:
+            raise _from_decode(e, decode.address) from e
+        except RequestNotFoundError as e:  # decode's reservation expired before the handoff
+            raise KVTransferError(f"decode {decode.address} lost request {request_id}: {e}") from e
         outcome.timings.handoff_s = time.perf_counter() - start
         outcome.first_token_id = first_token_id
 
@@ -168,6 +181,8 @@ class PrefillInstance:
             asked = time.monotonic()
             try:
                 reply = decode.reserve(message)
+            except InvalidRequestError as e:
+                raise _from_decode(e, decode.address) from e
             except ResourceExhaustedError as refusal:
                 logger.info(
                     "decode %s refused request %s (attempt %d): %s",
@@ -248,15 +263,23 @@ class PrefillInstance:
         outcome.timings.transfer_s = time.perf_counter() - started
 
     def abort(self, request_id: str) -> bool:
-        """Abort a request being prefilled: in the engine, or still waiting for its decode
-        reservation (its handler then raises RequestAbortedError when it wakes)."""
-        if self.runtime.abort(request_id):
-            return True
+        """Abort a request being prefilled: its handler raises RequestAbortedError at its next
+        step and releases everything. Its computation stops now; the blocks of a request whose
+        KV is being sent are freed by the handler once the send ended (never under it)."""
         try:
             stream = self.runtime.stream(request_id)
         except RequestNotFoundError:
             return False
+        if stream.ended:
+            return False
         stream.fail(RequestAbortedError(f"request {request_id} was aborted"))
+
+        def stop_computing(engine: LLMEngine) -> None:
+            request = engine.scheduler.requests.get(request_id)
+            if request is not None and request.status != RequestStatus.TRANSFERRING:
+                engine.abort_request(request_id)
+
+        self.runtime.loop.call(stop_computing)
         return True
 
     def _abort_on_decode(self, request_id: str, decode: DecodeClient) -> None:
@@ -270,3 +293,20 @@ class PrefillInstance:
 
     def check_integrity(self) -> None:
         self.runtime.check_integrity()
+
+
+def _check_not_aborted(stream: OutputStream) -> None:
+    """Raise RequestAbortedError when the request was aborted meanwhile (`abort` fails its
+    stream; a live prefill stream never ends otherwise before the handler closes it)."""
+    if stream.ended:
+        raise RequestAbortedError(f"request {stream.request_id} was aborted")
+
+
+def _from_decode(error: InvalidRequestError, decode_address: str) -> PdserveError:
+    """What decode's refusal of a request this instance accepted means for the caller. A prompt
+    too long for decode's context is the caller's to shorten (PromptTooLongError, a 400); any
+    other refusal (an id decode still holds, a first token it rejects) is a disagreement between
+    instances, not the caller's mistake: KVTransferError, which the router retries elsewhere."""
+    if isinstance(error, PromptTooLongError):
+        return error
+    return KVTransferError(f"decode {decode_address} refused the request: {error}")

@@ -26,6 +26,7 @@ from pdserve.errors import (
     NoCapacityError,
     PdserveError,
     PromptTooLongError,
+    RequestAbortedError,
     ResourceExhaustedError,
 )
 from pdserve.kvcache.events import BlockRemoved, BlockStored
@@ -198,8 +199,8 @@ class Router:
                 events = self._start(prefill, decode, token_ids, params, request_id)
                 try:
                     first = next(events)
-                except InvalidRequestError:
-                    raise
+                except (InvalidRequestError, RequestAbortedError):
+                    raise  # the caller's mistake, or stopped on purpose: not retried
                 except PdserveError as e:
                     failure = e
                     self.metrics.retries.inc()

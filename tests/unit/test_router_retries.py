@@ -17,6 +17,7 @@ from pdserve.errors import (
     KVTransferError,
     NoCapacityError,
     PdserveError,
+    RequestAbortedError,
     ResourceExhaustedError,
 )
 from services.router.pd_client import Finished, TokenDelta
@@ -45,6 +46,7 @@ class FakePDClient:
             "transfer_error": KVTransferError("prefill died"),
             "refused": ResourceExhaustedError("decode full", 50),
             "invalid": InvalidRequestError("bad prompt"),
+            "aborted": RequestAbortedError("aborted by an operator"),
         }
         if outcome in errors:
             raise errors[outcome]
@@ -111,6 +113,15 @@ def test_invalid_request_is_not_retried(model: ModelInfo) -> None:
     with pytest.raises(InvalidRequestError):
         run(router, "r")
     assert len(router.client.routes) == 1  # type: ignore[attr-defined]
+    assert router.load.num_live_leases() == 0
+
+
+def test_an_aborted_request_is_not_retried_and_blames_nobody(model: ModelInfo) -> None:
+    router = make_router(model, ["aborted", "ok"])
+    with pytest.raises(RequestAbortedError):
+        run(router, "r")
+    assert len(router.client.routes) == 1  # type: ignore[attr-defined]
+    assert router._unhealthy_until == {}
     assert router.load.num_live_leases() == 0
 
 
