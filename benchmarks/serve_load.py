@@ -10,7 +10,7 @@ The load generator streams every request (`/v1/completions` with token-id prompt
 the client TTFT (request sent -> first token chunk), inter-token latency (gaps between a request's
 token chunks, pooled over requests), end-to-end latency and output tokens/s (completion tokens of
 the run / its wall time). The cluster's prefix-cache hit rate is
-sum(prefix_cache_hits) / sum(prefix_cache_queries) over the prefill instances (`GetStats` over
+sum(device_hit_tokens) / sum(prefix_cache_queries) over the prefill instances (`GetStats` over
 gRPC, deltas over the run; both counters are prompt tokens, counted once per request at
 admission).
 
@@ -606,14 +606,14 @@ async def run_trace(
 
 
 def prefill_counters(addresses: Sequence[str]) -> dict[str, tuple[int, int]]:
-    """(prefix_cache_queries, prefix_cache_hits) of each prefill instance, via GetStats."""
+    """(prefix_cache_queries, device_hit_tokens) of each prefill instance, via GetStats."""
     result = {}
     for address in addresses:
         with grpc.insecure_channel(address) as channel:
             stats = common_pb2_grpc.InstanceServiceStub(channel).GetStats(
                 common_pb2.StatsRequest(), timeout=10
             )
-        result[address] = (int(stats.prefix_cache_queries), int(stats.prefix_cache_hits))
+        result[address] = (int(stats.prefix_cache_queries), int(stats.device_hit_tokens))
     return result
 
 

@@ -120,7 +120,7 @@ def _engine_families(s: common_pb2.InstanceStats) -> list[Family]:
          {(): s.prefix_cache_queries}),
         ("counter", "pdserve_prefix_cache_hits",
          "Of those prompt tokens, the ones found in a cache tier (device or storage).", ("tier",),
-         {("device",): s.prefix_cache_hits, ("storage",): s.storage.cache_hits}),
+         {("device",): s.device_hit_tokens, ("storage",): s.storage.storage_hit_tokens}),
         ("counter", "pdserve_preemptions", "Requests preempted for lack of KV blocks.", (),
          {(): s.num_preemptions}),
         ("counter", "pdserve_computed_tokens", "Tokens run through forward passes.", (),

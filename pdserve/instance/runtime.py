@@ -23,7 +23,7 @@ import platformdirs
 from pdserve.config import EngineConfig, StorageConfig, TransferConfig
 from pdserve.engine.engine import LLMEngine, RequestOutput
 from pdserve.engine.loop import EngineLoop, Mailbox
-from pdserve.engine.request import Request
+from pdserve.engine.request import Request, SamplingParams
 from pdserve.errors import DuplicateRequestError, RequestNotFoundError
 from pdserve.instance.streams import OutputStream, aborted_output
 from pdserve.kvcache.events import BlockStored, KVEvent, KVEventBroadcaster
@@ -251,11 +251,19 @@ class InstanceRuntime:
         return self.storage.index.clear() if self.storage is not None else 0
 
     def make_request(
-        self, prompt_token_ids: Sequence[int], params: Any, request_id: str, **kwargs: Any
+        self,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams | None,
+        request_id: str,
+        *,
+        prefill_only: bool = False,
     ) -> Request:
-        """Validate and build a request (no engine state is read but immutable model facts)."""
+        """Validate and build a request (`LLMEngine.make_request`); raises InvalidRequestError
+        and PromptTooLongError (this instance's context window)."""
         return self.loop.call(
-            lambda engine: engine.make_request(prompt_token_ids, params, request_id, **kwargs)
+            lambda engine: engine.make_request(
+                prompt_token_ids, params, request_id, prefill_only=prefill_only
+            )
         )
 
     def read_ahead(self, request: Request) -> None:
@@ -344,7 +352,7 @@ class InstanceRuntime:
                 num_waiting=len(scheduler.waiting),
                 num_preemptions=scheduler.stats.num_preemptions,
                 prefix_cache_queries=scheduler.stats.prefix_cache_queries,
-                prefix_cache_hits=scheduler.stats.device_hit_tokens,
+                device_hit_tokens=scheduler.stats.device_hit_tokens,
                 num_computed_tokens=scheduler.stats.num_computed_tokens,
                 **extra,
             )
@@ -364,7 +372,7 @@ class InstanceRuntime:
         tier, c = connector.tier, connector.tier.counters.snapshot()
         return common_pb2.StorageStats(
             available=tier.available,
-            cache_hits=engine.scheduler.stats.storage_hit_tokens,
+            storage_hit_tokens=engine.scheduler.stats.storage_hit_tokens,
             loaded_tokens=connector.loaded_tokens,
             blocks_written=c.blocks_written,
             bytes_written=c.bytes_written,

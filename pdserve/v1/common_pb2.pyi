@@ -430,7 +430,7 @@ class InstanceStats(_message.Message):
     KV_BYTES_RECEIVED_FIELD_NUMBER: _builtins.int
     KV_BLOCKS_RECEIVED_FIELD_NUMBER: _builtins.int
     PREFIX_CACHE_QUERIES_FIELD_NUMBER: _builtins.int
-    PREFIX_CACHE_HITS_FIELD_NUMBER: _builtins.int
+    DEVICE_HIT_TOKENS_FIELD_NUMBER: _builtins.int
     BLOCK_SIZE_FIELD_NUMBER: _builtins.int
     NUM_EXPIRED_RESERVATIONS_FIELD_NUMBER: _builtins.int
     STORAGE_FIELD_NUMBER: _builtins.int
@@ -454,8 +454,8 @@ class InstanceStats(_message.Message):
     kv_blocks_received: _builtins.int
     prefix_cache_queries: _builtins.int
     """prompt tokens of admitted requests"""
-    prefix_cache_hits: _builtins.int
-    """of which were found in the device cache (device hits)"""
+    device_hit_tokens: _builtins.int
+    """of which were found in the device prefix cache"""
     block_size: _builtins.int
     num_expired_reservations: _builtins.int
     num_computed_tokens: _builtins.int
@@ -491,7 +491,7 @@ class InstanceStats(_message.Message):
         kv_bytes_received: _builtins.int = ...,
         kv_blocks_received: _builtins.int = ...,
         prefix_cache_queries: _builtins.int = ...,
-        prefix_cache_hits: _builtins.int = ...,
+        device_hit_tokens: _builtins.int = ...,
         block_size: _builtins.int = ...,
         num_expired_reservations: _builtins.int = ...,
         storage: Global___StorageStats | None = ...,
@@ -503,7 +503,7 @@ class InstanceStats(_message.Message):
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["storage", b"storage"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "kv_blocks_received", b"kv_blocks_received", "kv_blocks_sent", b"kv_blocks_sent", "kv_blocks_sent_by_transport", b"kv_blocks_sent_by_transport", "kv_bytes_received", b"kv_bytes_received", "kv_bytes_sent", b"kv_bytes_sent", "kv_bytes_sent_by_transport", b"kv_bytes_sent_by_transport", "kv_transfer_failures_by_transport", b"kv_transfer_failures_by_transport", "kv_transfer_seconds_by_transport", b"kv_transfer_seconds_by_transport", "num_blocks", b"num_blocks", "num_cached_blocks", b"num_cached_blocks", "num_computed_tokens", b"num_computed_tokens", "num_expired_reservations", b"num_expired_reservations", "num_free_blocks", b"num_free_blocks", "num_preemptions", b"num_preemptions", "num_reservations", b"num_reservations", "num_reserved_blocks", b"num_reserved_blocks", "num_running", b"num_running", "num_waiting", b"num_waiting", "prefix_cache_hits", b"prefix_cache_hits", "prefix_cache_queries", b"prefix_cache_queries", "role", b"role", "storage", b"storage"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "device_hit_tokens", b"device_hit_tokens", "kv_blocks_received", b"kv_blocks_received", "kv_blocks_sent", b"kv_blocks_sent", "kv_blocks_sent_by_transport", b"kv_blocks_sent_by_transport", "kv_bytes_received", b"kv_bytes_received", "kv_bytes_sent", b"kv_bytes_sent", "kv_bytes_sent_by_transport", b"kv_bytes_sent_by_transport", "kv_transfer_failures_by_transport", b"kv_transfer_failures_by_transport", "kv_transfer_seconds_by_transport", b"kv_transfer_seconds_by_transport", "num_blocks", b"num_blocks", "num_cached_blocks", b"num_cached_blocks", "num_computed_tokens", b"num_computed_tokens", "num_expired_reservations", b"num_expired_reservations", "num_free_blocks", b"num_free_blocks", "num_preemptions", b"num_preemptions", "num_reservations", b"num_reservations", "num_reserved_blocks", b"num_reserved_blocks", "num_running", b"num_running", "num_waiting", b"num_waiting", "prefix_cache_queries", b"prefix_cache_queries", "role", b"role", "storage", b"storage"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -516,7 +516,7 @@ class StorageStats(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     AVAILABLE_FIELD_NUMBER: _builtins.int
-    CACHE_HITS_FIELD_NUMBER: _builtins.int
+    STORAGE_HIT_TOKENS_FIELD_NUMBER: _builtins.int
     LOADED_TOKENS_FIELD_NUMBER: _builtins.int
     BLOCKS_WRITTEN_FIELD_NUMBER: _builtins.int
     BYTES_WRITTEN_FIELD_NUMBER: _builtins.int
@@ -531,8 +531,8 @@ class StorageStats(_message.Message):
     QUEUE_DEPTH_FIELD_NUMBER: _builtins.int
     available: _builtins.bool
     """Redis answered last time"""
-    cache_hits: _builtins.int
-    """storage hits: prompt tokens loaded at first admission"""
+    storage_hit_tokens: _builtins.int
+    """prompt tokens loaded from storage at first admission"""
     loaded_tokens: _builtins.int
     """every load, re-admissions after preemption included"""
     blocks_written: _builtins.int
@@ -554,7 +554,7 @@ class StorageStats(_message.Message):
         self,
         *,
         available: _builtins.bool = ...,
-        cache_hits: _builtins.int = ...,
+        storage_hit_tokens: _builtins.int = ...,
         loaded_tokens: _builtins.int = ...,
         blocks_written: _builtins.int = ...,
         bytes_written: _builtins.int = ...,
@@ -570,7 +570,7 @@ class StorageStats(_message.Message):
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["available", b"available", "blocks_read", b"blocks_read", "blocks_written", b"blocks_written", "bytes_read", b"bytes_read", "bytes_written", b"bytes_written", "cache_hits", b"cache_hits", "evictions", b"evictions", "loaded_tokens", b"loaded_tokens", "queue_depth", b"queue_depth", "read_errors", b"read_errors", "redis_errors", b"redis_errors", "write_errors", b"write_errors", "writes_dropped", b"writes_dropped", "writes_skipped", b"writes_skipped"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["available", b"available", "blocks_read", b"blocks_read", "blocks_written", b"blocks_written", "bytes_read", b"bytes_read", "bytes_written", b"bytes_written", "evictions", b"evictions", "loaded_tokens", b"loaded_tokens", "queue_depth", b"queue_depth", "read_errors", b"read_errors", "redis_errors", b"redis_errors", "storage_hit_tokens", b"storage_hit_tokens", "write_errors", b"write_errors", "writes_dropped", b"writes_dropped", "writes_skipped", b"writes_skipped"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -224,7 +224,7 @@ def test_cache_aware_policy_sends_the_next_turn_to_the_instance_with_the_prefix(
         )
 
     wait_for(lambda: indexed_blocks() >= 4)
-    before = [cluster.stats(a).prefix_cache_hits for a in prefills]
+    before = [cluster.stats(a).device_hit_tokens for a in prefills]
     conversation.append({"role": "assistant", "content": first.choices[0].message.content or ""})
     conversation.append({"role": "user", "content": "And a follow-up question?"})
     client.chat.completions.create(
@@ -234,7 +234,7 @@ def test_cache_aware_policy_sends_the_next_turn_to_the_instance_with_the_prefix(
         temperature=0,
     )
     gained = sorted(
-        cluster.stats(a).prefix_cache_hits - b for a, b in zip(prefills, before, strict=True)
+        cluster.stats(a).device_hit_tokens - b for a, b in zip(prefills, before, strict=True)
     )
     assert gained[0] == 0 and gained[1] >= 64  # all of it on one instance
 

@@ -62,13 +62,13 @@ def test_mixed_follow_up_turn_goes_to_the_instance_with_the_prefix(
     first = client.chat.completions.create(model=MODEL, messages=history, max_tokens=6)  # type: ignore[arg-type]
     index = router.router.index
     wait_for(lambda: sum(index.num_blocks(a) for a in router.router.prefill) >= 4)
-    before = [i.stats().prefix_cache_hits for i in instances]
+    before = [i.stats().device_hit_tokens for i in instances]
     history += [
         {"role": "assistant", "content": first.choices[0].message.content or ""},
         {"role": "user", "content": "More?"},
     ]
     client.chat.completions.create(model=MODEL, messages=history, max_tokens=6)  # type: ignore[arg-type]
-    gained = sorted(i.stats().prefix_cache_hits - b for i, b in zip(instances, before, strict=True))
+    gained = sorted(i.stats().device_hit_tokens - b for i, b in zip(instances, before, strict=True))
     assert gained[0] == 0 and gained[1] >= 64
 
 

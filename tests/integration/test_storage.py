@@ -379,8 +379,10 @@ def test_pd_instances_resume_and_serve_prefixes_from_storage(
             reference.generate([follow_up], GREEDY)[0].token_ids
         )
         after = prefill.stats()
-        assert after.storage.cache_hits - before.storage.cache_hits == 80  # 5 whole blocks
-        assert after.prefix_cache_hits == before.prefix_cache_hits
+        assert (
+            after.storage.storage_hit_tokens - before.storage.storage_hit_tokens == 80
+        )  # 5 whole blocks
+        assert after.device_hit_tokens == before.device_hit_tokens
         for instance in (prefill, decode):  # no write in flight anywhere, then check
             assert instance.runtime.storage is not None
             instance.runtime.storage.flush()
@@ -415,7 +417,9 @@ def test_host_memory_blocks_are_read_by_a_peer_over_grpc(
         tokens = [t for out in peer.generate("second", second, params) for t in out.new_token_ids]
         assert tokens == list(reference.generate([second], params)[0].token_ids)
         stats = peer.stats().storage
-        assert stats.cache_hits == 96 and stats.blocks_read == 6  # read from the owner's memory
+        assert (
+            stats.storage_hit_tokens == 96 and stats.blocks_read == 6
+        )  # read from the owner's memory
         for instance, _, _ in served:
             instance.runtime.check_integrity()
     finally:
