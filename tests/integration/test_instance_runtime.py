@@ -10,16 +10,18 @@ import pytest
 import yaml
 from waiting import wait_for
 
-from pdserve.config import RouterConfig, load_cluster_config
+from pdserve.config import EngineConfig, RouterConfig, load_cluster_config
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.request import SamplingParams
-from pdserve.errors import PromptTooLongError
+from pdserve.errors import PromptTooLongError, StepFailedError
 from pdserve.rpc.channels import ChannelPool
 from pdserve.rpc.clients import InstanceClient
 from services.decode.instance import DecodeInstance
 from services.decode.servicer import serve_decode
+from services.mixed.servicer import serve_mixed
 from services.prefill.instance import PrefillInstance
 from services.prefill.servicer import serve_prefill
+from services.router.pd_client import Finished, PDClient
 from services.router.server import RunningRouter, serve_router
 
 MODEL = "tiny"
@@ -136,3 +138,34 @@ def test_kv_event_subscription_starts_with_a_snapshot_of_published_blocks(stack:
         channels.close()
     assert first.WhichOneof("event") == "snapshot"
     assert list(first.snapshot.block_hashes) == published
+
+
+def test_a_failed_step_ends_a_mixed_stream_with_step_failed_and_the_instance_serves_on(
+    tiny_model_dir: Path,
+) -> None:
+    instance, server, port = serve_mixed(EngineConfig(model=str(tiny_model_dir), num_kv_blocks=64))
+    client = PDClient()
+    address = f"127.0.0.1:{port}"
+    params = SamplingParams(max_tokens=3, ignore_eos=True)
+    try:
+        runner = instance.runtime.engine.runner
+        execute = runner.execute
+        failures = [RuntimeError("injected fault")]
+
+        def faulty(chunks: object) -> object:  # the model runner fails once
+            if failures:
+                raise failures.pop()
+            return execute(chunks)  # type: ignore[arg-type]
+
+        runner.execute = faulty  # type: ignore[method-assign,assignment]
+        with pytest.raises(StepFailedError, match="injected fault"):
+            list(client.generate_mixed(address, [5] * 20, params, "faulted"))
+        events = list(client.generate_mixed(address, [5] * 20, params, "after"))
+        assert isinstance(events[-1], Finished) and events[-1].num_output_tokens == 3
+        wait_for(lambda: instance.stats().num_running == 0)
+        assert instance.stats().num_free_blocks == instance.stats().num_blocks  # all freed
+        instance.check_integrity()
+    finally:
+        client.close()
+        server.stop(0)
+        instance.stop()

@@ -69,20 +69,20 @@ def expected_tokens(make_engine: MakeEngine, prompts: list[list[int]]) -> list[t
 def test_a_failing_step_fails_its_batch_and_the_engine_serves_the_next(
     make_engine: MakeEngine,
 ) -> None:
-    engine = make_engine()
+    engine = make_engine(max_num_seqs=2)  # "c" waits while "a" and "b" run the failing step
     FailingRunner(engine, RuntimeError("kernel exploded"))
     engine.add_request(prompt(20), GREEDY, request_id="a")
     engine.add_request(prompt(30, 1), GREEDY, request_id="b")
+    engine.add_request(prompt(40, 2), GREEDY, request_id="c")
     failed = engine.step()
     assert {o.request_id for o in failed} == {"a", "b"}
     assert all(o.finished and o.error and "kernel exploded" in o.error for o in failed)
-    assert not engine.has_unfinished_requests()
-    assert engine.kv_cache.num_free_blocks == engine.kv_cache.num_blocks  # nothing leaked
+    assert set(engine.scheduler.requests) == {"c"}
     engine.check_integrity()
 
-    engine.add_request(prompt(40, 2), GREEDY, request_id="c")
     tokens = [t for o in run(engine)["c"] for t in o.new_token_ids]  # type: ignore[attr-defined]
     assert tuple(tokens) == expected_tokens(make_engine, [prompt(40, 2)])[0]
+    assert engine.kv_cache.num_free_blocks == engine.kv_cache.num_blocks  # nothing leaked
     engine.check_integrity()
 
 
