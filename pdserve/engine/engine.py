@@ -285,7 +285,9 @@ class LLMEngine:
                 return self._update(retry, self._run(retry))
             except Exception as again:
                 scheduled, error = retry, again
-        logger.exception("engine step failed; failing its %d requests", len(scheduled.chunks))
+        logger.error(
+            "engine step failed; failing its %d requests", len(scheduled.chunks), exc_info=error
+        )
         return [self._fail(chunk.request, error) for chunk in scheduled.chunks]
 
     def _fail(self, request: Request, error: Exception) -> RequestOutput:

@@ -21,7 +21,7 @@ import grpc
 import platformdirs
 
 from pdserve.config import EngineConfig, StorageConfig, TransferConfig
-from pdserve.engine.engine import LLMEngine, RequestOutput
+from pdserve.engine.engine import LLMEngine, RequestOutput, StorageTierFactory
 from pdserve.engine.loop import EngineLoop, Mailbox
 from pdserve.engine.request import Request, SamplingParams
 from pdserve.errors import DuplicateRequestError, RequestNotFoundError
@@ -141,19 +141,11 @@ class InstanceRuntime:
         its KV cache in shared memory with `shared_kv_cache` (CPU)."""
         events = KVEventBroadcaster()
         mailbox = Mailbox()
-        tier_factory = None
-        if storage is not None and storage.enabled:
-            default_root = Path(platformdirs.user_cache_dir("pdserve")) / "kv-store"
-            config_ = storage
-
-            def tier_factory(tag: str) -> StorageTier:
-                return StorageTier(config_, tag, make_store(config_, None, default_root))
-
         engine = LLMEngine.from_config(
             config,
             event_sink=events.publish,
             shared_kv_cache=shared_kv_cache,
-            storage=tier_factory,
+            storage=_tier_factory(storage),
             wake=mailbox.wake,
         )
         return cls(role, engine, events, mailbox, on_tick)
@@ -443,6 +435,14 @@ class InstanceRuntime:
         if self.mooncake is not None:
             self.mooncake.close()
         self.engine.runner.close()
+
+
+def _tier_factory(config: StorageConfig | None) -> StorageTierFactory | None:
+    """How the engine builds its storage tier (None: the tier is off)."""
+    if config is None or not config.enabled:
+        return None
+    default_root = Path(platformdirs.user_cache_dir("pdserve")) / "kv-store"
+    return lambda tag: StorageTier(config, tag, make_store(config, None, default_root))
 
 
 class InstanceServicer(common_pb2_grpc.InstanceServiceServicer):
