@@ -6,7 +6,6 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 PROMPT ?= Once upon a time
 MAX_TOKENS ?= 32
-export RAY_AUTH_MODE ?= disabled
 
 .PHONY: install run test lint unit bench lock clean proto
 
@@ -26,7 +25,7 @@ run: install
 	@echo "  $(VENV)/bin/pdserve generate '$(PROMPT)' --cluster --max-tokens $(MAX_TOKENS)"
 	@echo "  $(VENV)/bin/pdserve generate 'hello' --max-tokens 32   # in-process engine, no cluster"
 	@echo "  $(VENV)/bin/pdserve down"
-	RAY_AUTH_MODE=disabled $(VENV)/bin/pdserve up --config deploy/config/local.yaml
+	$(VENV)/bin/pdserve up --config deploy/config/local.yaml
 
 # Regenerate pdserve/v1/ (stubs and .pyi) from proto/; tests/unit/test_proto.py fails when stale.
 proto: install

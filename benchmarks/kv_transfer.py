@@ -70,6 +70,7 @@ from pdserve.engine.request import SamplingParams
 from pdserve.instance.convert import endpoints_from_proto, generate_request
 from pdserve.model.config import ModelConfig
 from pdserve.model.tiny import default_model_dir
+from pdserve.rpc.auth import new_secret
 from pdserve.rpc.channels import CHANNEL_OPTIONS, ChannelPool
 from pdserve.transfer.base import KVTarget, KVTransport
 from pdserve.transfer.direct import ShmKVTransport, address_of
@@ -80,6 +81,8 @@ from services.decode.instance import DecodeInstance
 from services.decode.servicer import serve_decode
 from services.prefill.servicer import serve_prefill
 from services.router.pd_client import Finished, PDClient, TokenDelta
+
+SECRET = new_secret()  # this run's cluster secret (given to the receiving process)
 
 NAME = "kv_transfer"
 RATIO_TARGET = 0.8
@@ -298,13 +301,16 @@ def _recv_exactly(connection: socket.socket, view: memoryview) -> bytes:
     return bytes(view)
 
 
-def receiver_main(conn: Connection, engine_config: EngineConfig, threads: int) -> None:
+def receiver_main(conn: Connection, engine_config: EngineConfig, threads: int, secret: str) -> None:
     """The receiving process: a decode instance (its KV cache in shared memory and registered
     with Mooncake), a grpcio byte sink and a TCP sink. Sends back their ports, then answers
     verification requests (request ids, expected block digests -> an error or "") until None."""
     torch.set_num_threads(threads)
     instance, server, port = serve_decode(
-        engine_config, DecodeConfig(reservation_timeout_s=600), transfer=TransferConfig()
+        engine_config,
+        DecodeConfig(reservation_timeout_s=600),
+        transfer=TransferConfig(transport="mooncake"),  # its Mooncake engine too, on loopback
+        secret=secret,
     )
     sink, tcp = ByteSink(), TcpSink(RECEIVE_BUFFER_BYTES)
     try:
@@ -392,7 +398,7 @@ class Receiver:
         context = multiprocessing.get_context("spawn")
         self._conn, child = context.Pipe()
         self._process = context.Process(
-            target=receiver_main, args=(child, engine_config, threads), daemon=True
+            target=receiver_main, args=(child, engine_config, threads, SECRET), daemon=True
         )
         self._process.start()
         child.close()
@@ -438,7 +444,7 @@ class Senders:
         self.receiver = receiver
         self.transfer = transfer
         self.address = f"127.0.0.1:{receiver.decode_port}"
-        self.channels = ChannelPool()
+        self.channels = ChannelPool(SECRET)
         self.stub = decode_pb2_grpc.DecodeServiceStub(self.channels.get(self.address))
         self.prompts = Prompts()
         self.source = random_bytes(plan.total_bytes)
@@ -711,14 +717,16 @@ class TTFTFigures:
 
 def bench_ttft(args: argparse.Namespace, repeat: int) -> TTFTFigures:
     engine_config = EngineConfig(torch_threads=args.threads)
-    decode, decode_server, decode_port = serve_decode(engine_config, DecodeConfig())
+    decode, decode_server, decode_port = serve_decode(engine_config, DecodeConfig(), secret=SECRET)
     try:
-        prefill, prefill_server, prefill_port = serve_prefill(engine_config, PrefillConfig())
+        prefill, prefill_server, prefill_port = serve_prefill(
+            engine_config, PrefillConfig(), secret=SECRET
+        )
     except BaseException:
         decode_server.stop(0).wait()
         decode.stop()
         raise
-    client = PDClient()
+    client = PDClient(ChannelPool(SECRET))
     prompts = Prompts()
     prefill_address, decode_address = f"127.0.0.1:{prefill_port}", f"127.0.0.1:{decode_port}"
 

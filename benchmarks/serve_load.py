@@ -99,7 +99,6 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-import grpc
 import httpx
 import numpy as np
 import torch
@@ -109,6 +108,8 @@ from pdserve.config import DecodeConfig, EngineConfig, PrefillConfig, RouterConf
 from pdserve.model.config import ModelConfig
 from pdserve.model.tiny import default_model_dir
 from pdserve.model.tokenizer import Tokenizer
+from pdserve.rpc.auth import new_secret
+from pdserve.rpc.channels import ChannelPool
 from pdserve.v1 import common_pb2, common_pb2_grpc
 
 NAME = "serve_load"
@@ -120,6 +121,8 @@ RATIO_SINGLE_TARGET = 0.9
 CONFIGS = ("round_robin", "cache_aware", "single")
 
 logger = logging.getLogger(NAME)
+
+SECRET = new_secret()  # this run's cluster secret
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -608,12 +611,15 @@ async def run_trace(
 def prefill_counters(addresses: Sequence[str]) -> dict[str, tuple[int, int]]:
     """(prefix_cache_queries, device_hit_tokens) of each prefill instance, via GetStats."""
     result = {}
-    for address in addresses:
-        with grpc.insecure_channel(address) as channel:
-            stats = common_pb2_grpc.InstanceServiceStub(channel).GetStats(
+    pool = ChannelPool(SECRET)
+    try:
+        for address in addresses:
+            stats = common_pb2_grpc.InstanceServiceStub(pool.get(address)).GetStats(
                 common_pb2.StatsRequest(), timeout=10
             )
-        result[address] = (int(stats.prefix_cache_queries), int(stats.device_hit_tokens))
+            result[address] = (int(stats.prefix_cache_queries), int(stats.device_hit_tokens))
+    finally:
+        pool.close()
     return result
 
 
@@ -812,8 +818,8 @@ def start_cluster(
     started: list[Any] = []
     try:
         for _ in range(num_prefill):
-            started.append(serve_prefill(prefill_engine, PrefillConfig()))
-        decode = serve_decode(decode_engine, DecodeConfig())
+            started.append(serve_prefill(prefill_engine, PrefillConfig(), secret=SECRET))
+        decode = serve_decode(decode_engine, DecodeConfig(), secret=SECRET)
         started.append(decode)
         tuning = {  # what-if experiments; unset flags keep the router's defaults
             name: value
@@ -826,6 +832,7 @@ def start_cluster(
             prefill_engine,
             [f"127.0.0.1:{port}" for _, _, port in started[:num_prefill]],
             [f"127.0.0.1:{decode[2]}"],
+            secret=SECRET,
         )
     except BaseException:
         for instance, server, _ in started:

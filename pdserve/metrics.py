@@ -164,6 +164,12 @@ def _storage_families(st: common_pb2.StorageStats) -> list[Family]:
          "redis (unreachable), dropped (write queue full or tier down).", ("kind",),
          {("read",): st.read_errors, ("write",): st.write_errors,
           ("redis",): st.redis_errors, ("dropped",): st.writes_dropped}),
+        ("counter", "pdserve_storage_read_errors",
+         "Stored blocks not used, by kind: corrupt (checksum or missing bytes, as "
+         "pdserve_storage_errors{kind=\"read\"}: recomputed), invalid_entry (an index entry "
+         "or garbage key refused by its checks: malformed, another tag or block; never "
+         "followed).", ("kind",),
+         {("corrupt",): st.read_errors, ("invalid_entry",): st.invalid_entries}),
         ("gauge", "pdserve_storage_queue_depth", "Storage jobs waiting for the writer.", (),
          {(): st.queue_depth}),
     ]  # fmt: skip

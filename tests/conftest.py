@@ -1,5 +1,6 @@
 """Shared fixtures: the tiny model written once per session into a temporary directory."""
 
+import atexit
 import os
 import shutil
 import tempfile
@@ -12,7 +13,16 @@ import torch
 from pdserve.config import EngineConfig
 from pdserve.engine import LLMEngine
 from pdserve.model.tiny import write_tiny_model
+from pdserve.rpc.auth import secret_file
 from pdserve.storage.redis_server import EmbeddedRedis
+
+# Ray's token authentication stays on in tests: one token for the session, set before any test
+# module imports ray (it reads its mode at import); `pdserve up` subprocesses inherit it.
+_RAY_TOKEN = Path(tempfile.mkdtemp(prefix="pdserve-test-")) / "ray_token"
+secret_file(_RAY_TOKEN)
+atexit.register(shutil.rmtree, _RAY_TOKEN.parent, True)
+os.environ["RAY_AUTH_MODE"] = "token"
+os.environ["RAY_AUTH_TOKEN_PATH"] = str(_RAY_TOKEN)
 
 torch.set_num_threads(1)  # two cores shared with other processes: avoid OpenMP spin contention
 
@@ -41,8 +51,8 @@ def make_engine(tiny_model_dir: Path) -> Iterator[object]:
 
 @pytest.fixture(scope="session")
 def ray_session(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
-    """One local Ray instance for the whole test session (auth off, private temp dir)."""
-    os.environ["RAY_AUTH_MODE"] = "disabled"
+    """One local Ray instance for the whole test session (token authentication on, private
+    temp dir)."""
     import ray
 
     temp_dir = tempfile.mkdtemp(prefix="ray-", dir="/tmp")  # short: Ray's socket paths

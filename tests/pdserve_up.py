@@ -12,6 +12,7 @@ from pathlib import Path
 import grpc
 import httpx
 
+from pdserve.rpc.auth import authenticated_channel
 from pdserve.v1 import common_pb2, common_pb2_grpc
 
 CLI = [sys.executable, "-m", "services.controller.cli"]
@@ -32,10 +33,12 @@ class UpCluster:
         return sorted(address for r, address in self.instances.values() if r == role)
 
     def stats(self, address: str) -> common_pb2.InstanceStats:
-        """GetStats of an instance, over gRPC."""
+        """GetStats of an instance, over gRPC, with the secret `up` kept in its state dir."""
         channel = self._channels.get(address)
         if channel is None:
-            channel = self._channels[address] = grpc.insecure_channel(address)
+            secret = (self.config.parent / "cluster_secret").read_text().strip()
+            plain = grpc.insecure_channel(address)
+            channel = self._channels[address] = authenticated_channel(plain, secret)
         stub = common_pb2_grpc.InstanceServiceStub(channel)
         return stub.GetStats(common_pb2.StatsRequest(), timeout=10)
 
@@ -61,16 +64,16 @@ def scrape_metrics(base_url: str) -> dict[str, float]:
 
 
 @contextmanager
-def pdserve_up(config_text: str, workdir: Path, ray_address: str) -> Iterator[UpCluster]:
+def pdserve_up(config_text: str, workdir: Path, ray_address: str | None) -> Iterator[UpCluster]:
     """Run `pdserve up` with `config_text` (its `cluster.state_dir` should be `workdir`) on the
-    Ray cluster at `ray_address`; stop it with SIGTERM (as `pdserve down` does) on exit and
-    check that it shut down cleanly."""
+    Ray cluster at `ray_address` (None: `up` starts its own); stop it with SIGTERM (as `pdserve
+    down` does) on exit and check that it shut down cleanly."""
     config = workdir / "pdserve.yaml"
     config.write_text(config_text)
-    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}  # Ray's token comes from the environment
     log = (workdir / "up.log").open("w")
     process = subprocess.Popen(
-        [*CLI, "up", "--config", str(config), "--address", ray_address],
+        [*CLI, "up", "--config", str(config), *(["--address", ray_address] if ray_address else [])],
         stdout=subprocess.PIPE,
         stderr=log,
         text=True,

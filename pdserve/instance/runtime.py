@@ -30,7 +30,9 @@ from pdserve.kvcache.events import BlockStored, KVEvent, KVEventBroadcaster
 from pdserve.kvcache.hashing import BlockHash
 from pdserve.metrics import InstanceCollector, serve_metrics
 from pdserve.model.runner import BlockIO
-from pdserve.rpc.server import advertised_host, create_server
+from pdserve.rpc.auth import BearerTokenInterceptor
+from pdserve.rpc.channels import ChannelPool
+from pdserve.rpc.server import advertised_host, create_server, is_loopback
 from pdserve.storage.remote import SERVICE_NAME as STORAGE_SERVICE
 from pdserve.storage.remote import StorageServicer
 from pdserve.storage.stores import HostMemoryStore
@@ -113,10 +115,14 @@ class InstanceRuntime:
         engine: LLMEngine,
         events: KVEventBroadcaster,
         mailbox: Mailbox,
+        secret: str,
+        channels: ChannelPool,
         on_tick: Callable[[], None] = lambda: None,
     ) -> None:
         self.role = role
         self.engine = engine
+        self.secret = secret  # the cluster secret: required of callers, sent to peers
+        self.channels = channels  # to peers (decode instances, storage peers); carries `secret`
         self.events = events
         self.block_io: BlockIO = engine.runner.block_io
         self.counters = TransferCounters()
@@ -133,22 +139,26 @@ class InstanceRuntime:
         cls,
         role: str,
         config: EngineConfig,
+        *,
+        secret: str,
         on_tick: Callable[[], None] = lambda: None,
         storage: StorageConfig | None = None,
         shared_kv_cache: bool = False,
     ) -> "InstanceRuntime":
         """An engine for `config`, with the storage tier when `storage` is given and enabled,
-        its KV cache in shared memory with `shared_kv_cache` (CPU)."""
+        its KV cache in shared memory with `shared_kv_cache` (CPU). Every RPC it serves must
+        carry `secret` (health and reflection excepted)."""
         events = KVEventBroadcaster()
         mailbox = Mailbox()
+        channels = ChannelPool(secret)
         engine = LLMEngine.from_config(
             config,
             event_sink=events.publish,
             shared_kv_cache=shared_kv_cache,
-            storage=_tier_factory(storage),
+            storage=_tier_factory(storage, channels),
             wake=mailbox.wake,
         )
-        return cls(role, engine, events, mailbox, on_tick)
+        return cls(role, engine, events, mailbox, secret, channels, on_tick)
 
     # -- serving --------------------------------------------------------------------------------
 
@@ -178,7 +188,9 @@ class InstanceRuntime:
                     StorageServicer(memory), server
                 )
 
-        server, bound = create_server(register_all, services, host, port)
+        server, bound = create_server(
+            register_all, services, host, port, interceptors=[BearerTokenInterceptor(self.secret)]
+        )
         if memory is not None:
             memory.bind(f"{advertised_host(host)}:{bound}")
         self._metrics_server, metrics_port = serve_metrics(InstanceCollector(role.stats), host)
@@ -195,6 +207,14 @@ class InstanceRuntime:
         runs `sender_engines(config)` of them, a receiver one), when `transfer.mooncake` is on
         and the package loads; None otherwise."""
         if not (config.mooncake or config.transport == "mooncake"):
+            return None
+        if is_loopback(host) and config.transport != "mooncake":
+            logger.info(
+                "Mooncake transfer engine not started: it listens on every interface and "
+                "cluster.host is %s (KV goes over shared memory or gRPC; transfer.transport: "
+                "mooncake forces it)",
+                host,
+            )
             return None
         from pdserve.transfer.mooncake import MooncakeEngine, mooncake_available, sender_engines
 
@@ -374,6 +394,7 @@ class InstanceRuntime:
             writes_dropped=c.writes_dropped,
             write_errors=c.write_errors,
             read_errors=c.read_errors,
+            invalid_entries=c.invalid_entries,
             redis_errors=c.redis_errors,
             evictions=c.evictions,
             queue_depth=tier.queue_depth,
@@ -434,15 +455,19 @@ class InstanceRuntime:
             self.storage.close()
         if self.mooncake is not None:
             self.mooncake.close()
+        self.channels.close()
         self.engine.runner.close()
 
 
-def _tier_factory(config: StorageConfig | None) -> StorageTierFactory | None:
-    """How the engine builds its storage tier (None: the tier is off)."""
+def _tier_factory(config: StorageConfig | None, channels: ChannelPool) -> StorageTierFactory | None:
+    """How the engine builds its storage tier (None: the tier is off); it reads peers' memory
+    stores over `channels` (which carry the cluster secret)."""
     if config is None or not config.enabled:
         return None
     default_root = Path(platformdirs.user_cache_dir("pdserve")) / "kv-store"
-    return lambda tag: StorageTier(config, tag, make_store(config, None, default_root))
+    return lambda tag: StorageTier(
+        config, tag, make_store(config, None, default_root), channels=channels
+    )
 
 
 class InstanceServicer(common_pb2_grpc.InstanceServiceServicer):

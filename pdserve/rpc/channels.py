@@ -4,6 +4,8 @@ import threading
 
 import grpc
 
+from pdserve.rpc.auth import authenticated_channel
+
 MAX_MESSAGE_BYTES = 64 * 2**20
 CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
@@ -26,7 +28,11 @@ SERVER_OPTIONS = [
 
 
 class ChannelPool:
-    def __init__(self) -> None:
+    """Thread-safe. With `secret`, every call on its channels carries `Bearer <secret>` (the
+    cluster secret instances check); without, calls are anonymous (health checks)."""
+
+    def __init__(self, secret: str | None = None) -> None:
+        self._secret = secret
         self._channels: dict[str, grpc.Channel] = {}
         self._lock = threading.Lock()
 
@@ -35,6 +41,8 @@ class ChannelPool:
             channel = self._channels.get(address)
             if channel is None:
                 channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+                if self._secret:
+                    channel = authenticated_channel(channel, self._secret)
                 self._channels[address] = channel
             return channel
 

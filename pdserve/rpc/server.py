@@ -1,5 +1,6 @@
 """gRPC server factory: thread pool, message limits, health and reflection services."""
 
+import ipaddress
 import socket
 from collections.abc import Callable, Sequence
 from concurrent import futures
@@ -47,6 +48,16 @@ def create_server(
         raise OSError(f"cannot bind gRPC server to {host}:{port}")
     server.start()
     return server, bound
+
+
+def is_loopback(host: str) -> bool:
+    """Whether binding `host` keeps a listener on this machine (127.0.0.0/8, ::1, localhost)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name: not known to be loopback
+        return False
 
 
 def advertised_host(bind_host: str) -> str:

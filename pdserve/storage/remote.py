@@ -7,11 +7,11 @@ import grpc
 
 from pdserve.errors import BlockStoreError
 from pdserve.rpc.channels import ChannelPool
+from pdserve.storage.keys import MEMORY_PREFIX, peer_address
 from pdserve.storage.stores import BlockStore, HostMemoryStore
 from pdserve.v1 import storage_pb2, storage_pb2_grpc
 
 SERVICE_NAME = "pdserve.v1.StorageService"
-MEMORY_PREFIX = "mem:"
 
 
 class StorageServicer(storage_pb2_grpc.StorageServiceServicer):
@@ -39,13 +39,16 @@ class RemoteMemoryStore(BlockStore):
     writable = False
 
     def __init__(self, store_id: str, channels: ChannelPool, timeout_s: float = 10.0) -> None:
+        """Raises BlockStoreError when `store_id` is not a well-formed `mem:host:port` (it comes
+        from Redis: never dialled unchecked)."""
         self.store_id = store_id
-        self._address = store_id.removeprefix(MEMORY_PREFIX)
+        self._target = peer_address(store_id)
+        self._address = store_id.removeprefix(MEMORY_PREFIX)  # for messages
         self._channels = channels
         self._timeout_s = timeout_s
 
     def get(self, key: str) -> bytes:
-        stub = storage_pb2_grpc.StorageServiceStub(self._channels.get(self._address))
+        stub = storage_pb2_grpc.StorageServiceStub(self._channels.get(self._target))
         try:
             for block in stub.ReadBlocks(
                 storage_pb2.ReadBlocksRequest(keys=[key]), timeout=self._timeout_s

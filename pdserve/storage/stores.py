@@ -6,17 +6,21 @@ instances: then every instance reads every block). A block is written to a tempo
 to disk (fsync, unless disabled) and renamed, so a key names complete bytes or nothing.
 `HostMemoryStore`: blocks in this process's memory, served to peers over gRPC
 (`StorageService.ReadBlocks`); `RemoteMemoryStore` reads another instance's pool.
+
+Keys come from the index, so from Redis: a directory store refuses any key that is not shaped as
+`keys.new_key` makes them or whose path would leave its root (`pdserve.storage.keys`).
 """
 
 import os
 import threading
-import uuid
 from abc import ABC, abstractmethod
 from collections import OrderedDict
 from collections.abc import Iterable
 from pathlib import Path
 
 from pdserve.errors import BlockStoreError
+from pdserve.kvcache.hashing import BlockHash
+from pdserve.storage.keys import is_store_key, new_key
 
 
 class BlockStore(ABC):
@@ -26,9 +30,10 @@ class BlockStore(ABC):
     writable: bool = True  # False for a view of another instance's store
 
     @staticmethod
-    def new_key(block_hex: str) -> str:
-        """A fresh key for a block's bytes: never reused, so late deletes hit only old bytes."""
-        return f"{block_hex[:32]}-{uuid.uuid4().hex[:12]}"
+    def new_key(block_hex: str, tag: str = "") -> str:
+        """A fresh key for a block's bytes under `tag` (`keys.new_key`; for tools that hold a
+        hash as hex)."""
+        return new_key(tag, BlockHash(bytes.fromhex(block_hex)))
 
     @abstractmethod
     def put(self, key: str, data: memoryview) -> None:
@@ -36,11 +41,13 @@ class BlockStore(ABC):
 
     @abstractmethod
     def get(self, key: str) -> bytes:
-        """The bytes under `key`. Raises BlockStoreError when they are missing."""
+        """The bytes under `key`. Raises BlockStoreError when they are missing (or `key` is
+        not a store key)."""
 
     @abstractmethod
     def delete(self, keys: Iterable[str]) -> None:
-        """Delete the bytes under `keys`; missing keys are ignored."""
+        """Delete the bytes under `keys`; missing keys are ignored. Raises BlockStoreError,
+        deleting nothing, when one is not a store key."""
 
     @abstractmethod
     def keys(self) -> set[str]:
@@ -48,16 +55,27 @@ class BlockStore(ABC):
 
 
 class DirectoryStore(BlockStore):
-    """Thread-safe: every put writes its own temporary file and renames it into place."""
+    """Thread-safe: every put writes its own temporary file and renames it into place.
+
+    A key's file is `root/key[:2]/key`; only store keys are accepted, and only when that path,
+    links resolved, stays inside the root."""
 
     def __init__(self, root: str | Path, store_id: str | None = None, fsync: bool = True) -> None:
         self.root = Path(root).expanduser()
         self.root.mkdir(parents=True, exist_ok=True)
-        self.store_id = store_id or f"dir:{self.root.resolve()}"
+        self._resolved_root = self.root.resolve()
+        self.store_id = store_id or f"dir:{self._resolved_root}"
         self.fsync = fsync
 
     def _path(self, key: str) -> Path:
-        return self.root / key[:2] / key
+        """The file of `key`. Raises BlockStoreError for a key that is not a store key, or whose
+        file would lie outside the root (a shard folder linked elsewhere)."""
+        if not is_store_key(key):
+            raise BlockStoreError(f"{key!r} is not a store key: refused by {self.root}")
+        path = self.root / key[:2] / key
+        if not path.resolve().is_relative_to(self._resolved_root):
+            raise BlockStoreError(f"block {key} resolves outside {self.root}: refused")
+        return path
 
     def put(self, key: str, data: memoryview) -> None:
         path = self._path(key)
@@ -81,8 +99,9 @@ class DirectoryStore(BlockStore):
             raise BlockStoreError(f"cannot read block {key} under {self.root}: {e}") from e
 
     def delete(self, keys: Iterable[str]) -> None:
-        for key in keys:
-            self._path(key).unlink(missing_ok=True)
+        paths = [self._path(key) for key in keys]
+        for path in paths:
+            path.unlink(missing_ok=True)
 
     def keys(self) -> set[str]:
         return {p.name for p in self.root.glob("*/*") if not p.name.startswith(".")}

@@ -5,10 +5,13 @@ which only enqueues) and prefetches as callbacks (`prefetch`). One worker thread
 order, so a block written back before a prefetch of it is found by that prefetch. Handler threads
 (reservations on prefill and decode instances) may also read synchronously (`read_chain`).
 
-Reads verify every byte against the checksum recorded at publication; a mismatch or missing bytes
-drops the index entry and ends the chain there (the rest is recomputed). When Redis fails, the
-tier turns itself off (reads find nothing, writes are dropped and counted), logs one warning, and
-tries again every `reconnect_interval_s`.
+Nothing read from Redis is followed unchecked: an index entry that fails its checks (malformed,
+written under another tag, its key not bound to its block hash and tag, a malformed store id) is
+refused, discarded and counted (`invalid_entries`), ending the chain there; so is a garbage key
+that is not a store key (never deleted). Reads verify every byte against the checksum recorded at
+publication; a mismatch or missing bytes drops the index entry and ends the chain there (the rest
+is recomputed). When Redis fails, the tier turns itself off (reads find nothing, writes are dropped
+and counted), logs one warning, and tries again every `reconnect_interval_s`.
 """
 
 import logging
@@ -28,8 +31,9 @@ from pdserve.config import StorageConfig
 from pdserve.errors import BlockStoreError, ConfigError, IntegrityError
 from pdserve.kvcache.hashing import BlockHash
 from pdserve.rpc.channels import ChannelPool
-from pdserve.storage.index import CacheIndex, IndexEntry, redis_client
-from pdserve.storage.remote import MEMORY_PREFIX, RemoteMemoryStore
+from pdserve.storage.index import CacheIndex, IndexEntry, InvalidEntry, redis_client
+from pdserve.storage.keys import MEMORY_PREFIX, is_store_key, new_key
+from pdserve.storage.remote import RemoteMemoryStore
 from pdserve.storage.stores import BlockStore, DirectoryStore, HostMemoryStore
 
 logger = logging.getLogger(__name__)
@@ -52,6 +56,7 @@ class StorageCounters:
     writes_dropped: int = 0  # queue full or storage unavailable
     write_errors: int = 0
     read_errors: int = 0  # checksum mismatches and missing bytes (recomputed instead)
+    invalid_entries: int = 0  # index entries and garbage keys refused by their checks
     redis_errors: int = 0
     evictions: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
@@ -69,7 +74,8 @@ class StorageCounters:
 
 _COUNTER_FIELDS = (
     "blocks_written", "bytes_written", "blocks_read", "bytes_read", "writes_skipped",
-    "writes_dropped", "write_errors", "read_errors", "redis_errors", "evictions",
+    "writes_dropped", "write_errors", "read_errors", "invalid_entries", "redis_errors",
+    "evictions",
 )  # fmt: skip
 
 
@@ -112,7 +118,10 @@ class StorageTier:
         tag: str,
         store: BlockStore,
         index: CacheIndex | None = None,
+        channels: ChannelPool | None = None,
     ) -> None:
+        """`channels` reach peers' memory stores (their owner closes them); None: a pool of the
+        tier's own, without the cluster secret, closed by `close`."""
         if index is None:
             if not config.redis_url:
                 raise ConfigError(
@@ -125,7 +134,8 @@ class StorageTier:
         self.store = store
         self.counters = StorageCounters()
         self._peers: dict[str, BlockStore] = {}  # other instances' host memory stores
-        self._channels = ChannelPool()
+        self._owns_channels = channels is None
+        self._channels = channels if channels is not None else ChannelPool()
         self._jobs: queue.Queue[_Write | _Prefetch | _Barrier | None] = queue.Queue()
         self._pending_bytes = 0
         self._lock = threading.Lock()
@@ -201,14 +211,14 @@ class StorageTier:
                 self._remember(block_hash)
                 return
             self._redis_ok()
-            key = self.store.new_key(block_hash.hex())
+            key = new_key(self.index.tag, block_hash)
             try:
                 self.store.put(key, memoryview(data))
             except BlockStoreError as e:
                 self.counters.add(write_errors=1)
                 logger.warning("storage write failed: %s", e)
                 return
-            entry = IndexEntry(self.store.store_id, key, len(data), checksum(data))
+            entry = IndexEntry(self.store.store_id, key, len(data), checksum(data), self.index.tag)
             result = self.index.publish(
                 block_hash, entry, self.config.capacity_bytes, self.config.grace_period_s
             )
@@ -234,9 +244,10 @@ class StorageTier:
     # -- reads ----------------------------------------------------------------------------------
 
     def read_chain(self, hashes: Sequence[BlockHash]) -> list[bytes]:
-        """Bytes of the longest prefix of `hashes` found in storage, every block verified
-        against its checksum; stops at the first missing or corrupt block (dropping its entry).
-        Blocking: call from a handler or the worker thread, never the engine thread."""
+        """Bytes of the longest prefix of `hashes` found in storage, every entry checked and
+        every block verified against its checksum; stops at the first missing, refused or
+        corrupt block (dropping its entry). Blocking: call from a handler or the worker thread,
+        never the engine thread."""
         if not hashes or not self.available:
             return []
         try:
@@ -247,6 +258,9 @@ class StorageTier:
             return []
         blocks: list[bytes] = []
         for block_hash, entry in zip(hashes, entries, strict=False):
+            if isinstance(entry, InvalidEntry):
+                self._refuse(block_hash, entry)
+                break
             data = self._read_verified(block_hash, entry)
             if data is None:
                 break
@@ -255,11 +269,25 @@ class StorageTier:
         self.counters.add(blocks_read=len(blocks), bytes_read=sum(len(b) for b in blocks))
         return blocks
 
-    def _read_verified(self, block_hash: BlockHash, entry: IndexEntry) -> bytes | None:
-        reader = self._reader(entry.store)
-        if reader is None:
-            return None  # another host's private directory: not readable from here
+    def _refuse(self, block_hash: BlockHash, entry: InvalidEntry) -> None:
+        """Count and discard an entry that failed its checks; its key is never used."""
+        self.counters.add(invalid_entries=1)
+        logger.warning(
+            "index entry of block %s refused (%s): recomputing", block_hash.hex(), entry.reason
+        )
         try:
+            self.index.discard(block_hash, entry)
+        except redis.RedisError as e:
+            self._redis_failed(e)
+        with self._lock:
+            self._known_stored.pop(block_hash, None)
+
+    def _read_verified(self, block_hash: BlockHash, entry: IndexEntry) -> bytes | None:
+        """`entry` has passed the index's checks."""
+        try:
+            reader = self._reader(entry.store)
+            if reader is None:
+                return None  # another host's private directory: not readable from here
             data = reader.get(entry.key)
             problem = None
             if len(data) != entry.size:
@@ -281,6 +309,8 @@ class StorageTier:
         return None
 
     def _reader(self, store_id: str) -> BlockStore | None:
+        """The store that reads `store_id`'s blocks here, None when none does. Raises
+        BlockStoreError for a malformed memory store id."""
         if store_id == self.store.store_id:
             return self.store
         if not store_id.startswith(MEMORY_PREFIX):
@@ -328,7 +358,21 @@ class StorageTier:
         except redis.RedisError as e:
             self._redis_failed(e)
             return
-        self.store.delete(keys)
+        for key in keys:
+            self._delete_garbage(key)
+
+    def _delete_garbage(self, key: str) -> None:
+        """Delete the bytes of `key` (from the garbage queue, so from Redis) if it is a store key
+        the store accepts; else count it and delete nothing."""
+        try:
+            if is_store_key(key):
+                self.store.delete([key])
+                return
+            problem = "not a store key"
+        except BlockStoreError as e:
+            problem = str(e)
+        self.counters.add(invalid_entries=1)
+        logger.warning("garbage key %r refused, nothing deleted (%s)", key, problem)
 
     def flush(self, timeout_s: float = 30.0) -> None:
         """Wait until every job queued before this call has run."""
@@ -344,7 +388,8 @@ class StorageTier:
     def close(self) -> None:
         self._jobs.put(None)
         self._worker.join(timeout=30)
-        self._channels.close()
+        if self._owns_channels:
+            self._channels.close()
 
     def check_integrity(self) -> None:
         """Raise IntegrityError unless this instance's store and the index agree: every entry of

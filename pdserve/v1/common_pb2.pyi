@@ -529,6 +529,7 @@ class StorageStats(_message.Message):
     REDIS_ERRORS_FIELD_NUMBER: _builtins.int
     EVICTIONS_FIELD_NUMBER: _builtins.int
     QUEUE_DEPTH_FIELD_NUMBER: _builtins.int
+    INVALID_ENTRIES_FIELD_NUMBER: _builtins.int
     available: _builtins.bool
     """Redis answered last time"""
     storage_hit_tokens: _builtins.int
@@ -550,6 +551,8 @@ class StorageStats(_message.Message):
     evictions: _builtins.int
     queue_depth: _builtins.int
     """storage jobs waiting for the worker"""
+    invalid_entries: _builtins.int
+    """index entries and garbage keys refused by their checks"""
     def __init__(
         self,
         *,
@@ -567,10 +570,11 @@ class StorageStats(_message.Message):
         redis_errors: _builtins.int = ...,
         evictions: _builtins.int = ...,
         queue_depth: _builtins.int = ...,
+        invalid_entries: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["available", b"available", "blocks_read", b"blocks_read", "blocks_written", b"blocks_written", "bytes_read", b"bytes_read", "bytes_written", b"bytes_written", "evictions", b"evictions", "loaded_tokens", b"loaded_tokens", "queue_depth", b"queue_depth", "read_errors", b"read_errors", "redis_errors", b"redis_errors", "storage_hit_tokens", b"storage_hit_tokens", "write_errors", b"write_errors", "writes_dropped", b"writes_dropped", "writes_skipped", b"writes_skipped"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["available", b"available", "blocks_read", b"blocks_read", "blocks_written", b"blocks_written", "bytes_read", b"bytes_read", "bytes_written", b"bytes_written", "evictions", b"evictions", "invalid_entries", b"invalid_entries", "loaded_tokens", b"loaded_tokens", "queue_depth", b"queue_depth", "read_errors", b"read_errors", "redis_errors", b"redis_errors", "storage_hit_tokens", b"storage_hit_tokens", "write_errors", b"write_errors", "writes_dropped", b"writes_dropped", "writes_skipped", b"writes_skipped"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -29,7 +29,7 @@ class InstanceActor:
     threads.
     """
 
-    def __init__(self, role: str, config: ClusterConfig) -> None:
+    def __init__(self, role: str, config: ClusterConfig, secret: str) -> None:
         if role not in ROLES:
             raise ValueError(f"unknown role {role!r}; expected one of {ROLES}")
         logging.basicConfig(
@@ -48,6 +48,7 @@ class InstanceActor:
                 config.host,
                 storage=config.storage,
                 transfer=config.transfer,
+                secret=secret,
             )
         elif role == "decode":
             self.instance, self.server, port = serve_decode(
@@ -56,10 +57,11 @@ class InstanceActor:
                 config.host,
                 storage=config.storage,
                 transfer=config.transfer,
+                secret=secret,
             )
         else:
             self.instance, self.server, port = serve_mixed(
-                engine, config.host, storage=config.storage
+                engine, config.host, storage=config.storage, secret=secret
             )
         self._address = f"{advertised_host(config.host)}:{port}"
 

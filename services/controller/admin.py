@@ -7,20 +7,18 @@ with mode 0600 next to cluster.json, where `pdserve admin` finds it.
 
 from __future__ import annotations
 
-import hmac
 import logging
 import os
-import secrets
 import threading
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import grpc
 import ray
 
 from pdserve.config import AdminConfig
 from pdserve.errors import ClusterError, ConfigError, PdserveError
+from pdserve.rpc.auth import BearerTokenInterceptor, secret_file
 from pdserve.rpc.server import create_server
 from pdserve.v1 import admin_pb2, admin_pb2_grpc, common_pb2
 from services.controller.cluster import Cluster, InstanceInfo
@@ -29,50 +27,16 @@ from services.router.router import Router
 logger = logging.getLogger(__name__)
 
 SERVICE_NAME = "pdserve.v1.AdminService"
-UNGUARDED = ("/grpc.health.v1.Health/", "/grpc.reflection.")
 ROLES = ("prefill", "decode", "mixed")
-
-
-class BearerTokenInterceptor(grpc.ServerInterceptor):
-    """Rejects calls whose `authorization` metadata is not `Bearer <token>`.
-
-    Stateless after construction: safe on every handler thread.
-    """
-
-    def __init__(self, token: str) -> None:
-        self._expected = f"Bearer {token}".encode()
-
-        def deny(request: object, context: grpc.ServicerContext) -> None:
-            context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token")
-
-        self._deny: grpc.RpcMethodHandler[Any, Any] = grpc.unary_unary_rpc_method_handler(deny)
-
-    def intercept_service(
-        self,
-        continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler[Any, Any] | None],
-        details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler[Any, Any] | None:
-        if details.method.startswith(UNGUARDED):
-            return continuation(details)
-        sent = dict(details.invocation_metadata or ()).get("authorization", "")
-        sent_bytes = sent.encode() if isinstance(sent, str) else sent
-        if hmac.compare_digest(sent_bytes, self._expected):
-            return continuation(details)
-        return self._deny
 
 
 def admin_token(config: AdminConfig, state_dir: Path) -> str:
     """The configured token, or a new one written (0600) to `state_dir/admin_token`."""
-    token = config.token or os.environ.get("PDSERVE_ADMIN_TOKEN")
-    if token:
-        return token
-    token = secrets.token_urlsafe(32)
+    configured = config.token or os.environ.get("PDSERVE_ADMIN_TOKEN")
     path = state_dir / "admin_token"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(token + "\n")
-    return token
+    if not configured:
+        path.unlink(missing_ok=True)  # a new cluster gets a new token
+    return secret_file(path, configured)
 
 
 class AdminServicer(admin_pb2_grpc.AdminServiceServicer):

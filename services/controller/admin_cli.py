@@ -35,7 +35,8 @@ def add_parser(commands: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from services.controller.cluster import read_state, state_path
+    from services.controller.cluster import read_state
+    from services.controller.state import state_path
 
     config = load_cluster_config(args.config, overrides={"state_dir": args.state_dir})
     address, token = args.address, args.token or os.environ.get("PDSERVE_ADMIN_TOKEN")

@@ -21,9 +21,11 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from pdserve.config import ClusterConfig, DecodeConfig, MixedConfig, PrefillConfig
 from pdserve.errors import ClusterError
+from pdserve.rpc.auth import secret_file
 from pdserve.rpc.server import advertised_host
 from pdserve.storage.redis_server import EmbeddedRedis
 from services.controller.actors import InstanceActor
+from services.controller.state import state_path
 
 logger = logging.getLogger(__name__)
 
@@ -43,8 +45,9 @@ class Cluster:
     time.
     """
 
-    def __init__(self, config: ClusterConfig) -> None:
+    def __init__(self, config: ClusterConfig, secret: str) -> None:
         self.config = config
+        self.secret = secret  # the cluster secret every instance requires (`cluster_secret`)
         self.instances: list[InstanceInfo] = []
         self.embedded_redis: EmbeddedRedis | None = None
         self._run_store: Path | None = None
@@ -156,7 +159,7 @@ class Cluster:
             max_concurrency=8,
             lifetime=None if self._started_ray else "detached",
             scheduling_strategy=strategy,
-        ).remote(role, self.config)
+        ).remote(role, self.config, self.secret)
 
     def add_instance(self, role: str) -> InstanceInfo:
         """Start one more instance of `role` and wait until it serves. Raises ClusterError."""
@@ -229,7 +232,7 @@ class Cluster:
             "admin_address": admin_address,
             "pid": os.getpid(),
             "namespace": self.config.namespace,
-            "ray_address": self.config.ray_address,
+            "ray_address": ray.get_runtime_context().gcs_address,  # the one joined or started
             "started_at": time.time(),
             "instances": [asdict(i) for i in self.instances],
         }
@@ -237,6 +240,19 @@ class Cluster:
         tmp = path.with_suffix(".tmp")
         tmp.write_text(json.dumps(state, indent=2))
         tmp.replace(path)
+
+
+def cluster_secret(state_dir: Path, fresh: bool = False) -> str:
+    """The secret of the instance plane, kept (0600) in `state_dir/cluster_secret`: `pdserve
+    up` makes a new one (`fresh`); clients of the running cluster read it."""
+    path = state_dir / "cluster_secret"
+    if fresh:
+        path.unlink(missing_ok=True)
+    elif not path.exists():
+        raise ClusterError(
+            f"no cluster secret at {path}: is `pdserve up` running with this state dir?"
+        )
+    return secret_file(path)
 
 
 def read_state(config: ClusterConfig) -> dict[str, Any]:
@@ -249,10 +265,3 @@ def read_state(config: ClusterConfig) -> dict[str, Any]:
             f"no running cluster: {path} does not exist (is `pdserve up` running?)"
         ) from e
     return state
-
-
-def state_path(config: ClusterConfig) -> Path:
-    base = (
-        Path(config.state_dir) if config.state_dir else Path(platformdirs.user_state_dir("pdserve"))
-    )
-    return base / "cluster.json"

@@ -45,12 +45,15 @@ class DecodeInstance:
         storage: StorageConfig | None = None,
         transfer: TransferConfig | None = None,
         host: str = "127.0.0.1",
+        *,
+        secret: str,
     ) -> None:
         self.config = config
         self.reservations = ReservationTable()
         self.runtime = InstanceRuntime.create(
             "decode",
             engine_config,
+            secret=secret,
             on_tick=self._expire_leases,
             storage=storage,
             shared_kv_cache=transfer is not None and transfer.shared_memory,

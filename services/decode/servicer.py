@@ -160,9 +160,12 @@ def serve_decode(
     port: int = 0,
     storage: StorageConfig | None = None,
     transfer: TransferConfig | None = None,
+    *,
+    secret: str,
 ) -> tuple[DecodeInstance, grpc.Server, int]:
-    """Start a decode instance and its gRPC server; returns (instance, server, port)."""
-    instance = DecodeInstance(engine_config, config, storage, transfer, host)
+    """Start a decode instance and its gRPC server (every call must carry `secret`); returns
+    (instance, server, port)."""
+    instance = DecodeInstance(engine_config, config, storage, transfer, host, secret=secret)
     instance.start()
     servicer = DecodeServicer(instance)
     server, bound = instance.runtime.serve(

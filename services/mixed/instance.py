@@ -14,8 +14,12 @@ class MixedInstance:
     thread generates.
     """
 
-    def __init__(self, engine_config: EngineConfig, storage: StorageConfig | None = None) -> None:
-        self.runtime = InstanceRuntime.create("mixed", engine_config, storage=storage)
+    def __init__(
+        self, engine_config: EngineConfig, storage: StorageConfig | None = None, *, secret: str
+    ) -> None:
+        self.runtime = InstanceRuntime.create(
+            "mixed", engine_config, secret=secret, storage=storage
+        )
 
     def start(self) -> None:
         self.runtime.start()

@@ -46,9 +46,12 @@ def serve_mixed(
     host: str = "127.0.0.1",
     port: int = 0,
     storage: StorageConfig | None = None,
+    *,
+    secret: str,
 ) -> tuple[MixedInstance, grpc.Server, int]:
-    """Start a mixed instance and its gRPC server; returns (instance, server, port)."""
-    instance = MixedInstance(engine_config, storage)
+    """Start a mixed instance and its gRPC server (every call must carry `secret`); returns
+    (instance, server, port)."""
+    instance = MixedInstance(engine_config, storage, secret=secret)
     instance.start()
     servicer = MixedServicer(instance)
     server, bound = instance.runtime.serve(

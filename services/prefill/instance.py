@@ -31,7 +31,6 @@ from pdserve.errors import (
 from pdserve.instance.convert import endpoints_from_proto, generate_request
 from pdserve.instance.runtime import InstanceRuntime
 from pdserve.instance.streams import OutputStream
-from pdserve.rpc.channels import ChannelPool
 from pdserve.rpc.clients import DEFAULT_DEADLINES, Deadlines, DecodeClient, InstanceClient
 from pdserve.transfer.base import KVEndpoints, KVTarget
 from pdserve.transfer.select import TransportSelector
@@ -85,10 +84,14 @@ class PrefillInstance:
         transfer: TransferConfig | None = None,
         host: str = "127.0.0.1",
         deadlines: Deadlines = DEFAULT_DEADLINES,
+        *,
+        secret: str,
     ) -> None:
         self.config = config
-        self.runtime = InstanceRuntime.create("prefill", engine_config, storage=storage)
-        self.channels = ChannelPool()
+        self.runtime = InstanceRuntime.create(
+            "prefill", engine_config, secret=secret, storage=storage
+        )
+        self.channels = self.runtime.channels
         self.deadlines = deadlines
         self.transfer = transfer or TransferConfig()
         self.transports = TransportSelector(
@@ -104,9 +107,8 @@ class PrefillInstance:
         self.runtime.start()
 
     def stop(self) -> None:
-        self.runtime.stop()
         self.transports.close()
-        self.channels.close()
+        self.runtime.stop()
 
     def prefill(
         self,

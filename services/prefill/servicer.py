@@ -77,9 +77,12 @@ def serve_prefill(
     port: int = 0,
     storage: StorageConfig | None = None,
     transfer: TransferConfig | None = None,
+    *,
+    secret: str,
 ) -> tuple[PrefillInstance, grpc.Server, int]:
-    """Start a prefill instance and its gRPC server; returns (instance, server, port)."""
-    instance = PrefillInstance(engine_config, config, storage, transfer, host)
+    """Start a prefill instance and its gRPC server (every call must carry `secret`); returns
+    (instance, server, port)."""
+    instance = PrefillInstance(engine_config, config, storage, transfer, host, secret=secret)
     instance.start()
     servicer = PrefillServicer(instance)
     server, bound = instance.runtime.serve(

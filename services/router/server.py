@@ -14,7 +14,9 @@ from pdserve.model.config import ModelConfig
 from pdserve.model.loader import model_tag
 from pdserve.model.tiny import default_model_dir
 from pdserve.model.tokenizer import Tokenizer
+from pdserve.rpc.channels import ChannelPool
 from services.router.app import create_app
+from services.router.pd_client import PDClient
 from services.router.router import ModelInfo, Router
 
 logger = logging.getLogger(__name__)
@@ -60,11 +62,14 @@ def serve_router(
     prefill: list[str],
     decode: list[str],
     mixed: list[str] | None = None,
+    *,
+    secret: str,
 ) -> RunningRouter:
-    """Start the HTTP router for PD pairs (or for mixed instances); returns once it accepts
-    connections."""
+    """Start the HTTP router for PD pairs (or for mixed instances), calling them with the
+    cluster `secret`; returns once it accepts connections."""
     model = model_info(engine, config.model_name)
-    router = Router(config, model, prefill, decode, mixed=mixed or ())
+    client = PDClient(ChannelPool(secret))
+    router = Router(config, model, prefill, decode, client, mixed=mixed or ())
     router.start()
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

@@ -9,12 +9,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from credentials import SECRET, channels
 
 from pdserve.config import DecodeConfig, EngineConfig, TransferConfig
 from pdserve.engine import LLMEngine, SamplingParams
 from pdserve.errors import KVTransferError
 from pdserve.instance.convert import endpoints_from_proto, generate_request
-from pdserve.rpc.channels import ChannelPool
 from pdserve.transfer.base import KVTarget, KVTransport
 from pdserve.transfer.direct import ShmKVTransport, address_of
 from pdserve.transfer.mooncake import MooncakeEngine, MooncakeKVTransport, plan_writes
@@ -31,7 +31,12 @@ def decode(tiny_model_dir: Path) -> Iterator[tuple[DecodeInstance, str]]:
     engine = EngineConfig(
         model=str(tiny_model_dir), num_kv_blocks=NUM_BLOCKS, enable_prefix_caching=False
     )
-    instance, server, port = serve_decode(engine, DecodeConfig(), transfer=TransferConfig())
+    instance, server, port = serve_decode(
+        engine,
+        DecodeConfig(),
+        transfer=TransferConfig(transport="mooncake"),  # its engine too, on loopback
+        secret=SECRET,
+    )
     try:
         yield instance, f"127.0.0.1:{port}"
     finally:
@@ -44,7 +49,7 @@ class Sender:
 
     def __init__(self, name: str, address: str, block_bytes: int, engines: int = 1) -> None:
         self.address = address
-        self.channels = ChannelPool()
+        self.channels = channels()
         self.stub = decode_pb2_grpc.DecodeServiceStub(self.channels.get(address))
         self.source = bytearray(random.Random(7).randbytes(NUM_BLOCKS * block_bytes))
         view = memoryview(self.source)

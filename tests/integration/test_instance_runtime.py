@@ -8,13 +8,13 @@ from pathlib import Path
 import httpx
 import pytest
 import yaml
+from credentials import SECRET, channels
 from waiting import wait_for
 
 from pdserve.config import EngineConfig, RouterConfig, load_cluster_config
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.request import SamplingParams
 from pdserve.errors import PromptTooLongError, StepFailedError
-from pdserve.rpc.channels import ChannelPool
 from pdserve.rpc.clients import InstanceClient
 from services.decode.instance import DecodeInstance
 from services.decode.servicer import serve_decode
@@ -50,15 +50,18 @@ def stack(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Ite
     config = load_cluster_config(path, env={})
     assert config.engine_for("decode").num_kv_blocks == DECODE_BLOCKS
     prefill, prefill_server, prefill_port = serve_prefill(
-        config.engine_for("prefill"), config.prefill
+        config.engine_for("prefill"), config.prefill, secret=SECRET
     )
-    decode, decode_server, decode_port = serve_decode(config.engine_for("decode"), config.decode)
+    decode, decode_server, decode_port = serve_decode(
+        config.engine_for("decode"), config.decode, secret=SECRET
+    )
     prefill_address, decode_address = f"127.0.0.1:{prefill_port}", f"127.0.0.1:{decode_port}"
     router = serve_router(
         RouterConfig(port=0, model_name=MODEL, stats_interval_s=0.1),
         config.engine_for("prefill"),
         [prefill_address],
         [decode_address],
+        secret=SECRET,
     )
     yield Stack(router, prefill, prefill_address, decode, decode_address)
     router.stop()
@@ -129,13 +132,13 @@ def test_kv_event_subscription_starts_with_a_snapshot_of_published_blocks(stack:
     runtime = stack.prefill.runtime
     published = runtime.loop.call(LLMEngine.published_hashes)
     assert published  # the earlier tests' prompts
-    channels = ChannelPool()
+    pool = channels()
     try:
-        events = InstanceClient(stack.prefill_address, channels).kv_events()
+        events = InstanceClient(stack.prefill_address, pool).kv_events()
         first = next(iter(events))
         events.cancel()
     finally:
-        channels.close()
+        pool.close()
     assert first.WhichOneof("event") == "snapshot"
     assert list(first.snapshot.block_hashes) == published
 
@@ -143,8 +146,10 @@ def test_kv_event_subscription_starts_with_a_snapshot_of_published_blocks(stack:
 def test_a_failed_step_ends_a_mixed_stream_with_step_failed_and_the_instance_serves_on(
     tiny_model_dir: Path,
 ) -> None:
-    instance, server, port = serve_mixed(EngineConfig(model=str(tiny_model_dir), num_kv_blocks=64))
-    client = PDClient()
+    instance, server, port = serve_mixed(
+        EngineConfig(model=str(tiny_model_dir), num_kv_blocks=64), secret=SECRET
+    )
+    client = PDClient(channels())
     address = f"127.0.0.1:{port}"
     params = SamplingParams(max_tokens=3, ignore_eos=True)
     try:

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+from credentials import SECRET, channels
 from waiting import wait_for
 
 from pdserve.config import DecodeConfig, EngineConfig, PrefillConfig, TransferConfig
@@ -33,7 +34,7 @@ class PDPair:
     prefill_address: str
     decode_address: str
     servers: list[grpc.Server] = field(default_factory=list)
-    client: PDClient = field(default_factory=PDClient)
+    client: PDClient = field(default_factory=lambda: PDClient(channels()))
 
     def generate(self, prompt: list[int], params: SamplingParams) -> tuple[list[int], Finished]:
         tokens: list[int] = []
@@ -65,8 +66,11 @@ def make_pair(tiny_model_dir: Path) -> Iterator[Callable[..., PDPair]]:
             engine,
             PrefillConfig(**prefill),  # type: ignore[arg-type]
             transfer=transfer,
+            secret=SECRET,
         )
-        d, d_server, d_port = serve_decode(engine, decode or DecodeConfig(), transfer=transfer)
+        d, d_server, d_port = serve_decode(
+            engine, decode or DecodeConfig(), transfer=transfer, secret=SECRET
+        )
         pair = PDPair(p, d, f"127.0.0.1:{p_port}", f"127.0.0.1:{d_port}", [p_server, d_server])
         pairs.append(pair)
         return pair
@@ -287,9 +291,13 @@ def test_a_decode_that_disappears_mid_transfer_leaves_nothing_pinned_on_prefill(
     its commit fails, the request fails with a clear error, and prefill releases every block."""
     engine = EngineConfig(model=str(tiny_model_dir), num_kv_blocks=256)
     transfer = TransferConfig(transport=transport)
-    prefill, p_server, p_port = serve_prefill(engine, PrefillConfig(), transfer=transfer)
-    decode, d_server, d_port = serve_decode(engine, DecodeConfig(), transfer=transfer)
-    client = PDClient()
+    prefill, p_server, p_port = serve_prefill(
+        engine, PrefillConfig(), transfer=transfer, secret=SECRET
+    )
+    decode, d_server, d_port = serve_decode(
+        engine, DecodeConfig(), transfer=transfer, secret=SECRET
+    )
+    client = PDClient(channels())
     errors: list[Exception] = []
 
     def run() -> None:

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import ray
+from credentials import SECRET, channels
 from reference import hf_greedy, hf_model
 from waiting import wait_for
 
@@ -42,7 +43,7 @@ def decode_stats(client: PDClient, address: str) -> common_pb2.InstanceStats:
 
 @pytest.fixture(scope="module")
 def cluster(ray_session: None, tiny_model_dir: Path) -> Iterator[Cluster]:
-    cluster = Cluster(cluster_config(tiny_model_dir))
+    cluster = Cluster(cluster_config(tiny_model_dir), SECRET)
     cluster.up()
     yield cluster
     cluster.down()
@@ -50,7 +51,7 @@ def cluster(ray_session: None, tiny_model_dir: Path) -> Iterator[Cluster]:
 
 @pytest.fixture
 def client(cluster: Cluster) -> Iterator[PDClient]:
-    client = PDClient()
+    client = PDClient(channels())
     yield client
     client.close()
     for info in cluster.instances:
@@ -93,9 +94,9 @@ def test_killed_prefill_leaves_no_reserved_blocks_on_decode(
     ray_session: None, tiny_model_dir: Path
 ) -> None:
     config = cluster_config(tiny_model_dir, "pdserve-test-kill", reservation_timeout_s=2.0)
-    cluster = Cluster(config)
+    cluster = Cluster(config, SECRET)
     cluster.up()
-    client = PDClient()
+    client = PDClient(channels())
     try:
         where = addresses(cluster)
         failure: list[BaseException] = []

@@ -11,11 +11,13 @@ import grpc
 import httpx
 import openai
 import pytest
+from credentials import SECRET
 from pdserve_up import scrape_metrics
 from waiting import wait_for
 
 from pdserve.config import DecodeConfig, EngineConfig, PrefillConfig, RouterConfig
 from pdserve.instance.runtime import INSTANCE_SERVICE, InstanceServicer
+from pdserve.rpc.auth import BearerTokenInterceptor
 from pdserve.rpc.server import create_server
 from pdserve.v1 import common_pb2_grpc, prefill_pb2_grpc
 from services.decode.servicer import serve_decode
@@ -40,14 +42,15 @@ class Stack:
 @pytest.fixture(scope="module")
 def stack(tiny_model_dir: Path) -> Iterator[Stack]:
     engine = EngineConfig(model=str(tiny_model_dir), num_kv_blocks=512, max_model_len=1024)
-    prefill = [serve_prefill(engine, PrefillConfig()) for _ in range(2)]
-    decode = [serve_decode(engine, DecodeConfig())]
+    prefill = [serve_prefill(engine, PrefillConfig(), secret=SECRET) for _ in range(2)]
+    decode = [serve_decode(engine, DecodeConfig(), secret=SECRET)]
     config = RouterConfig(port=0, model_name=MODEL, stats_interval_s=0.1)
     router = serve_router(
         config,
         engine,
         [f"127.0.0.1:{port}" for _, _, port in prefill],
         [f"127.0.0.1:{port}" for _, _, port in decode],
+        secret=SECRET,
     )
     client = openai.OpenAI(base_url=f"{router.url}/v1", api_key="unused", max_retries=0)
     yield Stack(router, client, prefill, decode)
@@ -90,7 +93,12 @@ def test_dead_prefill_is_routed_around_and_rejoins_when_it_returns(stack: Stack)
                 InstanceServicer(instance, instance.runtime), s
             )
 
-        revived, _ = create_server(register, [SERVICE_NAME, INSTANCE_SERVICE], port=port)
+        revived, _ = create_server(
+            register,
+            [SERVICE_NAME, INSTANCE_SERVICE],
+            port=port,
+            interceptors=[BearerTokenInterceptor(SECRET)],
+        )
         stack.prefill[0] = (instance, revived, port)
     # Its KV events flow again: a prompt prefilled there shows up in the router's index.
     wait_for(lambda: router._unhealthy_until.get(address, 0) < time.monotonic(), 10)

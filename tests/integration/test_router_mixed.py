@@ -7,6 +7,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+from credentials import SECRET
 from pdserve_up import scrape_metrics
 from waiting import wait_for
 
@@ -22,10 +23,10 @@ MODEL = "tiny"
 @pytest.fixture(scope="module")
 def mixed_stack(tiny_model_dir: Path) -> Iterator[tuple[RunningRouter, list[MixedInstance]]]:
     engine = EngineConfig(model=str(tiny_model_dir), num_kv_blocks=512, max_model_len=1024)
-    served = [serve_mixed(engine) for _ in range(2)]
+    served = [serve_mixed(engine, secret=SECRET) for _ in range(2)]
     config = RouterConfig(port=0, model_name=MODEL)
     addresses = [f"127.0.0.1:{port}" for _, _, port in served]
-    router = serve_router(config, engine, [], [], mixed=addresses)
+    router = serve_router(config, engine, [], [], mixed=addresses, secret=SECRET)
     yield router, [instance for instance, _, _ in served]
     router.stop()
     for instance, server, _ in served:

@@ -8,13 +8,15 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+from credentials import SECRET, channels
 from waiting import wait_for
 
 from pdserve.config import DecodeConfig, EngineConfig, PrefillConfig, StorageConfig
 from pdserve.engine import LLMEngine, SamplingParams
 from pdserve.kvcache.hashing import BlockHash
-from pdserve.storage import CacheIndex, DirectoryStore, IndexEntry, StorageTier
-from pdserve.storage.index import redis_client
+from pdserve.storage import CacheIndex, DirectoryStore, IndexEntry, StorageTier, checksum
+from pdserve.storage.index import InvalidEntry, redis_client
+from pdserve.storage.keys import key_binding, new_key
 from pdserve.storage.redis_server import EmbeddedRedis
 from pdserve.storage.tier import make_store
 from services.decode.servicer import serve_decode
@@ -27,6 +29,11 @@ BLOCK = 100  # bytes of a test block (index and tier tests)
 
 def block_hash(n: int) -> BlockHash:
     return BlockHash(n.to_bytes(32, "big"))
+
+
+def index_entry(n: int, tag: str = "t", store: str = "dir:s") -> IndexEntry:
+    """An entry of block `n` under `tag`, as a writer publishes it (CRC `n`)."""
+    return IndexEntry(store, new_key(tag, block_hash(n)), BLOCK, n, tag)
 
 
 def storage_config(redis_url: str, root: Path, **overrides: object) -> StorageConfig:
@@ -65,49 +72,170 @@ def tiers() -> Iterator[list[StorageTier]]:
 
 def test_lookup_returns_the_longest_stored_prefix_of_the_chain(redis_url: str) -> None:
     index = CacheIndex(redis_client(redis_url), "t")
-    for n in (0, 1, 3):
-        entry = IndexEntry("s", f"k{n}", BLOCK, n)
+    entries = {n: index_entry(n) for n in (0, 1, 3)}
+    for n, entry in entries.items():
         assert index.publish(block_hash(n), entry, 10 * BLOCK, 0.0).published
     found = index.lookup([block_hash(n) for n in range(4)])
-    assert [e.key for e in found] == ["k0", "k1"]  # stops at the gap, never skips it
+    assert found == [entries[0], entries[1]]  # stops at the gap, never skips it
     assert index.lookup([block_hash(2), block_hash(3)]) == []
-    assert index.check_integrity("s").keys() == {block_hash(n).hex() for n in (0, 1, 3)}
+    assert index.check_integrity("dir:s").keys() == {block_hash(n).hex() for n in (0, 1, 3)}
 
 
 def test_capacity_evicts_the_least_recently_used_and_frees_bytes_after_grace(
     redis_url: str,
 ) -> None:
     index = CacheIndex(redis_client(redis_url), "t")
+    entries = [index_entry(n) for n in range(5)]
     for n in range(3):
-        index.publish(block_hash(n), IndexEntry("s", f"k{n}", BLOCK, n), 3 * BLOCK, 60.0)
+        index.publish(block_hash(n), entries[n], 3 * BLOCK, 60.0)
     index.lookup([block_hash(0)])  # 0 is used again: 1 is now the least recently used
-    result = index.publish(block_hash(3), IndexEntry("s", "k3", BLOCK, 3), 3 * BLOCK, 60.0)
+    result = index.publish(block_hash(3), entries[3], 3 * BLOCK, 60.0)
     assert (result.published, result.evicted) == (True, 1)
     assert index.contains([block_hash(n) for n in range(4)]) == [True, False, True, True]
-    assert index.used_bytes("s") == 3 * BLOCK
-    assert index.take_garbage("s") == []  # still within its grace period
-    assert index.pending_garbage("s") == {"k1"}
-    index.publish(block_hash(4), IndexEntry("s", "k4", BLOCK, 4), 3 * BLOCK, 0.0)
-    assert set(index.take_garbage("s")) == {"k2"}  # evicted with no grace: deletable now
-    index.check_integrity("s")
+    assert index.used_bytes("dir:s") == 3 * BLOCK
+    assert index.take_garbage("dir:s") == []  # still within its grace period
+    assert index.pending_garbage("dir:s") == {entries[1].key}
+    index.publish(block_hash(4), entries[4], 3 * BLOCK, 0.0)
+    assert index.take_garbage("dir:s") == [entries[2].key]  # evicted with no grace: deletable
+    index.check_integrity("dir:s")
 
 
 def test_a_block_is_claimed_by_one_writer_and_published_once(redis_url: str) -> None:
     index = CacheIndex(redis_client(redis_url), "t")
     assert index.claim(block_hash(7))
     assert not index.claim(block_hash(7))  # another writer is on it
-    first = index.publish(block_hash(7), IndexEntry("s", "a", BLOCK, 1), 10 * BLOCK, 0.0)
-    second = index.publish(block_hash(7), IndexEntry("s", "b", BLOCK, 2), 10 * BLOCK, 0.0)
+    first_entry, second_entry = index_entry(7), index_entry(7)
+    first = index.publish(block_hash(7), first_entry, 10 * BLOCK, 0.0)
+    second = index.publish(block_hash(7), second_entry, 10 * BLOCK, 0.0)
     assert first.published and not second.published
     assert not index.claim(block_hash(7))  # stored: nobody writes it again
-    assert [e.key for e in index.lookup([block_hash(7)])] == ["a"]
-    assert index.used_bytes("s") == BLOCK
+    assert index.lookup([block_hash(7)]) == [first_entry]
+    assert index.used_bytes("dir:s") == BLOCK
 
 
 def test_index_tags_keep_layouts_apart(redis_url: str) -> None:
     client = redis_client(redis_url)
-    CacheIndex(client, "model-a").publish(block_hash(1), IndexEntry("s", "k", 1, 0), 10, 0.0)
+    entry = index_entry(1, tag="model-a")
+    CacheIndex(client, "model-a").publish(block_hash(1), entry, 10 * BLOCK, 0.0)
     assert CacheIndex(client, "model-b").lookup([block_hash(1)]) == []
+
+
+# -- entries read from Redis are checked before use -----------------------------------------------
+
+
+def forge(index: CacheIndex, block_hash: BlockHash, fields: dict[str, object]) -> None:
+    """Write an entry straight into Redis, as anyone with access to it can."""
+    index.client.hset(f"{index.prefix}b:{block_hash.hex()}", mapping=fields)  # type: ignore[arg-type]
+
+
+def entry_fields(entry: IndexEntry) -> dict[str, object]:
+    return dataclasses.asdict(entry)
+
+
+FORGERIES: dict[str, dict[str, object]] = {
+    "a traversal key": {"key": "../../../victim"},
+    "an absolute key": {"key": "/etc/passwd"},
+    "another block's key": {"key": new_key("t", block_hash(2))},
+    "another layout's key of the block": {"key": new_key("other", block_hash(1))},
+    "another tag": {"tag": "other"},
+    "a malformed size": {"size": "1e3"},
+    "a negative crc": {"crc": "-1"},
+    "a gRPC resolver for a peer": {"store": "mem:unix:/tmp/pdserve.sock"},
+    "a peer without a port": {"store": "mem:10.0.0.1"},
+    "an unknown kind of store": {"store": "s3:bucket"},
+}
+
+
+@pytest.mark.parametrize("forgery", sorted(FORGERIES))
+def test_a_forged_entry_is_returned_invalid_and_discarded_without_freeing_bytes(
+    redis_url: str, forgery: str
+) -> None:
+    index = CacheIndex(redis_client(redis_url), "t")
+    genuine = index_entry(0)
+    assert index.publish(block_hash(0), genuine, 10 * BLOCK, 0.0).published
+    forge(index, block_hash(1), {**entry_fields(index_entry(1)), **FORGERIES[forgery]})
+    found = index.lookup([block_hash(0), block_hash(1)])
+    assert found[0] == genuine and isinstance(found[1], InvalidEntry)  # the chain ends there
+    assert index.discard(block_hash(1), found[1])
+    assert index.contains([block_hash(1)]) == [False]
+    assert index.pending_garbage("dir:s") == set()  # what it named is not queued for deletion
+    assert index.check_integrity("dir:s").keys() == {block_hash(0).hex()}
+
+
+def test_an_entry_without_its_tag_is_invalid(redis_url: str) -> None:
+    index = CacheIndex(redis_client(redis_url), "t")
+    fields = entry_fields(index_entry(1))
+    del fields["tag"]  # as written before entries carried their tag
+    forge(index, block_hash(1), fields)
+    [found] = index.lookup([block_hash(1)])
+    assert isinstance(found, InvalidEntry) and "tag" in found.reason
+
+
+def test_discard_keeps_an_entry_published_since_the_lookup(redis_url: str) -> None:
+    index = CacheIndex(redis_client(redis_url), "t")
+    forge(index, block_hash(1), {**entry_fields(index_entry(1)), "tag": "other"})
+    [found] = index.lookup([block_hash(1)])
+    assert isinstance(found, InvalidEntry)
+    index.client.delete(f"{index.prefix}b:{block_hash(1).hex()}")
+    index.publish(block_hash(1), index_entry(1), 10 * BLOCK, 0.0)
+    assert not index.discard(block_hash(1), found)
+    assert index.contains([block_hash(1)]) == [True]
+
+
+def victim_outside(tmp_path: Path) -> tuple[Path, Path, bytes]:
+    """(store root, a file outside it, the file's bytes); `../../../victim` from the root's shard
+    folder is that file."""
+    root = tmp_path / "a" / "b" / "c" / "store"
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"do not delete" * 10)
+    assert (root / ".." / "../../../victim").resolve() == victim.resolve()
+    return root, victim, victim.read_bytes()
+
+
+@pytest.mark.parametrize("relative", [True, False], ids=["traversal", "absolute"])
+def test_an_index_entry_naming_a_file_outside_the_store_is_refused_counted_never_read(
+    redis_url: str, tmp_path: Path, tiers: list[StorageTier], relative: bool
+) -> None:
+    root, victim, content = victim_outside(tmp_path)
+    tier = make_tier(storage_config(redis_url, root), tiers)
+    key = "../../../victim" if relative else str(victim)
+    entry = IndexEntry(tier.store.store_id, key, len(content), checksum(content), tier.index.tag)
+    forge(tier.index, block_hash(5), entry_fields(entry))
+    assert tier.read_chain([block_hash(5)]) == []  # not the victim's bytes
+    assert (tier.counters.invalid_entries, tier.counters.read_errors) == (1, 0)
+    assert tier.index.contains([block_hash(5)]) == [False]
+    tier.flush()  # a garbage collection has had its chance
+    assert victim.read_bytes() == content
+
+
+def test_garbage_keys_naming_files_outside_the_store_are_refused_and_counted(
+    redis_url: str, tmp_path: Path, tiers: list[StorageTier]
+) -> None:
+    root, victim, content = victim_outside(tmp_path)
+    tier = make_tier(storage_config(redis_url, root, grace_period_s=0.05), tiers)
+    items = blocks(1)
+    tier.write(items)
+    tier.flush()
+    [genuine] = tier.store.keys()
+    assert genuine.startswith(key_binding(tier.index.tag, items[0][0]))
+    tier.index.remove([items[0][0]], tier.config.grace_period_s)  # genuine garbage, to be freed
+    queue = f"{tier.index.prefix}gc:{tier.store.store_id}"
+    tier.index.client.zadd(queue, {"../../../victim": 0, str(victim): 0})
+    # the collection ran (the genuine garbage is gone) and refused both keys
+    wait_for(lambda: tier.store.keys() == set() and tier.counters.invalid_entries == 2)
+    assert victim.read_bytes() == content  # and deleted nothing outside the store
+    assert tier.index.pending_garbage(tier.store.store_id) == set()
+
+
+def test_a_peer_address_from_a_forged_entry_is_never_dialled(
+    redis_url: str, tmp_path: Path, tiers: list[StorageTier]
+) -> None:
+    tier = make_tier(storage_config(redis_url, tmp_path), tiers)
+    store = "mem:unix:/tmp/pdserve.sock"  # a gRPC resolver prefix, not host:port
+    forge(tier.index, block_hash(6), {**entry_fields(index_entry(6, "test")), "store": store})
+    assert tier.read_chain([block_hash(6)]) == []
+    assert tier.counters.invalid_entries == 1
+    assert tier._peers == {}  # no channel was made for it
 
 
 # -- the tier -----------------------------------------------------------------------------------
@@ -149,6 +277,50 @@ def test_corrupt_or_missing_bytes_are_detected_dropped_and_recomputed(
     assert tier.read_chain([h for h, _ in items]) == []
     assert tier.counters.read_errors == 2
     assert tier.index.contains([items[0][0]]) == [False]
+
+
+@pytest.mark.parametrize("target", ["another block", "another layout"])
+def test_a_forged_entry_for_a_prompt_is_refused_and_the_prompt_recomputed_with_identical_output(
+    redis_url: str,
+    tmp_path: Path,
+    tiny_model_dir: Path,
+    reference: LLMEngine,
+    tiers: list[StorageTier],
+    target: str,
+) -> None:
+    """The forged entry carries our tag and a checksum matching the bytes it names: only the
+    key's binding to (tag, block hash) gives it away."""
+    config = storage_config(redis_url, tmp_path, device_write_policy="write_through")
+    engine = storage_engine(tiny_model_dir, config, 64, tiers)
+    prompt, other_prompt = prompts(2, 64, seed=50)
+    params = SamplingParams(max_tokens=8)
+    engine.generate([prompt, other_prompt], params)
+    assert engine.storage is not None
+    tier = engine.storage.tier
+    tier.flush()
+    first, other = engine.hasher.hash_tokens(prompt)[0], engine.hasher.hash_tokens(other_prompt)[0]
+    [genuine, other_entry] = [tier.index.lookup([h])[0] for h in (first, other)]
+    assert isinstance(genuine, IndexEntry) and isinstance(other_entry, IndexEntry)
+    planted: list[str] = []
+    if target == "another block":
+        forged = dataclasses.replace(other_entry)  # real KV bytes, of another prefix
+    else:
+        data = bytes((n * 37) % 251 for n in range(genuine.size))  # another layout's block
+        planted.append(new_key("another/layout", first))
+        tier.store.put(planted[0], memoryview(data))
+        forged = dataclasses.replace(genuine, key=planted[0], crc=checksum(data))
+    tier.index.remove([first])  # the genuine bytes go to the garbage queue
+    forge(tier.index, first, entry_fields(forged))
+    assert engine.kv_cache.evict_cached_blocks() > 0
+    before = dataclasses.replace(engine.scheduler.stats)
+
+    [result] = engine.generate([prompt], params)
+    assert result.token_ids == reference.generate([prompt], params)[0].token_ids
+    assert tier.counters.invalid_entries == 1 and tier.counters.read_errors == 0
+    assert engine.scheduler.stats.storage_hit_tokens == before.storage_hit_tokens
+    assert tier.index.lookup([other]) == [other_entry]  # the block it pointed at is untouched
+    tier.store.delete(planted)
+    engine.check_integrity()
 
 
 def test_writes_beyond_the_pending_limit_are_dropped_not_queued(
@@ -351,14 +523,18 @@ def test_pd_instances_resume_and_serve_prefixes_from_storage(
     storage = storage_config(redis_url, tmp_path, shared_directory=True)
     model = str(tiny_model_dir)
     prefill, prefill_server, prefill_port = serve_prefill(
-        EngineConfig(model=model, num_kv_blocks=128), PrefillConfig(), storage=storage
+        EngineConfig(model=model, num_kv_blocks=128),
+        PrefillConfig(),
+        storage=storage,
+        secret=SECRET,
     )
     decode, decode_server, decode_port = serve_decode(
         EngineConfig(model=model, num_kv_blocks=20),
         DecodeConfig(reserve_horizon_tokens=0),  # accept all: running requests must preempt
         storage=storage,
+        secret=SECRET,
     )
-    client = PDClient()
+    client = PDClient(channels())
     addresses = (f"127.0.0.1:{prefill_port}", f"127.0.0.1:{decode_port}")
     try:
         batch = prompts(3, 90, seed=30)
@@ -403,7 +579,7 @@ def test_host_memory_blocks_are_read_by_a_peer_over_grpc(
         redis_url=redis_url, store="memory", device_write_policy="write_through"
     )
     engine = EngineConfig(model=str(tiny_model_dir), num_kv_blocks=64)
-    served = [serve_mixed(engine, storage=storage) for _ in range(2)]
+    served = [serve_mixed(engine, storage=storage, secret=SECRET) for _ in range(2)]
     (owner, _, owner_port), (peer, _, _) = served
     try:
         shared = prompts(1, 96, seed=40)[0]

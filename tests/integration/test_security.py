@@ -1,0 +1,118 @@
+"""Secure defaults over real servers: the embedded Redis is locked, the instance plane is
+authenticated."""
+
+import os
+import stat
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+import redis
+from credentials import SECRET, channels
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from pdserve.config import DecodeConfig, EngineConfig
+from pdserve.engine.request import SamplingParams
+from pdserve.instance.convert import generate_request
+from pdserve.rpc.auth import authenticated_channel
+from pdserve.rpc.clients import DecodeClient, InstanceClient
+from pdserve.storage.redis_server import EmbeddedRedis, redacted
+from pdserve.v1 import common_pb2, common_pb2_grpc, decode_pb2, decode_pb2_grpc
+from services.decode.instance import DecodeInstance
+from services.decode.servicer import serve_decode
+
+
+def test_embedded_redis_refuses_a_client_without_its_password(
+    redis_server: EmbeddedRedis,
+) -> None:
+    url = redis_server.url
+    parts = url.split("@")
+    assert len(parts) == 2 and len(parts[0].rsplit(":", 1)[1]) >= 32  # a generated password
+    anonymous = redis.Redis(host=redis_server.host, port=redis_server.port)
+    with pytest.raises(redis.AuthenticationError):
+        anonymous.ping()
+    wrong = redis.Redis(host=redis_server.host, port=redis_server.port, password="guess")
+    with pytest.raises(redis.AuthenticationError):
+        wrong.ping()
+    assert redis.Redis.from_url(url).ping()
+    config = Path(redis_server._workdir.name) / "redis.conf"
+    assert stat.S_IMODE(os.stat(config).st_mode) == 0o600
+    with open(f"/proc/{redis_server.process.pid}/cmdline", "rb") as f:  # type: ignore[union-attr]
+        assert redis_server._password.encode() not in f.read()  # not visible to `ps`
+
+
+def test_a_redis_url_is_printed_without_its_password() -> None:
+    assert redacted("redis://:s3cret@10.0.0.1:6379/0") == "redis://:***@10.0.0.1:6379/0"
+    assert redacted("rediss://user:s3cret@h/1") == "rediss://user:***@h/1"
+    assert redacted("redis://h:6379/0") == "redis://h:6379/0"
+
+
+# -- the instance plane ---------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def decode_instance(tiny_model_dir: Path) -> Iterator[tuple[DecodeInstance, str]]:
+    engine = EngineConfig(model=str(tiny_model_dir), num_kv_blocks=64)
+    instance, server, port = serve_decode(engine, DecodeConfig(), secret=SECRET)
+    yield instance, f"127.0.0.1:{port}"
+    server.stop(0)
+    instance.check_integrity()
+    instance.stop()
+
+
+def reserve_message(request_id: str) -> decode_pb2.ReserveRequest:
+    params = SamplingParams(max_tokens=4)
+    return decode_pb2.ReserveRequest(request=generate_request(request_id, [5] * 40, params))
+
+
+def calls(channel: grpc.Channel) -> dict[str, Callable[[], object]]:
+    """Every guarded kind of call an attacker would make, on `channel`."""
+    decode = decode_pb2_grpc.DecodeServiceStub(channel)
+    instance = common_pb2_grpc.InstanceServiceStub(channel)
+    chunk = decode_pb2.KVChunk(
+        request_id="victim", first_block=0, num_blocks=1, data=b"x", last=True
+    )
+    return {
+        "Reserve": lambda: decode.Reserve(reserve_message("intruder"), timeout=10),
+        "Abort": lambda: instance.Abort(common_pb2.AbortRequest(request_id="victim"), timeout=10),
+        "PushKV": lambda: decode.PushKV(iter([chunk]), timeout=10),
+        "CommitKV": lambda: decode.CommitKV(
+            decode_pb2.CommitKVRequest(request_id="victim", first_block=0, num_blocks=1),
+            timeout=10,
+        ),
+        "GetStats": lambda: instance.GetStats(common_pb2.StatsRequest(), timeout=10),
+        "SubscribeKVEvents": lambda: next(
+            iter(instance.SubscribeKVEvents(common_pb2.KVEventsRequest(), timeout=10))
+        ),
+    }
+
+
+@pytest.mark.parametrize("token", [None, "wrong-secret"], ids=["no secret", "wrong secret"])
+def test_instance_rpcs_without_the_cluster_secret_are_refused_and_change_nothing(
+    decode_instance: tuple[DecodeInstance, str], token: str | None
+) -> None:
+    instance, address = decode_instance
+    own = channels()
+    try:
+        # a live reservation of the real client: what an intruder's Abort or PushKV would hit
+        DecodeClient(address, own).reserve(reserve_message("victim"))
+        before = instance.stats()
+        plain = grpc.insecure_channel(address)
+        channel = plain if token is None else authenticated_channel(plain, token)
+        for name, call in calls(channel).items():
+            with pytest.raises(grpc.RpcError) as refused:
+                call()
+            assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED, name
+            assert SECRET not in (refused.value.details() or ""), name
+        plain.close()
+        after = instance.stats()
+        assert (after.num_reservations, after.num_reserved_blocks) == (
+            before.num_reservations, before.num_reserved_blocks,
+        )  # fmt: skip
+        assert after.kv_blocks_received == before.kv_blocks_received
+        health = health_pb2_grpc.HealthStub(grpc.insecure_channel(address))
+        assert health.Check(health_pb2.HealthCheckRequest(), timeout=10).status == 1  # SERVING
+        assert InstanceClient(address, own).abort("victim")  # the secret's holder may
+    finally:
+        own.close()
