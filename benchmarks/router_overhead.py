@@ -57,6 +57,7 @@ from fastapi import FastAPI
 from pdserve.config import EngineConfig, RouterConfig
 from pdserve.kvcache.events import BlockRemoved, BlockStored
 from pdserve.kvcache.hashing import BlockHash, BlockHasher
+from pdserve.rpc.auth import BearerTokenInterceptor, new_secret
 from pdserve.rpc.server import create_server
 from pdserve.v1 import (
     common_pb2,
@@ -174,6 +175,34 @@ def bench_decisions(setup: Setup, repeat: int, number: int) -> dict[str, float]:
         "baseline_dict_loop_us": timed(lambda: [holders.get(h, 0) & 1 for h in setup.hashes]),
         "hash_us": median_seconds(lambda: setup.hasher.hash_tokens(setup.tokens), repeat=repeat)
         * 1e6,
+        **bench_auth(timed),
+    }
+
+
+class _Details:
+    """What grpc hands a server interceptor for one call."""
+
+    method = "/pdserve.v1.PrefillService/Prefill"
+
+    def __init__(self, token: str) -> None:
+        self.invocation_metadata = (("user-agent", "grpc-python"), ("authorization", token))
+
+
+def bench_auth(timed: Callable[[Callable[[], object]], float]) -> dict[str, float]:
+    """The cluster-secret check per RPC: BearerTokenInterceptor.intercept_service on a call that
+    carries the right secret, and the bare continuation it wraps (grpc's handler lookup)."""
+    secret = new_secret()
+    interceptor = BearerTokenInterceptor(secret)
+    details = _Details(f"Bearer {secret}")
+    handler = object()
+
+    def continuation(_: object) -> object:
+        return handler
+
+    assert interceptor.intercept_service(continuation, details) is handler  # type: ignore[arg-type]
+    return {
+        "auth_us": timed(lambda: interceptor.intercept_service(continuation, details)),  # type: ignore[arg-type]
+        "auth_baseline_us": timed(lambda: continuation(details)),
     }
 
 
@@ -246,16 +275,21 @@ class FakeDecode(decode_pb2_grpc.DecodeServiceServicer):
 
 
 def start_fake(
-    role: str, register: Callable[[grpc.Server], None], name: str
+    role: str, register: Callable[[grpc.Server], None], name: str, secret: str
 ) -> tuple[grpc.Server, int]:
+    """A fake instance checking the cluster secret on every call, as a real one does."""
+
     def register_all(server: grpc.Server) -> None:
         register(server)
         common_pb2_grpc.add_InstanceServiceServicer_to_server(FakeInstance(role), server)
 
-    return create_server(register_all, [name, "pdserve.v1.InstanceService"])
+    interceptors = [BearerTokenInterceptor(secret)]
+    return create_server(
+        register_all, [name, "pdserve.v1.InstanceService"], interceptors=interceptors
+    )
 
 
-def start_fakes() -> tuple[list[grpc.Server], list[int], list[int]]:
+def start_fakes(secret: str) -> tuple[list[grpc.Server], list[int], list[int]]:
     """FAKE_PREFILL prefill and FAKE_DECODE decode fake servers: (servers, ports, ports)."""
     servers: list[grpc.Server] = []
     prefill_ports, decode_ports = [], []
@@ -264,6 +298,7 @@ def start_fakes() -> tuple[list[grpc.Server], list[int], list[int]]:
             "prefill",
             lambda s: prefill_pb2_grpc.add_PrefillServiceServicer_to_server(FakePrefill(), s),
             "pdserve.v1.PrefillService",
+            secret,
         )
         servers.append(server)
         prefill_ports.append(port)
@@ -272,6 +307,7 @@ def start_fakes() -> tuple[list[grpc.Server], list[int], list[int]]:
             "decode",
             lambda s: decode_pb2_grpc.add_DecodeServiceServicer_to_server(FakeDecode(), s),
             "pdserve.v1.DecodeService",
+            secret,
         )
         servers.append(server)
         decode_ports.append(port)
@@ -324,9 +360,9 @@ async def drive_http(
     }
 
 
-def peer_process(conn: Connection) -> None:
+def peer_process(conn: Connection, secret: str) -> None:
     """The child process: the fake instances, then the HTTP client on request."""
-    servers, prefill_ports, decode_ports = start_fakes()
+    servers, prefill_ports, decode_ports = start_fakes(secret)
     try:
         conn.send((prefill_ports, decode_ports))
         while (job := conn.recv()) is not None:
@@ -387,7 +423,8 @@ def bench_proxy(args: argparse.Namespace) -> dict[str, Any]:
     }
     context = multiprocessing.get_context("spawn")
     parent, child = context.Pipe()
-    peer = context.Process(target=peer_process, args=(child,), daemon=True)
+    secret = new_secret()
+    peer = context.Process(target=peer_process, args=(child, secret), daemon=True)
     peer.start()
     router = bare = None
     try:
@@ -397,6 +434,7 @@ def bench_proxy(args: argparse.Namespace) -> dict[str, Any]:
             EngineConfig(),
             [f"127.0.0.1:{p}" for p in prefill_ports],
             [f"127.0.0.1:{p}" for p in decode_ports],
+            secret=secret,
         )
         bare = serve_bare()
         sides = {"bare": bare.url, "proxy": router.url}
@@ -504,7 +542,12 @@ def main() -> None:
         "repeat": repeat,
         "calls_per_sample": number,
     }
-    metrics = {"decision_us": decision_us, "proxy_rps": float("nan"), "proxy_ratio": float("nan")}
+    metrics = {
+        "decision_us": decision_us,
+        "auth_us": figures["auth_us"],
+        "proxy_rps": float("nan"),
+        "proxy_ratio": float("nan"),
+    }
     if not args.skip_proxy:
         proxy = bench_proxy(args)
         results["proxy"] = proxy
@@ -540,6 +583,8 @@ def report_decisions(
             ["  policy choose", figures["choose_us"], "CacheAwarePolicy.choose"],
             ["lease acquire+release", figures["lease_us"], "per request, not in decision"],
             ["hash prompt", figures["hash_us"], "BlockHasher.hash_tokens, not in decision"],
+            ["cluster-secret check", figures["auth_us"], "per instance RPC (interceptor)"],
+            ["  bare continuation", figures["auth_baseline_us"], "what it wraps"],
             ["dict-loop baseline", figures["baseline_dict_loop_us"], f"{num_blocks} lookups"],
             ["apply KV events", event_us, "16-block store + remove"],
         ],

@@ -239,9 +239,20 @@ class ClusterConfig:
     host: str = "127.0.0.1"  # interface the instances' gRPC servers bind to
     placement_strategy: str = "PACK"  # PACK | SPREAD | STRICT_PACK | STRICT_SPREAD
     state_dir: str | None = None  # where `up` writes cluster.json; None = user state dir
+    # mutual TLS for the instance plane (PEM files, on every node): all three, or none
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    tls_ca: str | None = None
+    tls_server_name: str = "pdserve-instance"  # the DNS name the instances' certificate holds
 
     def __post_init__(self) -> None:
         _check_choice("cluster.placement_strategy", self.placement_strategy, PLACEMENT_STRATEGIES)
+        tls = (self.tls_cert, self.tls_key, self.tls_ca)
+        if any(tls) and not all(tls):
+            raise ConfigError(
+                "cluster.tls_cert, cluster.tls_key and cluster.tls_ca go together: set all three "
+                "(mutual TLS for the instance plane) or none"
+            )
         for role in ROLES:
             engine = self.engine_for(role)
             for name in SHARED_ENGINE_FIELDS:

@@ -33,6 +33,7 @@ from pdserve.model.runner import BlockIO
 from pdserve.rpc.auth import BearerTokenInterceptor
 from pdserve.rpc.channels import ChannelPool
 from pdserve.rpc.server import advertised_host, create_server, is_loopback
+from pdserve.rpc.tls import TlsFiles
 from pdserve.storage.remote import SERVICE_NAME as STORAGE_SERVICE
 from pdserve.storage.remote import StorageServicer
 from pdserve.storage.stores import HostMemoryStore
@@ -117,12 +118,14 @@ class InstanceRuntime:
         mailbox: Mailbox,
         secret: str,
         channels: ChannelPool,
+        tls: TlsFiles | None = None,
         on_tick: Callable[[], None] = lambda: None,
     ) -> None:
         self.role = role
         self.engine = engine
         self.secret = secret  # the cluster secret: required of callers, sent to peers
         self.channels = channels  # to peers (decode instances, storage peers); carries `secret`
+        self.tls = tls  # mutual TLS of its server and channels, when the plane uses it
         self.events = events
         self.block_io: BlockIO = engine.runner.block_io
         self.counters = TransferCounters()
@@ -141,16 +144,18 @@ class InstanceRuntime:
         config: EngineConfig,
         *,
         secret: str,
+        tls: TlsFiles | None = None,
         on_tick: Callable[[], None] = lambda: None,
         storage: StorageConfig | None = None,
         shared_kv_cache: bool = False,
     ) -> "InstanceRuntime":
         """An engine for `config`, with the storage tier when `storage` is given and enabled,
         its KV cache in shared memory with `shared_kv_cache` (CPU). Every RPC it serves must
-        carry `secret` (health and reflection excepted)."""
+        carry `secret` (health and reflection excepted); with `tls`, it serves and calls peers
+        over mutual TLS."""
         events = KVEventBroadcaster()
         mailbox = Mailbox()
-        channels = ChannelPool(secret)
+        channels = ChannelPool(secret, tls)
         engine = LLMEngine.from_config(
             config,
             event_sink=events.publish,
@@ -158,7 +163,7 @@ class InstanceRuntime:
             storage=_tier_factory(storage, channels),
             wake=mailbox.wake,
         )
-        return cls(role, engine, events, mailbox, secret, channels, on_tick)
+        return cls(role, engine, events, mailbox, secret, channels, tls, on_tick)
 
     # -- serving --------------------------------------------------------------------------------
 
@@ -189,7 +194,12 @@ class InstanceRuntime:
                 )
 
         server, bound = create_server(
-            register_all, services, host, port, interceptors=[BearerTokenInterceptor(self.secret)]
+            register_all,
+            services,
+            host,
+            port,
+            interceptors=[BearerTokenInterceptor(self.secret)],
+            credentials=self.tls.server_credentials() if self.tls is not None else None,
         )
         if memory is not None:
             memory.bind(f"{advertised_host(host)}:{bound}")

@@ -5,6 +5,7 @@ import threading
 import grpc
 
 from pdserve.rpc.auth import authenticated_channel
+from pdserve.rpc.tls import TlsFiles
 
 MAX_MESSAGE_BYTES = 64 * 2**20
 CHANNEL_OPTIONS = [
@@ -29,10 +30,12 @@ SERVER_OPTIONS = [
 
 class ChannelPool:
     """Thread-safe. With `secret`, every call on its channels carries `Bearer <secret>` (the
-    cluster secret instances check); without, calls are anonymous (health checks)."""
+    cluster secret instances check); without, calls are anonymous (health checks). With `tls`,
+    channels are mutual TLS (the instance plane's `cluster.tls_*`)."""
 
-    def __init__(self, secret: str | None = None) -> None:
+    def __init__(self, secret: str | None = None, tls: TlsFiles | None = None) -> None:
         self._secret = secret
+        self._tls = tls
         self._channels: dict[str, grpc.Channel] = {}
         self._lock = threading.Lock()
 
@@ -40,7 +43,10 @@ class ChannelPool:
         with self._lock:
             channel = self._channels.get(address)
             if channel is None:
-                channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+                if self._tls is not None:
+                    channel = self._tls.channel(address, CHANNEL_OPTIONS)
+                else:
+                    channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
                 if self._secret:
                     channel = authenticated_channel(channel, self._secret)
                 self._channels[address] = channel

@@ -12,6 +12,7 @@ import torch
 
 from pdserve.config import ClusterConfig
 from pdserve.rpc.server import advertised_host
+from services.controller.state import tls_files
 from services.decode.instance import DecodeInstance
 from services.decode.servicer import serve_decode
 from services.mixed.instance import MixedInstance
@@ -36,6 +37,7 @@ class InstanceActor:
             level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
         )
         engine = config.engine_for(role)
+        tls = tls_files(config)
         if engine.torch_threads is not None:
             torch.set_num_threads(engine.torch_threads)
         self.role = role
@@ -49,6 +51,7 @@ class InstanceActor:
                 storage=config.storage,
                 transfer=config.transfer,
                 secret=secret,
+                tls=tls,
             )
         elif role == "decode":
             self.instance, self.server, port = serve_decode(
@@ -58,10 +61,11 @@ class InstanceActor:
                 storage=config.storage,
                 transfer=config.transfer,
                 secret=secret,
+                tls=tls,
             )
         else:
             self.instance, self.server, port = serve_mixed(
-                engine, config.host, storage=config.storage, secret=secret
+                engine, config.host, storage=config.storage, secret=secret, tls=tls
             )
         self._address = f"{advertised_host(config.host)}:{port}"
 

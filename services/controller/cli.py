@@ -117,7 +117,7 @@ def _generate_on_cluster(
     instance of the running cluster."""
     from pdserve.rpc.channels import ChannelPool
     from services.controller.cluster import cluster_secret, read_state
-    from services.controller.state import state_path
+    from services.controller.state import state_path, tls_files
     from services.router.pd_client import Finished, PDClient, TokenDelta
 
     cluster = load_cluster_config(args.config, overrides={"state_dir": args.state_dir})
@@ -125,7 +125,7 @@ def _generate_on_cluster(
     secret = cluster_secret(state_path(cluster).parent)
     address = {i["role"]: i["address"] for i in reversed(instances)}
     tokenizer = Tokenizer.from_dir(Path(config.model) if config.model else default_model_dir())
-    client = PDClient(ChannelPool(secret))
+    client = PDClient(ChannelPool(secret, tls_files(cluster)))
     finish_reason = None
     try:
         prompt = _prompt_ids(tokenizer, args)
@@ -149,7 +149,7 @@ def _up(args: argparse.Namespace) -> int:
     if args.redis_url:  # replace() re-runs StorageConfig's checks on the URL
         config = replace(config, storage=replace(config.storage, redis_url=args.redis_url))
     from services.controller import ray_auth
-    from services.controller.state import state_path
+    from services.controller.state import state_path, tls_files
 
     ray_token = None
     if config.ray_address is None:  # before Ray is imported: it reads its auth mode then
@@ -179,6 +179,7 @@ def _up(args: argparse.Namespace) -> int:
             [i.address for i in instances if i.role == "decode"],
             [i.address for i in instances if i.role == "mixed"],
             secret=secret,
+            tls=tls_files(config),
         )
         publish = TargetPublisher(cluster, router, targets_path)
         publish()

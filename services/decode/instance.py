@@ -22,6 +22,7 @@ from pdserve.errors import (
 )
 from pdserve.instance.runtime import InstanceRuntime
 from pdserve.instance.streams import aborted_output
+from pdserve.rpc.tls import TlsFiles
 from pdserve.transfer.base import KVEndpoints, host_id
 from pdserve.v1 import common_pb2
 from services.decode.reservations import Reservation, ReservationTable
@@ -47,6 +48,7 @@ class DecodeInstance:
         host: str = "127.0.0.1",
         *,
         secret: str,
+        tls: TlsFiles | None = None,
     ) -> None:
         self.config = config
         self.reservations = ReservationTable()
@@ -54,6 +56,7 @@ class DecodeInstance:
             "decode",
             engine_config,
             secret=secret,
+            tls=tls,
             on_tick=self._expire_leases,
             storage=storage,
             shared_kv_cache=transfer is not None and transfer.shared_memory,

@@ -12,6 +12,7 @@ from pdserve.config import DecodeConfig, EngineConfig, StorageConfig, TransferCo
 from pdserve.errors import KVTransferError, PdserveError
 from pdserve.instance.convert import endpoints_to_proto, sampling_from_proto, token_replies
 from pdserve.rpc.status import abort_with, error_reply
+from pdserve.rpc.tls import TlsFiles
 from pdserve.transfer.wire import KVChunkView, parse_kv_chunk
 from pdserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc
 from services.decode.instance import DecodeInstance
@@ -162,10 +163,13 @@ def serve_decode(
     transfer: TransferConfig | None = None,
     *,
     secret: str,
+    tls: TlsFiles | None = None,
 ) -> tuple[DecodeInstance, grpc.Server, int]:
     """Start a decode instance and its gRPC server (every call must carry `secret`); returns
     (instance, server, port)."""
-    instance = DecodeInstance(engine_config, config, storage, transfer, host, secret=secret)
+    instance = DecodeInstance(
+        engine_config, config, storage, transfer, host, secret=secret, tls=tls
+    )
     instance.start()
     servicer = DecodeServicer(instance)
     server, bound = instance.runtime.serve(

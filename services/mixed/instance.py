@@ -6,6 +6,7 @@ from pdserve.config import EngineConfig, StorageConfig
 from pdserve.engine.engine import RequestOutput
 from pdserve.engine.request import SamplingParams
 from pdserve.instance.runtime import InstanceRuntime
+from pdserve.rpc.tls import TlsFiles
 from pdserve.v1 import common_pb2
 
 
@@ -15,10 +16,15 @@ class MixedInstance:
     """
 
     def __init__(
-        self, engine_config: EngineConfig, storage: StorageConfig | None = None, *, secret: str
+        self,
+        engine_config: EngineConfig,
+        storage: StorageConfig | None = None,
+        *,
+        secret: str,
+        tls: TlsFiles | None = None,
     ) -> None:
         self.runtime = InstanceRuntime.create(
-            "mixed", engine_config, secret=secret, storage=storage
+            "mixed", engine_config, secret=secret, tls=tls, storage=storage
         )
 
     def start(self) -> None:

@@ -9,6 +9,7 @@ from pdserve.config import EngineConfig, StorageConfig
 from pdserve.errors import PdserveError
 from pdserve.instance.convert import sampling_from_proto, token_replies
 from pdserve.rpc.status import error_reply
+from pdserve.rpc.tls import TlsFiles
 from pdserve.v1 import common_pb2, mixed_pb2_grpc
 from services.mixed.instance import MixedInstance
 
@@ -48,10 +49,11 @@ def serve_mixed(
     storage: StorageConfig | None = None,
     *,
     secret: str,
+    tls: TlsFiles | None = None,
 ) -> tuple[MixedInstance, grpc.Server, int]:
     """Start a mixed instance and its gRPC server (every call must carry `secret`); returns
     (instance, server, port)."""
-    instance = MixedInstance(engine_config, storage, secret=secret)
+    instance = MixedInstance(engine_config, storage, secret=secret, tls=tls)
     instance.start()
     servicer = MixedServicer(instance)
     server, bound = instance.runtime.serve(

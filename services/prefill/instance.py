@@ -32,6 +32,7 @@ from pdserve.instance.convert import endpoints_from_proto, generate_request
 from pdserve.instance.runtime import InstanceRuntime
 from pdserve.instance.streams import OutputStream
 from pdserve.rpc.clients import DEFAULT_DEADLINES, Deadlines, DecodeClient, InstanceClient
+from pdserve.rpc.tls import TlsFiles
 from pdserve.transfer.base import KVEndpoints, KVTarget
 from pdserve.transfer.select import TransportSelector
 from pdserve.v1 import common_pb2, decode_pb2
@@ -86,10 +87,11 @@ class PrefillInstance:
         deadlines: Deadlines = DEFAULT_DEADLINES,
         *,
         secret: str,
+        tls: TlsFiles | None = None,
     ) -> None:
         self.config = config
         self.runtime = InstanceRuntime.create(
-            "prefill", engine_config, secret=secret, storage=storage
+            "prefill", engine_config, secret=secret, tls=tls, storage=storage
         )
         self.channels = self.runtime.channels
         self.deadlines = deadlines

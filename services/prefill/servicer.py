@@ -8,6 +8,7 @@ from pdserve.config import EngineConfig, PrefillConfig, StorageConfig, TransferC
 from pdserve.errors import InvalidRequestError, PdserveError
 from pdserve.instance.convert import sampling_from_proto
 from pdserve.rpc.status import abort_with
+from pdserve.rpc.tls import TlsFiles
 from pdserve.v1 import prefill_pb2, prefill_pb2_grpc
 from services.prefill.instance import PrefillInstance, PrefillOutcome
 
@@ -79,10 +80,13 @@ def serve_prefill(
     transfer: TransferConfig | None = None,
     *,
     secret: str,
+    tls: TlsFiles | None = None,
 ) -> tuple[PrefillInstance, grpc.Server, int]:
     """Start a prefill instance and its gRPC server (every call must carry `secret`); returns
     (instance, server, port)."""
-    instance = PrefillInstance(engine_config, config, storage, transfer, host, secret=secret)
+    instance = PrefillInstance(
+        engine_config, config, storage, transfer, host, secret=secret, tls=tls
+    )
     instance.start()
     servicer = PrefillServicer(instance)
     server, bound = instance.runtime.serve(

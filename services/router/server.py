@@ -15,6 +15,7 @@ from pdserve.model.loader import model_tag
 from pdserve.model.tiny import default_model_dir
 from pdserve.model.tokenizer import Tokenizer
 from pdserve.rpc.channels import ChannelPool
+from pdserve.rpc.tls import TlsFiles
 from services.router.app import create_app
 from services.router.pd_client import PDClient
 from services.router.router import ModelInfo, Router
@@ -64,11 +65,12 @@ def serve_router(
     mixed: list[str] | None = None,
     *,
     secret: str,
+    tls: TlsFiles | None = None,
 ) -> RunningRouter:
     """Start the HTTP router for PD pairs (or for mixed instances), calling them with the
     cluster `secret`; returns once it accepts connections."""
     model = model_info(engine, config.model_name)
-    client = PDClient(ChannelPool(secret))
+    client = PDClient(ChannelPool(secret, tls))
     router = Router(config, model, prefill, decode, client, mixed=mixed or ())
     router.start()
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)

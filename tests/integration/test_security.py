@@ -3,6 +3,7 @@ authenticated."""
 
 import os
 import stat
+import subprocess
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -16,11 +17,14 @@ from pdserve.config import DecodeConfig, EngineConfig
 from pdserve.engine.request import SamplingParams
 from pdserve.instance.convert import generate_request
 from pdserve.rpc.auth import authenticated_channel
+from pdserve.rpc.channels import ChannelPool
 from pdserve.rpc.clients import DecodeClient, InstanceClient
+from pdserve.rpc.tls import TlsFiles
 from pdserve.storage.redis_server import EmbeddedRedis, redacted
 from pdserve.v1 import common_pb2, common_pb2_grpc, decode_pb2, decode_pb2_grpc
 from services.decode.instance import DecodeInstance
 from services.decode.servicer import serve_decode
+from services.mixed.servicer import serve_mixed
 
 
 def test_embedded_redis_refuses_a_client_without_its_password(
@@ -116,3 +120,76 @@ def test_instance_rpcs_without_the_cluster_secret_are_refused_and_change_nothing
         assert InstanceClient(address, own).abort("victim")  # the secret's holder may
     finally:
         own.close()
+
+
+# -- mutual TLS on the instance plane ---------------------------------------------------------
+
+
+def make_ca(directory: Path, name: str) -> tuple[Path, Path]:
+    """A throwaway CA: (certificate, key)."""
+    cert, key = directory / f"{name}.pem", directory / f"{name}.key"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+         "-keyout", str(key), "-out", str(cert), "-subj", f"/CN={name}"],
+        check=True, capture_output=True,
+    )  # fmt: skip
+    return cert, key
+
+
+def make_node_cert(directory: Path, ca: tuple[Path, Path], name: str) -> tuple[Path, Path]:
+    """A certificate for `pdserve-instance` signed by `ca`, for servers and clients alike."""
+    cert, key, csr = directory / f"{name}.pem", directory / f"{name}.key", directory / "n.csr"
+    extensions = directory / "ext.cnf"
+    extensions.write_text(
+        "subjectAltName=DNS:pdserve-instance\nextendedKeyUsage=serverAuth,clientAuth\n"
+    )
+    subprocess.run(
+        ["openssl", "req", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key),
+         "-out", str(csr), "-subj", "/CN=pdserve-instance"],
+        check=True, capture_output=True,
+    )  # fmt: skip
+    subprocess.run(
+        ["openssl", "x509", "-req", "-in", str(csr), "-CA", str(ca[0]), "-CAkey", str(ca[1]),
+         "-CAcreateserial", "-days", "1", "-out", str(cert), "-extfile", str(extensions)],
+        check=True, capture_output=True,
+    )  # fmt: skip
+    return cert, key
+
+
+def test_the_instance_plane_over_mutual_tls_admits_only_certified_clients(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    ca = make_ca(tmp_path, "cluster-ca")
+    node = make_node_cert(tmp_path, ca, "node")
+    tls = TlsFiles(str(node[0]), str(node[1]), str(ca[0]))
+    engine = EngineConfig(model=str(tiny_model_dir), num_kv_blocks=16)
+    instance, server, port = serve_mixed(engine, secret=SECRET, tls=tls)
+    address = f"127.0.0.1:{port}"
+    try:
+        certified = ChannelPool(SECRET, tls)
+        assert InstanceClient(address, certified).stats().num_blocks == 16
+        certified.close()
+
+        other_ca = make_ca(tmp_path, "other-ca")
+        stranger = make_node_cert(tmp_path, other_ca, "stranger")
+        strangers = {
+            "plaintext": grpc.insecure_channel(address),
+            "no client certificate": grpc.secure_channel(
+                address,
+                grpc.ssl_channel_credentials(root_certificates=ca[0].read_bytes()),
+                options=[("grpc.ssl_target_name_override", "pdserve-instance")],
+            ),
+            "another CA's certificate": TlsFiles(
+                str(stranger[0]), str(stranger[1]), str(ca[0])
+            ).channel(address, []),
+        }
+        for name, channel in strangers.items():
+            stub = common_pb2_grpc.InstanceServiceStub(authenticated_channel(channel, SECRET))
+            with pytest.raises(grpc.RpcError) as refused:
+                stub.GetStats(common_pb2.StatsRequest(), timeout=10)
+            assert refused.value.code() == grpc.StatusCode.UNAVAILABLE, name
+            channel.close()
+    finally:
+        server.stop(0)
+        instance.check_integrity()
+        instance.stop()
