@@ -26,6 +26,7 @@ from _common import finish, median, parse_args, print_table, repeats
 
 from pdserve.config import StorageConfig
 from pdserve.kvcache.hashing import BlockHash
+from pdserve.rpc.auth import new_secret
 from pdserve.storage import DirectoryStore, StorageTier
 from pdserve.storage.redis_server import EmbeddedRedis
 
@@ -157,7 +158,7 @@ def bench_prefetch(root: Path, blocks: list[bytes], repeat: int, fsync: bool) ->
     tier: StorageTier | None = None
     try:
         config = StorageConfig(redis_url=redis.url, directory=str(root), fsync=fsync)
-        tier = StorageTier(config, "bench", DirectoryStore(root, fsync=fsync))
+        tier = StorageTier(config, "bench", DirectoryStore(root, fsync=fsync), secret=new_secret())
         hashes = [BlockHash(n.to_bytes(32, "big")) for n in range(len(blocks))]
         tier.write(list(zip(hashes, blocks, strict=True)))
         tier.flush()

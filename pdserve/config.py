@@ -202,9 +202,9 @@ class StorageConfig:
         )
         scheme = (self.redis_url or "").partition("://")[0]
         if self.redis_url is not None and scheme not in REDIS_SCHEMES:
-            raise ConfigError(
+            raise ConfigError(  # the URL itself is not echoed: it may hold a password
                 "storage.redis_url must start with redis://, rediss:// or unix://, "
-                f"got {self.redis_url!r}"
+                f"got a URL starting {scheme[:16]!r}"
             )
         for name in ("capacity_bytes", "max_pending_bytes", "redis_timeout_s"):
             if getattr(self, name) <= 0:

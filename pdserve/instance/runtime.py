@@ -32,7 +32,7 @@ from pdserve.metrics import InstanceCollector, serve_metrics
 from pdserve.model.runner import BlockIO
 from pdserve.rpc.auth import BearerTokenInterceptor
 from pdserve.rpc.channels import ChannelPool
-from pdserve.rpc.server import advertised_host, create_server, is_loopback
+from pdserve.rpc.server import advertised_host, create_server, host_port, is_loopback
 from pdserve.rpc.tls import TlsFiles
 from pdserve.storage.remote import SERVICE_NAME as STORAGE_SERVICE
 from pdserve.storage.remote import StorageServicer
@@ -160,7 +160,7 @@ class InstanceRuntime:
             config,
             event_sink=events.publish,
             shared_kv_cache=shared_kv_cache,
-            storage=_tier_factory(storage, channels),
+            storage=_tier_factory(storage, channels, secret),
             wake=mailbox.wake,
         )
         return cls(role, engine, events, mailbox, secret, channels, tls, on_tick)
@@ -202,9 +202,9 @@ class InstanceRuntime:
             credentials=self.tls.server_credentials() if self.tls is not None else None,
         )
         if memory is not None:
-            memory.bind(f"{advertised_host(host)}:{bound}")
+            memory.bind(host_port(advertised_host(host), bound))
         self._metrics_server, metrics_port = serve_metrics(InstanceCollector(role.stats), host)
-        self.metrics_address = f"{advertised_host(host)}:{metrics_port}"
+        self.metrics_address = host_port(advertised_host(host), metrics_port)
         logger.info(
             "%s instance serving on %s:%d (metrics on :%d)", self.role, host, bound, metrics_port
         )
@@ -469,14 +469,16 @@ class InstanceRuntime:
         self.engine.runner.close()
 
 
-def _tier_factory(config: StorageConfig | None, channels: ChannelPool) -> StorageTierFactory | None:
+def _tier_factory(
+    config: StorageConfig | None, channels: ChannelPool, secret: str
+) -> StorageTierFactory | None:
     """How the engine builds its storage tier (None: the tier is off); it reads peers' memory
     stores over `channels` (which carry the cluster secret)."""
     if config is None or not config.enabled:
         return None
     default_root = Path(platformdirs.user_cache_dir("pdserve")) / "kv-store"
     return lambda tag: StorageTier(
-        config, tag, make_store(config, None, default_root), channels=channels
+        config, tag, make_store(config, None, default_root), channels=channels, secret=secret
     )
 
 

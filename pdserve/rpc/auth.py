@@ -2,7 +2,7 @@
 
 Servers install `BearerTokenInterceptor(secret)`: a call whose `authorization` metadata is not
 `Bearer <secret>` (compared in constant time) ends with UNAUTHENTICATED before its handler runs,
-so it changes nothing. Health and reflection answer without it (load balancers, `grpcurl list`).
+so it changes nothing. Only health answers without it (load balancers, probes).
 Clients add the header to every call of a channel (`authenticated_channel`; `ChannelPool` does it
 for every peer when given the secret). Secrets are generated with `secrets`, kept in 0600 files
 (`secret_file`) and never logged or echoed in an error.
@@ -19,7 +19,11 @@ from typing import TYPE_CHECKING, Any, TypeAlias
 
 import grpc
 
-UNGUARDED = ("/grpc.health.v1.Health/", "/grpc.reflection.")
+from pdserve.errors import ConfigError
+
+# Only health answers without credentials (load balancers, probes). Reflection is guarded too:
+# its streams are long-lived, and anonymous ones could hold every worker thread of a server.
+UNGUARDED = ("/grpc.health.v1.Health/",)
 AUTHORIZATION = "authorization"
 DENIED = "missing or wrong credentials: pass the cluster secret (see docs/security.md)"
 
@@ -33,21 +37,48 @@ def new_secret() -> str:
 
 
 def secret_file(path: Path, configured: str | None = None) -> str:
-    """`configured` when set; else the secret kept in `path`, created (mode 0600, directory
-    0700) on first use. Never logs it."""
+    """`configured` when set; else the secret kept in `path`, created on first use. The file
+    is this user's, mode 0600, in a directory that is this user's and that nobody else may write
+    (created 0700); anything else is refused with ConfigError rather than trusted. Never logs
+    the secret."""
     if configured:
         return configured
+    _check_private_dir(path.parent)
     try:
-        existing = path.read_text().strip()
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
     except FileNotFoundError:
-        existing = ""
-    if existing:
-        return existing
+        return _create_secret(path)
+    except OSError as e:  # a symlink, among others
+        raise ConfigError(f"cannot use secret file {path}: {e.strerror}") from e
+    with os.fdopen(fd) as f:
+        st = os.fstat(f.fileno())
+        if st.st_uid != os.getuid() or st.st_mode & 0o077:
+            raise ConfigError(
+                f"secret file {path} must belong to you with mode 0600; remove it to get a new one"
+            )
+        existing = f.read().strip()
+    return existing or _create_secret(path)
+
+
+def _check_private_dir(directory: Path) -> None:
+    directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+    st = directory.stat()
+    if st.st_uid != os.getuid() or st.st_mode & 0o022:
+        raise ConfigError(
+            f"{directory} holds secrets but is not yours alone (owner or group/world write): "
+            "use a state dir of your own (cluster.state_dir)"
+        )
+
+
+def _create_secret(path: Path) -> str:
+    """A new secret in `path`, written to a fresh 0600 file (O_EXCL, no symlink followed) that
+    then replaces it: no moment in which it exists with other permissions."""
     secret = new_secret()
-    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    tmp = path.with_name(f".{path.name}.{secrets.token_hex(8)}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
     with os.fdopen(fd, "w") as f:
         f.write(secret + "\n")
+    os.replace(tmp, path)
     return secret
 
 

@@ -60,6 +60,11 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+def host_port(host: str, port: int) -> str:
+    """`host:port` as a gRPC target or URL authority: an IPv6 address in brackets."""
+    return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
+
+
 def advertised_host(bind_host: str) -> str:
     """The address peers should dial: the bind address, or this node's IP for 0.0.0.0."""
     if bind_host not in ("0.0.0.0", "::", ""):

@@ -23,6 +23,8 @@ fails is returned as an `InvalidEntry`, never as something to follow; `discard` 
 queueing the bytes its key names (they may be another block's).
 """
 
+import hashlib
+import hmac
 import re
 import time
 from collections.abc import Sequence
@@ -35,16 +37,16 @@ from pdserve.errors import BlockStoreError, IntegrityError
 from pdserve.kvcache.hashing import BlockHash
 from pdserve.storage.keys import HASH_BYTES, check_key, check_store_id
 
-# ARGV: prefix, now_ms, hash... -> entries {store, key, size, crc, tag} (as stored: unchecked) of
-# the longest stored prefix of the chain; touches them (LRU: a counter, not the clock, orders
-# accesses; XX: only published entries are in an LRU set, a forged one is not added to it)
+# ARGV: prefix, now_ms, hash... -> entries {store, key, size, crc, tag, mac} (as stored:
+# unchecked) of the longest stored prefix of the chain; touches them (LRU: a counter, not the
+# clock, orders accesses; XX: only published entries are in an LRU set, a forged one is not added)
 _LOOKUP = """
 local prefix, now = ARGV[1], ARGV[2]
 local found = {}
 local tick = redis.call('INCRBY', prefix .. 'clock', #ARGV - 2)
 for i = 3, #ARGV do
   local key = prefix .. 'b:' .. ARGV[i]
-  local entry = redis.call('HMGET', key, 'store', 'key', 'size', 'crc', 'tag')
+  local entry = redis.call('HMGET', key, 'store', 'key', 'size', 'crc', 'tag', 'mac')
   if not entry[1] then break end
   redis.call('HSET', key, 'atime', now)
   -- deeper blocks of a chain get older ticks: a chain is evicted from its tail
@@ -70,7 +72,7 @@ if redis.call('SET', ARGV[1] .. 'w:' .. ARGV[2], '1', 'NX', 'PX', ARGV[3]) then 
 return 0
 """
 
-# ARGV: prefix, hash, store, key, size, crc, now_ms, capacity, delete_after_ms, tag
+# ARGV: prefix, hash, store, key, size, crc, now_ms, capacity, delete_after_ms, tag, mac
 # -> {status, evicted}: status 1 published, 0 already present (the caller deletes its bytes),
 # -1 larger than the store's capacity. Evicts the store's least recently used entries to fit.
 _PUBLISH = """
@@ -93,7 +95,7 @@ while used + size > capacity do
   evicted = evicted + 1
 end
 redis.call('HSET', prefix .. 'b:' .. hash, 'store', store, 'key', key, 'size', size,
-           'crc', ARGV[6], 'tag', ARGV[10], 'atime', ARGV[7])
+           'crc', ARGV[6], 'tag', ARGV[10], 'mac', ARGV[11], 'atime', ARGV[7])
 redis.call('ZADD', prefix .. 'lru:' .. store, redis.call('INCR', prefix .. 'clock'), hash)
 redis.call('SET', prefix .. 'used:' .. store, used + size)
 return {1, evicted}
@@ -208,10 +210,14 @@ class CacheIndex:
     connections).
     """
 
-    def __init__(self, client: redis.Redis, tag: str) -> None:
+    def __init__(self, client: redis.Redis, tag: str, secret: str) -> None:
+        """`secret` (the cluster secret) signs every entry this index publishes; entries
+        without a valid signature are never followed: whoever can write to Redis but does not
+        hold the secret cannot point an instance at bytes, or at a peer, of their choosing."""
         self.client = client
         self.tag = tag
         self.prefix = f"pds:{tag}:"
+        self._mac_key = hashlib.sha256(b"pdserve-index-entry-mac-v1\0" + secret.encode()).digest()
         self._lookup = client.register_script(_LOOKUP)
         self._contains = client.register_script(_CONTAINS)
         self._claim = client.register_script(_CLAIM)
@@ -237,10 +243,13 @@ class CacheIndex:
         `block_hash` and the tag, its store id well-formed. Pure."""
         stored_key = row[1] if len(row) > 1 else None
         try:
-            entry = _parse_entry(row)
+            entry = _parse_entry(row[: len(_FIELDS)])
         except BlockStoreError as e:
             return InvalidEntry(stored_key, str(e))
+        mac = row[len(_FIELDS)] if len(row) > len(_FIELDS) else None
         try:
+            if mac is None or not hmac.compare_digest(mac, self._mac(block_hash, entry)):
+                raise BlockStoreError("not signed with this cluster's secret")
             if entry.tag != self.tag:
                 raise BlockStoreError(f"written under tag {entry.tag!r}, not {self.tag!r}")
             check_key(entry.key, self.tag, block_hash)
@@ -286,9 +295,23 @@ class CacheIndex:
                 capacity_bytes,
                 now + int(grace_s * 1000),
                 self.tag,
+                self._mac(block_hash, entry),
             ]
         )
         return PublishResult(int(status) == 1, int(evicted))
+
+    def _mac(self, block_hash: BlockHash, entry: IndexEntry) -> bytes:
+        """HMAC-SHA256 (hex) of every field a reader follows, keyed by the cluster secret."""
+        fields = (
+            self.tag,
+            block_hash.hex(),
+            entry.store,
+            entry.key,
+            str(entry.size),
+            str(entry.crc),
+        )
+        message = b"\0".join(field.encode() for field in fields)
+        return hmac.new(self._mac_key, message, hashlib.sha256).hexdigest().encode()
 
     def remove(self, hashes: Sequence[BlockHash], grace_s: float = 0.0) -> int:
         """Drop entries (their bytes are deleted after `grace_s`). Returns how many existed."""

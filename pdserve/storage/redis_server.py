@@ -3,11 +3,13 @@ process, for `pdserve up` without `--redis-url` and for tests. Same Redis, same 
 
 Locked by default: a password generated per server (`secrets`), given to redis-server in a 0600
 config file (never on its command line, which `ps` shows to every local user), protected mode
-on, bound to one host. The password is part of `url`; print or log `redacted(url)` only.
+on, the commands that would turn Redis access into file writes or replication renamed away,
+bound to one host. The password is part of `url`; print or log `redacted(url)` only.
 """
 
 import logging
 import os
+import re
 import secrets
 import socket
 import subprocess
@@ -48,6 +50,8 @@ class EmbeddedRedis:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w") as f:
             f.write(f"requirepass {self._password}\nprotected-mode yes\n")
+            for command in _DISABLED_COMMANDS:  # holding the password is not holding the host
+                f.write(f'rename-command {command} ""\n')
         return path
 
     def start(self, timeout_s: float = 15.0) -> "EmbeddedRedis":
@@ -102,14 +106,30 @@ class EmbeddedRedis:
         self._workdir.cleanup()
 
 
+# Commands that turn Redis access into file writes, module loads or replication to elsewhere;
+# pdserve's index needs none of them.
+_DISABLED_COMMANDS = (
+    "CONFIG", "MODULE", "DEBUG", "SLAVEOF", "REPLICAOF", "SAVE", "BGSAVE", "BGREWRITEAOF",
+    "MIGRATE", "ACL", "FAILOVER", "SHUTDOWN",
+)  # fmt: skip
+
+
 def redacted(url: str | None) -> str:
-    """A Redis URL without its password (safe to print and log)."""
-    parts = urlsplit(url or "")
-    if parts.password:
-        user = parts.username or ""
-        netloc = f"{user}:***@{parts.hostname}" + (f":{parts.port}" if parts.port else "")
-        return urlunsplit(parts._replace(netloc=netloc))
-    return url or ""
+    """A Redis URL without its credentials (the password in the user info and any `password=`
+    query parameter): safe to print and log."""
+    if not url:
+        return ""
+    try:
+        parts = urlsplit(url)
+        parts.port  # noqa: B018  (raises ValueError on a malformed port)
+    except ValueError:
+        return "<a malformed Redis URL>"
+    netloc = parts.netloc
+    if "@" in netloc:
+        userinfo, host = netloc.rsplit("@", 1)
+        netloc = f"{userinfo.split(':', 1)[0]}:***@{host}"
+    query = re.sub(r"(?i)(^|&)(password=)[^&]*", r"\1\2***", parts.query)
+    return urlunsplit(parts._replace(netloc=netloc, query=query))
 
 
 def _free_port(host: str) -> int:

@@ -58,11 +58,12 @@ class DirectoryStore(BlockStore):
     """Thread-safe: every put writes its own temporary file and renames it into place.
 
     A key's file is `root/key[:2]/key`; only store keys are accepted, and only when that path,
-    links resolved, stays inside the root."""
+    links resolved, stays inside the root. KV bytes derive from users' prompts: folders are made
+    0700 and files 0600 (instances sharing a store over a shared filesystem run as one user)."""
 
     def __init__(self, root: str | Path, store_id: str | None = None, fsync: bool = True) -> None:
         self.root = Path(root).expanduser()
-        self.root.mkdir(parents=True, exist_ok=True)
+        self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
         self._resolved_root = self.root.resolve()
         self.store_id = store_id or f"dir:{self._resolved_root}"
         self.fsync = fsync
@@ -81,8 +82,9 @@ class DirectoryStore(BlockStore):
         path = self._path(key)
         temporary = path.with_name(f".{key}.tmp")
         try:
-            path.parent.mkdir(exist_ok=True)
-            with open(temporary, "wb") as f:
+            path.parent.mkdir(exist_ok=True, mode=0o700)
+            fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+            with os.fdopen(fd, "wb") as f:
                 f.write(data)
                 if self.fsync:
                     f.flush()

@@ -119,23 +119,26 @@ class StorageTier:
         store: BlockStore,
         index: CacheIndex | None = None,
         channels: ChannelPool | None = None,
+        *,
+        secret: str,
     ) -> None:
-        """`channels` reach peers' memory stores (their owner closes them); None: a pool of the
-        tier's own, without the cluster secret, closed by `close`."""
+        """`secret` (the cluster secret) signs the index entries this tier publishes and checks
+        those it reads. `channels` reach peers' memory stores (their owner closes them); None: a
+        pool of the tier's own carrying `secret`, closed by `close`."""
         if index is None:
             if not config.redis_url:
                 raise ConfigError(
                     "storage.redis_url is not set: give a Redis URL, or let `pdserve up` start "
                     "its embedded Redis"
                 )
-            index = CacheIndex(redis_client(config.redis_url, config.redis_timeout_s), tag)
+            index = CacheIndex(redis_client(config.redis_url, config.redis_timeout_s), tag, secret)
         self.config = config
         self.index = index
         self.store = store
         self.counters = StorageCounters()
         self._peers: dict[str, BlockStore] = {}  # other instances' host memory stores
         self._owns_channels = channels is None
-        self._channels = channels if channels is not None else ChannelPool()
+        self._channels = channels if channels is not None else ChannelPool(secret)
         self._jobs: queue.Queue[_Write | _Prefetch | _Barrier | None] = queue.Queue()
         self._pending_bytes = 0
         self._lock = threading.Lock()

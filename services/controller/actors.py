@@ -11,7 +11,7 @@ import grpc
 import torch
 
 from pdserve.config import ClusterConfig
-from pdserve.rpc.server import advertised_host
+from pdserve.rpc.server import advertised_host, host_port
 from services.controller.state import tls_files
 from services.decode.instance import DecodeInstance
 from services.decode.servicer import serve_decode
@@ -67,7 +67,7 @@ class InstanceActor:
             self.instance, self.server, port = serve_mixed(
                 engine, config.host, storage=config.storage, secret=secret, tls=tls
             )
-        self._address = f"{advertised_host(config.host)}:{port}"
+        self._address = host_port(advertised_host(config.host), port)
 
     def address(self) -> str:
         """host:port of this instance's gRPC server."""

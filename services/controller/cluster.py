@@ -112,7 +112,7 @@ class Cluster:
             include_dashboard=False,
             log_to_driver=True,
         )
-        self._started_ray = self.config.ray_address is None
+        self._started_ray = self.config.ray_address is None and not os.environ.get("RAY_ADDRESS")
 
     def _reserve(self, roles: list[str]) -> PlacementGroup:
         bundles = [self._bundle(role) for role in roles]
@@ -242,13 +242,13 @@ class Cluster:
         tmp.replace(path)
 
 
-def cluster_secret(state_dir: Path, fresh: bool = False) -> str:
-    """The secret of the instance plane, kept (0600) in `state_dir/cluster_secret`: `pdserve
-    up` makes a new one (`fresh`); clients of the running cluster read it."""
+def cluster_secret(state_dir: Path, create: bool = False) -> str:
+    """The secret of the instance plane, kept (0600) in `state_dir/cluster_secret`. `pdserve up`
+    makes it on first use (`create`) and keeps it across restarts: it also signs the storage
+    tier's index entries, which a new secret would invalidate. Delete the file to rotate it.
+    Clients of the running cluster read it."""
     path = state_dir / "cluster_secret"
-    if fresh:
-        path.unlink(missing_ok=True)
-    elif not path.exists():
+    if not create and not path.exists():
         raise ClusterError(
             f"no cluster secret at {path}: is `pdserve up` running with this state dir?"
         )

@@ -57,9 +57,9 @@ def joins_without_token() -> bool:
 
 def warn_unauthenticated(address: str) -> None:
     logger.warning(
-        "joined the Ray cluster at %s without an authentication token: it accepts "
-        "unauthenticated clients, and any of them can run code on its nodes. Start it with "
-        "RAY_AUTH_MODE=token and a token on every node (docs/security.md)",
+        "joining the Ray cluster at %s without an authentication token: if it lets us in, it "
+        "accepts unauthenticated clients, and any of them can run code on its nodes. Run it with "
+        "RAY_AUTH_MODE=token and a token on every node, and give `up` the token (docs/security.md)",
         address,
     )
 

@@ -125,5 +125,7 @@ def test_a_default_up_listens_on_loopback_and_lets_no_stranger_in(
             timeout=60,
         )
         assert reply.status_code == 200, reply.text
-    for path in ("cluster.json", "admin_token", "cluster_secret", "ray_token"):
+    for path in ("cluster.json", "admin_token", "ray_token"):
         assert not (tmp_path / path).exists()  # removed at shutdown
+    assert (tmp_path / "cluster_secret").stat().st_mode & 0o777 == 0o600  # kept: it signs the
+    # storage tier's index entries

@@ -12,6 +12,7 @@ import pytest
 import redis
 from credentials import SECRET, channels
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from pdserve.config import DecodeConfig, EngineConfig
 from pdserve.engine.request import SamplingParams
@@ -50,6 +51,19 @@ def test_a_redis_url_is_printed_without_its_password() -> None:
     assert redacted("redis://:s3cret@10.0.0.1:6379/0") == "redis://:***@10.0.0.1:6379/0"
     assert redacted("rediss://user:s3cret@h/1") == "rediss://user:***@h/1"
     assert redacted("redis://h:6379/0") == "redis://h:6379/0"
+    assert redacted("redis://h/0?password=s3cret&db=1") == "redis://h/0?password=***&db=1"
+    assert redacted("redis://:s3cret@[::1]:6379/0") == "redis://:***@[::1]:6379/0"
+    assert "s3cret" not in redacted("redis://:s3cret@h:99999999/0")
+
+
+def test_embedded_redis_refuses_commands_that_would_reach_the_host(
+    redis_server: EmbeddedRedis,
+) -> None:
+    client = redis.Redis.from_url(redis_server.url)
+    for command in (("CONFIG", "SET", "dir", "/tmp"), ("MODULE", "LIST"), ("SLAVEOF", "NO", "ONE")):
+        with pytest.raises(redis.ResponseError, match="unknown command"):
+            client.execute_command(*command)
+    assert client.ping()
 
 
 # -- the instance plane ---------------------------------------------------------------------
@@ -77,7 +91,12 @@ def calls(channel: grpc.Channel) -> dict[str, Callable[[], object]]:
     chunk = decode_pb2.KVChunk(
         request_id="victim", first_block=0, num_blocks=1, data=b"x", last=True
     )
+    reflection = reflection_pb2_grpc.ServerReflectionStub(channel)
+    listing = reflection_pb2.ServerReflectionRequest(list_services="")
     return {
+        "ServerReflectionInfo": lambda: next(
+            iter(reflection.ServerReflectionInfo(iter([listing]), timeout=10))
+        ),
         "Reserve": lambda: decode.Reserve(reserve_message("intruder"), timeout=10),
         "Abort": lambda: instance.Abort(common_pb2.AbortRequest(request_id="victim"), timeout=10),
         "PushKV": lambda: decode.PushKV(iter([chunk]), timeout=10),

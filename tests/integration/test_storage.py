@@ -51,7 +51,7 @@ def storage_config(redis_url: str, root: Path, **overrides: object) -> StorageCo
 def make_tier(config: StorageConfig, made: list[StorageTier], tag: str = "test") -> StorageTier:
     """A tier, recorded in `made` (the `tiers` fixture, which checks and closes it)."""
     assert config.directory is not None
-    tier = StorageTier(config, tag, make_store(config, None, Path(config.directory)))
+    tier = StorageTier(config, tag, make_store(config, None, Path(config.directory)), secret=SECRET)
     made.append(tier)
     return tier
 
@@ -71,7 +71,7 @@ def tiers() -> Iterator[list[StorageTier]]:
 
 
 def test_lookup_returns_the_longest_stored_prefix_of_the_chain(redis_url: str) -> None:
-    index = CacheIndex(redis_client(redis_url), "t")
+    index = CacheIndex(redis_client(redis_url), "t", SECRET)
     entries = {n: index_entry(n) for n in (0, 1, 3)}
     for n, entry in entries.items():
         assert index.publish(block_hash(n), entry, 10 * BLOCK, 0.0).published
@@ -84,7 +84,7 @@ def test_lookup_returns_the_longest_stored_prefix_of_the_chain(redis_url: str) -
 def test_capacity_evicts_the_least_recently_used_and_frees_bytes_after_grace(
     redis_url: str,
 ) -> None:
-    index = CacheIndex(redis_client(redis_url), "t")
+    index = CacheIndex(redis_client(redis_url), "t", SECRET)
     entries = [index_entry(n) for n in range(5)]
     for n in range(3):
         index.publish(block_hash(n), entries[n], 3 * BLOCK, 60.0)
@@ -101,7 +101,7 @@ def test_capacity_evicts_the_least_recently_used_and_frees_bytes_after_grace(
 
 
 def test_a_block_is_claimed_by_one_writer_and_published_once(redis_url: str) -> None:
-    index = CacheIndex(redis_client(redis_url), "t")
+    index = CacheIndex(redis_client(redis_url), "t", SECRET)
     assert index.claim(block_hash(7))
     assert not index.claim(block_hash(7))  # another writer is on it
     first_entry, second_entry = index_entry(7), index_entry(7)
@@ -116,8 +116,26 @@ def test_a_block_is_claimed_by_one_writer_and_published_once(redis_url: str) -> 
 def test_index_tags_keep_layouts_apart(redis_url: str) -> None:
     client = redis_client(redis_url)
     entry = index_entry(1, tag="model-a")
-    CacheIndex(client, "model-a").publish(block_hash(1), entry, 10 * BLOCK, 0.0)
-    assert CacheIndex(client, "model-b").lookup([block_hash(1)]) == []
+    CacheIndex(client, "model-a", SECRET).publish(block_hash(1), entry, 10 * BLOCK, 0.0)
+    assert CacheIndex(client, "model-b", SECRET).lookup([block_hash(1)]) == []
+
+
+def test_an_entry_not_signed_with_the_cluster_secret_is_never_followed(redis_url: str) -> None:
+    """Redis writers without the cluster secret cannot forge an entry, however well-formed:
+    here one that names a peer's memory store (where the secret would be sent) and matches
+    everything else a reader checks."""
+    client = redis_client(redis_url)
+    ours, theirs = CacheIndex(client, "t", SECRET), CacheIndex(client, "t", "another-secret")
+    forged = dataclasses.replace(index_entry(3), store="mem:127.0.0.1:9")
+    theirs.publish(block_hash(3), forged, 10 * BLOCK, 0.0)  # signed, with the wrong secret
+    [found] = ours.lookup([block_hash(3)])
+    assert isinstance(found, InvalidEntry) and "not signed" in found.reason
+    client.hdel(f"{ours.prefix}b:{block_hash(3).hex()}", "mac")  # no signature at all
+    [found] = ours.lookup([block_hash(3)])
+    assert isinstance(found, InvalidEntry) and "not signed" in found.reason
+    genuine = index_entry(4)
+    ours.publish(block_hash(4), genuine, 10 * BLOCK, 0.0)
+    assert ours.lookup([block_hash(4)]) == [genuine]
 
 
 # -- entries read from Redis are checked before use -----------------------------------------------
@@ -150,7 +168,7 @@ FORGERIES: dict[str, dict[str, object]] = {
 def test_a_forged_entry_is_returned_invalid_and_discarded_without_freeing_bytes(
     redis_url: str, forgery: str
 ) -> None:
-    index = CacheIndex(redis_client(redis_url), "t")
+    index = CacheIndex(redis_client(redis_url), "t", SECRET)
     genuine = index_entry(0)
     assert index.publish(block_hash(0), genuine, 10 * BLOCK, 0.0).published
     forge(index, block_hash(1), {**entry_fields(index_entry(1)), **FORGERIES[forgery]})
@@ -163,7 +181,7 @@ def test_a_forged_entry_is_returned_invalid_and_discarded_without_freeing_bytes(
 
 
 def test_an_entry_without_its_tag_is_invalid(redis_url: str) -> None:
-    index = CacheIndex(redis_client(redis_url), "t")
+    index = CacheIndex(redis_client(redis_url), "t", SECRET)
     fields = entry_fields(index_entry(1))
     del fields["tag"]  # as written before entries carried their tag
     forge(index, block_hash(1), fields)
@@ -172,7 +190,7 @@ def test_an_entry_without_its_tag_is_invalid(redis_url: str) -> None:
 
 
 def test_discard_keeps_an_entry_published_since_the_lookup(redis_url: str) -> None:
-    index = CacheIndex(redis_client(redis_url), "t")
+    index = CacheIndex(redis_client(redis_url), "t", SECRET)
     forge(index, block_hash(1), {**entry_fields(index_entry(1)), "tag": "other"})
     [found] = index.lookup([block_hash(1)])
     assert isinstance(found, InvalidEntry)
