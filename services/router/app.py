@@ -9,7 +9,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator, MutableMapping
 from typing import Any
 
 import anyio
@@ -41,7 +41,7 @@ Event = TokenDelta | Finished
 def create_app(router: Router, config: RouterConfig) -> FastAPI:
     app = FastAPI(title="pdserve", docs_url=None, redoc_url=None)
     _install_error_handlers(app)
-    _install_body_limit(app, config.max_body_bytes)
+    app.add_middleware(_RequestGate, metrics=router.metrics, max_bytes=config.max_body_bytes)
 
     @app.get("/health")
     async def health() -> dict[str, Any]:
@@ -56,15 +56,6 @@ def create_app(router: Router, config: RouterConfig) -> FastAPI:
     async def metrics() -> Response:
         router.export_load()
         return Response(generate_latest(router.metrics.registry), media_type=CONTENT_TYPE_LATEST)
-
-    @app.middleware("http")
-    async def count(
-        request: Request, call_next: Callable[[Request], Awaitable[Response]]
-    ) -> Response:
-        response = await call_next(request)
-        if request.url.path.startswith("/v1/"):
-            router.metrics.requests.labels(request.url.path, str(response.status_code)).inc()
-        return response
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
@@ -349,15 +340,35 @@ def _install_error_handlers(app: FastAPI) -> None:
         return JSONResponse(body, status, headers=headers)
 
 
-def _install_body_limit(app: FastAPI, max_bytes: int) -> None:
-    @app.middleware("http")
-    async def limit(
-        request: Request, call_next: Callable[[Request], Awaitable[Response]]
-    ) -> Response:
-        length = request.headers.get("content-length")
-        if length is not None and length.isdigit() and int(length) > max_bytes:
-            message = f"the request body is larger than {max_bytes} bytes"
-            return JSONResponse(
-                _openai_error(message, "invalid_request_error", "request_too_large"), 413
-            )
-        return await call_next(request)
+class _RequestGate:
+    """Pure ASGI middleware: refuses bodies over `max_bytes` (413, by Content-Length) and counts
+    every /v1/ response by status. Not a BaseHTTPMiddleware: that wraps `receive` and hides the
+    client's disconnect from the endpoints, so non-streaming requests ran on after their client
+    had gone."""
+
+    def __init__(self, app: Any, metrics: RouterMetrics, max_bytes: int) -> None:
+        self.app, self.metrics, self.max_bytes = app, metrics, max_bytes
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path, status = scope["path"], 500
+
+        async def send_counted(message: MutableMapping[str, Any]) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            length = dict(scope["headers"]).get(b"content-length", b"")
+            if length.isdigit() and int(length) > self.max_bytes:
+                message = f"the request body is larger than {self.max_bytes} bytes"
+                body = _openai_error(message, "invalid_request_error", "request_too_large")
+                await JSONResponse(body, 413)(scope, receive, send_counted)
+                return
+            await self.app(scope, receive, send_counted)
+        finally:
+            if path.startswith("/v1/"):
+                self.metrics.requests.labels(path, str(status)).inc()

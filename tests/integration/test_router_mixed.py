@@ -85,6 +85,20 @@ def test_mixed_disconnect_aborts_the_request(
     wait_for(lambda: router.router.load.num_live_leases() == 0)
 
 
+def test_a_non_streaming_client_that_goes_away_aborts_its_request(
+    mixed_stack: tuple[RunningRouter, list[MixedInstance]],
+) -> None:
+    router, instances = mixed_stack
+    before = sum(i.stats().num_computed_tokens for i in instances)
+    body = {"model": MODEL, "prompt": [5, 6, 7], "max_tokens": 1000, "ignore_eos": True}
+    with pytest.raises(httpx.TimeoutException):  # the client gives up and closes its connection
+        httpx.post(f"{router.url}/v1/completions", json=body, timeout=0.3)
+    wait_for(lambda: sum(i.stats().num_running for i in instances) == 0)
+    computed = sum(i.stats().num_computed_tokens for i in instances) - before
+    assert computed < 1000  # aborted: the 1,000 tokens it asked for were never all generated
+    wait_for(lambda: router.router.load.num_live_leases() == 0)
+
+
 def test_instance_metrics_count_exactly_the_hits_of_a_scripted_workload(
     mixed_stack: tuple[RunningRouter, list[MixedInstance]],
 ) -> None:
