@@ -19,12 +19,13 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import grpc
 import platformdirs
+import redis
 
 from pdserve.config import EngineConfig, StorageConfig, TransferConfig
 from pdserve.engine.engine import LLMEngine, RequestOutput, StorageTierFactory
 from pdserve.engine.loop import EngineLoop, Mailbox
 from pdserve.engine.request import Request, SamplingParams
-from pdserve.errors import DuplicateRequestError, RequestNotFoundError
+from pdserve.errors import DuplicateRequestError, InstanceUnavailableError, RequestNotFoundError
 from pdserve.instance.streams import OutputStream, aborted_output
 from pdserve.kvcache.events import BlockStored, KVEvent, KVEventBroadcaster
 from pdserve.kvcache.hashing import BlockHash
@@ -269,8 +270,17 @@ class InstanceRuntime:
 
     def flush_storage(self) -> int:
         """Drop every entry of the storage tier's index (shared by every instance); returns
-        how many went (0 without a storage tier)."""
-        return self.storage.index.clear() if self.storage is not None else 0
+        how many went (0 without a storage tier). Raises InstanceUnavailableError when its
+        Redis does not answer."""
+        if self.storage is None:
+            return 0
+        try:
+            return self.storage.index.clear()
+        except redis.RedisError as e:
+            raise InstanceUnavailableError(
+                f"the storage tier's Redis did not answer ({type(e).__name__}): nothing was "
+                "flushed; retry when it is back (the instances serve without storage meanwhile)"
+            ) from e
 
     def make_request(
         self,

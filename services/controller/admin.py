@@ -17,9 +17,10 @@ import grpc
 import ray
 
 from pdserve.config import AdminConfig
-from pdserve.errors import ClusterError, ConfigError, PdserveError
+from pdserve.errors import ClusterError, ConfigError, InstanceUnavailableError, PdserveError
 from pdserve.rpc.auth import BearerTokenInterceptor, secret_file
 from pdserve.rpc.server import create_server
+from pdserve.rpc.status import abort_with
 from pdserve.v1 import admin_pb2, admin_pb2_grpc, common_pb2
 from services.controller.cluster import Cluster, InstanceInfo
 from services.router.router import Router
@@ -167,9 +168,17 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
             targets = targets[:1]  # one index for the whole cluster
         flushed = 0
         for info in targets:
-            flushed += int(
-                ray.get(self.cluster.actor(info.name).flush_cache.remote(request.tier), timeout=60)
-            )
+            try:
+                flushed += int(
+                    ray.get(
+                        self.cluster.actor(info.name).flush_cache.remote(request.tier), timeout=60
+                    )
+                )
+            except ray.exceptions.RayTaskError as e:  # the instance raised: pass its error on
+                cause = e.cause if isinstance(e.cause, PdserveError) else None
+                abort_with(context, cause or InstanceUnavailableError(f"{info.name} failed: {e}"))
+            except (ray.exceptions.RayError, TimeoutError):
+                abort_with(context, InstanceUnavailableError(f"{info.name} did not answer"))
         return admin_pb2.FlushCacheReply(blocks=flushed)
 
     def AbortRequest(

@@ -56,7 +56,7 @@ def run(args: argparse.Namespace) -> int:
         reply = _call(stub, args.verb, args.args, metadata)
     except grpc.RpcError as e:
         print(f"pdserve admin: {e.code().name}: {e.details()}", file=sys.stderr)
-        return 2
+        return exit_code(e.code())
     finally:
         channel.close()
     if args.json:
@@ -64,6 +64,14 @@ def run(args: argparse.Namespace) -> int:
     else:
         _print(args.verb, reply)
     return 0
+
+
+def exit_code(status: grpc.StatusCode) -> int:
+    """3: try again later (the cluster, or a part it needs, is unavailable); 2: anything else
+    (a wrong token, a bad argument)."""
+    if status in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+        return 3
+    return 2
 
 
 def _read(path: Path) -> str:

@@ -13,6 +13,7 @@ from waiting import wait_for
 
 from pdserve.config import DecodeConfig, EngineConfig, PrefillConfig, StorageConfig
 from pdserve.engine import LLMEngine, SamplingParams
+from pdserve.errors import InstanceUnavailableError
 from pdserve.kvcache.hashing import BlockHash
 from pdserve.storage import CacheIndex, DirectoryStore, IndexEntry, StorageTier, checksum
 from pdserve.storage.index import InvalidEntry, redis_client
@@ -20,6 +21,7 @@ from pdserve.storage.keys import key_binding, new_key
 from pdserve.storage.redis_server import EmbeddedRedis
 from pdserve.storage.tier import make_store
 from services.decode.servicer import serve_decode
+from services.mixed.instance import MixedInstance
 from services.mixed.servicer import serve_mixed
 from services.prefill.servicer import serve_prefill
 from services.router.pd_client import PDClient, TokenDelta
@@ -620,3 +622,32 @@ def test_host_memory_blocks_are_read_by_a_peer_over_grpc(
         for instance, server, _ in served:
             server.stop(0).wait()
             instance.stop()
+
+
+def test_flushing_storage_while_redis_is_down_is_a_clear_unavailable_error(
+    tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    server = EmbeddedRedis().start()
+    engine = EngineConfig(model=str(tiny_model_dir), num_kv_blocks=32)
+    instance, grpc_server, _ = serve_mixed(
+        engine, storage=storage_config(server.url, tmp_path), secret=SECRET
+    )
+    try:
+        assert instance.runtime.flush_storage() == 0
+        server.stop()
+        with pytest.raises(InstanceUnavailableError, match="did not answer"):
+            instance.runtime.flush_storage()
+        server.start()  # same port: the tier reconnects
+        wait_for(lambda: _flushes(instance))
+    finally:
+        grpc_server.stop(0)
+        instance.stop()
+        server.close()
+
+
+def _flushes(instance: MixedInstance) -> bool:
+    try:
+        instance.runtime.flush_storage()
+    except InstanceUnavailableError:
+        return False
+    return True
