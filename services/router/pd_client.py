@@ -66,9 +66,17 @@ class PDClient:
         params: SamplingParams,
         request_id: str | None = None,
     ) -> Iterator[TokenDelta | Finished]:
-        """Yield token deltas, then one Finished. Raises the typed error of a failed step."""
+        """Yield token deltas, then one Finished. Raises the typed error of a failed step. When
+        the prefill fails (its instance may have died holding a reservation on decode), the
+        request is aborted on decode at once rather than left to the reservation's lease."""
         request_id = request_id or uuid.uuid4().hex
-        result = self.prefill(prefill_address, decode_address, prompt_token_ids, params, request_id)
+        try:
+            result = self.prefill(
+                prefill_address, decode_address, prompt_token_ids, params, request_id
+            )
+        except PdserveError:
+            self._abort_quietly(decode_address, request_id)
+            raise
         decode = DecodeClient(decode_address, self.channels, self.deadlines)
         yield from _read_tokens(decode.stream_tokens(request_id), result)
 
@@ -109,6 +117,12 @@ class PDClient:
                 self.instance(address).abort(request_id)
             except PdserveError as e:
                 logger.warning("abort of request %s on %s failed: %s", request_id, address, e)
+
+    def _abort_quietly(self, address: str, request_id: str) -> None:
+        try:
+            self.instance(address).abort(request_id)
+        except PdserveError as e:  # gone too: nothing of the request is left there to free
+            logger.info("abort of request %s on %s failed: %s", request_id, address, e)
 
     def close(self) -> None:
         self.channels.close()

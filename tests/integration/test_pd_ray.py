@@ -93,7 +93,9 @@ def test_cluster_reports_every_instance_alive(cluster: Cluster) -> None:
 def test_killed_prefill_leaves_no_reserved_blocks_on_decode(
     ray_session: None, tiny_model_dir: Path
 ) -> None:
-    config = cluster_config(tiny_model_dir, "pdserve-test-kill", reservation_timeout_s=2.0)
+    """Not at the lease's end (30 s): as soon as the loss is known (the client's Prefill call
+    fails, and the client aborts the request on decode)."""
+    config = cluster_config(tiny_model_dir, "pdserve-test-kill", reservation_timeout_s=30.0)
     cluster = Cluster(config, SECRET)
     cluster.up()
     client = PDClient(channels())
@@ -114,7 +116,7 @@ def test_killed_prefill_leaves_no_reserved_blocks_on_decode(
         ray.kill(cluster.actor("prefill-0"))
         worker.join(60)
         assert failure, "the request should fail when its prefill instance dies"
-        wait_for(lambda: decode_stats(client, where["decode"]).num_reservations == 0)
+        wait_for(lambda: decode_stats(client, where["decode"]).num_reservations == 0, 2.0)
         stats = decode_stats(client, where["decode"])
         assert stats.num_free_blocks == stats.num_blocks
         ray.get(cluster.actor("decode-0").check_integrity.remote())
