@@ -64,7 +64,9 @@ def scrape_metrics(base_url: str) -> dict[str, float]:
 
 
 @contextmanager
-def pdserve_up(config_text: str, workdir: Path, ray_address: str | None) -> Iterator[UpCluster]:
+def pdserve_up(
+    config_text: str, workdir: Path, ray_address: str | None, *extra_args: str
+) -> Iterator[UpCluster]:
     """Run `pdserve up` with `config_text` (its `cluster.state_dir` should be `workdir`) on the
     Ray cluster at `ray_address` (None: `up` starts its own); stop it with SIGTERM (as `pdserve
     down` does) on exit and check that it shut down cleanly."""
@@ -73,7 +75,14 @@ def pdserve_up(config_text: str, workdir: Path, ray_address: str | None) -> Iter
     env = {**os.environ, "OMP_NUM_THREADS": "1"}  # Ray's token comes from the environment
     log = (workdir / "up.log").open("w")
     process = subprocess.Popen(
-        [*CLI, "up", "--config", str(config), *(["--address", ray_address] if ray_address else [])],
+        [
+            *CLI,
+            "up",
+            "--config",
+            str(config),
+            *(["--address", ray_address] if ray_address else []),
+            *extra_args,
+        ],
         stdout=subprocess.PIPE,
         stderr=log,
         text=True,

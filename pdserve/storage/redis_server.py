@@ -90,6 +90,11 @@ class EmbeddedRedis:
         logger.info("embedded Redis serving on %s", redacted(self.url))
         return self
 
+    @property
+    def alive(self) -> bool:
+        """Whether the server process runs (it may still be starting)."""
+        return self.process is not None and self.process.poll() is None
+
     def stop(self) -> None:
         """Stop the server (its data is lost: it keeps none on disk)."""
         if self.process is not None and self.process.poll() is None:

@@ -278,12 +278,18 @@ def write_file_sd(path: Path, groups: list[dict[str, object]]) -> None:
 
 
 def _watch(cluster: "Cluster", stop: threading.Event, interval_s: float) -> None:
+    """Every `interval_s`: report instances that died, restart the embedded Redis if it did."""
     known_dead: set[str] = set()
     while not stop.wait(interval_s):
         for name in set(cluster.dead_instances()) - known_dead:
             known_dead.add(name)
             logging.getLogger("pdserve").error("instance %s is dead", name)
             print(f"instance {name} is dead", file=sys.stderr, flush=True)
+        try:
+            if cluster.supervise_storage():
+                print("embedded Redis died: restarted (its index starts empty)", file=sys.stderr)
+        except PdserveError as e:
+            print(f"embedded Redis died and did not restart: {e}", file=sys.stderr, flush=True)
 
 
 def _down(args: argparse.Namespace) -> int:

@@ -103,6 +103,17 @@ class Cluster:
             storage = replace(storage, directory=str(self._run_store))
         self.config = replace(self.config, storage=storage)
 
+    def supervise_storage(self) -> bool:
+        """Restart the embedded Redis if it died (same port and password: the instances
+        reconnect by themselves; its index is lost, and they treat storage as empty). Returns
+        whether it was restarted. Raises PdserveError when it cannot start again."""
+        redis_server = self.embedded_redis
+        if redis_server is None or redis_server.alive:
+            return False
+        redis_server.stop()  # reap the dead process
+        redis_server.start()
+        return True
+
     def _connect(self) -> None:
         if ray.is_initialized():
             return

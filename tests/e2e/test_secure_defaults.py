@@ -13,6 +13,7 @@ import grpc
 import httpx
 import psutil
 from pdserve_up import UpCluster, pdserve_up
+from waiting import wait_for
 
 from pdserve.v1 import common_pb2, common_pb2_grpc
 
@@ -59,7 +60,7 @@ def test_a_default_up_listens_on_loopback_and_lets_no_stranger_in(
         f"router:\n  port: 0\nadmin:\n  port: 0\n"
         f"cluster:\n  namespace: pdserve-secure\n  state_dir: {tmp_path}\n"
     )
-    with pdserve_up(config, tmp_path, None) as up:
+    with pdserve_up(config, tmp_path, None, "--health-interval", "0.5") as up:
         state = json.loads((tmp_path / "cluster.json").read_text())
         secrets = {
             name: (tmp_path / name) for name in ("admin_token", "cluster_secret", "ray_token")
@@ -122,6 +123,26 @@ def test_a_default_up_listens_on_loopback_and_lets_no_stranger_in(
         reply = httpx.post(
             f"{up.router_url}/completions",
             json={"model": tiny_model_dir.name, "prompt": "hi", "max_tokens": 2},
+            timeout=60,
+        )
+        assert reply.status_code == 200, reply.text
+
+        # The embedded Redis is supervised: killed, it is back on its port, password unchanged.
+        [redis_server] = [
+            p for p in psutil.Process(up.process.pid).children() if "redis" in p.name()
+        ]
+        [port] = {port for _, port, p in found if p.pid == redis_server.pid}
+        redis_server.kill()
+
+        def redis_is_back() -> bool:
+            return any(
+                q == port and p.pid != redis_server.pid for _, q, p in listeners(up.process.pid)
+            )
+
+        wait_for(redis_is_back, 20)
+        reply = httpx.post(
+            f"{up.router_url}/completions",
+            json={"model": tiny_model_dir.name, "prompt": "again", "max_tokens": 2},
             timeout=60,
         )
         assert reply.status_code == 200, reply.text
