@@ -244,6 +244,7 @@ class ClusterConfig:
     tls_key: str | None = None
     tls_ca: str | None = None
     tls_server_name: str = "pdserve-instance"  # the DNS name the instances' certificate holds
+    drain_timeout_s: float = 30.0  # at shutdown: new requests get 503, in-flight ones this long
 
     def __post_init__(self) -> None:
         _check_choice("cluster.placement_strategy", self.placement_strategy, PLACEMENT_STRATEGIES)

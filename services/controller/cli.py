@@ -191,6 +191,9 @@ def _up(args: argparse.Namespace) -> int:
         _print_endpoints(cluster, router, targets_path, admin_address, path)
         _watch(cluster, stop, args.health_interval)
     finally:
+        if router is not None and not router.router.drain(config.drain_timeout_s):
+            left = len(router.router.active_requests())
+            print(f"drain timed out: {left} requests cut short", file=sys.stderr, flush=True)
         if admin_server is not None:
             admin_server.stop(grace=2).wait()
         if router is not None:

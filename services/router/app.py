@@ -83,6 +83,7 @@ async def _serve(
 ) -> Response:
     params = body.params()  # type: ignore[attr-defined]
     router.validate(ids, params)
+    router.check_accepting()
     request_id = uuid.uuid4().hex
     events = _timed(router.metrics, router.generate(request_id, ids, params))
     if body.stream:

@@ -100,6 +100,7 @@ class Router:
         self._unhealthy_until: dict[str, float] = {}
         self.drained: set[str] = set()  # no new requests; in-flight ones finish
         self._active: dict[str, _Active] = {}
+        self.draining = False  # shutting down: new requests are refused, in-flight ones finish
         self._stopped = threading.Event()
         self._threads: list[threading.Thread] = []
 
@@ -157,6 +158,20 @@ class Router:
     @property
     def num_decode(self) -> int:
         return len(self.decode)
+
+    def check_accepting(self) -> None:
+        """Raise NoCapacityError (a 503 with Retry-After) while the cluster is shutting down."""
+        if self.draining:
+            raise NoCapacityError("the cluster is shutting down; retry on another one", 5000)
+
+    def drain(self, timeout_s: float) -> bool:
+        """Refuse new requests and wait up to `timeout_s` for the in-flight ones to finish;
+        returns whether they all did."""
+        self.draining = True
+        deadline = time.monotonic() + timeout_s
+        while self._active and time.monotonic() < deadline:
+            self._stopped.wait(0.05)
+        return not self._active
 
     def check_model(self, name: str) -> None:
         if name != self.model.model_id:
