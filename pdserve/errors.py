@@ -18,6 +18,7 @@ and what to do about it.
         NoCapacityError              the router ran out of instances or attempts
         KVTransferError              a KV transfer or handoff failed
         InstanceUnavailableError     a peer cannot be reached or did not answer in time
+          DecodeUnavailableError     ... and that peer is the request's decode instance
         StepFailedError              the engine step running the request failed
 """
 
@@ -101,6 +102,12 @@ class KVTransferError(RetryableError):
 
 class InstanceUnavailableError(RetryableError):
     """A peer instance cannot be reached, or did not answer before its deadline."""
+
+
+class DecodeUnavailableError(InstanceUnavailableError):
+    """The decode instance of a request cannot be reached: raised by a prefill instance for its
+    calls to decode, and by the router's client for the token stream. The router blames decode,
+    not the prefill instance that reported it."""
 
 
 class StepFailedError(RetryableError):

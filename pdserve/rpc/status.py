@@ -12,6 +12,7 @@ from typing import NoReturn, TypeAlias
 import grpc
 
 from pdserve.errors import (
+    DecodeUnavailableError,
     DuplicateRequestError,
     InstanceUnavailableError,
     InvalidRequestError,
@@ -58,6 +59,11 @@ _TABLE: tuple[tuple[type[PdserveError], Code, grpc.StatusCode], ...] = (
     ),
     (NoCapacityError, common_pb2.ERROR_CODE_RESOURCE_EXHAUSTED, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (KVTransferError, common_pb2.ERROR_CODE_TRANSFER_FAILED, grpc.StatusCode.FAILED_PRECONDITION),
+    (
+        DecodeUnavailableError,
+        common_pb2.ERROR_CODE_DECODE_UNAVAILABLE,
+        grpc.StatusCode.UNAVAILABLE,
+    ),
     (InstanceUnavailableError, common_pb2.ERROR_CODE_UNAVAILABLE, grpc.StatusCode.UNAVAILABLE),
     (StepFailedError, common_pb2.ERROR_CODE_STEP_FAILED, grpc.StatusCode.ABORTED),
 )

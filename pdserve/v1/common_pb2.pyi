@@ -40,6 +40,8 @@ class _ErrorCodeEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_ErrorCode.V
     ERROR_CODE_STEP_FAILED: _ErrorCode.ValueType  # 11
     """the engine step running the request failed"""
     ERROR_CODE_MODEL_NOT_FOUND: _ErrorCode.ValueType  # 12
+    ERROR_CODE_DECODE_UNAVAILABLE: _ErrorCode.ValueType  # 13
+    """a prefill instance could not reach its decode instance"""
 
 class ErrorCode(_ErrorCode, metaclass=_ErrorCodeEnumTypeWrapper):
     """Which pdserve exception an error is (pdserve.rpc.status maps each to one class). Unary RPCs
@@ -61,6 +63,8 @@ ERROR_CODE_UNAVAILABLE: ErrorCode.ValueType  # 10
 ERROR_CODE_STEP_FAILED: ErrorCode.ValueType  # 11
 """the engine step running the request failed"""
 ERROR_CODE_MODEL_NOT_FOUND: ErrorCode.ValueType  # 12
+ERROR_CODE_DECODE_UNAVAILABLE: ErrorCode.ValueType  # 13
+"""a prefill instance could not reach its decode instance"""
 Global___ErrorCode: _TypeAlias = ErrorCode  # noqa: Y015
 
 class _FinishReason:

@@ -19,6 +19,7 @@ from pdserve.config import EngineConfig, PrefillConfig, StorageConfig, TransferC
 from pdserve.engine.engine import LLMEngine, RequestOutput
 from pdserve.engine.request import Request, RequestStatus, SamplingParams
 from pdserve.errors import (
+    DecodeUnavailableError,
     InstanceUnavailableError,
     InvalidRequestError,
     KVTransferError,
@@ -162,6 +163,10 @@ class PrefillInstance:
             decode.start_decode(request_id, first_token_id)
         except InvalidRequestError as e:
             raise _from_decode(e, decode.address) from e
+        except DecodeUnavailableError:
+            raise
+        except InstanceUnavailableError as e:
+            raise DecodeUnavailableError(str(e), e.retry_after_ms) from e
         except RequestNotFoundError as e:  # decode's reservation expired before the handoff
             raise KVTransferError(f"decode {decode.address} lost request {request_id}: {e}") from e
         outcome.timings.handoff_s = time.perf_counter() - start
@@ -187,6 +192,10 @@ class PrefillInstance:
                 reply = decode.reserve(message)
             except InvalidRequestError as e:
                 raise _from_decode(e, decode.address) from e
+            except DecodeUnavailableError:
+                raise
+            except InstanceUnavailableError as e:
+                raise DecodeUnavailableError(str(e), e.retry_after_ms) from e
             except ResourceExhaustedError as refusal:
                 logger.info(
                     "decode %s refused request %s (attempt %d): %s",

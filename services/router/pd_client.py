@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from pdserve.engine.request import SamplingParams
-from pdserve.errors import PdserveError
+from pdserve.errors import DecodeUnavailableError, InstanceUnavailableError, PdserveError
 from pdserve.instance.convert import FINISH_REASON_NAMES, generate_request
 from pdserve.rpc.channels import ChannelPool
 from pdserve.rpc.clients import (
@@ -78,7 +78,12 @@ class PDClient:
             self._abort_quietly(decode_address, request_id)
             raise
         decode = DecodeClient(decode_address, self.channels, self.deadlines)
-        yield from _read_tokens(decode.stream_tokens(request_id), result)
+        try:
+            yield from _read_tokens(decode.stream_tokens(request_id), result)
+        except DecodeUnavailableError:
+            raise
+        except InstanceUnavailableError as e:  # the token stream broke: decode's side
+            raise DecodeUnavailableError(str(e), e.retry_after_ms) from e
 
     def generate_mixed(
         self,

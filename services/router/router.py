@@ -20,6 +20,8 @@ from pdserve.config import RouterConfig
 from pdserve.engine.request import SamplingParams
 from pdserve.errors import (
     ConfigError,
+    DecodeUnavailableError,
+    InstanceUnavailableError,
     InvalidRequestError,
     ModelNotFoundError,
     NoCandidateError,
@@ -28,6 +30,7 @@ from pdserve.errors import (
     PromptTooLongError,
     RequestAbortedError,
     ResourceExhaustedError,
+    StepFailedError,
 )
 from pdserve.kvcache.events import BlockRemoved, BlockStored
 from pdserve.kvcache.hashing import BlockHash, BlockHasher
@@ -296,12 +299,21 @@ class Router:
             self.metrics.indexed_blocks.labels(address).set(self.index.num_blocks(address))
 
     def _blame(self, error: Exception, prefill: str, decode: str | None) -> set[str]:
-        """Instances not to retry on, marked unhealthy for a while. A prefill's KV-event view is
+        """Instances not to retry on, marked unhealthy for a while: the side the error names
+        (decode refused or unreachable: decode; prefill unreachable or its step failed:
+        prefill; a transfer between them, or anything else: both). A prefill's KV-event view is
         kept: its event stream says by itself whether it is alive (a broken stream drops it)."""
         if isinstance(error, ResourceExhaustedError) and decode is not None:
-            return {decode}
+            return {decode}  # busy, not sick: not marked unhealthy
+        if decode is None:
+            blamed = {prefill}
+        elif isinstance(error, DecodeUnavailableError):
+            blamed = {decode}
+        elif isinstance(error, InstanceUnavailableError | StepFailedError):
+            blamed = {prefill}
+        else:
+            blamed = {prefill, decode}
         now = time.monotonic()
-        blamed = {prefill} if decode is None else {prefill, decode}
         for address in blamed:
             self._unhealthy_until[address] = now + UNHEALTHY_COOLDOWN_S
         return blamed

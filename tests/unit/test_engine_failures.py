@@ -9,6 +9,7 @@ import torch
 
 from pdserve.engine import LLMEngine, RequestStatus, SamplingParams
 from pdserve.errors import (
+    DecodeUnavailableError,
     DuplicateRequestError,
     InstanceUnavailableError,
     IntegrityError,
@@ -172,6 +173,7 @@ ROUND_TRIPS: list[PdserveError] = [
     ResourceExhaustedError("full", 250),
     KVTransferError("broken", 0),
     InstanceUnavailableError("down", 0),
+    DecodeUnavailableError("decode down", 0),
     StepFailedError("oom", 0),
 ]
 

@@ -13,6 +13,8 @@ from hypothesis import strategies as st
 from pdserve.config import EngineConfig, RouterConfig
 from pdserve.engine.request import SamplingParams
 from pdserve.errors import (
+    DecodeUnavailableError,
+    InstanceUnavailableError,
     InvalidRequestError,
     KVTransferError,
     NoCapacityError,
@@ -47,6 +49,8 @@ class FakePDClient:
             "refused": ResourceExhaustedError("decode full", 50),
             "invalid": InvalidRequestError("bad prompt"),
             "aborted": RequestAbortedError("aborted by an operator"),
+            "decode_down": DecodeUnavailableError("decode d0 is gone"),
+            "prefill_down": InstanceUnavailableError("prefill p0 is gone"),
         }
         if outcome in errors:
             raise errors[outcome]
@@ -114,6 +118,20 @@ def test_invalid_request_is_not_retried(model: ModelInfo) -> None:
         run(router, "r")
     assert len(router.client.routes) == 1  # type: ignore[attr-defined]
     assert router.load.num_live_leases() == 0
+
+
+@pytest.mark.parametrize(
+    ("outcome", "side"), [("decode_down", 1), ("prefill_down", 0)], ids=["decode", "prefill"]
+)
+def test_only_the_side_that_failed_is_blamed(model: ModelInfo, outcome: str, side: int) -> None:
+    router = make_router(model, [outcome, "ok"])
+    events = run(router, "r")
+    assert isinstance(events[-1], Finished)
+    first, second = router.client.routes  # type: ignore[attr-defined]
+    blamed, spared = first[side], first[1 - side]
+    assert set(router._unhealthy_until) == {blamed}  # the healthy side stays in rotation
+    assert second[side] != blamed
+    assert spared not in router._unhealthy_until
 
 
 def test_an_aborted_request_is_not_retried_and_blames_nobody(model: ModelInfo) -> None:
