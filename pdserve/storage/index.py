@@ -280,8 +280,9 @@ class CacheIndex:
         grace_s: float,
     ) -> PublishResult:
         """Make a durable block visible, evicting LRU entries of its store to fit its capacity.
-        `entry.tag` is this index's tag."""
-        assert entry.tag == self.tag, f"entry of tag {entry.tag} published under {self.tag}"
+        Raises IntegrityError when `entry.tag` is not this index's tag (a caller's bug)."""
+        if entry.tag != self.tag:
+            raise IntegrityError(f"an entry of tag {entry.tag} published under {self.tag}")
         now = _now_ms()
         status, evicted = self._publish(
             args=[
