@@ -161,12 +161,8 @@ class PrefillInstance:
         start = time.perf_counter()
         try:
             decode.start_decode(request_id, first_token_id)
-        except InvalidRequestError as e:
+        except (InvalidRequestError, InstanceUnavailableError) as e:
             raise _from_decode(e, decode.address) from e
-        except DecodeUnavailableError:
-            raise
-        except InstanceUnavailableError as e:
-            raise DecodeUnavailableError(str(e), e.retry_after_ms) from e
         except RequestNotFoundError as e:  # decode's reservation expired before the handoff
             raise KVTransferError(f"decode {decode.address} lost request {request_id}: {e}") from e
         outcome.timings.handoff_s = time.perf_counter() - start
@@ -190,12 +186,8 @@ class PrefillInstance:
             asked = time.monotonic()
             try:
                 reply = decode.reserve(message)
-            except InvalidRequestError as e:
+            except (InvalidRequestError, InstanceUnavailableError) as e:
                 raise _from_decode(e, decode.address) from e
-            except DecodeUnavailableError:
-                raise
-            except InstanceUnavailableError as e:
-                raise DecodeUnavailableError(str(e), e.retry_after_ms) from e
             except ResourceExhaustedError as refusal:
                 logger.info(
                     "decode %s refused request %s (attempt %d): %s",
@@ -315,11 +307,17 @@ def _check_not_aborted(stream: OutputStream) -> None:
         raise RequestAbortedError(f"request {stream.request_id} was aborted")
 
 
-def _from_decode(error: InvalidRequestError, decode_address: str) -> PdserveError:
-    """What decode's refusal of a request this instance accepted means for the caller. A prompt
-    too long for decode's context is the caller's to shorten (PromptTooLongError, a 400); any
-    other refusal (an id decode still holds, a first token it rejects) is a disagreement between
-    instances, not the caller's mistake: KVTransferError, which the router retries elsewhere."""
-    if isinstance(error, PromptTooLongError):
+def _from_decode(
+    error: InvalidRequestError | InstanceUnavailableError, decode_address: str
+) -> PdserveError:
+    """What decode's refusal of (or absence for) a request this instance accepted means for the
+    caller. Decode unreachable: DecodeUnavailableError, so the router blames decode, not us. A
+    prompt too long for decode's context is the caller's to shorten (PromptTooLongError, a
+    400); any other refusal (an id decode still holds, a first token it rejects) is a
+    disagreement between instances, not the caller's mistake: KVTransferError, which the
+    router retries elsewhere."""
+    if isinstance(error, DecodeUnavailableError | PromptTooLongError):
         return error
+    if isinstance(error, InstanceUnavailableError):
+        return DecodeUnavailableError(str(error), error.retry_after_ms)
     return KVTransferError(f"decode {decode_address} refused the request: {error}")
