@@ -147,9 +147,18 @@ class RouterConfig:
     retry_backoff_s: float = 0.1  # doubles after each failed attempt
     max_body_bytes: int = 4 * 2**20  # larger request bodies get 413
     stats_interval_s: float = 0.5  # how often decode load is refreshed
+    # a stream whose decode (or mixed) instance dies continues on another: at most this many
+    # times per request, and only while prompt + generated tokens are at most
+    # migration_max_tokens (None: any length the model takes)
+    migration_limit: int = 3
+    migration_max_tokens: int | None = None
 
     def __post_init__(self) -> None:
         _check_choice("router.prefill_policy", self.prefill_policy, PREFILL_POLICIES)
+        if self.migration_limit < 0:
+            raise ConfigError("router.migration_limit must be >= 0 (0: never migrate)")
+        if self.migration_max_tokens is not None and self.migration_max_tokens < 1:
+            raise ConfigError("router.migration_max_tokens must be positive (or unset)")
 
 
 @dataclass(frozen=True, slots=True)

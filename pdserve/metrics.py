@@ -59,6 +59,13 @@ class RouterMetrics:
             "Attempts that failed before the first token and were retried.",
             registry=self.registry,
         )
+        self.migrations = Counter(
+            "pdserve_router_migrations",
+            "Streams that continued on another instance after theirs failed, by reason "
+            "(instance_lost, step_failed).",
+            ["reason"],
+            registry=self.registry,
+        )
         self.in_flight = Gauge(
             "pdserve_router_in_flight_requests",
             "Requests holding a load lease, by instance.",

@@ -42,6 +42,12 @@ class IncrementalDetokenizer:
         self._emitted = end
         return delta
 
+    def resume(self, token_ids: Sequence[int], shown: int) -> None:
+        """Continue a generation begun elsewhere: `token_ids` is its output so far, of whose
+        text `shown` characters were already shown; `update` returns only what follows."""
+        self._decode_new(token_ids)
+        self._emitted = shown
+
     def _decode_new(self, token_ids: Sequence[int]) -> None:
         if self.stop_reason is not None or len(token_ids) == self._read_offset:
             return

@@ -50,6 +50,9 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    # The last `output_offset` prompt tokens are this generation's own earlier output (a request
+    # the router migrated): a seeded request's seed stream continues from there.
+    output_offset: int = 0
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -62,6 +65,8 @@ class SamplingParams:
             raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p}")
         if any(not s for s in self.stop):
             raise InvalidRequestError("stop strings must be non-empty")
+        if self.output_offset < 0:
+            raise InvalidRequestError(f"output_offset must be >= 0, got {self.output_offset}")
         if any(t < 0 for t in self.stop_token_ids):
             raise InvalidRequestError("stop_token_ids must be non-negative token ids")
 

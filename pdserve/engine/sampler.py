@@ -35,7 +35,7 @@ class Sampler:
     def _generator(self, params: SamplingParams, output_index: int) -> torch.Generator:
         if params.seed is None:
             return self._default_generator
-        seed = (params.seed * 1_000_003 + output_index) % 2**63
+        seed = (params.seed * 1_000_003 + params.output_offset + output_index) % 2**63
         return torch.Generator(device=self.device).manual_seed(seed)
 
     @staticmethod

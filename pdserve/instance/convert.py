@@ -22,6 +22,7 @@ def sampling_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
         stop=list(params.stop),
         stop_token_ids=list(params.stop_token_ids),
         ignore_eos=params.ignore_eos,
+        output_offset=params.output_offset,
     )
     if params.top_k is not None:
         message.top_k = params.top_k
@@ -41,6 +42,7 @@ def sampling_from_proto(message: common_pb2.SamplingParams) -> SamplingParams:
         stop=tuple(message.stop),
         stop_token_ids=tuple(message.stop_token_ids),
         ignore_eos=message.ignore_eos,
+        output_offset=message.output_offset,
     )
 
 

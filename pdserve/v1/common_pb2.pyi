@@ -100,6 +100,7 @@ class SamplingParams(_message.Message):
     STOP_FIELD_NUMBER: _builtins.int
     STOP_TOKEN_IDS_FIELD_NUMBER: _builtins.int
     IGNORE_EOS_FIELD_NUMBER: _builtins.int
+    OUTPUT_OFFSET_FIELD_NUMBER: _builtins.int
     max_tokens: _builtins.int
     temperature: _builtins.float
     """0 = greedy"""
@@ -109,6 +110,10 @@ class SamplingParams(_message.Message):
     """0 is read as 1 (no nucleus filtering)"""
     seed: _builtins.int
     ignore_eos: _builtins.bool
+    output_offset: _builtins.int
+    """The last output_offset prompt tokens are this generation's earlier output (a migrated
+    request): seeded sampling continues the seed stream from there.
+    """
     @_builtins.property
     def stop(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
     @_builtins.property
@@ -124,10 +129,11 @@ class SamplingParams(_message.Message):
         stop: _abc.Iterable[_builtins.str] | None = ...,
         stop_token_ids: _abc.Iterable[_builtins.int] | None = ...,
         ignore_eos: _builtins.bool = ...,
+        output_offset: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_seed", b"_seed", "_top_k", b"_top_k", "seed", b"seed", "top_k", b"top_k"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_seed", b"_seed", "_top_k", b"_top_k", "ignore_eos", b"ignore_eos", "max_tokens", b"max_tokens", "seed", b"seed", "stop", b"stop", "stop_token_ids", b"stop_token_ids", "temperature", b"temperature", "top_k", b"top_k", "top_p", b"top_p"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_seed", b"_seed", "_top_k", b"_top_k", "ignore_eos", b"ignore_eos", "max_tokens", b"max_tokens", "output_offset", b"output_offset", "seed", b"seed", "stop", b"stop", "stop_token_ids", b"stop_token_ids", "temperature", b"temperature", "top_k", b"top_k", "top_p", b"top_p"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__seed: _TypeAlias = _typing.Literal["seed"]  # noqa: Y015
     _WhichOneofArgType__seed: _TypeAlias = _typing.Literal["_seed", b"_seed"]  # noqa: Y015

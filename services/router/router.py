@@ -10,7 +10,7 @@ abort, client disconnect): `Lease.release` is idempotent and both the generator'
 import logging
 import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Generator, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -39,6 +39,7 @@ from pdserve.model.tokenizer import Tokenizer
 from pdserve.v1 import common_pb2
 from services.router.kv_index import KVEventIndex
 from services.router.load import Lease, LoadTracker
+from services.router.migration import Transcript
 from services.router.pd_client import Finished, PDClient, TokenDelta
 from services.router.policies import (
     DecodeCapacity,
@@ -103,6 +104,7 @@ class Router:
         self._unhealthy_until: dict[str, float] = {}
         self.drained: set[str] = set()  # no new requests; in-flight ones finish
         self._active: dict[str, _Active] = {}
+        self._transcripts: dict[str, Transcript] = {}  # every request being generated
         self.draining = False  # shutting down: new requests are refused, in-flight ones finish
         self._stopped = threading.Event()
         self._threads: list[threading.Thread] = []
@@ -204,13 +206,78 @@ class Router:
     def generate(
         self, request_id: str, token_ids: list[int], params: SamplingParams
     ) -> Iterator[TokenDelta | Finished]:
-        """Route and run one request; errors before the first token are retried on other
-        instances (bounded, with backoff), then raised as NoCapacityError."""
-        hashes = self.model.hasher.hash_tokens(token_ids)
+        """Route and run one request. Errors before the first token are retried on other
+        instances (bounded, with backoff), then raised as NoCapacityError; a stream whose
+        instance fails after that continues on another (a migration, at most
+        `migration_limit` times), token-identical to an undisturbed run."""
+        transcript = Transcript(self.model.tokenizer, token_ids, params)
+        self._transcripts[request_id] = transcript
         excluded: set[str] = set()
+        try:
+            while True:
+                prompt, resumed = transcript.submission()
+                events = self._attempts(request_id, prompt, resumed, excluded)
+                try:
+                    for event in events:
+                        yield from transcript.relay(event)
+                        if transcript.finished:
+                            break
+                    if not isinstance(event, Finished):  # ended by a stop string at the seam
+                        self.abort(request_id)
+                    return
+                except (InstanceUnavailableError, StepFailedError) as e:
+                    final = self._migrate(request_id, transcript, e)
+                    if final is not None:
+                        yield final
+                        return
+                finally:
+                    events.close()
+        finally:
+            del self._transcripts[request_id]
+
+    def _migrate(
+        self, request_id: str, transcript: Transcript, error: PdserveError
+    ) -> Finished | None:
+        """Prepare `transcript` to continue after `error` broke its stream, or raise it (as
+        the cause of the error that ends the stream) when the request may not migrate."""
+        context = len(transcript.prompt) + len(transcript.token_ids)
+        limit = self.config.migration_max_tokens
+        if transcript.aborted:
+            raise RequestAbortedError(f"request {request_id} was aborted") from error
+        if transcript.migrations >= self.config.migration_limit:
+            raise InstanceUnavailableError(
+                f"the stream broke after {transcript.migrations} migrations "
+                f"(router.migration_limit): {error}"
+            ) from error
+        if limit is not None and context > limit:
+            raise InstanceUnavailableError(
+                f"the stream broke and its {context} tokens exceed router.migration_max_tokens "
+                f"({limit}): {error}"
+            ) from error
+        reason = "step_failed" if isinstance(error, StepFailedError) else "instance_lost"
+        self.metrics.migrations.labels(reason).inc()
+        logger.warning(
+            "request %s migrates after %d tokens (%s): %s",
+            request_id, len(transcript.token_ids), reason, error,
+        )  # fmt: skip
+        return transcript.begin_migration()
+
+    def _attempts(
+        self,
+        request_id: str,
+        token_ids: list[int],
+        params: SamplingParams,
+        excluded: set[str],
+    ) -> Generator[TokenDelta | Finished, None, None]:
+        """One routed run of the request; failures before its first token are retried on
+        other instances. A failure after it blames the instance that was streaming (added to
+        `excluded`) and is raised."""
+        hashes = self.model.hasher.hash_tokens(token_ids)
         backoff = self.config.retry_backoff_s
         failure: Exception | None = None
         for attempt in range(1, self.config.max_attempts + 1):
+            if self._transcripts[request_id].aborted:
+                raise RequestAbortedError(f"request {request_id} was aborted")
             prefill, decode, cached = self._choose(request_id, token_ids, hashes, excluded)
             leases = self._take_leases(request_id, prefill, decode, len(token_ids) - cached)
             try:
@@ -225,12 +292,8 @@ class Router:
                     excluded |= self._blame(e, prefill, decode)
                     logger.warning(
                         "request %s attempt %d on %s -> %s failed: %s",
-                        request_id,
-                        attempt,
-                        prefill,
-                        decode,
-                        e,
-                    )
+                        request_id, attempt, prefill, decode, e,
+                    )  # fmt: skip
                     self._release(request_id)
                     time.sleep(backoff)
                     backoff *= 2
@@ -238,7 +301,13 @@ class Router:
                 if decode is not None:
                     leases[0].release()  # prefill is done once the first token exists
                 yield first
-                yield from events
+                try:
+                    yield from events
+                except (InstanceUnavailableError, StepFailedError):
+                    streaming = decode or prefill  # only it holds the request by now
+                    self._unhealthy_until[streaming] = time.monotonic() + UNHEALTHY_COOLDOWN_S
+                    excluded.add(streaming)
+                    raise
                 return
             finally:
                 self._release(request_id)
@@ -278,6 +347,9 @@ class Router:
 
     def abort(self, request_id: str) -> None:
         """Stop a request on every instance that holds it and release its leases."""
+        transcript = self._transcripts.get(request_id)
+        if transcript is not None:
+            transcript.aborted = True  # its instance may be dying: it must not continue elsewhere
         active = self._active.get(request_id)
         if active is None:
             return

@@ -100,3 +100,15 @@ def test_detokenizer_flushes_held_back_text_when_finished(tokenizer: Tokenizer) 
     assert partial == "ab"
     assert detok.update(ids, finished=True) == "cST"
     assert detok.stop_reason is None
+
+
+def test_an_output_offset_continues_the_seed_stream() -> None:
+    """A migrated request resumes with its earlier output in the prompt: its n-th new token is
+    drawn as the (offset + n)-th of the undisturbed run."""
+    logits = torch.randn(1, 64, generator=torch.Generator().manual_seed(3))
+    sampler = Sampler(torch.device("cpu"))
+    params = SamplingParams(temperature=1.5, seed=11)
+    undisturbed = [sampler.sample(logits, [params], [n])[0] for n in range(40)]
+    resumed = SamplingParams(temperature=1.5, seed=11, output_offset=25)
+    assert [sampler.sample(logits, [resumed], [n])[0] for n in range(15)] == undisturbed[25:]
+    assert len(set(undisturbed)) > 5  # the draws do depend on the index
