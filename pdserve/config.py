@@ -254,9 +254,19 @@ class ClusterConfig:
     tls_ca: str | None = None
     tls_server_name: str = "pdserve-instance"  # the DNS name the instances' certificate holds
     drain_timeout_s: float = 30.0  # at shutdown: new requests get 503, in-flight ones this long
+    # (and removing an instance waits this long for its requests)
+    # a dead instance is recreated after restart_backoff_s (doubling after each failed try), at
+    # most max_restarts times per instance; then `up` reports it and serves with what is left
+    max_restarts: int = 5
+    restart_backoff_s: float = 1.0
 
     def __post_init__(self) -> None:
         _check_choice("cluster.placement_strategy", self.placement_strategy, PLACEMENT_STRATEGIES)
+        if self.max_restarts < 0 or self.restart_backoff_s < 0 or self.drain_timeout_s < 0:
+            raise ConfigError(
+                "cluster.max_restarts, cluster.restart_backoff_s and cluster.drain_timeout_s "
+                "must be >= 0"
+            )
         tls = (self.tls_cert, self.tls_key, self.tls_ca)
         if any(tls) and not all(tls):
             raise ConfigError(

@@ -1,5 +1,6 @@
 """A pdserve cluster started the way an operator starts one: `pdserve up` in a subprocess."""
 
+import json
 import os
 import signal
 import subprocess
@@ -8,12 +9,13 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import grpc
 import httpx
 
 from pdserve.rpc.auth import authenticated_channel
-from pdserve.v1 import common_pb2, common_pb2_grpc
+from pdserve.v1 import admin_pb2, admin_pb2_grpc, common_pb2, common_pb2_grpc
 
 CLI = [sys.executable, "-m", "services.controller.cli"]
 
@@ -41,6 +43,36 @@ class UpCluster:
             channel = self._channels[address] = authenticated_channel(plain, secret)
         stub = common_pb2_grpc.InstanceServiceStub(channel)
         return stub.GetStats(common_pb2.StatsRequest(), timeout=10)
+
+    def state(self) -> dict[str, Any]:
+        """cluster.json as `up` last wrote it."""
+        state: dict[str, Any] = json.loads((self.config.parent / "cluster.json").read_text())
+        return state
+
+    def admin(self) -> admin_pb2_grpc.AdminServiceStub:
+        """The admin API, with the token `up` generated (calls need `metadata=up.admin_auth`)."""
+        channel = self._channels.get("admin")
+        if channel is None:
+            plain = grpc.insecure_channel(self.state()["admin_address"])
+            channel = self._channels["admin"] = plain
+        return admin_pb2_grpc.AdminServiceStub(channel)
+
+    @property
+    def admin_auth(self) -> tuple[tuple[str, str], ...]:
+        token = (self.config.parent / "admin_token").read_text().strip()
+        return (("authorization", f"Bearer {token}"),)
+
+    def list_instances(self) -> dict[str, admin_pb2.InstanceInfo]:
+        reply = self.admin().ListInstances(
+            admin_pb2.ListInstancesRequest(), metadata=self.admin_auth, timeout=30
+        )
+        return {i.name: i for i in reply.instances}
+
+    def kill(self, name: str) -> int:
+        """SIGKILL the process of instance `name`'s actor; returns its pid."""
+        pid = self.list_instances()[name].pid
+        os.kill(pid, signal.SIGKILL)
+        return pid
 
     def router_metrics(self) -> dict[str, float]:
         """The router's /metrics samples: `name{labels}` -> value."""

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from pdserve.v1 import common_pb2 as pdserve_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16pdserve/v1/admin.proto\x12\npdserve.v1\x1a\x17pdserve/v1/common.proto\"\x16\n\x14ListInstancesRequest\"\x1b\n\x0bInstanceRef\x12\x0c\n\x04name\x18\x01 \x01(\t\"\x9e\x01\n\x0cInstanceInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\x17\n\x0fmetrics_address\x18\x04 \x01(\t\x12\r\n\x05\x61live\x18\x05 \x01(\x08\x12\x0f\n\x07\x64rained\x18\x06 \x01(\x08\x12(\n\x05stats\x18\x07 \x01(\x0b\x32\x19.pdserve.v1.InstanceStats\"A\n\x12ListInstancesReply\x12+\n\tinstances\x18\x01 \x03(\x0b\x32\x18.pdserve.v1.InstanceInfo\"2\n\x10ScaleRoleRequest\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x10\n\x08replicas\x18\x02 \x01(\r\")\n\x17SetRoutingPolicyRequest\x12\x0e\n\x06policy\x18\x01 \x01(\t\")\n\x15SetRoutingPolicyReply\x12\x10\n\x08previous\x18\x01 \x01(\t\"\x13\n\x11\x43\x61\x63heStatsRequest\"p\n\x12InstanceCacheStats\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07queries\x18\x02 \x01(\x04\x12\x13\n\x0b\x64\x65vice_hits\x18\x03 \x01(\x04\x12\x14\n\x0cstorage_hits\x18\x04 \x01(\x04\x12\x10\n\x08hit_rate\x18\x05 \x01(\x01\"V\n\x0f\x43\x61\x63heStatsReply\x12\x31\n\tinstances\x18\x01 \x03(\x0b\x32\x1e.pdserve.v1.InstanceCacheStats\x12\x10\n\x08hit_rate\x18\x02 \x01(\x01\"/\n\x11\x46lushCacheRequest\x12\x0c\n\x04tier\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\"!\n\x0f\x46lushCacheReply\x12\x0e\n\x06\x62locks\x18\x01 \x01(\x04\x32\xea\x04\n\x0c\x41\x64minService\x12Q\n\rListInstances\x12 .pdserve.v1.ListInstancesRequest\x1a\x1e.pdserve.v1.ListInstancesReply\x12\x42\n\rDrainInstance\x12\x17.pdserve.v1.InstanceRef\x1a\x18.pdserve.v1.InstanceInfo\x12\x43\n\x0eResumeInstance\x12\x17.pdserve.v1.InstanceRef\x1a\x18.pdserve.v1.InstanceInfo\x12I\n\tScaleRole\x12\x1c.pdserve.v1.ScaleRoleRequest\x1a\x1e.pdserve.v1.ListInstancesReply\x12Z\n\x10SetRoutingPolicy\x12#.pdserve.v1.SetRoutingPolicyRequest\x1a!.pdserve.v1.SetRoutingPolicyReply\x12K\n\rGetCacheStats\x12\x1d.pdserve.v1.CacheStatsRequest\x1a\x1b.pdserve.v1.CacheStatsReply\x12H\n\nFlushCache\x12\x1d.pdserve.v1.FlushCacheRequest\x1a\x1b.pdserve.v1.FlushCacheReply\x12@\n\x0c\x41\x62ortRequest\x12\x18.pdserve.v1.AbortRequest\x1a\x16.pdserve.v1.AbortReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16pdserve/v1/admin.proto\x12\npdserve.v1\x1a\x17pdserve/v1/common.proto\"\x16\n\x14ListInstancesRequest\"\x1b\n\x0bInstanceRef\x12\x0c\n\x04name\x18\x01 \x01(\t\"\xbd\x01\n\x0cInstanceInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\x17\n\x0fmetrics_address\x18\x04 \x01(\t\x12\r\n\x05\x61live\x18\x05 \x01(\x08\x12\x0f\n\x07\x64rained\x18\x06 \x01(\x08\x12(\n\x05stats\x18\x07 \x01(\x0b\x32\x19.pdserve.v1.InstanceStats\x12\x10\n\x08restarts\x18\x08 \x01(\r\x12\x0b\n\x03pid\x18\t \x01(\x03\"A\n\x12ListInstancesReply\x12+\n\tinstances\x18\x01 \x03(\x0b\x32\x18.pdserve.v1.InstanceInfo\"2\n\x10ScaleRoleRequest\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x10\n\x08replicas\x18\x02 \x01(\r\")\n\x17SetRoutingPolicyRequest\x12\x0e\n\x06policy\x18\x01 \x01(\t\")\n\x15SetRoutingPolicyReply\x12\x10\n\x08previous\x18\x01 \x01(\t\"\x13\n\x11\x43\x61\x63heStatsRequest\"p\n\x12InstanceCacheStats\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07queries\x18\x02 \x01(\x04\x12\x13\n\x0b\x64\x65vice_hits\x18\x03 \x01(\x04\x12\x14\n\x0cstorage_hits\x18\x04 \x01(\x04\x12\x10\n\x08hit_rate\x18\x05 \x01(\x01\"V\n\x0f\x43\x61\x63heStatsReply\x12\x31\n\tinstances\x18\x01 \x03(\x0b\x32\x1e.pdserve.v1.InstanceCacheStats\x12\x10\n\x08hit_rate\x18\x02 \x01(\x01\"/\n\x11\x46lushCacheRequest\x12\x0c\n\x04tier\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\"!\n\x0f\x46lushCacheReply\x12\x0e\n\x06\x62locks\x18\x01 \x01(\x04\x32\xb5\x05\n\x0c\x41\x64minService\x12Q\n\rListInstances\x12 .pdserve.v1.ListInstancesRequest\x1a\x1e.pdserve.v1.ListInstancesReply\x12\x42\n\rDrainInstance\x12\x17.pdserve.v1.InstanceRef\x1a\x18.pdserve.v1.InstanceInfo\x12\x43\n\x0eResumeInstance\x12\x17.pdserve.v1.InstanceRef\x1a\x18.pdserve.v1.InstanceInfo\x12I\n\x0eRemoveInstance\x12\x17.pdserve.v1.InstanceRef\x1a\x1e.pdserve.v1.ListInstancesReply\x12I\n\tScaleRole\x12\x1c.pdserve.v1.ScaleRoleRequest\x1a\x1e.pdserve.v1.ListInstancesReply\x12Z\n\x10SetRoutingPolicy\x12#.pdserve.v1.SetRoutingPolicyRequest\x1a!.pdserve.v1.SetRoutingPolicyReply\x12K\n\rGetCacheStats\x12\x1d.pdserve.v1.CacheStatsRequest\x1a\x1b.pdserve.v1.CacheStatsReply\x12H\n\nFlushCache\x12\x1d.pdserve.v1.FlushCacheRequest\x1a\x1b.pdserve.v1.FlushCacheReply\x12@\n\x0c\x41\x62ortRequest\x12\x18.pdserve.v1.AbortRequest\x1a\x16.pdserve.v1.AbortReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,25 +37,25 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_INSTANCEREF']._serialized_start=87
   _globals['_INSTANCEREF']._serialized_end=114
   _globals['_INSTANCEINFO']._serialized_start=117
-  _globals['_INSTANCEINFO']._serialized_end=275
-  _globals['_LISTINSTANCESREPLY']._serialized_start=277
-  _globals['_LISTINSTANCESREPLY']._serialized_end=342
-  _globals['_SCALEROLEREQUEST']._serialized_start=344
-  _globals['_SCALEROLEREQUEST']._serialized_end=394
-  _globals['_SETROUTINGPOLICYREQUEST']._serialized_start=396
-  _globals['_SETROUTINGPOLICYREQUEST']._serialized_end=437
-  _globals['_SETROUTINGPOLICYREPLY']._serialized_start=439
-  _globals['_SETROUTINGPOLICYREPLY']._serialized_end=480
-  _globals['_CACHESTATSREQUEST']._serialized_start=482
-  _globals['_CACHESTATSREQUEST']._serialized_end=501
-  _globals['_INSTANCECACHESTATS']._serialized_start=503
-  _globals['_INSTANCECACHESTATS']._serialized_end=615
-  _globals['_CACHESTATSREPLY']._serialized_start=617
-  _globals['_CACHESTATSREPLY']._serialized_end=703
-  _globals['_FLUSHCACHEREQUEST']._serialized_start=705
-  _globals['_FLUSHCACHEREQUEST']._serialized_end=752
-  _globals['_FLUSHCACHEREPLY']._serialized_start=754
-  _globals['_FLUSHCACHEREPLY']._serialized_end=787
-  _globals['_ADMINSERVICE']._serialized_start=790
-  _globals['_ADMINSERVICE']._serialized_end=1408
+  _globals['_INSTANCEINFO']._serialized_end=306
+  _globals['_LISTINSTANCESREPLY']._serialized_start=308
+  _globals['_LISTINSTANCESREPLY']._serialized_end=373
+  _globals['_SCALEROLEREQUEST']._serialized_start=375
+  _globals['_SCALEROLEREQUEST']._serialized_end=425
+  _globals['_SETROUTINGPOLICYREQUEST']._serialized_start=427
+  _globals['_SETROUTINGPOLICYREQUEST']._serialized_end=468
+  _globals['_SETROUTINGPOLICYREPLY']._serialized_start=470
+  _globals['_SETROUTINGPOLICYREPLY']._serialized_end=511
+  _globals['_CACHESTATSREQUEST']._serialized_start=513
+  _globals['_CACHESTATSREQUEST']._serialized_end=532
+  _globals['_INSTANCECACHESTATS']._serialized_start=534
+  _globals['_INSTANCECACHESTATS']._serialized_end=646
+  _globals['_CACHESTATSREPLY']._serialized_start=648
+  _globals['_CACHESTATSREPLY']._serialized_end=734
+  _globals['_FLUSHCACHEREQUEST']._serialized_start=736
+  _globals['_FLUSHCACHEREQUEST']._serialized_end=783
+  _globals['_FLUSHCACHEREPLY']._serialized_start=785
+  _globals['_FLUSHCACHEREPLY']._serialized_end=818
+  _globals['_ADMINSERVICE']._serialized_start=821
+  _globals['_ADMINSERVICE']._serialized_end=1514
 # @@protoc_insertion_point(module_scope)

@@ -67,6 +67,8 @@ class InstanceInfo(_message.Message):
     ALIVE_FIELD_NUMBER: _builtins.int
     DRAINED_FIELD_NUMBER: _builtins.int
     STATS_FIELD_NUMBER: _builtins.int
+    RESTARTS_FIELD_NUMBER: _builtins.int
+    PID_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     role: _builtins.str
     address: _builtins.str
@@ -75,6 +77,10 @@ class InstanceInfo(_message.Message):
     """host:port of /metrics"""
     alive: _builtins.bool
     drained: _builtins.bool
+    restarts: _builtins.int
+    """times the controller recreated it after it died"""
+    pid: _builtins.int
+    """of its actor's process"""
     @_builtins.property
     def stats(self) -> _common_pb2.InstanceStats:
         """absent when the instance does not answer"""
@@ -89,10 +95,12 @@ class InstanceInfo(_message.Message):
         alive: _builtins.bool = ...,
         drained: _builtins.bool = ...,
         stats: _common_pb2.InstanceStats | None = ...,
+        restarts: _builtins.int = ...,
+        pid: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["stats", b"stats"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "alive", b"alive", "drained", b"drained", "metrics_address", b"metrics_address", "name", b"name", "role", b"role", "stats", b"stats"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "alive", b"alive", "drained", b"drained", "metrics_address", b"metrics_address", "name", b"name", "pid", b"pid", "restarts", b"restarts", "role", b"role", "stats", b"stats"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

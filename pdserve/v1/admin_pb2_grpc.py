@@ -50,6 +50,11 @@ class AdminServiceStub:
                 request_serializer=pdserve_dot_v1_dot_admin__pb2.InstanceRef.SerializeToString,
                 response_deserializer=pdserve_dot_v1_dot_admin__pb2.InstanceInfo.FromString,
                 _registered_method=True)
+        self.RemoveInstance = channel.unary_unary(
+                '/pdserve.v1.AdminService/RemoveInstance',
+                request_serializer=pdserve_dot_v1_dot_admin__pb2.InstanceRef.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_admin__pb2.ListInstancesReply.FromString,
+                _registered_method=True)
         self.ScaleRole = channel.unary_unary(
                 '/pdserve.v1.AdminService/ScaleRole',
                 request_serializer=pdserve_dot_v1_dot_admin__pb2.ScaleRoleRequest.SerializeToString,
@@ -99,8 +104,17 @@ class AdminServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RemoveInstance(self, request, context):
+        """Drain the instance, wait (up to cluster.drain_timeout_s) until the router holds no request
+        on it, then stop it; a stream still on it then continues elsewhere (migration).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def ScaleRole(self, request, context):
-        """Add or remove prefill, decode or mixed instances (Ray actors) until `replicas` run.
+        """Add or remove prefill, decode or mixed instances (Ray actors) until `replicas` run; removed
+        ones are drained first, as by RemoveInstance.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -148,6 +162,11 @@ def add_AdminServiceServicer_to_server(servicer, server):
                     servicer.ResumeInstance,
                     request_deserializer=pdserve_dot_v1_dot_admin__pb2.InstanceRef.FromString,
                     response_serializer=pdserve_dot_v1_dot_admin__pb2.InstanceInfo.SerializeToString,
+            ),
+            'RemoveInstance': grpc.unary_unary_rpc_method_handler(
+                    servicer.RemoveInstance,
+                    request_deserializer=pdserve_dot_v1_dot_admin__pb2.InstanceRef.FromString,
+                    response_serializer=pdserve_dot_v1_dot_admin__pb2.ListInstancesReply.SerializeToString,
             ),
             'ScaleRole': grpc.unary_unary_rpc_method_handler(
                     servicer.ScaleRole,
@@ -256,6 +275,33 @@ class AdminService:
             '/pdserve.v1.AdminService/ResumeInstance',
             pdserve_dot_v1_dot_admin__pb2.InstanceRef.SerializeToString,
             pdserve_dot_v1_dot_admin__pb2.InstanceInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RemoveInstance(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.AdminService/RemoveInstance',
+            pdserve_dot_v1_dot_admin__pb2.InstanceRef.SerializeToString,
+            pdserve_dot_v1_dot_admin__pb2.ListInstancesReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -38,8 +38,14 @@ class AdminServiceStub:
     DrainInstance: _grpc.UnaryUnaryMultiCallable[_admin_pb2.InstanceRef, _admin_pb2.InstanceInfo]
     """No new requests go to the instance; the ones it holds finish."""
     ResumeInstance: _grpc.UnaryUnaryMultiCallable[_admin_pb2.InstanceRef, _admin_pb2.InstanceInfo]
+    RemoveInstance: _grpc.UnaryUnaryMultiCallable[_admin_pb2.InstanceRef, _admin_pb2.ListInstancesReply]
+    """Drain the instance, wait (up to cluster.drain_timeout_s) until the router holds no request
+    on it, then stop it; a stream still on it then continues elsewhere (migration).
+    """
     ScaleRole: _grpc.UnaryUnaryMultiCallable[_admin_pb2.ScaleRoleRequest, _admin_pb2.ListInstancesReply]
-    """Add or remove prefill, decode or mixed instances (Ray actors) until `replicas` run."""
+    """Add or remove prefill, decode or mixed instances (Ray actors) until `replicas` run; removed
+    ones are drained first, as by RemoveInstance.
+    """
     SetRoutingPolicy: _grpc.UnaryUnaryMultiCallable[_admin_pb2.SetRoutingPolicyRequest, _admin_pb2.SetRoutingPolicyReply]
     GetCacheStats: _grpc.UnaryUnaryMultiCallable[_admin_pb2.CacheStatsRequest, _admin_pb2.CacheStatsReply]
     FlushCache: _grpc.UnaryUnaryMultiCallable[_admin_pb2.FlushCacheRequest, _admin_pb2.FlushCacheReply]
@@ -53,8 +59,14 @@ class AdminServiceAsyncStub(AdminServiceStub):
     DrainInstance: _aio.UnaryUnaryMultiCallable[_admin_pb2.InstanceRef, _admin_pb2.InstanceInfo]  # type: ignore[assignment]
     """No new requests go to the instance; the ones it holds finish."""
     ResumeInstance: _aio.UnaryUnaryMultiCallable[_admin_pb2.InstanceRef, _admin_pb2.InstanceInfo]  # type: ignore[assignment]
+    RemoveInstance: _aio.UnaryUnaryMultiCallable[_admin_pb2.InstanceRef, _admin_pb2.ListInstancesReply]  # type: ignore[assignment]
+    """Drain the instance, wait (up to cluster.drain_timeout_s) until the router holds no request
+    on it, then stop it; a stream still on it then continues elsewhere (migration).
+    """
     ScaleRole: _aio.UnaryUnaryMultiCallable[_admin_pb2.ScaleRoleRequest, _admin_pb2.ListInstancesReply]  # type: ignore[assignment]
-    """Add or remove prefill, decode or mixed instances (Ray actors) until `replicas` run."""
+    """Add or remove prefill, decode or mixed instances (Ray actors) until `replicas` run; removed
+    ones are drained first, as by RemoveInstance.
+    """
     SetRoutingPolicy: _aio.UnaryUnaryMultiCallable[_admin_pb2.SetRoutingPolicyRequest, _admin_pb2.SetRoutingPolicyReply]  # type: ignore[assignment]
     GetCacheStats: _aio.UnaryUnaryMultiCallable[_admin_pb2.CacheStatsRequest, _admin_pb2.CacheStatsReply]  # type: ignore[assignment]
     FlushCache: _aio.UnaryUnaryMultiCallable[_admin_pb2.FlushCacheRequest, _admin_pb2.FlushCacheReply]  # type: ignore[assignment]
@@ -85,12 +97,24 @@ class AdminServiceServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_admin_pb2.InstanceInfo, _abc.Awaitable[_admin_pb2.InstanceInfo]]: ...
 
     @_abc_1.abstractmethod
+    def RemoveInstance(
+        self,
+        request: _admin_pb2.InstanceRef,
+        context: _ServicerContext,
+    ) -> _typing.Union[_admin_pb2.ListInstancesReply, _abc.Awaitable[_admin_pb2.ListInstancesReply]]:
+        """Drain the instance, wait (up to cluster.drain_timeout_s) until the router holds no request
+        on it, then stop it; a stream still on it then continues elsewhere (migration).
+        """
+
+    @_abc_1.abstractmethod
     def ScaleRole(
         self,
         request: _admin_pb2.ScaleRoleRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_admin_pb2.ListInstancesReply, _abc.Awaitable[_admin_pb2.ListInstancesReply]]:
-        """Add or remove prefill, decode or mixed instances (Ray actors) until `replicas` run."""
+        """Add or remove prefill, decode or mixed instances (Ray actors) until `replicas` run; removed
+        ones are drained first, as by RemoveInstance.
+        """
 
     @_abc_1.abstractmethod
     def SetRoutingPolicy(

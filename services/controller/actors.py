@@ -6,6 +6,7 @@ go over the instance's own gRPC server.
 """
 
 import logging
+import os
 
 import grpc
 import torch
@@ -76,6 +77,10 @@ class InstanceActor:
     def metrics_address(self) -> str:
         """host:port of this instance's Prometheus endpoint (`/metrics`)."""
         return self.instance.runtime.metrics_address
+
+    def pid(self) -> int:
+        """The actor's process id (operators kill or inspect it; tests do)."""
+        return os.getpid()
 
     def ping(self) -> bool:
         return True

@@ -68,6 +68,8 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
             address=info.address,
             metrics_address=info.metrics_address,
             drained=info.address in self.router.drained,
+            restarts=info.restarts,
+            pid=info.pid,
         )
         try:
             message.stats.CopyFrom(self.router.client.instance(info.address).stats())
@@ -99,6 +101,24 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
         logger.warning("instance %s resumed", info.name)
         return self._describe(info)
 
+    def RemoveInstance(
+        self, request: admin_pb2.InstanceRef, context: grpc.ServicerContext
+    ) -> admin_pb2.ListInstancesReply:
+        info = self._find(request.name, context)
+        with self._lock:
+            self._retire(info)
+            self._on_change()
+        return self.ListInstances(admin_pb2.ListInstancesRequest(), context)
+
+    def _retire(self, info: InstanceInfo) -> None:
+        """Drain `info`, wait up to `cluster.drain_timeout_s` until the router holds no request
+        on it, then take it out of routing and stop it (a stream still on it migrates)."""
+        self.router.drained.add(info.address)
+        idle = self.router.wait_idle(info.address, self.cluster.config.drain_timeout_s)
+        self.router.remove_instance(info.address)
+        self.cluster.remove_instance(info.name)
+        logger.warning("instance %s removed%s", info.name, "" if idle else " (drain timed out)")
+
     def ScaleRole(
         self, request: admin_pb2.ScaleRoleRequest, context: grpc.ServicerContext
     ) -> admin_pb2.ListInstancesReply:
@@ -117,9 +137,7 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
             finally:
                 self._on_change()
             for info in current[target:][::-1] if target < len(current) else []:
-                self.router.remove_instance(info.address)
-                self.cluster.remove_instance(info.name)
-                logger.warning("instance %s removed", info.name)
+                self._retire(info)
             self._on_change()
         return self.ListInstances(admin_pb2.ListInstancesRequest(), context)
 

@@ -19,7 +19,7 @@ from google.protobuf.message import Message
 from pdserve.config import load_cluster_config
 from pdserve.v1 import admin_pb2, admin_pb2_grpc, common_pb2
 
-VERBS = ("list", "drain", "resume", "scale", "policy", "cache-stats", "flush", "abort")
+VERBS = ("list", "drain", "resume", "remove", "scale", "policy", "cache-stats", "flush", "abort")
 
 
 def add_parser(commands: Any) -> None:
@@ -97,6 +97,9 @@ def _call(
         "resume": lambda: stub.ResumeInstance(
             admin_pb2.InstanceRef(name=args[0]), metadata=metadata
         ),
+        "remove": lambda: stub.RemoveInstance(
+            admin_pb2.InstanceRef(name=args[0]), metadata=metadata
+        ),
         "scale": lambda: stub.ScaleRole(
             admin_pb2.ScaleRoleRequest(role=args[0], replicas=int(args[1])), metadata=metadata
         ),
@@ -115,6 +118,7 @@ def _call(
     usage = {
         "drain": (1, "NAME"),
         "resume": (1, "NAME"),
+        "remove": (1, "NAME"),
         "scale": (2, "ROLE REPLICAS"),
         "policy": (1, "POLICY"),
         "flush": (1, "device|storage [NAME]"),
@@ -127,11 +131,9 @@ def _call(
 
 def _print(verb: str, reply: Message) -> None:
     if isinstance(reply, admin_pb2.ListInstancesReply):
-        _table(["name", "role", "address", "alive", "drained", "running", "free/blocks"],
-               [_row(i) for i in reply.instances])  # fmt: skip
+        _table(INSTANCE_COLUMNS, [_row(i) for i in reply.instances])
     elif isinstance(reply, admin_pb2.InstanceInfo):
-        _table(["name", "role", "address", "alive", "drained", "running", "free/blocks"],
-               [_row(reply)])  # fmt: skip
+        _table(INSTANCE_COLUMNS, [_row(reply)])
     elif isinstance(reply, admin_pb2.CacheStatsReply):
         rows = [
             [i.name, i.queries, i.device_hits, i.storage_hits, f"{i.hit_rate:.3f}"]
@@ -147,10 +149,15 @@ def _print(verb: str, reply: Message) -> None:
         print("aborted" if reply.found else "no such request in flight")
 
 
+INSTANCE_COLUMNS = [
+    "name", "role", "address", "alive", "drained", "restarts", "running", "free/blocks"
+]  # fmt: skip
+
+
 def _row(info: admin_pb2.InstanceInfo) -> list[object]:
     s = info.stats
-    return [info.name, info.role, info.address, info.alive, info.drained, s.num_running,
-            f"{s.num_free_blocks}/{s.num_blocks}"]  # fmt: skip
+    return [info.name, info.role, info.address, info.alive, info.drained, info.restarts,
+            s.num_running, f"{s.num_free_blocks}/{s.num_blocks}"]  # fmt: skip
 
 
 def _table(headers: list[str], rows: list[list[object]]) -> None:

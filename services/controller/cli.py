@@ -32,6 +32,7 @@ from services.controller import admin_cli
 
 if TYPE_CHECKING:
     from services.controller.cluster import Cluster, InstanceInfo
+    from services.controller.supervisor import Supervisor
     from services.router.server import RunningRouter
 
 EXIT_USAGE = 2
@@ -197,6 +198,7 @@ def _serve_cluster(
     the state, then watch until a signal arrives."""
     from services.controller.admin import admin_token, serve_admin
     from services.controller.state import state_path, tls_files
+    from services.controller.supervisor import Supervisor
     from services.router.server import serve_router
 
     stop = threading.Event()
@@ -218,12 +220,19 @@ def _serve_cluster(
     publish = TargetPublisher(cluster, router, targets_path)
     publish()
     token = admin_token(config.admin, path.parent)
-    admin_server, admin_port = serve_admin(config.admin, token, cluster, router.router, publish)
+    admin_address = ""
+
+    def changed() -> None:  # the instance set changed: scrape targets and cluster.json follow
+        publish()
+        cluster.write_state(path, router_url=router.url, admin_address=admin_address)
+
+    admin_server, admin_port = serve_admin(config.admin, token, cluster, router.router, changed)
     running.admin = admin_server
     admin_address = f"{config.admin.host}:{admin_port}"
     cluster.write_state(path, router_url=router.url, admin_address=admin_address)
     _print_endpoints(cluster, router, targets_path, admin_address, path)
-    _watch(cluster, stop, args.health_interval)
+    supervisor = Supervisor(cluster, router.router, changed, _report)
+    _watch(cluster, supervisor, stop, args.health_interval)
 
 
 def _shut_down(
@@ -323,19 +332,23 @@ def write_file_sd(path: Path, groups: list[dict[str, object]]) -> None:
     tmp.replace(path)
 
 
-def _watch(cluster: "Cluster", stop: threading.Event, interval_s: float) -> None:
-    """Every `interval_s`: report instances that died, restart the embedded Redis if it did."""
-    known_dead: set[str] = set()
+def _watch(
+    cluster: "Cluster", supervisor: "Supervisor", stop: threading.Event, interval_s: float
+) -> None:
+    """Every `interval_s`: take dead instances out of routing and restart them, restart the
+    embedded Redis if it died."""
     while not stop.wait(interval_s):
-        for name in set(cluster.dead_instances()) - known_dead:
-            known_dead.add(name)
-            logging.getLogger("pdserve").error("instance %s is dead", name)
-            print(f"instance {name} is dead", file=sys.stderr, flush=True)
+        supervisor.check()
         try:
             if cluster.supervise_storage():
-                print("embedded Redis died: restarted (its index starts empty)", file=sys.stderr)
+                _report("embedded Redis died: restarted (its index starts empty)")
         except PdserveError as e:
-            print(f"embedded Redis died and did not restart: {e}", file=sys.stderr, flush=True)
+            _report(f"embedded Redis died and did not restart: {e}")
+
+
+def _report(line: str) -> None:
+    """Something the operator must know about the running cluster: a warning on stderr."""
+    logging.getLogger("pdserve").warning("%s", line)
 
 
 def _down(args: argparse.Namespace) -> int:

@@ -5,10 +5,12 @@ starts a local one), reserves a placement group with one bundle per instance, cr
 actors in the configured namespace, and waits until every instance's gRPC server answers.
 """
 
+import contextlib
 import json
 import logging
 import os
 import shutil
+import threading
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -38,11 +40,13 @@ class InstanceInfo:
     role: str
     address: str
     metrics_address: str = ""
+    pid: int = 0  # of its actor's process
+    restarts: int = 0  # times the controller recreated it after it died
 
 
 class Cluster:
-    """Owned by `pdserve up`'s main thread; the admin handlers call add/remove_instance one at a
-    time.
+    """Owned by `pdserve up`'s main thread; the admin handlers and the supervisor change the
+    instance set (add, remove, restart) holding `lock`, one change at a time.
     """
 
     def __init__(self, config: ClusterConfig, secret: str) -> None:
@@ -52,6 +56,8 @@ class Cluster:
         self.embedded_redis: EmbeddedRedis | None = None
         self._run_store: Path | None = None
         self._actors: dict[str, Any] = {}
+        self._bundles: dict[str, int | None] = {}  # placement-group bundle of each instance
+        self.lock = threading.RLock()
         self._placement_group: PlacementGroup | None = None
         self._started_ray = False
 
@@ -69,22 +75,30 @@ class Cluster:
             raise ClusterError("no instances configured: set prefill/decode or mixed replicas")
         counters = dict.fromkeys(("prefill", "decode", "mixed"), 0)
         self._placement_group = self._reserve(roles)
-        pending = {}
+        pending = []
         for bundle, role in enumerate(roles):
             name = f"{role}-{counters[role]}"
             counters[role] += 1
-            actor = self._create_actor(name, role, bundle)
-            self._actors[name] = actor
-            pending[name] = (role, actor.address.remote(), actor.metrics_address.remote())
+            pending.append(self._launch(name, role, bundle))
         try:
-            for name, (role, ref, metrics_ref) in pending.items():
-                address = ray.get(ref, timeout=READY_TIMEOUT_S)
-                metrics = ray.get(metrics_ref, timeout=READY_TIMEOUT_S)
-                self.instances.append(InstanceInfo(name, role, address, metrics))
+            self.instances = [self._ready(*launched) for launched in pending]
         except (ray.exceptions.RayError, TimeoutError) as e:
             self.down()
             raise ClusterError(f"an instance failed to start: {e}") from e
         return self.instances
+
+    def _launch(self, name: str, role: str, bundle: int | None) -> tuple[str, str, Any]:
+        """Create the actor of instance `name` (it starts serving in the background)."""
+        self._actors[name] = self._create_actor(name, role, bundle)
+        self._bundles[name] = bundle
+        return name, role, self._actors[name]
+
+    @staticmethod
+    def _ready(name: str, role: str, actor: Any, restarts: int = 0) -> InstanceInfo:
+        """Wait until the actor serves; raises RayError or TimeoutError."""
+        refs = [actor.address.remote(), actor.metrics_address.remote(), actor.pid.remote()]
+        address, metrics, pid = ray.get(refs, timeout=READY_TIMEOUT_S)
+        return InstanceInfo(name, role, address, metrics, pid, restarts)
 
     def _start_storage(self) -> None:
         """Without a Redis URL, start the embedded Redis (on this node) for the storage tier;
@@ -174,40 +188,55 @@ class Cluster:
 
     def add_instance(self, role: str) -> InstanceInfo:
         """Start one more instance of `role` and wait until it serves. Raises ClusterError."""
-        taken = {i.name for i in self.instances}
-        number = next(n for n in range(len(taken) + 1) if f"{role}-{n}" not in taken)
-        name = f"{role}-{number}"
-        actor = self._create_actor(name, role, None)
+        with self.lock:
+            taken = {i.name for i in self.instances}
+            number = next(n for n in range(len(taken) + 1) if f"{role}-{n}" not in taken)
+            launched = self._launch(f"{role}-{number}", role, None)
+            info = self._wait_or_kill(launched)
+            self.instances.append(info)
+            return info
+
+    def restart_instance(self, name: str) -> InstanceInfo:
+        """Recreate a dead instance: same name, role and placement, new endpoints. Raises
+        ClusterError (the instance stays listed, dead, for another try)."""
+        with self.lock:
+            old = next((i for i in self.instances if i.name == name), None)
+            if old is None:
+                raise ClusterError(f"instance {name} was removed")
+            _kill_quietly(self._actors[name])
+            launched = self._launch(name, old.role, self._bundles[name])
+            info = self._wait_or_kill(launched, old.restarts + 1)
+            self.instances = [info if i.name == name else i for i in self.instances]
+            return info
+
+    def _wait_or_kill(self, launched: tuple[str, str, Any], restarts: int = 0) -> InstanceInfo:
+        name, role, actor = launched
         try:
-            address = ray.get(actor.address.remote(), timeout=READY_TIMEOUT_S)
-            metrics = ray.get(actor.metrics_address.remote(), timeout=READY_TIMEOUT_S)
+            return self._ready(name, role, actor, restarts)
         except (ray.exceptions.RayError, TimeoutError) as e:
-            ray.kill(actor)
+            _kill_quietly(actor)
             raise ClusterError(f"instance {name} failed to start: {e}") from e
-        self._actors[name] = actor
-        info = InstanceInfo(name, role, address, metrics)
-        self.instances.append(info)
-        return info
 
     def remove_instance(self, name: str) -> None:
         """Stop one instance (its requests should have been drained first)."""
-        actor = self._actors.pop(name)
-        self.instances = [i for i in self.instances if i.name != name]
-        try:
-            ray.get(actor.stop.remote(), timeout=30)
-        except (ray.exceptions.RayError, TimeoutError):
-            logger.warning("instance %s did not stop cleanly", name)
-        ray.kill(actor)
+        with self.lock:
+            actor = self._actors.pop(name)
+            self._bundles.pop(name, None)
+            self.instances = [i for i in self.instances if i.name != name]
+            _stop(name, actor)
 
     def actor(self, name: str) -> Any:
         return self._actors[name]
 
     def dead_instances(self, timeout_s: float = 10.0) -> list[str]:
-        """Names of instances whose actor no longer answers."""
+        """Names of instances whose actor does not answer a ping within `timeout_s` (all are
+        pinged at once)."""
+        pings = {name: actor.ping.remote() for name, actor in list(self._actors.items())}
+        ray.wait(list(pings.values()), num_returns=len(pings), timeout=timeout_s)
         dead = []
-        for name, actor in self._actors.items():
+        for name, ref in pings.items():
             try:
-                ray.get(actor.ping.remote(), timeout=timeout_s)
+                ray.get(ref, timeout=0)
             except (ray.exceptions.RayError, TimeoutError):
                 dead.append(name)
         return dead
@@ -215,11 +244,7 @@ class Cluster:
     def down(self) -> None:
         """Stop every instance, release the placement group, and stop Ray if `up` started it."""
         for name, actor in self._actors.items():
-            try:
-                ray.get(actor.stop.remote(), timeout=30)
-            except (ray.exceptions.RayError, TimeoutError):
-                logger.warning("instance %s did not stop cleanly", name)
-            ray.kill(actor)
+            _stop(name, actor)
         self._actors.clear()
         self.instances.clear()
         if self._placement_group is not None:
@@ -251,6 +276,20 @@ class Cluster:
         tmp = path.with_suffix(".tmp")
         tmp.write_text(json.dumps(state, indent=2))
         tmp.replace(path)
+
+
+def _stop(name: str, actor: Any) -> None:
+    try:
+        ray.get(actor.stop.remote(), timeout=30)
+    except (ray.exceptions.RayError, TimeoutError):
+        logger.warning("instance %s did not stop cleanly", name)
+    _kill_quietly(actor)
+
+
+def _kill_quietly(actor: Any) -> None:
+    """Kill an actor that may already be dead."""
+    with contextlib.suppress(ValueError):  # not an actor handle Ray still knows
+        ray.kill(actor, no_restart=True)
 
 
 def cluster_secret(state_dir: Path, create: bool = False) -> str:

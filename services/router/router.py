@@ -174,9 +174,17 @@ class Router:
         returns whether they all did."""
         self.draining = True
         deadline = time.monotonic() + timeout_s
-        while self._active and time.monotonic() < deadline:
+        while self._transcripts and time.monotonic() < deadline:
             self._stopped.wait(0.05)
-        return not self._active
+        return not self._transcripts
+
+    def wait_idle(self, address: str, timeout_s: float) -> bool:
+        """Wait up to `timeout_s` until no request the router routed holds `address` (its
+        lease: a prefill's ends with its first token); returns whether none does."""
+        deadline = time.monotonic() + timeout_s
+        while self.load.load_of(address).in_flight_requests and time.monotonic() < deadline:
+            self._stopped.wait(0.05)
+        return not self.load.load_of(address).in_flight_requests
 
     def check_model(self, name: str) -> None:
         if name != self.model.model_id:

@@ -1,0 +1,91 @@
+"""Supervisor: takes dead instances out of routing at once and recreates them, within a budget.
+
+`pdserve up`'s watch loop calls `check` every health interval. An instance whose actor stops
+answering is removed from the router (its in-flight streams migrate by themselves: the router
+sees them break), then recreated with the same name and role after `cluster.restart_backoff_s`
+(doubling after each failed try), at most `cluster.max_restarts` times; the router, admin and
+scrape targets follow its new endpoints. When the budget is spent the supervisor says so and the
+cluster serves with what is left.
+"""
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from pdserve.errors import ClusterError
+from services.controller.cluster import Cluster
+from services.router.router import Router
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class _Down:
+    address: str
+    retry_at: float
+    backoff_s: float
+    failed: int = 0  # restarts tried that failed (they count against the budget)
+    given_up: bool = False
+
+
+class Supervisor:
+    """Main thread only (`check`); scaling from admin handlers is kept out by `cluster.lock`."""
+
+    def __init__(
+        self,
+        cluster: Cluster,
+        router: Router,
+        on_change: Callable[[], None],
+        report: Callable[[str], None],
+    ) -> None:
+        self.cluster = cluster
+        self.router = router
+        self._on_change = on_change  # the instance set changed: state file and scrape targets
+        self._report = report  # one line for the operator (stderr)
+        self._down: dict[str, _Down] = {}
+
+    def check(self) -> None:
+        """Notice newly dead instances, then retry the restarts that are due."""
+        config = self.cluster.config
+        for name in self.cluster.dead_instances():
+            if name in self._down:
+                continue
+            info = next((i for i in self.cluster.instances if i.name == name), None)
+            if info is None:  # removed by scaling meanwhile
+                continue
+            self.router.remove_instance(info.address)
+            backoff = config.restart_backoff_s
+            self._down[name] = _Down(info.address, time.monotonic() + backoff, backoff)
+            self._report(f"instance {name} is dead: out of routing, restarting in {backoff:g} s")
+        for name, down in list(self._down.items()):
+            if not down.given_up and time.monotonic() >= down.retry_at:
+                self._restart(name, down)
+
+    def _restart(self, name: str, down: _Down) -> None:
+        info = next((i for i in self.cluster.instances if i.name == name), None)
+        if info is None:
+            del self._down[name]
+            return
+        tried = info.restarts + down.failed
+        if tried >= self.cluster.config.max_restarts:
+            down.given_up = True
+            self._report(
+                f"instance {name} is dead and its restart budget is spent ({tried} restarts "
+                "tried, cluster.max_restarts); serving without it"
+            )
+            return
+        try:
+            restarted = self.cluster.restart_instance(name)
+        except ClusterError as e:
+            down.failed += 1
+            down.backoff_s = max(2 * down.backoff_s, 0.5)
+            down.retry_at = time.monotonic() + down.backoff_s
+            self._report(f"instance {name} did not restart ({e}); next try in {down.backoff_s:g} s")
+            return
+        del self._down[name]
+        self.router.add_instance(restarted.role, restarted.address)
+        self._on_change()
+        self._report(
+            f"instance {name} restarted at {restarted.address} (restart {restarted.restarts})"
+        )
