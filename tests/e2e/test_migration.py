@@ -1,7 +1,8 @@
 """Request migration on a `pdserve up` cluster (1 prefill + 3 decode): the decode instance
 serving a long greedy stream is killed with SIGKILL at a random point (and then the next one);
 the client receives exactly the text of an undisturbed run. Also for chat and non-streaming
-requests. The migrated request loads what it already computed from the storage tier."""
+requests. The migrated request loads what it already computed from the storage tier. And an
+instance drained and removed by the operator lets its stream finish first."""
 
 import json
 import random
@@ -15,6 +16,8 @@ import pytest
 import ray
 from pdserve_up import UpCluster, pdserve_up
 from waiting import wait_for
+
+from pdserve.v1 import admin_pb2
 
 SEED = random.randrange(2**32)  # printed on failure: rerun with it to replay the kill points
 
@@ -170,4 +173,34 @@ def serving_one(up: UpCluster) -> bool:
     return any(
         info.role == "decode" and info.alive and up.stats(info.address).num_running > 0
         for info in up.list_instances().values()
+    )
+
+
+def test_removing_a_drained_decode_lets_its_stream_finish_first(
+    up: UpCluster, tiny_model_dir: Path
+) -> None:
+    """`pdserve admin remove` (drain, then stop the actor) never drops a stream: removal waits
+    for the router's requests on the instance, and no migration is needed."""
+    body = {"model": tiny_model_dir.name, "prompt": "Step by step", "max_tokens": 400,
+            "ignore_eos": True, "temperature": 0}  # fmt: skip
+    reference = stream(up, "completions", body)
+    removed: list[str] = []
+
+    def remove_serving_decode(received: int) -> None:
+        if received == 20:
+            name = serving_decode(up)
+            request = admin_pb2.InstanceRef(name=name)
+            call = up.admin().RemoveInstance.future(request, metadata=up.admin_auth, timeout=120)
+            removed.append(name)
+            removals.append(call)
+
+    removals: list[Any] = []
+    before = migrations(up)
+    chunks = stream(up, "completions", body, remove_serving_decode)
+    assert text_of(chunks) == text_of(reference) and finish_of(chunks) == "length"
+    remaining = {i.name for i in removals[0].result().instances}
+    assert removed[0] not in remaining
+    assert migrations(up) == before  # the stream ended where it began
+    up.admin().ScaleRole(
+        admin_pb2.ScaleRoleRequest(role="decode", replicas=3), metadata=up.admin_auth, timeout=300
     )
