@@ -202,11 +202,17 @@ def _serve_cluster(
     from services.router.server import serve_router
 
     stop = threading.Event()
+    wake = threading.Event()  # check the instances now (a signal, or the router lost one)
     path = state_path(config)
     targets_path = path.with_name("prometheus_targets.json")
     instances = cluster.up()
+
+    def stop_watching(*_: object) -> None:
+        stop.set()
+        wake.set()
+
     for signum in (signal.SIGINT, signal.SIGTERM):  # after ray.init, which installs its own
-        signal.signal(signum, lambda *_: stop.set())
+        signal.signal(signum, stop_watching)
     router = serve_router(
         config.router,
         config.engine,
@@ -232,7 +238,8 @@ def _serve_cluster(
     cluster.write_state(path, router_url=router.url, admin_address=admin_address)
     _print_endpoints(cluster, router, targets_path, admin_address, path)
     supervisor = Supervisor(cluster, router.router, changed, _report)
-    _watch(cluster, supervisor, stop, args.health_interval)
+    router.router.on_unreachable = wake.set
+    _watch(cluster, supervisor, stop, wake, args.health_interval)
 
 
 def _shut_down(
@@ -333,11 +340,19 @@ def write_file_sd(path: Path, groups: list[dict[str, object]]) -> None:
 
 
 def _watch(
-    cluster: "Cluster", supervisor: "Supervisor", stop: threading.Event, interval_s: float
+    cluster: "Cluster",
+    supervisor: "Supervisor",
+    stop: threading.Event,
+    wake: threading.Event,
+    interval_s: float,
 ) -> None:
-    """Every `interval_s`: take dead instances out of routing and restart them, restart the
-    embedded Redis if it died."""
-    while not stop.wait(interval_s):
+    """Every `interval_s`, and at once when woken: take dead instances out of routing and
+    restart them, restart the embedded Redis if it died."""
+    while not stop.is_set():
+        wake.wait(supervisor.next_check_s(interval_s))
+        wake.clear()
+        if stop.is_set():
+            return
         supervisor.check()
         try:
             if cluster.supervise_storage():

@@ -62,6 +62,11 @@ class Supervisor:
             if not down.given_up and time.monotonic() >= down.retry_at:
                 self._restart(name, down)
 
+    def next_check_s(self, interval_s: float) -> float:
+        """Seconds until `check` is due: the health interval, or sooner for a pending restart."""
+        pending = [d.retry_at for d in self._down.values() if not d.given_up]
+        return max(0.0, min([interval_s, *(at - time.monotonic() for at in pending)]))
+
     def _restart(self, name: str, down: _Down) -> None:
         info = next((i for i in self.cluster.instances if i.name == name), None)
         if info is None:

@@ -10,7 +10,7 @@ abort, client disconnect): `Lease.release` is idempotent and both the generator'
 import logging
 import threading
 import time
-from collections.abc import Generator, Iterator, Mapping, Sequence
+from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -105,6 +105,8 @@ class Router:
         self.drained: set[str] = set()  # no new requests; in-flight ones finish
         self._active: dict[str, _Active] = {}
         self._transcripts: dict[str, Transcript] = {}  # every request being generated
+        # called when an instance could not be reached (the supervisor checks liveness now)
+        self.on_unreachable: Callable[[], None] = lambda: None
         self.draining = False  # shutting down: new requests are refused, in-flight ones finish
         self._stopped = threading.Event()
         self._threads: list[threading.Thread] = []
@@ -311,10 +313,12 @@ class Router:
                 yield first
                 try:
                     yield from events
-                except (InstanceUnavailableError, StepFailedError):
+                except (InstanceUnavailableError, StepFailedError) as e:
                     streaming = decode or prefill  # only it holds the request by now
                     self._unhealthy_until[streaming] = time.monotonic() + UNHEALTHY_COOLDOWN_S
                     excluded.add(streaming)
+                    if isinstance(e, InstanceUnavailableError):
+                        self.on_unreachable()
                     raise
                 return
             finally:
@@ -396,6 +400,8 @@ class Router:
         now = time.monotonic()
         for address in blamed:
             self._unhealthy_until[address] = now + UNHEALTHY_COOLDOWN_S
+        if isinstance(error, InstanceUnavailableError):
+            self.on_unreachable()
         return blamed
 
     def _choose(

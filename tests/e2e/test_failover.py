@@ -30,7 +30,8 @@ def test_killed_instances_leave_routing_come_back_and_nothing_fails(
         f"  max_restarts: 1\n  restart_backoff_s: 0.5\n"
     )
     address = ray.get_runtime_context().gcs_address
-    with pdserve_up(config, tmp_path, address, "--health-interval", "0.5") as up:
+    # The default health interval; the router's failed connections wake the supervisor sooner.
+    with pdserve_up(config, tmp_path, address) as up:
         model = tiny_model_dir.name
         old = {name: info.address for name, info in up.list_instances().items()}
         # One dead prefill and one dead decode out of 2 + 2: a healthy pair is always found.
@@ -51,7 +52,7 @@ def test_killed_instances_leave_routing_come_back_and_nothing_fails(
         assert instances["decode-0"].metrics_address in scraped
         # The budget (one restart) is spent: the next death is reported and the rest serves.
         pid = up.kill("decode-0")
+        assert all(complete(up, model, 200 + n).status_code == 200 for n in range(6))
         wait_for(lambda: "restart budget is spent" in (tmp_path / "up.log").read_text(), 60)
         assert not up.list_instances()["decode-0"].alive
-        assert all(complete(up, model, 200 + n).status_code == 200 for n in range(6))
         assert pid not in {i.pid for i in up.list_instances().values() if i.alive}
