@@ -59,6 +59,18 @@ class RouterMetrics:
             "Attempts that failed before the first token and were retried.",
             registry=self.registry,
         )
+        # the supervisor of `pdserve up` runs next to the router and reports here
+        self.instance_restarts = Counter(
+            "pdserve_router_instance_restarts",
+            "Dead instances the supervisor recreated, by instance name and role.",
+            ["name", "role"],
+            registry=self.registry,
+        )
+        self.dead_instances = Gauge(
+            "pdserve_router_dead_instances",
+            "Instances out of routing because their actor died (restarting, or out of budget).",
+            registry=self.registry,
+        )
         self.migrations = Counter(
             "pdserve_router_migrations",
             "Streams that continued on another instance after theirs failed, by reason "

@@ -58,6 +58,7 @@ class Supervisor:
             backoff = config.restart_backoff_s
             self._down[name] = _Down(info.address, time.monotonic() + backoff, backoff)
             self._report(f"instance {name} is dead: out of routing, restarting in {backoff:g} s")
+        self.router.metrics.dead_instances.set(len(self._down))
         for name, down in list(self._down.items()):
             if not down.given_up and time.monotonic() >= down.retry_at:
                 self._restart(name, down)
@@ -69,8 +70,9 @@ class Supervisor:
 
     def _restart(self, name: str, down: _Down) -> None:
         info = next((i for i in self.cluster.instances if i.name == name), None)
-        if info is None:
+        if info is None:  # removed by scaling meanwhile
             del self._down[name]
+            self.router.metrics.dead_instances.set(len(self._down))
             return
         tried = info.restarts + down.failed
         if tried >= self.cluster.config.max_restarts:
@@ -89,6 +91,8 @@ class Supervisor:
             self._report(f"instance {name} did not restart ({e}); next try in {down.backoff_s:g} s")
             return
         del self._down[name]
+        self.router.metrics.dead_instances.set(len(self._down))
+        self.router.metrics.instance_restarts.labels(name, restarted.role).inc()
         self.router.add_instance(restarted.role, restarted.address)
         self._on_change()
         self._report(

@@ -55,4 +55,9 @@ def test_killed_instances_leave_routing_come_back_and_nothing_fails(
         assert all(complete(up, model, 200 + n).status_code == 200 for n in range(6))
         wait_for(lambda: "restart budget is spent" in (tmp_path / "up.log").read_text(), 60)
         assert not up.list_instances()["decode-0"].alive
+        metrics = up.router_metrics()
+        assert metrics["pdserve_router_dead_instances"] == 1
+        restarts = 'pdserve_router_instance_restarts_total{name="%s",role="%s"}'
+        assert metrics[restarts % ("decode-0", "decode")] == 1
+        assert metrics[restarts % ("prefill-0", "prefill")] == 1
         assert pid not in {i.pid for i in up.list_instances().values() if i.alive}
