@@ -54,6 +54,22 @@ class RouterMetrics:
             ["policy", "reason"],
             registry=self.registry,
         )
+        self._add_failure_metrics()
+        self.in_flight = Gauge(
+            "pdserve_router_in_flight_requests",
+            "Requests holding a load lease, by instance.",
+            ["backend"],
+            registry=self.registry,
+        )
+        self.indexed_blocks = Gauge(
+            "pdserve_router_indexed_blocks",
+            "KV blocks the router's index believes each prefill or mixed instance holds.",
+            ["backend"],
+            registry=self.registry,
+        )
+
+    def _add_failure_metrics(self) -> None:
+        """Retries, migrations and the supervisor's restarts."""
         self.retries = Counter(
             "pdserve_router_retries",
             "Attempts that failed before the first token and were retried.",
@@ -76,18 +92,6 @@ class RouterMetrics:
             "Streams that continued on another instance after theirs failed, by reason "
             "(instance_lost, step_failed).",
             ["reason"],
-            registry=self.registry,
-        )
-        self.in_flight = Gauge(
-            "pdserve_router_in_flight_requests",
-            "Requests holding a load lease, by instance.",
-            ["backend"],
-            registry=self.registry,
-        )
-        self.indexed_blocks = Gauge(
-            "pdserve_router_indexed_blocks",
-            "KV blocks the router's index believes each prefill or mixed instance holds.",
-            ["backend"],
             registry=self.registry,
         )
 

@@ -206,13 +206,7 @@ def _serve_cluster(
     path = state_path(config)
     targets_path = path.with_name("prometheus_targets.json")
     instances = cluster.up()
-
-    def stop_watching(*_: object) -> None:
-        stop.set()
-        wake.set()
-
-    for signum in (signal.SIGINT, signal.SIGTERM):  # after ray.init, which installs its own
-        signal.signal(signum, stop_watching)
+    _stop_on_signals(stop, wake)  # after ray.init, which installs its own handlers
     router = serve_router(
         config.router,
         config.engine,
@@ -240,6 +234,17 @@ def _serve_cluster(
     supervisor = Supervisor(cluster, router.router, changed, _report)
     router.router.on_unreachable = wake.set
     _watch(cluster, supervisor, stop, wake, args.health_interval)
+
+
+def _stop_on_signals(stop: threading.Event, wake: threading.Event) -> None:
+    """SIGINT and SIGTERM end the watch loop (then `up` drains and shuts down)."""
+
+    def stop_watching(*_: object) -> None:
+        stop.set()
+        wake.set()
+
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, stop_watching)
 
 
 def _shut_down(

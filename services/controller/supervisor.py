@@ -23,6 +23,7 @@ logger = logging.getLogger(__name__)
 @dataclass(slots=True)
 class _Down:
     address: str
+    drained: bool  # the operator had drained it: it comes back drained
     retry_at: float
     backoff_s: float
     failed: int = 0  # restarts tried that failed (they count against the budget)
@@ -54,9 +55,10 @@ class Supervisor:
             info = next((i for i in self.cluster.instances if i.name == name), None)
             if info is None:  # removed by scaling meanwhile
                 continue
+            drained = info.address in self.router.drained
             self.router.remove_instance(info.address)
             backoff = config.restart_backoff_s
-            self._down[name] = _Down(info.address, time.monotonic() + backoff, backoff)
+            self._down[name] = _Down(info.address, drained, time.monotonic() + backoff, backoff)
             self._report(f"instance {name} is dead: out of routing, restarting in {backoff:g} s")
         self.router.metrics.dead_instances.set(len(self._down))
         for name, down in list(self._down.items()):
@@ -93,6 +95,8 @@ class Supervisor:
         del self._down[name]
         self.router.metrics.dead_instances.set(len(self._down))
         self.router.metrics.instance_restarts.labels(name, restarted.role).inc()
+        if down.drained:
+            self.router.drained.add(restarted.address)
         self.router.add_instance(restarted.role, restarted.address)
         self._on_change()
         self._report(

@@ -300,10 +300,8 @@ class Router:
                     failure = e
                     self.metrics.retries.inc()
                     excluded |= self._blame(e, prefill, decode)
-                    logger.warning(
-                        "request %s attempt %d on %s -> %s failed: %s",
-                        request_id, attempt, prefill, decode, e,
-                    )  # fmt: skip
+                    logger.warning("request %s attempt %d on %s -> %s failed: %s",
+                                   request_id, attempt, prefill, decode, e)  # fmt: skip
                     self._release(request_id)
                     time.sleep(backoff)
                     backoff *= 2
@@ -314,11 +312,7 @@ class Router:
                 try:
                     yield from events
                 except (InstanceUnavailableError, StepFailedError) as e:
-                    streaming = decode or prefill  # only it holds the request by now
-                    self._unhealthy_until[streaming] = time.monotonic() + UNHEALTHY_COOLDOWN_S
-                    excluded.add(streaming)
-                    if isinstance(e, InstanceUnavailableError):
-                        self.on_unreachable()
+                    excluded.add(self._lost_stream(e, decode or prefill))
                     raise
                 return
             finally:
@@ -403,6 +397,14 @@ class Router:
         if isinstance(error, InstanceUnavailableError):
             self.on_unreachable()
         return blamed
+
+    def _lost_stream(self, error: PdserveError, streaming: str) -> str:
+        """Mark the instance whose stream broke after its first token (only it held the
+        request by then) unhealthy; returns it."""
+        self._unhealthy_until[streaming] = time.monotonic() + UNHEALTHY_COOLDOWN_S
+        if isinstance(error, InstanceUnavailableError):
+            self.on_unreachable()
+        return streaming
 
     def _choose(
         self,
