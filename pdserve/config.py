@@ -38,6 +38,7 @@ from pdserve.errors import ConfigError
 ENV_PREFIX = "PDSERVE_"
 ROLES = ("prefill", "decode", "mixed")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+EVICTION_POLICIES = ("lru", "lrfu")  # pdserve.kvcache.eviction
 DEVICE_PATTERN = re.compile(r"cpu|cuda(:[0-9]+)?")
 # The keys of services.router.policies.POLICIES (pdserve does not import services; a unit test
 # keeps the two equal).
@@ -77,6 +78,12 @@ class EngineConfig:
     max_num_seqs: int = 64  # running requests per step
     max_num_batched_tokens: int = 512  # token budget per step (chunked prefill splits prompts)
     enable_prefix_caching: bool = True
+    # which cached block a full pool reuses: lrfu (frequency and recency over the prefix tree;
+    # its scores halve every lrfu_half_life_s and outlive eviction, at most lrfu_score_capacity
+    # x num_kv_blocks of them) | lru (least recently used)
+    eviction_policy: str = "lrfu"
+    lrfu_half_life_s: float = 300.0
+    lrfu_score_capacity: int = 8
     torch_threads: int | None = None  # torch.set_num_threads; None = leave torch's default
     seed: int = 0  # seed of the sampler for requests without their own seed
 
@@ -87,6 +94,11 @@ class EngineConfig:
             if value is not None and value <= 0:
                 raise ConfigError(f"engine.{name} must be positive, got {value}")
         _check_choice("engine.dtype", self.dtype, DTYPES)
+        _check_choice("engine.eviction_policy", self.eviction_policy, EVICTION_POLICIES)
+        if not self.lrfu_half_life_s > 0 or self.lrfu_score_capacity < 1:
+            raise ConfigError(
+                "engine.lrfu_half_life_s must be positive and engine.lrfu_score_capacity >= 1"
+            )
         if not DEVICE_PATTERN.fullmatch(self.device):
             raise ConfigError(f"engine.device must be cpu, cuda or cuda:N, got {self.device!r}")
 

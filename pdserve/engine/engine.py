@@ -22,6 +22,7 @@ from pdserve.errors import (
     RequestNotFoundError,
 )
 from pdserve.kvcache.events import KVEventSink
+from pdserve.kvcache.eviction import make_eviction_policy
 from pdserve.kvcache.hashing import BlockHash, BlockHasher
 from pdserve.kvcache.manager import KVCacheManager
 from pdserve.model.loader import LoadedModel, load_model
@@ -137,6 +138,12 @@ class LLMEngine:
             enable_prefix_caching=config.enable_prefix_caching,
             event_sink=event_sink,
             write_back=connector,
+            eviction=make_eviction_policy(
+                config.eviction_policy,
+                num_blocks,
+                half_life_s=config.lrfu_half_life_s,
+                score_capacity=config.lrfu_score_capacity,
+            ),
         )
         scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens),

@@ -19,6 +19,7 @@ from typing import Protocol
 from pdserve.errors import IntegrityError, OutOfBlocksError
 from pdserve.kvcache.block_pool import BlockPool
 from pdserve.kvcache.events import BlockRemoved, BlockStored, KVEventSink
+from pdserve.kvcache.eviction import EvictionPolicy
 from pdserve.kvcache.hashing import BlockHash
 from pdserve.kvcache.prefix_cache import PrefixCache
 
@@ -87,12 +88,14 @@ class KVCacheManager:
         enable_prefix_caching: bool = True,
         event_sink: KVEventSink | None = None,
         write_back: WriteBack | None = None,
+        eviction: EvictionPolicy | None = None,
     ) -> None:
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
-        self.pool = BlockPool(num_blocks)
+        self.pool = BlockPool(num_blocks, eviction)
+        self.eviction = self.pool.policy
         self.prefix_cache = PrefixCache()
         self._event_sink = event_sink
         self._tables: dict[str, list[int]] = {}
@@ -198,11 +201,11 @@ class KVCacheManager:
             raise IntegrityError(
                 f"request {request.request_id} has {len(hashes)} block hashes, needs {num_full}"
             )
-        stored = [
-            (table[i], hashes[i])
-            for i in range(start, num_full)
-            if self.prefix_cache.insert(hashes[i], table[i])
-        ]
+        stored = []
+        for i in range(start, num_full):
+            if self.prefix_cache.insert(hashes[i], table[i]):
+                stored.append((table[i], hashes[i]))
+                self.eviction.published(table[i], hashes[i], hashes[i - 1] if i else None, i)
         self._num_published[request.request_id] = num_full
         if stored and self._event_sink is not None:
             self._event_sink(BlockStored(tuple(h for _, h in stored)))
@@ -225,16 +228,12 @@ class KVCacheManager:
         self.pool.free(reversed(table))
 
     def evict_cached_blocks(self, max_blocks: int | None = None) -> int:
-        """Unpublish up to `max_blocks` unreferenced cached blocks, least recently used first.
+        """Unpublish up to `max_blocks` unreferenced cached blocks, the eviction policy's victims
+        first.
 
         Blocks held by live requests stay published. Returns how many were unpublished.
         """
-        victims: list[int] = []
-        for block_id in self.pool.free_blocks_lru():
-            if max_blocks is not None and len(victims) >= max_blocks:
-                break
-            if self.prefix_cache.hash_of(block_id) is not None:
-                victims.append(block_id)
+        victims = self.eviction.evict(max_blocks)
         self._unpublish(victims)
         return len(victims)
 
@@ -263,6 +262,7 @@ class KVCacheManager:
         for block_id, block_hash in zip(prefix.block_ids, hashes, strict=False):
             if self.prefix_cache.hash_of(block_id) != block_hash:
                 raise IntegrityError(f"prefix block {block_id} was evicted since it was matched")
+        self.eviction.admitted(hashes)
         self.pool.touch(prefix.block_ids)
         table = list(prefix.block_ids)
         self._tables[request.request_id] = table
@@ -275,6 +275,11 @@ class KVCacheManager:
             evicted = [(b, h) for b, h in cached if h is not None]
             if evicted:
                 self._write_back.write_back(evicted)
-        removed = [h for b in block_ids if (h := self.prefix_cache.drop_block(b)) is not None]
+        removed = []
+        for block_id in block_ids:
+            block_hash = self.prefix_cache.drop_block(block_id)
+            if block_hash is not None:
+                self.eviction.unpublished(block_id)
+                removed.append(block_hash)
         if removed and self._event_sink is not None:
             self._event_sink(BlockRemoved(tuple(removed)))

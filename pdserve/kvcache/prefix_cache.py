@@ -1,8 +1,8 @@
 """PrefixCache: block hash -> block id for blocks whose KV is complete.
 
 Mechanism only. Entries are added by `KVCacheManager.update_cache_blocks` (publish after compute)
-and dropped lazily when the block pool hands an unreferenced cached block out again, so the block
-pool's free queue is the LRU order of eviction.
+and dropped lazily when the block pool hands an unreferenced cached block out again (the eviction
+policy chooses which).
 """
 
 from collections.abc import Sequence

@@ -74,7 +74,7 @@ def snapshot(manager: KVCacheManager, request_ids: Sequence[str] = ()) -> object
     """Everything observable about the manager's state, for before/after comparisons."""
     num = manager.num_blocks
     return (
-        list(manager.pool.free_blocks_lru()),
+        list(manager.pool.free_blocks()),
         manager.num_free_blocks,
         manager.num_cached_blocks,
         [manager.pool.ref_count(b) for b in range(num)],
@@ -114,7 +114,7 @@ def test_pool_allocate_takes_from_free_queue_head_when_fresh() -> None:
     assert pool.allocate(2) == [0, 1]
     assert pool.num_free == 2
     assert [pool.ref_count(b) for b in range(4)] == [1, 1, 0, 0]
-    assert list(pool.free_blocks_lru()) == [2, 3]
+    assert list(pool.free_blocks()) == [2, 3]
     pool.check_integrity()
 
 
@@ -123,9 +123,9 @@ def test_pool_free_appends_to_tail_in_given_order() -> None:
     pool.allocate(4)
     pool.free([2, 0])
     pool.free([3])
-    assert list(pool.free_blocks_lru()) == [2, 0, 3]
+    assert list(pool.free_blocks()) == [2, 0, 3]
     assert pool.allocate(2) == [0, 2]  # the two at the head, in ascending order
-    assert list(pool.free_blocks_lru()) == [3]
+    assert list(pool.free_blocks()) == [3]
     pool.check_integrity()
 
 
@@ -134,7 +134,7 @@ def test_pool_touch_removes_unreferenced_block_from_free_queue() -> None:
     pool.touch([2])
     assert pool.ref_count(2) == 1
     assert not pool.is_free(2)
-    assert list(pool.free_blocks_lru()) == [0, 1, 3]
+    assert list(pool.free_blocks()) == [0, 1, 3]
     assert pool.allocate(3) == [0, 1, 3]
     pool.check_integrity()
 
@@ -146,9 +146,9 @@ def test_pool_touch_adds_reference_when_block_already_referenced() -> None:
     assert pool.ref_count(block) == 2
     pool.free([block])
     assert pool.ref_count(block) == 1
-    assert block not in set(pool.free_blocks_lru())
+    assert block not in set(pool.free_blocks())
     pool.free([block])
-    assert list(pool.free_blocks_lru())[-1] == block
+    assert list(pool.free_blocks())[-1] == block
     pool.check_integrity()
 
 
@@ -172,10 +172,10 @@ def test_pool_free_raises_integrity_error_when_never_allocated() -> None:
 def test_pool_allocate_raises_out_of_blocks_and_keeps_state_when_short() -> None:
     pool = BlockPool(4)
     pool.allocate(3)
-    before = (list(pool.free_blocks_lru()), [pool.ref_count(b) for b in range(4)])
+    before = (list(pool.free_blocks()), [pool.ref_count(b) for b in range(4)])
     with pytest.raises(OutOfBlocksError):
         pool.allocate(2)
-    assert (list(pool.free_blocks_lru()), [pool.ref_count(b) for b in range(4)]) == before
+    assert (list(pool.free_blocks()), [pool.ref_count(b) for b in range(4)]) == before
     assert pool.allocate(1) == [3]
     pool.check_integrity()
 
@@ -520,7 +520,7 @@ def test_allocate_revives_free_cached_prefix_when_matched(make_manager: ManagerF
     manager.allocate(request, request.num_tokens, prefix)
     assert list(manager.block_table("b"))[:2] == table_a[:2]
     assert manager.num_free_blocks == free_before - 3
-    assert all(b not in set(manager.pool.free_blocks_lru()) for b in table_a[:2])
+    assert all(b not in set(manager.pool.free_blocks()) for b in table_a[:2])
 
 
 def test_free_is_idempotent_when_called_twice(make_manager: ManagerFactory) -> None:
@@ -595,11 +595,11 @@ def test_allocate_reuses_least_recently_freed_cached_block_and_emits_removed(
     table_new = run_prefill(manager, new)
     manager.free("old")
     manager.free("new")
-    # free queue: old tail, old head, new tail, new head; only the heads are cached
+    # free: the two uncached tails, then the cached heads, old's released first
     events.clear()
-    third = FakeRequest("c", tokens(2 * BLOCK_SIZE, start=2000))
+    third = FakeRequest("c", tokens(3 * BLOCK_SIZE, start=2000))
     allocated = manager.allocate(third, third.num_tokens)
-    assert allocated == sorted([table_old[1], table_old[0]])
+    assert allocated == sorted([table_old[1], table_new[1], table_old[0]])
     assert events == [BlockRemoved((old.block_hashes[0],))]
     assert manager.match_prefix(FakeRequest("p", tokens(BLOCK_SIZE + 1))).block_ids == ()
     assert manager.prefix_cache.hash_of(table_new[0]) == new.block_hashes[0]

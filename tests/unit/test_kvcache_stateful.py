@@ -30,6 +30,7 @@ from pdserve.kvcache import (
     KVEvent,
     PrefixMatch,
 )
+from pdserve.kvcache.eviction import EVICTION_POLICIES, make_eviction_policy
 from pdserve.kvcache.manager import NO_MATCH
 
 BLOCK_SIZE = 4
@@ -93,22 +94,34 @@ class KVCacheMachine(RuleBasedStateMachine):
         self.tokens_of_hash: dict[BlockHash, tuple[int, ...]] = {}
         self.next_id = 0
         self.past: list[tuple[int, ...]] = []
-        # reference model of the pool's free queue: least recently freed first
-        self.free_order: list[int] = list(range(self.num_blocks))
+        self.parent_of: dict[BlockHash, BlockHash | None] = {}
+        self.now = 0.0
+        # reference model of the free blocks: uncached ones in reuse order, and cached ones
+        self.plain_order: list[int] = list(range(self.num_blocks))
 
-    @initialize(num_blocks=st.integers(MIN_BLOCKS, MAX_BLOCKS))
-    def make_manager(self, num_blocks: int) -> None:
+    @initialize(
+        num_blocks=st.integers(MIN_BLOCKS, MAX_BLOCKS),
+        policy=st.sampled_from(EVICTION_POLICIES),
+        half_life=st.sampled_from([0.5, 300.0]),
+    )
+    def make_manager(self, num_blocks: int, policy: str, half_life: float) -> None:
         """Small pools make allocation refusals and evictions by reuse common."""
         self.num_blocks = num_blocks
-        self.manager = KVCacheManager(num_blocks, BLOCK_SIZE, event_sink=self.events.append)
-        self.free_order = list(range(num_blocks))
+        eviction = make_eviction_policy(
+            policy, num_blocks, half_life_s=half_life, score_capacity=2, clock=lambda: self.now
+        )
+        self.manager = KVCacheManager(
+            num_blocks, BLOCK_SIZE, event_sink=self.events.append, eviction=eviction
+        )
+        self.plain_order = list(range(num_blocks))
+        event(f"policy {policy}")
 
     # -- helpers ---------------------------------------------------------------------------------
 
     def _snapshot(self) -> object:
         manager = self.manager
         return (
-            list(manager.pool.free_blocks_lru()),
+            list(manager.pool.free_blocks()),
             [manager.pool.ref_count(b) for b in range(self.num_blocks)],
             [manager.prefix_cache.hash_of(b) for b in range(self.num_blocks)],
             {rid: list(manager.block_table(rid)) for rid in self.live},
@@ -131,10 +144,12 @@ class KVCacheMachine(RuleBasedStateMachine):
         revived = [b for b in prefix.block_ids if b not in referenced]
         if revived:
             event("free cached prefix blocks revived")
-        self.free_order = [b for b in self.free_order if b not in revived]
-        head = self.free_order[: len(new_blocks)]
-        assert new_blocks == sorted(head), "not the LRU head, in ascending order"
-        del self.free_order[: len(new_blocks)]
+        self.now += 1.0
+        self.plain_order = [b for b in self.plain_order if b not in revived]
+        uncached = self.plain_order[: len(new_blocks)]
+        assert set(uncached) <= set(new_blocks), "a cached block went before an uncached one"
+        assert new_blocks == sorted(new_blocks)
+        del self.plain_order[: len(new_blocks)]
         for block_id in new_blocks:
             self.kv[block_id] = [None] * BLOCK_SIZE
         return True
@@ -149,11 +164,15 @@ class KVCacheMachine(RuleBasedStateMachine):
         del self.live[request_id]
         assert not self.manager.has_request(request_id)
         still_referenced = self._referenced()
-        self.free_order += [b for b in reversed(table) if b not in still_referenced]
+        cache = self.manager.prefix_cache
+        self.plain_order += [
+            b for b in reversed(table) if b not in still_referenced and cache.hash_of(b) is None
+        ]
 
     def _remember_hashes(self, request: FakeRequest) -> None:
         for index, block_hash in enumerate(request.block_hashes):
             self.tokens_of_hash[block_hash] = request.block_tokens(index)
+            self.parent_of[block_hash] = request.block_hashes[index - 1] if index else None
 
     def _check_match(self, request: FakeRequest) -> PrefixMatch:
         """Match `request` and check every hit block holds exactly the tokens it stands for."""
@@ -257,15 +276,21 @@ class KVCacheMachine(RuleBasedStateMachine):
 
     @rule(max_blocks=st.none() | st.integers(0, 4))
     def evict(self, max_blocks: int | None) -> None:
-        """Unpublish the least recently freed cached blocks; live requests' blocks stay."""
-        cached = [b for b in self.free_order if self.manager.prefix_cache.hash_of(b) is not None]
-        victims = cached if max_blocks is None else cached[:max_blocks]
-        published_before = [self.manager.prefix_cache.hash_of(b) for b in range(self.num_blocks)]
-        assert self.manager.evict_cached_blocks(max_blocks) == len(victims)
-        event(f"evicted {min(len(victims), 1)}+ blocks")
+        """Unpublish the policy's victims among the free cached blocks; live requests' blocks
+        stay."""
+        cache = self.manager.prefix_cache
+        referenced = self._referenced()
+        cached = [b for b in range(self.num_blocks) if b not in referenced and cache.hash_of(b)]
+        expected = len(cached) if max_blocks is None else min(max_blocks, len(cached))
+        published_before = [cache.hash_of(b) for b in range(self.num_blocks)]
+        assert self.manager.evict_cached_blocks(max_blocks) == expected
+        event(f"evicted {min(expected, 1)}+ blocks")
+        victims = [b for b in cached if cache.hash_of(b) is None]
+        assert len(victims) == expected
+        self.plain_order += [b for b in self.manager.pool.free_blocks() if b in victims]
         for block_id in range(self.num_blocks):
-            expected = None if block_id in victims else published_before[block_id]
-            assert self.manager.prefix_cache.hash_of(block_id) == expected
+            if block_id not in victims:
+                assert cache.hash_of(block_id) == published_before[block_id]
 
     @rule(token_ids=prompts)
     def check_hit(self, token_ids: list[int]) -> None:
@@ -297,8 +322,22 @@ class KVCacheMachine(RuleBasedStateMachine):
         assert self.manager.num_free_blocks + len(self._referenced()) == self.num_blocks
 
     @invariant()
-    def free_queue_is_least_recently_freed_first(self) -> None:
-        assert list(self.manager.pool.free_blocks_lru()) == self.free_order
+    def uncached_free_blocks_are_reused_in_release_order(self) -> None:
+        cache = self.manager.prefix_cache
+        free = list(self.manager.pool.free_blocks())
+        assert [b for b in free if cache.hash_of(b) is None] == self.plain_order
+
+    @invariant()
+    def no_cached_block_is_unreachable(self) -> None:
+        """Every published block's parent is published (lookups walk from the root), unless
+        the policy had to take a block with a published child (counted)."""
+        if self.manager.eviction.forced_evictions:
+            event("forced eviction")
+            return
+        published = set(self.manager.prefix_cache.hashes())
+        for block_hash in published:
+            parent = self.parent_of[block_hash]
+            assert parent is None or parent in published
 
     @invariant()
     def replayed_events_equal_prefix_cache(self) -> None:
