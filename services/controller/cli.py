@@ -29,6 +29,7 @@ from pdserve.model.tiny import default_model_dir
 from pdserve.model.tokenizer import Tokenizer
 from pdserve.storage.redis_server import redacted
 from services.controller import admin_cli
+from services.simulator import cli as simulator_cli
 
 if TYPE_CHECKING:
     from services.controller.cluster import Cluster, InstanceInfo
@@ -73,6 +74,7 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     up.add_argument("--health-interval", type=float, default=5.0, help="seconds between checks")
     admin_cli.add_parser(commands)
+    simulator_cli.add_parser(commands)
     down = commands.add_parser("down", help="stop the cluster started by `pdserve up`")
     down.add_argument("--config", help="the config file given to `up` (for state_dir)")
     down.add_argument("--state-dir", help="where `up` wrote cluster.json")
@@ -397,6 +399,7 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "up": _up,
     "down": _down,
     "admin": lambda args: admin_cli.run(args),
+    "simulate": lambda args: simulator_cli.run(args),
 }
 
 

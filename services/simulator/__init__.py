@@ -1,0 +1,1 @@
+"""`pdserve simulate`: trace replay through the real cache manager and routing policies."""
