@@ -152,7 +152,7 @@ class RouterConfig:
     prefill_policy: str = "cache_aware"  # round_robin | least_load | cache_aware
     # cache_aware: score = cached tokens - load_weight * in-flight prefill tokens; candidates whose
     # in-flight request counts differ by > balance_abs_threshold AND max > rel * min go least_load
-    load_weight: float = 1.0
+    load_weight: float = 0.3  # chosen with `pdserve simulate` (README: Routing)
     balance_abs_threshold: int = 32
     balance_rel_threshold: float = 1.0001
     max_attempts: int = 3  # tries on other instances when a step fails before the first token

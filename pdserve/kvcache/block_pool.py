@@ -49,9 +49,10 @@ class BlockPool:
         """
         if num_blocks > self.policy.num_free:
             raise OutOfBlocksError(f"need {num_blocks} KV blocks, {self.policy.num_free} free")
-        block_ids = sorted(self.policy.take() for _ in range(num_blocks))
+        block_ids = sorted(self.policy.take(num_blocks))
+        ref_counts = self._ref_counts
         for block_id in block_ids:
-            self._ref_counts[block_id] = 1
+            ref_counts[block_id] = 1
         return block_ids
 
     def touch(self, block_ids: Iterable[int]) -> None:
@@ -63,12 +64,17 @@ class BlockPool:
 
     def free(self, block_ids: Iterable[int]) -> None:
         """Drop one reference from each block; blocks reaching zero go back to the policy."""
+        ref_counts = self._ref_counts
+        released: list[int] = []
         for block_id in block_ids:
-            if self._ref_counts[block_id] <= 0:
+            count = ref_counts[block_id]
+            if count <= 0:
+                self.policy.released(released)  # what was freed before the error stays freed
                 raise IntegrityError(f"block {block_id} freed more often than referenced")
-            self._ref_counts[block_id] -= 1
-            if self._ref_counts[block_id] == 0:
-                self.policy.released(block_id)
+            ref_counts[block_id] = count - 1
+            if count == 1:
+                released.append(block_id)
+        self.policy.released(released)
 
     def check_integrity(self) -> None:
         """Raise IntegrityError unless the policy holds exactly the unreferenced blocks."""

@@ -65,33 +65,35 @@ class EvictionPolicy:
         yield from self._plain
         yield from sorted(self._free_cached)
 
-    def released(self, block_id: int) -> None:
-        """`block_id` lost its last reference."""
-        self._clock_seq += 1
-        self._released_at[block_id] = self._clock_seq
-        if block_id in self._hash:
-            self._free_cached.add(block_id)
-            self._push(block_id)
-        else:
-            self._plain[block_id] = None
+    def released(self, block_ids: Iterable[int]) -> None:
+        """`block_ids` lost their last reference (in this order)."""
+        published, plain = self._hash, self._plain
+        for block_id in block_ids:
+            if block_id in published:
+                self._clock_seq += 1
+                self._released_at[block_id] = self._clock_seq
+                self._free_cached.add(block_id)
+                self._push(block_id)
+            else:
+                plain[block_id] = None
 
     def acquired(self, block_id: int) -> None:
-        """An unreferenced `block_id` gained a reference (a prefix hit revived it)."""
-        self._version[block_id] += 1
+        """An unreferenced `block_id` gained a reference (a prefix hit revived it). Its heap
+        entries go stale: it is no longer free, and a later release pushes a newer version."""
         self._plain.pop(block_id, None)
         self._free_cached.discard(block_id)
 
-    def take(self) -> int:
-        """The next block to reuse (taken out of the free set). A cached victim is forgotten
-        here; the caller unpublishes it (`unpublished` is then a no-op)."""
-        if self._plain:
-            block_id, _ = self._plain.popitem(last=False)
-        else:
+    def take(self, count: int) -> list[int]:
+        """The next `count` blocks to reuse (taken out of the free set). Cached victims are
+        forgotten here; the caller unpublishes them (`unpublished` is then a no-op)."""
+        plain = self._plain
+        taken = [plain.popitem(last=False)[0] for _ in range(min(count, len(plain)))]
+        while len(taken) < count:
             block_id = self._victim()
             self._free_cached.discard(block_id)
             self._forget(block_id)
-        self._version[block_id] += 1
-        return block_id
+            taken.append(block_id)
+        return taken
 
     def evict(self, max_blocks: int | None) -> list[int]:
         """Cached free blocks to unpublish in place (they stay free), victims first."""

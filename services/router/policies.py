@@ -70,8 +70,11 @@ class PolicyConfig:
 
     `load_weight`: `cache_aware` scores an instance as
         overlap_tokens - load_weight * in_flight_prefill_tokens,
-    i.e. (at 1.0) it minimises the prefill work queued ahead of the request plus the work of the
+    i.e. at 1.0 it minimises the prefill work queued ahead of the request plus the work of the
     request itself (prompt tokens minus cached tokens). 0 ignores load; larger favours balance.
+    The default 0.3 comes from `pdserve simulate` (4 instances, conversations and documents
+    workloads): 1.0 let queued tokens outweigh the overlap and moved requests away from their
+    prefix (hit rate 0.820 / 0.872 against 0.840 / 0.886 at 0.3; 0.1 gave 0.827 / 0.885).
 
     `balance_abs_threshold`, `balance_rel_threshold`: the candidates are *unbalanced* when, over
     their in-flight request counts, max - min > abs AND max > rel * min; `cache_aware` then routes
@@ -79,7 +82,7 @@ class PolicyConfig:
     cache-aware router (32 and 1.0001).
     """
 
-    load_weight: float = 1.0
+    load_weight: float = 0.3
     balance_abs_threshold: int = 32
     balance_rel_threshold: float = 1.0001
 
@@ -175,13 +178,14 @@ class CacheAwarePolicy(RoutingPolicy):
     """Most cached prefix traded against load, unless load is too unbalanced (see PolicyConfig).
 
     Balanced candidates: the highest `overlap_tokens - load_weight * in_flight_prefill_tokens`
-    wins, ties going to the least loaded. Unbalanced candidates, or no overlap anywhere: the least
+    wins, ties going to the least loaded, then rotating. Unbalanced candidates, or no overlap anywhere: the least
     loaded wins.
     """
 
     def __init__(self, config: PolicyConfig) -> None:
         super().__init__(config)
         self._fallback = LeastLoadPolicy(config)
+        self._turns = _Rotation()  # equal scores: the winner rotates
 
     def choose(
         self,
@@ -210,7 +214,9 @@ class CacheAwarePolicy(RoutingPolicy):
             )
             for tokens, load in zip(cached, candidate_loads, strict=True)
         ]
-        instance_id = candidates[max(range(len(candidates)), key=scores.__getitem__)]
+        start = self._turns.next() % len(candidates)
+        order = itertools.chain(range(start, len(candidates)), range(start))
+        instance_id = candidates[max(order, key=scores.__getitem__)]
         overlap = overlaps.get(instance_id, 0)
         reason = RouteReason.CACHE_HIT if overlap else RouteReason.LOAD_OVER_CACHE
         return Decision(instance_id, reason, overlap)

@@ -306,7 +306,9 @@ class Router:
                     time.sleep(backoff)
                     backoff *= 2
                     continue
-                if decode is not None:
+                if decode is None:
+                    leases[0].finish_prefill()  # mixed: the prompt is computed, decoding goes on
+                else:
                     leases[0].release()  # prefill is done once the first token exists
                 yield first
                 try:

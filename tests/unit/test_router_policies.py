@@ -115,12 +115,12 @@ def test_cache_aware_picks_least_load_with_reason_when_nothing_overlaps() -> Non
 
 
 def test_cache_aware_trades_overlap_against_queued_prefill_tokens() -> None:
-    policy = make_policy("cache_aware")  # load_weight 1: one cached token offsets one queued token
-    loads = {A: InstanceLoad(1, 8000), B: InstanceLoad(1, 0)}
-    decision = policy.choose((A, B), REQUEST, loads, {A: 256})  # 4095 cached tokens < 8000 queued
+    policy = make_policy("cache_aware")  # load_weight 0.3: a cached token offsets 3.3 queued
+    loads = {A: InstanceLoad(1, 14000), B: InstanceLoad(1, 0)}
+    decision = policy.choose((A, B), REQUEST, loads, {A: 256})  # 4095 cached < 0.3 x 14000
     assert decision.instance_id == B
     assert decision.reason is RouteReason.LOAD_OVER_CACHE
-    light = {A: InstanceLoad(1, 1000), B: InstanceLoad(1, 0)}
+    light = {A: InstanceLoad(1, 13000), B: InstanceLoad(1, 0)}
     assert policy.choose((A, B), REQUEST, light, {A: 256}).instance_id == A
 
 
@@ -128,6 +128,15 @@ def test_cache_aware_ignores_load_when_load_weight_is_zero() -> None:
     policy = make_policy("cache_aware", PolicyConfig(load_weight=0.0))
     loads = {A: InstanceLoad(1, 100_000), B: InstanceLoad(1, 0)}
     assert policy.choose((A, B), REQUEST, loads, {A: 1}).instance_id == A
+
+
+def test_cache_aware_rotates_among_candidates_that_tie_completely() -> None:
+    """Requests with the same overlap everywhere (a shared first block) and equal loads do not
+    all go to the same instance."""
+    policy = make_policy("cache_aware")
+    overlaps = {A: 1, B: 1, C: 1}
+    winners = [policy.choose(CANDIDATES, REQUEST, {}, overlaps).instance_id for _ in range(6)]
+    assert set(winners) == set(CANDIDATES)
 
 
 def test_cache_aware_prefers_less_loaded_when_overlaps_tie() -> None:

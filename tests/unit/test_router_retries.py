@@ -175,3 +175,23 @@ def test_leases_return_to_zero_after_random_failures_and_cancellations(
     assert all(load.in_flight_requests == 0 for load in router.load.snapshot().values())
     router.load.check_integrity()
     assert router._active == {}
+
+
+class FakeMixedClient(FakePDClient):
+    def generate_mixed(
+        self, address: str, ids: list[int], params: SamplingParams, request_id: str
+    ) -> Iterator[TokenDelta | Finished]:
+        return self.generate(address, "", ids, params, request_id)
+
+
+def test_a_mixed_instance_sheds_prefill_load_at_the_first_token(model: ModelInfo) -> None:
+    """Once the prompt is computed only the request counts: its prefill tokens no longer weigh
+    on cache_aware's choice for the next prompts."""
+    config = RouterConfig(retry_backoff_s=0.0)
+    router = Router(config, model, [], [], FakeMixedClient([]), mixed=["m0"])  # type: ignore[arg-type]
+    stream = router.generate("r", list(range(5, 50)), SamplingParams())
+    next(stream)
+    load = router.load.load_of("m0")
+    assert (load.in_flight_requests, load.in_flight_prefill_tokens) == (1, 0)
+    list(stream)
+    assert router.load.num_live_leases() == 0
