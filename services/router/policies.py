@@ -178,8 +178,8 @@ class CacheAwarePolicy(RoutingPolicy):
     """Most cached prefix traded against load, unless load is too unbalanced (see PolicyConfig).
 
     Balanced candidates: the highest `overlap_tokens - load_weight * in_flight_prefill_tokens`
-    wins, ties going to the least loaded, then rotating. Unbalanced candidates, or no overlap anywhere: the least
-    loaded wins.
+    wins, ties going to the least loaded, then rotating. Unbalanced candidates, or no overlap
+    anywhere: the least loaded wins.
     """
 
     def __init__(self, config: PolicyConfig) -> None:
