@@ -170,6 +170,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "such field: the benchmark swaps the router's policy object)",
     )
     cluster.add_argument("--balance-abs-threshold", type=int, help="what-if, as --load-weight")
+    cluster.add_argument("--eviction-policy", help="engine.eviction_policy (default: engine's)")
+    cluster.add_argument(
+        "--compare-eviction",
+        action="store_true",
+        help="instead of the headline: cache_aware with each eviction policy (lru, lrfu)",
+    )
     parser.add_argument("--verbose", action="store_true", help="INFO logs of the services")
 
 
@@ -813,6 +819,8 @@ def start_cluster(
     from services.router.server import serve_router
 
     common = {"model": None, "torch_threads": args.threads, "max_model_len": args.max_model_len}
+    if args.eviction_policy:
+        common["eviction_policy"] = args.eviction_policy
     prefill_engine = EngineConfig(num_kv_blocks=prefill_blocks, **common)  # type: ignore[arg-type]
     decode_engine = EngineConfig(num_kv_blocks=args.decode_kv_blocks, **common)  # type: ignore[arg-type]
     started: list[Any] = []
@@ -1000,6 +1008,8 @@ def main() -> None:
 
     if args.url:
         run_against_url(args, workload, described, tokenizer)
+    elif args.compare_eviction:
+        run_eviction_comparison(args, workload, described, tokenizer)
     else:
         run_headline(args, workload, described, tokenizer)
 
@@ -1018,6 +1028,34 @@ def run_against_url(
     }
     metrics["output_tok_s"] = float(result["output_tok_s"])
     finish(NAME, args, {"workload": described, "run": result}, metrics)
+
+
+def run_eviction_comparison(
+    args: argparse.Namespace, workload: Workload, described: dict[str, Any], tokenizer: Tokenizer
+) -> None:
+    """The workload against fresh 2-prefill cache_aware clusters whose engines evict with `lru`,
+    then `lrfu` (caches under the headline's pressure); the device hit rate is the one `pdserve
+    admin cache-stats` reports (device hits / prompt tokens over the prefill instances)."""
+    working_set = workload.working_set_blocks()
+    max_prompt_blocks = math.ceil(workload.last_prompt_tokens() / BLOCK_SIZE)
+    blocks = args.num_kv_blocks or max(
+        math.ceil(args.kv_fraction * working_set), 4 * max_prompt_blocks
+    )
+    print(f"workload: {described}\nprefill KV blocks: {blocks} per instance x 2", flush=True)
+    runs = {}
+    for policy in ("lru", "lrfu"):
+        args.eviction_policy = policy
+        print(f"running cache_aware with {policy} ...", flush=True)
+        runs[policy] = run_config("cache_aware", workload, args, blocks, tokenizer)
+        print(f"  {policy}: hit rate {runs[policy]['hit_rate']:.3f}", flush=True)
+    print_table("eviction policy, end to end", HEADERS, [row(p, r) for p, r in runs.items()])
+    lru, lrfu = runs["lru"]["hit_rate"], runs["lrfu"]["hit_rate"]
+    metrics = {
+        "lru_hit_rate": float(lru),
+        "lrfu_hit_rate": float(lrfu),
+        "lrfu_vs_lru": float(lrfu / lru) if lru else 0.0,
+    }
+    finish(f"{NAME}_eviction", args, {"workload": described, "runs": runs}, metrics)
 
 
 def run_headline(

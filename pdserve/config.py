@@ -82,7 +82,7 @@ class EngineConfig:
     # its scores halve every lrfu_half_life_s and outlive eviction, at most lrfu_score_capacity
     # x num_kv_blocks of them) | lru (least recently used)
     eviction_policy: str = "lrfu"
-    lrfu_half_life_s: float = 300.0
+    lrfu_half_life_s: float = 60.0
     lrfu_score_capacity: int = 8
     torch_threads: int | None = None  # torch.set_num_threads; None = leave torch's default
     seed: int = 0  # seed of the sampler for requests without their own seed
