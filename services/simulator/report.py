@@ -45,7 +45,7 @@ def run_sweep(
         rows.append({
             **asdict(config),
             **result.cluster.rates(),
-            "per_instance": [t.rates()["total"] for t in result.per_instance],
+            "per_instance": [t.rates() for t in result.per_instance],
             "waited": result.waited,
             "too_large": result.too_large,
         })  # fmt: skip
