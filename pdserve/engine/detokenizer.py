@@ -32,7 +32,7 @@ class IncrementalDetokenizer:
 
         Sets `stop_reason` (and truncates `text` before it) when a stop string appears.
         """
-        self._decode_new(token_ids)
+        self._decode_new(token_ids, finished)
         if self.stop_reason is None:
             self._find_stop()
         end = len(self.text) if finished or self.stop_reason else len(self.text) - self._holdback
@@ -48,13 +48,16 @@ class IncrementalDetokenizer:
         self._decode_new(token_ids)
         self._emitted = shown
 
-    def _decode_new(self, token_ids: Sequence[int]) -> None:
+    def _decode_new(self, token_ids: Sequence[int], finished: bool = False) -> None:
+        """Append the text of the tokens not yet read. An incomplete UTF-8 sequence at the end
+        waits for the next token, or, once the generation is finished, shows as U+FFFD (as a
+        whole-sequence decode does)."""
         if self.stop_reason is not None or len(token_ids) == self._read_offset:
             return
         decode = self.tokenizer.decode
         prefix = decode(token_ids[self._prefix_offset : self._read_offset])
         full = decode(token_ids[self._prefix_offset :])
-        if len(full) > len(prefix) and not full.endswith("\ufffd"):
+        if len(full) > len(prefix) and (finished or not full.endswith("\ufffd")):
             self.text += full[len(prefix) :]
             self._prefix_offset = self._read_offset
             self._read_offset = len(token_ids)

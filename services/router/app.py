@@ -15,6 +15,7 @@ from typing import Any
 import anyio
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.concurrency import run_in_threadpool
@@ -26,16 +27,33 @@ from pdserve.errors import (
     NoCapacityError,
     PdserveError,
     PromptTooLongError,
+    RequestAbortedError,
     ResourceExhaustedError,
 )
 from pdserve.metrics import RouterMetrics
-from services.router.openai_schema import ChatCompletionRequest, CompletionRequest, OpenAIRequest
+from services.router.openai_schema import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    OpenAIRequest,
+    TokenizeRequest,
+)
 from services.router.pd_client import Finished, TokenDelta
 from services.router.router import Router
 
 logger = logging.getLogger(__name__)
 
 Event = TokenDelta | Finished
+COUNTED_PATHS = frozenset(
+    {"/v1/completions", "/v1/chat/completions", "/v1/models", "/tokenize", "/detokenize"}
+)
+# what the endpoints really answer besides 200 (FastAPI's 422 is never sent: see the handlers)
+ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
+    400: {"description": "invalid request (OpenAI error object)"},
+    404: {"description": "unknown model"},
+    413: {"description": "request body too large"},
+    503: {"description": "no capacity, retry after the Retry-After header"},
+}
 
 
 def create_app(router: Router, config: RouterConfig) -> FastAPI:
@@ -59,23 +77,67 @@ def create_app(router: Router, config: RouterConfig) -> FastAPI:
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        card = {"id": router.model_id, "object": "model", "created": 0, "owned_by": "pdserve"}
+        card = {"id": router.model_id, "object": "model", "created": 0, "owned_by": "pdserve",
+                "max_model_len": router.model.max_model_len}  # fmt: skip
         return {"object": "list", "data": [card]}
 
-    @app.post("/v1/completions", response_model=None)
+    @app.post("/tokenize", responses=ERROR_RESPONSES)
+    async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
+        if body.model is not None:
+            router.check_model(body.model)
+        if body.messages is not None:
+            ids = router.tokenize_chat(
+                [{"role": m.role, "content": m.text()} for m in body.messages]
+            )
+        else:
+            ids = router.model.tokenizer.encode(
+                body.prompt or "", add_special_tokens=body.add_special_tokens
+            )
+        return {"count": len(ids), "max_model_len": router.model.max_model_len, "tokens": ids}
+
+    @app.post("/detokenize", responses=ERROR_RESPONSES)
+    async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
+        if body.model is not None:
+            router.check_model(body.model)
+        if any(not 0 <= t < router.model.vocab_size for t in body.tokens):
+            raise InvalidRequestError(f"token ids must be in [0, {router.model.vocab_size})")
+        return {"prompt": router.model.tokenizer.decode(body.tokens)}
+
+    @app.post("/v1/completions", response_model=None, responses=ERROR_RESPONSES)
     async def completions(body: CompletionRequest, http: Request) -> Response:
         router.check_model(body.model)
         prompt = body.single_prompt()
         ids = router.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
         return await _serve(router, http, body, ids, _CompletionFormat(router.model_id))
 
-    @app.post("/v1/chat/completions", response_model=None)
+    @app.post("/v1/chat/completions", response_model=None, responses=ERROR_RESPONSES)
     async def chat(body: ChatCompletionRequest, http: Request) -> Response:
         router.check_model(body.model)
         ids = router.tokenize_chat(body.chat_messages())
         return await _serve(router, http, body, ids, _ChatFormat(router.model_id))
 
+    app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
     return app
+
+
+def _openapi(app: FastAPI) -> dict[str, Any]:
+    """FastAPI's document without its 422 responses: validation errors are 400 here."""
+    if app.openapi_schema is None:
+        document = get_openapi(title=app.title, version=app.version, routes=app.routes)
+        for path in document.get("paths", {}).values():
+            for operation in path.values():
+                operation.get("responses", {}).pop("422", None)
+        app.openapi_schema = document
+    return app.openapi_schema
+
+
+def _openai_finishes(events: Iterator[Event]) -> Iterator[Event]:
+    """Events with OpenAI's finish reasons only: a generation aborted upstream (an operator, an
+    instance shutting down) ends with an error instead of `finish_reason: "abort"`."""
+    for event in events:
+        if isinstance(event, Finished) and event.finish_reason == "abort":
+            raise RequestAbortedError("the request was aborted before it finished; retry it")
+        yield event
 
 
 async def _serve(
@@ -85,7 +147,7 @@ async def _serve(
     router.validate(ids, params)
     router.check_accepting()
     request_id = uuid.uuid4().hex
-    events = _timed(router.metrics, router.generate(request_id, ids, params))
+    events = _timed(router.metrics, _openai_finishes(router.generate(request_id, ids, params)))
     if body.stream:
         first = await run_in_threadpool(next, events)  # errors before the first token -> HTTP
         state = _StreamState()
@@ -299,6 +361,7 @@ _STATUS: list[tuple[type[Exception], int, str, str | None]] = [
     (PromptTooLongError, 400, "invalid_request_error", "context_length_exceeded"),
     (InvalidRequestError, 400, "invalid_request_error", None),
     (ResourceExhaustedError, 503, "server_overloaded", "no_capacity"),
+    (RequestAbortedError, 503, "server_error", "request_aborted"),
     (NoCapacityError, 503, "server_overloaded", "no_capacity"),
 ]
 
@@ -325,6 +388,7 @@ def _install_error_handlers(app: FastAPI) -> None:
         location = ".".join(str(part) for part in first.get("loc", ()) if part != "body")
         if first.get("type") == "json_invalid":
             message = "the request body is not valid JSON"
+            location = ""  # its `loc` is a character offset, not a field
         else:
             message = f"{location or 'body'}: {first.get('msg', 'invalid value')}"
         return JSONResponse(
@@ -371,5 +435,6 @@ class _RequestGate:
                 return
             await self.app(scope, receive, send_counted)
         finally:
-            if path.startswith("/v1/"):
-                self.metrics.requests.labels(path, str(status)).inc()
+            if path.startswith("/v1/") or path in COUNTED_PATHS:
+                endpoint = path if path in COUNTED_PATHS else "other"  # bounded label values
+                self.metrics.requests.labels(endpoint, str(status)).inc()

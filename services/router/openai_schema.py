@@ -1,40 +1,95 @@
 """The OpenAI request schema the router accepts, validated at the edge.
 
-Unknown fields are ignored (SDKs send many); fields we do not implement are rejected with a clear
-400 rather than silently dropped when they would change the result (`n > 1`, `logprobs`, `echo`,
-`best_of`, `suffix`, a batch of prompts).
+Every field is either implemented or rejected with a 400 that names it, except the fields of
+`IGNORED_FIELDS`, which OpenAI clients send and which change nothing here. Integers are bounded;
+strings must be valid Unicode (a lone surrogate is a 400, not a tokenizer crash).
 """
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from pdserve.engine.request import SamplingParams
 from pdserve.errors import InvalidRequestError
 
 DEFAULT_MAX_TOKENS = 16
+MAX_TOKENS_LIMIT = 2**31 - 1  # beyond any context window; the context check words the error
+
+# Sent by OpenAI SDKs and frameworks; they change nothing about the generation here.
+IGNORED_FIELDS = frozenset(
+    {"user", "metadata", "store", "service_tier", "parallel_tool_calls", "stream_options"}
+)
+# Known OpenAI / vLLM fields this server does not implement (yet): a 400 names them.
+UNSUPPORTED_FIELDS = frozenset(
+    {
+        "logit_bias", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p",
+        "min_tokens", "top_logprobs", "response_format", "tools", "tool_choice", "functions",
+        "function_call", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
+        "structured_outputs", "prediction", "modalities", "audio", "reasoning_effort",
+        "web_search_options", "use_beam_search", "length_penalty", "logprobs", "echo",
+        "best_of", "suffix",
+    }
+)  # fmt: skip
+
+
+# Values of unsupported fields that ask for nothing (clients send defaults explicitly).
+_NEUTRAL: dict[str, Any] = {
+    "presence_penalty": 0, "frequency_penalty": 0, "repetition_penalty": 1, "min_p": 0,
+    "min_tokens": 0, "best_of": 1, "logit_bias": {}, "top_logprobs": 0, "echo": False,
+    "use_beam_search": False, "length_penalty": 1,
+}  # fmt: skip
+
+
+def _neutral(name: str, value: Any) -> bool:
+    return value is None or (name in _NEUTRAL and value == _NEUTRAL[name])
+
+
+def _check_text(value: str, where: str) -> str:
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError(f"{where} is not valid Unicode (a lone surrogate?)") from None
+    return value
 
 
 class OpenAIRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="allow")
 
     model: str
-    max_tokens: int | None = Field(default=None, ge=1)
+    max_tokens: int | None = Field(default=None, ge=1, le=MAX_TOKENS_LIMIT)
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    n: int = Field(default=1, ge=1)
+    top_k: int | None = Field(default=None, ge=-1, le=2**31 - 1)  # vLLM: -1 or unset = off
+    n: int = Field(default=1, ge=1, le=128)
     stream: bool = False
     stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = Field(default=None, max_length=64)
+    ignore_eos: bool = False
     seed: int | None = Field(default=None, ge=0, le=2**63 - 1)
     stream_options: dict[str, Any] | None = None
 
     @model_validator(mode="after")
     def _supported(self) -> "OpenAIRequest":
+        asked = {k for k, v in (self.model_extra or {}).items() if not _neutral(k, v)}
+        allowed = IGNORED_FIELDS | self._also_ignored()
+        unsupported = sorted((asked & UNSUPPORTED_FIELDS) - allowed)
+        if unsupported:
+            raise ValueError(f"not supported by this server: {', '.join(unsupported)}")
+        unknown = sorted(asked - UNSUPPORTED_FIELDS - allowed)
+        if unknown:
+            raise ValueError(f"unknown field(s): {', '.join(unknown)}")
         if self.n != 1:
             raise ValueError("n > 1 is not supported; send one request per completion")
         if isinstance(self.stop, list) and len(self.stop) > 4:
             raise ValueError("at most 4 stop sequences are allowed")
+        for stop in [self.stop] if isinstance(self.stop, str) else self.stop or []:
+            _check_text(stop, "stop")
+        if any(not 0 <= t < 2**31 for t in self.stop_token_ids or ()):
+            raise ValueError("stop_token_ids must be token ids (non-negative)")
         return self
+
+    def _also_ignored(self) -> frozenset[str]:
+        return frozenset()
 
     def sampling_params(self, max_tokens: int | None) -> SamplingParams:
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
@@ -42,8 +97,11 @@ class OpenAIRequest(BaseModel):
             max_tokens=max_tokens or DEFAULT_MAX_TOKENS,
             temperature=self.temperature,
             top_p=self.top_p,
+            top_k=None if self.top_k in (None, -1, 0) else self.top_k,
             seed=self.seed,
             stop=tuple(s for s in stop if s),
+            stop_token_ids=tuple(self.stop_token_ids or ()),
+            ignore_eos=self.ignore_eos,
         )
 
     @property
@@ -53,15 +111,9 @@ class OpenAIRequest(BaseModel):
 
 class CompletionRequest(OpenAIRequest):
     prompt: str | list[int] | list[str] | list[list[int]]
-    logprobs: int | None = None
-    echo: bool = False
-    best_of: int | None = None
-    suffix: str | None = None
 
     @model_validator(mode="after")
     def _single_prompt(self) -> "CompletionRequest":
-        if self.logprobs is not None or self.echo or (self.best_of or 1) > 1 or self.suffix:
-            raise ValueError("logprobs, echo, best_of and suffix are not supported")
         prompt = self.prompt
         if (
             isinstance(prompt, list)
@@ -70,6 +122,9 @@ class CompletionRequest(OpenAIRequest):
             and len(prompt) != 1
         ):
             raise ValueError("a batch of prompts is not supported; send one prompt per request")
+        single = self.single_prompt()
+        if isinstance(single, str):
+            _check_text(single, "prompt")
         return self
 
     def single_prompt(self) -> str | list[int]:
@@ -83,10 +138,20 @@ class CompletionRequest(OpenAIRequest):
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore")  # `name`, `tool_call_id` … of other roles
 
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[dict[str, Any]] | None = None
+
+    @field_validator("content")
+    @classmethod
+    def _unicode(cls, content: Any) -> Any:
+        if isinstance(content, str):
+            _check_text(content, "message content")
+        for part in content if isinstance(content, list) else ():
+            if isinstance(part.get("text"), str):
+                _check_text(part["text"], "message content")
+        return content
 
     def text(self) -> str:
         if self.content is None or isinstance(self.content, str):
@@ -103,14 +168,20 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(OpenAIRequest):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1, le=MAX_TOKENS_LIMIT)
     logprobs: bool = False
+    tool_choice: str | None = None  # "none" (tools ignored) is all this server honours
 
     @model_validator(mode="after")
-    def _no_logprobs(self) -> "ChatCompletionRequest":
+    def _chat_supported(self) -> "ChatCompletionRequest":
         if self.logprobs:
-            raise ValueError("logprobs are not supported")
+            raise ValueError("not supported by this server: logprobs")
+        if self.tool_choice not in (None, "none"):
+            raise ValueError("not supported by this server: tool_choice (other than none)")
         return self
+
+    def _also_ignored(self) -> frozenset[str]:
+        return frozenset({"tools"}) if self.tool_choice == "none" else frozenset()
 
     def params(self) -> SamplingParams:
         return self.sampling_params(self.max_completion_tokens or self.max_tokens)
@@ -118,3 +189,29 @@ class ChatCompletionRequest(OpenAIRequest):
     def chat_messages(self) -> list[dict[str, str]]:
         role = {"developer": "system"}
         return [{"role": role.get(m.role, m.role), "content": m.text()} for m in self.messages]
+
+
+class TokenizeRequest(BaseModel):
+    """vLLM's `/tokenize`: a prompt, or chat messages (rendered with the chat template)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+
+    @model_validator(mode="after")
+    def _one_input(self) -> "TokenizeRequest":
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of prompt and messages")
+        if self.prompt is not None:
+            _check_text(self.prompt, "prompt")
+        return self
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+    tokens: list[int] = Field(max_length=1_000_000)

@@ -205,10 +205,18 @@ class Router:
             raise InvalidRequestError("the prompt is empty")
         if any(not 0 <= t < self.model.vocab_size for t in token_ids):
             raise InvalidRequestError(f"prompt token ids must be in [0, {self.model.vocab_size})")
-        if len(token_ids) >= self.model.max_model_len:
+        limit = self.model.max_model_len
+        if len(token_ids) >= limit:
             raise PromptTooLongError(
-                f"this model's maximum context length is {self.model.max_model_len} tokens; "
+                f"this model's maximum context length is {limit} tokens; "
                 f"the prompt has {len(token_ids)} tokens (at least one is needed for output)"
+            )
+        if len(token_ids) + params.max_tokens > limit:
+            raise PromptTooLongError(
+                f"this model's maximum context length is {limit} tokens; you requested "
+                f"{len(token_ids) + params.max_tokens} ({len(token_ids)} in the prompt, "
+                f"{params.max_tokens} to generate): lower max_tokens to at most "
+                f"{limit - len(token_ids)}"
             )
 
     # -- generation -------------------------------------------------------------------------------

@@ -18,7 +18,7 @@ from waiting import wait_for
 
 from pdserve.config import EngineConfig
 from pdserve.engine import LLMEngine, SamplingParams
-from pdserve.v1 import admin_pb2, admin_pb2_grpc
+from pdserve.v1 import admin_pb2, admin_pb2_grpc, common_pb2
 
 MODEL = "tiny"
 
@@ -155,14 +155,30 @@ def error_of(response: httpx.Response) -> dict[str, object]:
         ({"model": MODEL, "prompt": ["a", "b"]}, 400, "batch of prompts"),
         ({"model": MODEL, "prompt": [1, 99999]}, 400, "token ids"),
         ({"model": MODEL}, 400, "prompt"),
+        ({"model": MODEL, "prompt": "hi", "logit_bias": {"65": 100}}, 400, "logit_bias"),
+        ({"model": MODEL, "prompt": "hi", "presence_penalty": 2}, 400, "presence_penalty"),
+        ({"model": MODEL, "prompt": "hi", "min_tokens": 4}, 400, "min_tokens"),
+        ({"model": MODEL, "prompt": "hi", "logprobs": 1}, 400, "logprobs"),
+        ({"model": MODEL, "prompt": "hi", "echo": True}, 400, "echo"),
+        ({"model": MODEL, "prompt": "hi", "frobnicate": 1}, 400, "unknown field(s): frobnicate"),
+        ({"model": MODEL, "prompt": "hi", "max_tokens": 2**32}, 400, "max_tokens"),
+        ({"model": MODEL, "prompt": "hi", "max_tokens": 4095}, 400, "lower max_tokens"),
+        ({"model": MODEL, "prompt": "\ud800"}, 400, "not valid Unicode"),
     ],
 )
 def test_bad_requests_get_openai_errors(
     cluster: UpCluster, body: dict[str, object], status: int, fragment: str
 ) -> None:
-    response = httpx.post(f"{cluster.router_url}/completions", json=body, timeout=30)
+    response = post_json(f"{cluster.router_url}/completions", body)
     assert response.status_code == status
     assert fragment in str(error_of(response)["message"])
+
+
+def post_json(url: str, body: dict[str, object]) -> httpx.Response:
+    """POST `body` as ASCII JSON: lone surrogates travel as `\\ud800` escapes, as a client's
+    JSON encoder would send them."""
+    headers = {"content-type": "application/json"}
+    return httpx.post(url, content=json.dumps(body), headers=headers, timeout=30)
 
 
 def test_malformed_json_and_oversized_bodies_are_rejected(cluster: UpCluster) -> None:
@@ -180,6 +196,89 @@ def test_malformed_json_and_oversized_bodies_are_rejected(cluster: UpCluster) ->
     )
     assert too_big.status_code == 413
     assert error_of(too_big)["code"] == "request_too_large"
+
+
+@pytest.mark.parametrize(
+    ("extra", "fragment"),
+    [
+        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required"},
+         "not supported by this server: tools"),
+        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+        ({"max_completion_tokens": 2**32}, "max_completion_tokens"),
+        ({"messages": [{"role": "user", "content": "bad \udcff"}]}, "not valid Unicode"),
+    ],
+)  # fmt: skip
+def test_chat_features_not_honoured_get_400_naming_them(
+    cluster: UpCluster, extra: dict[str, object], fragment: str
+) -> None:
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], **extra}
+    response = post_json(f"{cluster.router_url}/chat/completions", body)
+    assert response.status_code == 400
+    assert fragment in str(error_of(response)["message"])
+
+
+def test_neutral_values_and_client_bookkeeping_fields_are_accepted(cluster: UpCluster) -> None:
+    tools = [{"type": "function", "function": {"name": "f"}}]
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+            "presence_penalty": 0, "logit_bias": {}, "user": "u1", "metadata": {"a": "b"},
+            "tools": tools, "tool_choice": "none"}  # fmt: skip
+    response = httpx.post(f"{cluster.router_url}/chat/completions", json=body, timeout=30)
+    assert response.status_code == 200, response.text
+
+
+def test_top_k_and_stop_token_ids_reach_the_sampler(client: openai.OpenAI) -> None:
+    def completion(**extra: object) -> openai.types.Completion:
+        return client.completions.create(
+            model=MODEL, prompt="The sea", max_tokens=12, seed=5, extra_body=extra,
+            temperature=2.0,
+        )  # fmt: skip
+
+    greedy = client.completions.create(model=MODEL, prompt="The sea", max_tokens=12, temperature=0)
+    assert completion(top_k=1, ignore_eos=True).choices[0].text == greedy.choices[0].text
+    assert completion(ignore_eos=True).choices[0].text != greedy.choices[0].text  # sampled
+    tokens = httpx.post(
+        str(client.base_url).replace("/v1/", "/tokenize"),
+        json={"model": MODEL, "prompt": greedy.choices[0].text, "add_special_tokens": False},
+    ).json()["tokens"]
+    stopped = completion(top_k=1, stop_token_ids=[tokens[0]])
+    assert stopped.choices[0].finish_reason == "stop"
+    assert stopped.usage is not None and stopped.usage.completion_tokens == 1
+
+
+def test_tokenize_detokenize_and_models_report_the_context(cluster: UpCluster) -> None:
+    base = cluster.router_url.removesuffix("/v1")
+    tokenized = httpx.post(f"{base}/tokenize", json={"model": MODEL, "prompt": "hello there"})
+    assert tokenized.status_code == 200
+    body = tokenized.json()
+    models = httpx.get(f"{cluster.router_url}/models").json()
+    context = models["data"][0]["max_model_len"]
+    assert body["count"] == len(body["tokens"]) > 0 and body["max_model_len"] == context
+    text = httpx.post(f"{base}/detokenize", json={"model": MODEL, "tokens": body["tokens"]})
+    assert text.json()["prompt"] == "hello there"
+    chat = httpx.post(
+        f"{base}/tokenize", json={"messages": [{"role": "user", "content": "hello"}]}
+    ).json()
+    plain = httpx.post(f"{base}/tokenize", json={"prompt": "hello", "add_special_tokens": False})
+    assert chat["count"] > plain.json()["count"]  # the chat template adds its markers
+    bad = httpx.post(f"{base}/detokenize", json={"model": MODEL, "tokens": [10**9]})
+    assert bad.status_code == 400 and "token ids" in str(error_of(bad)["message"])
+    assert context == 1024  # the cluster's engine.max_model_len
+
+
+def test_openapi_lists_the_statuses_served_and_labels_stay_bounded(cluster: UpCluster) -> None:
+    base = cluster.router_url.removesuffix("/v1")
+    document = httpx.get(f"{base}/openapi.json").json()
+    responses = document["paths"]["/v1/completions"]["post"]["responses"]
+    assert "422" not in responses and {"200", "400", "503"} <= set(responses)
+    for n in range(3):
+        httpx.post(f"{base}/v1/nowhere-{n}", json={})
+    metrics = cluster.router_metrics()
+    assert metrics['pdserve_router_requests_total{endpoint="other",status="404"}'] >= 3
+    assert not any("nowhere" in name for name in metrics)
+    truncated = httpx.post(f"{cluster.router_url}/completions", content=b'{"model": "tiny", "pr',
+                           headers={"content-type": "application/json"})  # fmt: skip
+    assert truncated.status_code == 400 and error_of(truncated)["param"] is None
 
 
 def test_openai_client_raises_typed_errors(client: openai.OpenAI) -> None:
@@ -333,6 +432,28 @@ def test_admin_calls_need_the_bearer_token(cluster: UpCluster) -> None:
     )
     assert sorted(i.name for i in reply.instances) == ["decode-0", "prefill-0", "prefill-1"]
     assert all(i.alive for i in reply.instances)
+
+
+def test_an_operator_abort_ends_the_stream_with_an_error_not_a_bogus_finish_reason(
+    cluster: UpCluster,
+) -> None:
+    stub, token = admin_stub(cluster)
+    body = {"model": MODEL, "prompt": "on and on", "max_tokens": 800, "stream": True,
+            "ignore_eos": True, "temperature": 0}  # fmt: skip
+    events = []
+    with httpx.stream("POST", f"{cluster.router_url}/completions", json=body, timeout=60) as r:
+        lines = r.iter_lines()
+        first = json.loads(next(line for line in lines if line.startswith("data: {"))[6:])
+        request_id = first["id"].removeprefix("cmpl-")
+        reply = stub.AbortRequest(
+            common_pb2.AbortRequest(request_id=request_id),
+            metadata=(("authorization", f"Bearer {token}"),),
+        )
+        assert reply.found
+        events = [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
+    reasons = {c.get("finish_reason") for e in events for c in e.get("choices", [])}
+    assert "abort" not in reasons
+    assert events[-1]["error"]["code"] == "request_aborted"
 
 
 def test_admin_cli_prints_tables_and_json(cluster: UpCluster) -> None:

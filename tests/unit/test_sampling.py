@@ -112,3 +112,17 @@ def test_an_output_offset_continues_the_seed_stream() -> None:
     resumed = SamplingParams(temperature=1.5, seed=11, output_offset=25)
     assert [sampler.sample(logits, [resumed], [n])[0] for n in range(15)] == undisturbed[25:]
     assert len(set(undisturbed)) > 5  # the draws do depend on the index
+
+
+def test_an_incomplete_utf8_tail_is_flushed_as_replacement_at_the_end(
+    tokenizer: Tokenizer,
+) -> None:
+    """Held back while the sequence may still complete; at the end shown as U+FFFD, as a
+    whole-sequence decode shows it, so the text agrees with the token count."""
+    partial = next(t for t in range(tokenizer.vocab_size) if tokenizer.decode([t]) == "\ufffd")
+    tokens = [*tokenizer.encode("ok ", add_special_tokens=False), partial]
+    detokenizer = IncrementalDetokenizer(tokenizer)
+    shown = detokenizer.update(tokens, finished=False)
+    assert not shown.endswith("\ufffd")
+    shown += detokenizer.update(tokens, finished=True)
+    assert shown == tokenizer.decode(tokens) and shown.endswith("\ufffd")
