@@ -330,9 +330,7 @@ class LLMEngine:
         ]
         logits = self.runner.execute(chunks)
         sampling = [c.request for c in scheduled.chunks if c.completes_known_tokens]
-        return self.sampler.sample(
-            logits, [r.sampling_params for r in sampling], [r.num_output_tokens for r in sampling]
-        )
+        return self.sampler.sample_rows(logits, sampling)
 
     def _update(self, scheduled: SchedulerOutput, sampled: list[int]) -> list[RequestOutput]:
         """Advance computed counts, publish computed blocks, append sampled tokens, stop."""

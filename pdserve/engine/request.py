@@ -53,6 +53,13 @@ class SamplingParams:
     # The last `output_offset` prompt tokens are this generation's own earlier output (a request
     # the router migrated): a seeded request's seed stream continues from there.
     output_offset: int = 0
+    # adjustments of the logits (pdserve.engine.logits); the neutral values change nothing
+    min_tokens: int = 0  # EOS and stop_token_ids are banned until this many tokens exist
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias in [-100, 100])
+    presence_penalty: float = 0.0  # OpenAI, [-2, 2]
+    frequency_penalty: float = 0.0  # OpenAI, [-2, 2]
+    repetition_penalty: float = 1.0  # vLLM / transformers, > 0
+    min_p: float = 0.0  # sampling: drop tokens below min_p x the top token's probability
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -65,10 +72,42 @@ class SamplingParams:
             raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p}")
         if any(not s for s in self.stop):
             raise InvalidRequestError("stop strings must be non-empty")
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise InvalidRequestError(
+                f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}"
+            )
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and -2.0 <= value <= 2.0):
+                raise InvalidRequestError(f"{name} must be in [-2, 2], got {value}")
+        if not (math.isfinite(self.repetition_penalty) and 0 < self.repetition_penalty <= 10):
+            raise InvalidRequestError(
+                f"repetition_penalty must be in (0, 10], got {self.repetition_penalty}"
+            )
+        if not 0.0 <= self.min_p <= 1.0:
+            raise InvalidRequestError(f"min_p must be in [0, 1], got {self.min_p}")
+        if len(self.logit_bias) > 300:
+            raise InvalidRequestError("logit_bias takes at most 300 tokens")
+        for token, bias in self.logit_bias:
+            if token < 0 or not (math.isfinite(bias) and -100.0 <= bias <= 100.0):
+                raise InvalidRequestError(
+                    f"logit_bias needs token ids >= 0 and biases in [-100, 100], got {token}: "
+                    f"{bias}"
+                )
         if self.output_offset < 0:
             raise InvalidRequestError(f"output_offset must be >= 0, got {self.output_offset}")
         if any(t < 0 for t in self.stop_token_ids):
             raise InvalidRequestError("stop_token_ids must be non-negative token ids")
+
+    @property
+    def adjusts_logits(self) -> bool:
+        return bool(
+            self.min_tokens
+            or self.logit_bias
+            or self.presence_penalty
+            or self.frequency_penalty
+            or self.repetition_penalty != 1.0
+        )
 
     @property
     def greedy(self) -> bool:

@@ -4,6 +4,7 @@ from collections.abc import Sequence
 
 import torch
 
+from pdserve.engine.logits import SamplingRow, adjust_logits
 from pdserve.engine.request import SamplingParams
 
 
@@ -20,6 +21,12 @@ class Sampler:
     def __init__(self, device: torch.device, seed: int = 0) -> None:
         self.device = device
         self._default_generator = torch.Generator(device=device).manual_seed(seed)
+
+    def sample_rows(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> list[int]:
+        """Adjust the logits as each row's request asks (`adjust_logits`), then sample."""
+        adjust_logits(logits, rows)
+        params = [r.sampling_params for r in rows]
+        return self.sample(logits, params, [len(r.output_token_ids) for r in rows])
 
     def sample(
         self, logits: torch.Tensor, params: Sequence[SamplingParams], output_indices: Sequence[int]
@@ -43,6 +50,9 @@ class Sampler:
         logits: torch.Tensor, params: SamplingParams, generator: torch.Generator
     ) -> int:
         scores = logits / params.temperature
+        if params.min_p > 0.0:
+            probs = torch.softmax(scores, dim=-1)
+            scores = scores.masked_fill(probs < params.min_p * probs.max(), float("-inf"))
         if params.top_k is not None and params.top_k < scores.shape[-1]:
             kth = torch.topk(scores, params.top_k).values[-1]
             scores = scores.masked_fill(scores < kth, float("-inf"))

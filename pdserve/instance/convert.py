@@ -23,6 +23,12 @@ def sampling_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
         stop_token_ids=list(params.stop_token_ids),
         ignore_eos=params.ignore_eos,
         output_offset=params.output_offset,
+        min_tokens=params.min_tokens,
+        logit_bias=dict(params.logit_bias),
+        presence_penalty=params.presence_penalty,
+        frequency_penalty=params.frequency_penalty,
+        repetition_penalty=params.repetition_penalty,
+        min_p=params.min_p,
     )
     if params.top_k is not None:
         message.top_k = params.top_k
@@ -43,6 +49,12 @@ def sampling_from_proto(message: common_pb2.SamplingParams) -> SamplingParams:
         stop_token_ids=tuple(message.stop_token_ids),
         ignore_eos=message.ignore_eos,
         output_offset=message.output_offset,
+        min_tokens=message.min_tokens,
+        logit_bias=tuple(sorted(message.logit_bias.items())),
+        presence_penalty=message.presence_penalty,
+        frequency_penalty=message.frequency_penalty,
+        repetition_penalty=message.repetition_penalty or 1.0,
+        min_p=message.min_p,
     )
 
 

@@ -24,13 +24,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17pdserve/v1/common.proto\x12\npdserve.v1\"\xd3\x01\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\x12\n\x05top_k\x18\x03 \x01(\rH\x00\x88\x01\x01\x12\r\n\x05top_p\x18\x04 \x01(\x02\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x01\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\r\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x15\n\routput_offset\x18\t \x01(\rB\x08\n\x06_top_kB\x07\n\x05_seed\"m\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\"U\n\x05\x45rror\x12#\n\x04\x63ode\x18\x01 \x01(\x0e\x32\x15.pdserve.v1.ErrorCode\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\x16\n\x0eretry_after_ms\x18\x03 \x01(\r\"-\n\nTokenChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\"\xa3\x01\n\nTokenFinal\x12/\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12\x13\n\x0bstop_reason\x18\x02 \x01(\t\x12\x19\n\x11num_prompt_tokens\x18\x03 \x01(\r\x12\x19\n\x11num_output_tokens\x18\x04 \x01(\r\x12\x19\n\x11num_cached_tokens\x18\x05 \x01(\r\"\x8b\x01\n\nTokenReply\x12\'\n\x05\x63hunk\x18\x01 \x01(\x0b\x32\x16.pdserve.v1.TokenChunkH\x00\x12\'\n\x05\x66inal\x18\x02 \x01(\x0b\x32\x16.pdserve.v1.TokenFinalH\x00\x12\"\n\x05\x65rror\x18\x03 \x01(\x0b\x32\x11.pdserve.v1.ErrorH\x00\x42\x07\n\x05reply\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1b\n\nAbortReply\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x0e\n\x0cStatsRequest\"\x8e\t\n\rInstanceStats\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x12\n\nnum_blocks\x18\x02 \x01(\r\x12\x17\n\x0fnum_free_blocks\x18\x03 \x01(\r\x12\x19\n\x11num_cached_blocks\x18\x04 \x01(\r\x12\x13\n\x0bnum_running\x18\x05 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x06 \x01(\r\x12\x18\n\x10num_reservations\x18\x07 \x01(\r\x12\x1b\n\x13num_reserved_blocks\x18\x08 \x01(\r\x12\x17\n\x0fnum_preemptions\x18\t \x01(\x04\x12\x15\n\rkv_bytes_sent\x18\n \x01(\x04\x12\x16\n\x0ekv_blocks_sent\x18\x0b \x01(\x04\x12\x19\n\x11kv_bytes_received\x18\x0c \x01(\x04\x12\x1a\n\x12kv_blocks_received\x18\r \x01(\x04\x12\x1c\n\x14prefix_cache_queries\x18\x0e \x01(\x04\x12\x19\n\x11\x64\x65vice_hit_tokens\x18\x0f \x01(\x04\x12\x12\n\nblock_size\x18\x10 \x01(\r\x12 \n\x18num_expired_reservations\x18\x11 \x01(\x04\x12)\n\x07storage\x18\x12 \x01(\x0b\x32\x18.pdserve.v1.StorageStats\x12\x1b\n\x13num_computed_tokens\x18\x13 \x01(\x04\x12[\n\x1bkv_blocks_sent_by_transport\x18\x14 \x03(\x0b\x32\x36.pdserve.v1.InstanceStats.KvBlocksSentByTransportEntry\x12Y\n\x1akv_bytes_sent_by_transport\x18\x15 \x03(\x0b\x32\x35.pdserve.v1.InstanceStats.KvBytesSentByTransportEntry\x12\x65\n kv_transfer_seconds_by_transport\x18\x16 \x03(\x0b\x32;.pdserve.v1.InstanceStats.KvTransferSecondsByTransportEntry\x12g\n!kv_transfer_failures_by_transport\x18\x17 \x03(\x0b\x32<.pdserve.v1.InstanceStats.KvTransferFailuresByTransportEntry\x1a>\n\x1cKvBlocksSentByTransportEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\x1a=\n\x1bKvBytesSentByTransportEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\x1a\x43\n!KvTransferSecondsByTransportEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x1a\x44\n\"KvTransferFailuresByTransportEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\"\xde\x02\n\x0cStorageStats\x12\x11\n\tavailable\x18\x01 \x01(\x08\x12\x1a\n\x12storage_hit_tokens\x18\x02 \x01(\x04\x12\x15\n\rloaded_tokens\x18\x03 \x01(\x04\x12\x16\n\x0e\x62locks_written\x18\x04 \x01(\x04\x12\x15\n\rbytes_written\x18\x05 \x01(\x04\x12\x13\n\x0b\x62locks_read\x18\x06 \x01(\x04\x12\x12\n\nbytes_read\x18\x07 \x01(\x04\x12\x16\n\x0ewrites_skipped\x18\x08 \x01(\x04\x12\x16\n\x0ewrites_dropped\x18\t \x01(\x04\x12\x14\n\x0cwrite_errors\x18\n \x01(\x04\x12\x13\n\x0bread_errors\x18\x0b \x01(\x04\x12\x14\n\x0credis_errors\x18\x0c \x01(\x04\x12\x11\n\tevictions\x18\r \x01(\x04\x12\x13\n\x0bqueue_depth\x18\x0e \x01(\r\x12\x17\n\x0finvalid_entries\x18\x0f \x01(\x04\"\x11\n\x0fKVEventsRequest\"\x9a\x01\n\x07KVEvent\x12*\n\x06stored\x18\x01 \x01(\x0b\x32\x18.pdserve.v1.BlocksStoredH\x00\x12,\n\x07removed\x18\x02 \x01(\x0b\x32\x19.pdserve.v1.BlocksRemovedH\x00\x12,\n\x08snapshot\x18\x03 \x01(\x0b\x32\x18.pdserve.v1.BlocksStoredH\x00\x42\x07\n\x05\x65vent\"$\n\x0c\x42locksStored\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\x0c\"%\n\rBlocksRemoved\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\x0c*\xa0\x03\n\tErrorCode\x12\x1a\n\x16\x45RROR_CODE_UNSPECIFIED\x10\x00\x12\x1e\n\x1a\x45RROR_CODE_INVALID_REQUEST\x10\x01\x12!\n\x1d\x45RROR_CODE_RESOURCE_EXHAUSTED\x10\x02\x12\x1e\n\x1a\x45RROR_CODE_TRANSFER_FAILED\x10\x03\x12\x18\n\x14\x45RROR_CODE_NOT_FOUND\x10\x05\x12\x17\n\x13\x45RROR_CODE_INTERNAL\x10\x06\x12\x1e\n\x1a\x45RROR_CODE_PROMPT_TOO_LONG\x10\x07\x12 \n\x1c\x45RROR_CODE_DUPLICATE_REQUEST\x10\x08\x12\x1e\n\x1a\x45RROR_CODE_REQUEST_ABORTED\x10\t\x12\x1a\n\x16\x45RROR_CODE_UNAVAILABLE\x10\n\x12\x1a\n\x16\x45RROR_CODE_STEP_FAILED\x10\x0b\x12\x1e\n\x1a\x45RROR_CODE_MODEL_NOT_FOUND\x10\x0c\x12!\n\x1d\x45RROR_CODE_DECODE_UNAVAILABLE\x10\r\"\x04\x08\x04\x10\x04*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\xd6\x01\n\x0fInstanceService\x12\x39\n\x05\x41\x62ort\x12\x18.pdserve.v1.AbortRequest\x1a\x16.pdserve.v1.AbortReply\x12?\n\x08GetStats\x12\x18.pdserve.v1.StatsRequest\x1a\x19.pdserve.v1.InstanceStats\x12G\n\x11SubscribeKVEvents\x12\x1b.pdserve.v1.KVEventsRequest\x1a\x13.pdserve.v1.KVEvent0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17pdserve/v1/common.proto\x12\npdserve.v1\"\xb8\x03\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\x12\n\x05top_k\x18\x03 \x01(\rH\x00\x88\x01\x01\x12\r\n\x05top_p\x18\x04 \x01(\x02\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x01\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\r\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x15\n\routput_offset\x18\t \x01(\r\x12\x12\n\nmin_tokens\x18\n \x01(\r\x12=\n\nlogit_bias\x18\x0b \x03(\x0b\x32).pdserve.v1.SamplingParams.LogitBiasEntry\x12\x18\n\x10presence_penalty\x18\x0c \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\r \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\x0e \x01(\x02\x12\r\n\x05min_p\x18\x0f \x01(\x02\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x08\n\x06_top_kB\x07\n\x05_seed\"m\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\"U\n\x05\x45rror\x12#\n\x04\x63ode\x18\x01 \x01(\x0e\x32\x15.pdserve.v1.ErrorCode\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\x16\n\x0eretry_after_ms\x18\x03 \x01(\r\"-\n\nTokenChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\"\xa3\x01\n\nTokenFinal\x12/\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12\x13\n\x0bstop_reason\x18\x02 \x01(\t\x12\x19\n\x11num_prompt_tokens\x18\x03 \x01(\r\x12\x19\n\x11num_output_tokens\x18\x04 \x01(\r\x12\x19\n\x11num_cached_tokens\x18\x05 \x01(\r\"\x8b\x01\n\nTokenReply\x12\'\n\x05\x63hunk\x18\x01 \x01(\x0b\x32\x16.pdserve.v1.TokenChunkH\x00\x12\'\n\x05\x66inal\x18\x02 \x01(\x0b\x32\x16.pdserve.v1.TokenFinalH\x00\x12\"\n\x05\x65rror\x18\x03 \x01(\x0b\x32\x11.pdserve.v1.ErrorH\x00\x42\x07\n\x05reply\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1b\n\nAbortReply\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x0e\n\x0cStatsRequest\"\x8e\t\n\rInstanceStats\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x12\n\nnum_blocks\x18\x02 \x01(\r\x12\x17\n\x0fnum_free_blocks\x18\x03 \x01(\r\x12\x19\n\x11num_cached_blocks\x18\x04 \x01(\r\x12\x13\n\x0bnum_running\x18\x05 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x06 \x01(\r\x12\x18\n\x10num_reservations\x18\x07 \x01(\r\x12\x1b\n\x13num_reserved_blocks\x18\x08 \x01(\r\x12\x17\n\x0fnum_preemptions\x18\t \x01(\x04\x12\x15\n\rkv_bytes_sent\x18\n \x01(\x04\x12\x16\n\x0ekv_blocks_sent\x18\x0b \x01(\x04\x12\x19\n\x11kv_bytes_received\x18\x0c \x01(\x04\x12\x1a\n\x12kv_blocks_received\x18\r \x01(\x04\x12\x1c\n\x14prefix_cache_queries\x18\x0e \x01(\x04\x12\x19\n\x11\x64\x65vice_hit_tokens\x18\x0f \x01(\x04\x12\x12\n\nblock_size\x18\x10 \x01(\r\x12 \n\x18num_expired_reservations\x18\x11 \x01(\x04\x12)\n\x07storage\x18\x12 \x01(\x0b\x32\x18.pdserve.v1.StorageStats\x12\x1b\n\x13num_computed_tokens\x18\x13 \x01(\x04\x12[\n\x1bkv_blocks_sent_by_transport\x18\x14 \x03(\x0b\x32\x36.pdserve.v1.InstanceStats.KvBlocksSentByTransportEntry\x12Y\n\x1akv_bytes_sent_by_transport\x18\x15 \x03(\x0b\x32\x35.pdserve.v1.InstanceStats.KvBytesSentByTransportEntry\x12\x65\n kv_transfer_seconds_by_transport\x18\x16 \x03(\x0b\x32;.pdserve.v1.InstanceStats.KvTransferSecondsByTransportEntry\x12g\n!kv_transfer_failures_by_transport\x18\x17 \x03(\x0b\x32<.pdserve.v1.InstanceStats.KvTransferFailuresByTransportEntry\x1a>\n\x1cKvBlocksSentByTransportEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\x1a=\n\x1bKvBytesSentByTransportEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\x1a\x43\n!KvTransferSecondsByTransportEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x1a\x44\n\"KvTransferFailuresByTransportEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\"\xde\x02\n\x0cStorageStats\x12\x11\n\tavailable\x18\x01 \x01(\x08\x12\x1a\n\x12storage_hit_tokens\x18\x02 \x01(\x04\x12\x15\n\rloaded_tokens\x18\x03 \x01(\x04\x12\x16\n\x0e\x62locks_written\x18\x04 \x01(\x04\x12\x15\n\rbytes_written\x18\x05 \x01(\x04\x12\x13\n\x0b\x62locks_read\x18\x06 \x01(\x04\x12\x12\n\nbytes_read\x18\x07 \x01(\x04\x12\x16\n\x0ewrites_skipped\x18\x08 \x01(\x04\x12\x16\n\x0ewrites_dropped\x18\t \x01(\x04\x12\x14\n\x0cwrite_errors\x18\n \x01(\x04\x12\x13\n\x0bread_errors\x18\x0b \x01(\x04\x12\x14\n\x0credis_errors\x18\x0c \x01(\x04\x12\x11\n\tevictions\x18\r \x01(\x04\x12\x13\n\x0bqueue_depth\x18\x0e \x01(\r\x12\x17\n\x0finvalid_entries\x18\x0f \x01(\x04\"\x11\n\x0fKVEventsRequest\"\x9a\x01\n\x07KVEvent\x12*\n\x06stored\x18\x01 \x01(\x0b\x32\x18.pdserve.v1.BlocksStoredH\x00\x12,\n\x07removed\x18\x02 \x01(\x0b\x32\x19.pdserve.v1.BlocksRemovedH\x00\x12,\n\x08snapshot\x18\x03 \x01(\x0b\x32\x18.pdserve.v1.BlocksStoredH\x00\x42\x07\n\x05\x65vent\"$\n\x0c\x42locksStored\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\x0c\"%\n\rBlocksRemoved\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\x0c*\xa0\x03\n\tErrorCode\x12\x1a\n\x16\x45RROR_CODE_UNSPECIFIED\x10\x00\x12\x1e\n\x1a\x45RROR_CODE_INVALID_REQUEST\x10\x01\x12!\n\x1d\x45RROR_CODE_RESOURCE_EXHAUSTED\x10\x02\x12\x1e\n\x1a\x45RROR_CODE_TRANSFER_FAILED\x10\x03\x12\x18\n\x14\x45RROR_CODE_NOT_FOUND\x10\x05\x12\x17\n\x13\x45RROR_CODE_INTERNAL\x10\x06\x12\x1e\n\x1a\x45RROR_CODE_PROMPT_TOO_LONG\x10\x07\x12 \n\x1c\x45RROR_CODE_DUPLICATE_REQUEST\x10\x08\x12\x1e\n\x1a\x45RROR_CODE_REQUEST_ABORTED\x10\t\x12\x1a\n\x16\x45RROR_CODE_UNAVAILABLE\x10\n\x12\x1a\n\x16\x45RROR_CODE_STEP_FAILED\x10\x0b\x12\x1e\n\x1a\x45RROR_CODE_MODEL_NOT_FOUND\x10\x0c\x12!\n\x1d\x45RROR_CODE_DECODE_UNAVAILABLE\x10\r\"\x04\x08\x04\x10\x04*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\xd6\x01\n\x0fInstanceService\x12\x39\n\x05\x41\x62ort\x12\x18.pdserve.v1.AbortRequest\x1a\x16.pdserve.v1.AbortReply\x12?\n\x08GetStats\x12\x18.pdserve.v1.StatsRequest\x1a\x19.pdserve.v1.InstanceStats\x12G\n\x11SubscribeKVEvents\x12\x1b.pdserve.v1.KVEventsRequest\x1a\x13.pdserve.v1.KVEvent0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'pdserve.v1.common_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
   _globals['_INSTANCESTATS_KVBLOCKSSENTBYTRANSPORTENTRY']._loaded_options = None
   _globals['_INSTANCESTATS_KVBLOCKSSENTBYTRANSPORTENTRY']._serialized_options = b'8\001'
   _globals['_INSTANCESTATS_KVBYTESSENTBYTRANSPORTENTRY']._loaded_options = None
@@ -39,48 +41,50 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_INSTANCESTATS_KVTRANSFERSECONDSBYTRANSPORTENTRY']._serialized_options = b'8\001'
   _globals['_INSTANCESTATS_KVTRANSFERFAILURESBYTRANSPORTENTRY']._loaded_options = None
   _globals['_INSTANCESTATS_KVTRANSFERFAILURESBYTRANSPORTENTRY']._serialized_options = b'8\001'
-  _globals['_ERRORCODE']._serialized_start=2663
-  _globals['_ERRORCODE']._serialized_end=3079
-  _globals['_FINISHREASON']._serialized_start=3081
-  _globals['_FINISHREASON']._serialized_end=3201
+  _globals['_ERRORCODE']._serialized_start=2892
+  _globals['_ERRORCODE']._serialized_end=3308
+  _globals['_FINISHREASON']._serialized_start=3310
+  _globals['_FINISHREASON']._serialized_end=3430
   _globals['_SAMPLINGPARAMS']._serialized_start=40
-  _globals['_SAMPLINGPARAMS']._serialized_end=251
-  _globals['_GENERATEREQUEST']._serialized_start=253
-  _globals['_GENERATEREQUEST']._serialized_end=362
-  _globals['_ERROR']._serialized_start=364
-  _globals['_ERROR']._serialized_end=449
-  _globals['_TOKENCHUNK']._serialized_start=451
-  _globals['_TOKENCHUNK']._serialized_end=496
-  _globals['_TOKENFINAL']._serialized_start=499
-  _globals['_TOKENFINAL']._serialized_end=662
-  _globals['_TOKENREPLY']._serialized_start=665
-  _globals['_TOKENREPLY']._serialized_end=804
-  _globals['_ABORTREQUEST']._serialized_start=806
-  _globals['_ABORTREQUEST']._serialized_end=840
-  _globals['_ABORTREPLY']._serialized_start=842
-  _globals['_ABORTREPLY']._serialized_end=869
-  _globals['_STATSREQUEST']._serialized_start=871
-  _globals['_STATSREQUEST']._serialized_end=885
-  _globals['_INSTANCESTATS']._serialized_start=888
-  _globals['_INSTANCESTATS']._serialized_end=2054
-  _globals['_INSTANCESTATS_KVBLOCKSSENTBYTRANSPORTENTRY']._serialized_start=1790
-  _globals['_INSTANCESTATS_KVBLOCKSSENTBYTRANSPORTENTRY']._serialized_end=1852
-  _globals['_INSTANCESTATS_KVBYTESSENTBYTRANSPORTENTRY']._serialized_start=1854
-  _globals['_INSTANCESTATS_KVBYTESSENTBYTRANSPORTENTRY']._serialized_end=1915
-  _globals['_INSTANCESTATS_KVTRANSFERSECONDSBYTRANSPORTENTRY']._serialized_start=1917
-  _globals['_INSTANCESTATS_KVTRANSFERSECONDSBYTRANSPORTENTRY']._serialized_end=1984
-  _globals['_INSTANCESTATS_KVTRANSFERFAILURESBYTRANSPORTENTRY']._serialized_start=1986
-  _globals['_INSTANCESTATS_KVTRANSFERFAILURESBYTRANSPORTENTRY']._serialized_end=2054
-  _globals['_STORAGESTATS']._serialized_start=2057
-  _globals['_STORAGESTATS']._serialized_end=2407
-  _globals['_KVEVENTSREQUEST']._serialized_start=2409
-  _globals['_KVEVENTSREQUEST']._serialized_end=2426
-  _globals['_KVEVENT']._serialized_start=2429
-  _globals['_KVEVENT']._serialized_end=2583
-  _globals['_BLOCKSSTORED']._serialized_start=2585
-  _globals['_BLOCKSSTORED']._serialized_end=2621
-  _globals['_BLOCKSREMOVED']._serialized_start=2623
-  _globals['_BLOCKSREMOVED']._serialized_end=2660
-  _globals['_INSTANCESERVICE']._serialized_start=3204
-  _globals['_INSTANCESERVICE']._serialized_end=3418
+  _globals['_SAMPLINGPARAMS']._serialized_end=480
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=413
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=461
+  _globals['_GENERATEREQUEST']._serialized_start=482
+  _globals['_GENERATEREQUEST']._serialized_end=591
+  _globals['_ERROR']._serialized_start=593
+  _globals['_ERROR']._serialized_end=678
+  _globals['_TOKENCHUNK']._serialized_start=680
+  _globals['_TOKENCHUNK']._serialized_end=725
+  _globals['_TOKENFINAL']._serialized_start=728
+  _globals['_TOKENFINAL']._serialized_end=891
+  _globals['_TOKENREPLY']._serialized_start=894
+  _globals['_TOKENREPLY']._serialized_end=1033
+  _globals['_ABORTREQUEST']._serialized_start=1035
+  _globals['_ABORTREQUEST']._serialized_end=1069
+  _globals['_ABORTREPLY']._serialized_start=1071
+  _globals['_ABORTREPLY']._serialized_end=1098
+  _globals['_STATSREQUEST']._serialized_start=1100
+  _globals['_STATSREQUEST']._serialized_end=1114
+  _globals['_INSTANCESTATS']._serialized_start=1117
+  _globals['_INSTANCESTATS']._serialized_end=2283
+  _globals['_INSTANCESTATS_KVBLOCKSSENTBYTRANSPORTENTRY']._serialized_start=2019
+  _globals['_INSTANCESTATS_KVBLOCKSSENTBYTRANSPORTENTRY']._serialized_end=2081
+  _globals['_INSTANCESTATS_KVBYTESSENTBYTRANSPORTENTRY']._serialized_start=2083
+  _globals['_INSTANCESTATS_KVBYTESSENTBYTRANSPORTENTRY']._serialized_end=2144
+  _globals['_INSTANCESTATS_KVTRANSFERSECONDSBYTRANSPORTENTRY']._serialized_start=2146
+  _globals['_INSTANCESTATS_KVTRANSFERSECONDSBYTRANSPORTENTRY']._serialized_end=2213
+  _globals['_INSTANCESTATS_KVTRANSFERFAILURESBYTRANSPORTENTRY']._serialized_start=2215
+  _globals['_INSTANCESTATS_KVTRANSFERFAILURESBYTRANSPORTENTRY']._serialized_end=2283
+  _globals['_STORAGESTATS']._serialized_start=2286
+  _globals['_STORAGESTATS']._serialized_end=2636
+  _globals['_KVEVENTSREQUEST']._serialized_start=2638
+  _globals['_KVEVENTSREQUEST']._serialized_end=2655
+  _globals['_KVEVENT']._serialized_start=2658
+  _globals['_KVEVENT']._serialized_end=2812
+  _globals['_BLOCKSSTORED']._serialized_start=2814
+  _globals['_BLOCKSSTORED']._serialized_end=2850
+  _globals['_BLOCKSREMOVED']._serialized_start=2852
+  _globals['_BLOCKSREMOVED']._serialized_end=2889
+  _globals['_INSTANCESERVICE']._serialized_start=3433
+  _globals['_INSTANCESERVICE']._serialized_end=3647
 # @@protoc_insertion_point(module_scope)

@@ -22,8 +22,7 @@ IGNORED_FIELDS = frozenset(
 # Known OpenAI / vLLM fields this server does not implement (yet): a 400 names them.
 UNSUPPORTED_FIELDS = frozenset(
     {
-        "logit_bias", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p",
-        "min_tokens", "top_logprobs", "response_format", "tools", "tool_choice", "functions",
+        "top_logprobs", "response_format", "tools", "tool_choice", "functions",
         "function_call", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
         "structured_outputs", "prediction", "modalities", "audio", "reasoning_effort",
         "web_search_options", "use_beam_search", "length_penalty", "logprobs", "echo",
@@ -34,9 +33,8 @@ UNSUPPORTED_FIELDS = frozenset(
 
 # Values of unsupported fields that ask for nothing (clients send defaults explicitly).
 _NEUTRAL: dict[str, Any] = {
-    "presence_penalty": 0, "frequency_penalty": 0, "repetition_penalty": 1, "min_p": 0,
-    "min_tokens": 0, "best_of": 1, "logit_bias": {}, "top_logprobs": 0, "echo": False,
-    "use_beam_search": False, "length_penalty": 1,
+    "best_of": 1, "top_logprobs": 0, "echo": False, "use_beam_search": False,
+    "length_penalty": 1,
 }  # fmt: skip
 
 
@@ -67,6 +65,22 @@ class OpenAIRequest(BaseModel):
     ignore_eos: bool = False
     seed: int | None = Field(default=None, ge=0, le=2**63 - 1)
     stream_options: dict[str, Any] | None = None
+    min_tokens: int = Field(default=0, ge=0, le=MAX_TOKENS_LIMIT)  # vLLM
+    min_p: float = Field(default=0.0, ge=0.0, le=1.0)  # vLLM
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float = Field(default=1.0, gt=0.0, le=10.0)  # vLLM
+    logit_bias: dict[str, float] | None = Field(default=None, max_length=300)
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias(cls, bias: dict[str, float] | None) -> dict[str, float] | None:
+        for token, value in (bias or {}).items():
+            if not token.isdigit() or int(token) >= 2**31:
+                raise ValueError(f"logit_bias keys must be token ids, got {token!r}")
+            if not -100.0 <= value <= 100.0:
+                raise ValueError(f"logit_bias values must be in [-100, 100], got {value}")
+        return bias
 
     @model_validator(mode="after")
     def _supported(self) -> "OpenAIRequest":
@@ -102,6 +116,12 @@ class OpenAIRequest(BaseModel):
             stop=tuple(s for s in stop if s),
             stop_token_ids=tuple(self.stop_token_ids or ()),
             ignore_eos=self.ignore_eos,
+            min_tokens=min(self.min_tokens, max_tokens or DEFAULT_MAX_TOKENS),
+            logit_bias=tuple(sorted((int(t), b) for t, b in (self.logit_bias or {}).items())),
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty,
+            min_p=self.min_p,
         )
 
     @property

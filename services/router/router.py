@@ -203,8 +203,11 @@ class Router:
     def validate(self, token_ids: Sequence[int], params: SamplingParams) -> None:
         if not token_ids:
             raise InvalidRequestError("the prompt is empty")
-        if any(not 0 <= t < self.model.vocab_size for t in token_ids):
-            raise InvalidRequestError(f"prompt token ids must be in [0, {self.model.vocab_size})")
+        vocab = self.model.vocab_size
+        if any(not 0 <= t < vocab for t in token_ids):
+            raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})")
+        if any(t >= vocab for t, _ in params.logit_bias):
+            raise InvalidRequestError(f"logit_bias token ids must be in [0, {vocab})")
         limit = self.model.max_model_len
         if len(token_ids) >= limit:
             raise PromptTooLongError(

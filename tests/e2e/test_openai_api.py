@@ -155,9 +155,12 @@ def error_of(response: httpx.Response) -> dict[str, object]:
         ({"model": MODEL, "prompt": ["a", "b"]}, 400, "batch of prompts"),
         ({"model": MODEL, "prompt": [1, 99999]}, 400, "token ids"),
         ({"model": MODEL}, 400, "prompt"),
-        ({"model": MODEL, "prompt": "hi", "logit_bias": {"65": 100}}, 400, "logit_bias"),
-        ({"model": MODEL, "prompt": "hi", "presence_penalty": 2}, 400, "presence_penalty"),
-        ({"model": MODEL, "prompt": "hi", "min_tokens": 4}, 400, "min_tokens"),
+        ({"model": MODEL, "prompt": "hi", "logit_bias": {"abc": 1}}, 400, "logit_bias"),
+        ({"model": MODEL, "prompt": "hi", "logit_bias": {"65": 101}}, 400, "logit_bias"),
+        ({"model": MODEL, "prompt": "hi", "logit_bias": {"9999999": 1}}, 400, "logit_bias"),
+        ({"model": MODEL, "prompt": "hi", "presence_penalty": 99}, 400, "presence_penalty"),
+        ({"model": MODEL, "prompt": "hi", "repetition_penalty": 0}, 400, "repetition_penalty"),
+        ({"model": MODEL, "prompt": "hi", "top_logprobs": 2}, 400, "top_logprobs"),
         ({"model": MODEL, "prompt": "hi", "logprobs": 1}, 400, "logprobs"),
         ({"model": MODEL, "prompt": "hi", "echo": True}, 400, "echo"),
         ({"model": MODEL, "prompt": "hi", "frobnicate": 1}, 400, "unknown field(s): frobnicate"),
@@ -244,6 +247,18 @@ def test_top_k_and_stop_token_ids_reach_the_sampler(client: openai.OpenAI) -> No
     stopped = completion(top_k=1, stop_token_ids=[tokens[0]])
     assert stopped.choices[0].finish_reason == "stop"
     assert stopped.usage is not None and stopped.usage.completion_tokens == 1
+
+
+def test_logit_bias_and_penalties_reach_prefill_and_decode(cluster: UpCluster) -> None:
+    base = cluster.router_url.removesuffix("/v1")
+    body = {"model": MODEL, "prompt": "The sea", "max_tokens": 6, "temperature": 0,
+            "ignore_eos": True}  # fmt: skip
+    forced = post_json(f"{cluster.router_url}/completions", {**body, "logit_bias": {"77": 100}})
+    expected = httpx.post(f"{base}/detokenize", json={"tokens": [77] * 6}).json()["prompt"]
+    assert forced.json()["choices"][0]["text"] == expected
+    plain = post_json(f"{cluster.router_url}/completions", body).json()["choices"][0]["text"]
+    penalised = post_json(f"{cluster.router_url}/completions", {**body, "repetition_penalty": 2})
+    assert penalised.status_code == 200 and penalised.json()["choices"][0]["text"] != plain
 
 
 def test_tokenize_detokenize_and_models_report_the_context(cluster: UpCluster) -> None:

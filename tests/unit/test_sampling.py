@@ -126,3 +126,11 @@ def test_an_incomplete_utf8_tail_is_flushed_as_replacement_at_the_end(
     assert not shown.endswith("\ufffd")
     shown += detokenizer.update(tokens, finished=True)
     assert shown == tokenizer.decode(tokens) and shown.endswith("\ufffd")
+
+
+def test_min_p_never_samples_below_its_share_of_the_top_probability() -> None:
+    logits = torch.tensor([[2.0, 1.9, 0.0, -1.0, 1.0]])  # probs ~ .39 .35 .05 .02 .14
+    sampler = Sampler(torch.device("cpu"))
+    params = SamplingParams(temperature=1.0, min_p=0.3)  # keeps >= 0.3 x 0.39 = 0.12
+    drawn = {sampler.sample(logits, [params], [n])[0] for n in range(300)}
+    assert drawn == {0, 1, 4}
