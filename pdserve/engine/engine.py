@@ -11,7 +11,7 @@ import torch
 from pdserve.config import EngineConfig
 from pdserve.engine.admission import Admission, PromptAdmission
 from pdserve.engine.detokenizer import IncrementalDetokenizer
-from pdserve.engine.request import Request, RequestStatus, SamplingParams
+from pdserve.engine.request import Request, RequestStatus, SamplingParams, TokenLogprob
 from pdserve.engine.sampler import Sampler
 from pdserve.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from pdserve.engine.storage_connector import StorageConnector
@@ -62,6 +62,7 @@ class RequestOutput:
     num_output_tokens: int
     num_cached_tokens: int  # prompt tokens not computed here: device + storage hits
     error: str | None = None  # set on the final output of a request its engine step failed
+    new_logprobs: tuple[TokenLogprob, ...] = ()  # of new_token_ids, when the request asks
 
 
 @dataclass(frozen=True, slots=True)
@@ -207,7 +208,9 @@ class LLMEngine:
             )
         return admission
 
-    def admit_prefilled(self, request: Request, first_token_id: int) -> RequestOutput:
+    def admit_prefilled(
+        self, request: Request, first_token_id: int, first_logprob: TokenLogprob | None = None
+    ) -> RequestOutput:
         """Start decoding a request whose prompt KV is already in its (allocated) blocks.
 
         Publishes the prompt's full blocks, appends the first token (sampled by the prefill
@@ -220,7 +223,7 @@ class LLMEngine:
         self._detokenizers[request.request_id] = IncrementalDetokenizer(
             self.tokenizer, request.sampling_params.stop
         )
-        request.append_output_token(first_token_id)
+        request.append_output_token(first_token_id, first_logprob)
         return self._emit(request, self._check_stop(request))
 
     def release(self, request_id: str) -> None:
@@ -313,7 +316,7 @@ class LLMEngine:
             error=f"the engine step failed ({type(error).__name__}: {error}); retry the request",
         )
 
-    def _run(self, scheduled: SchedulerOutput) -> list[int]:
+    def _run(self, scheduled: SchedulerOutput) -> list[tuple[int, TokenLogprob | None]]:
         """Forward the scheduled chunks, then sample for those that completed their tokens."""
         if not scheduled.chunks:
             return []
@@ -332,7 +335,9 @@ class LLMEngine:
         sampling = [c.request for c in scheduled.chunks if c.completes_known_tokens]
         return self.sampler.sample_rows(logits, sampling)
 
-    def _update(self, scheduled: SchedulerOutput, sampled: list[int]) -> list[RequestOutput]:
+    def _update(
+        self, scheduled: SchedulerOutput, sampled: list[tuple[int, TokenLogprob | None]]
+    ) -> list[RequestOutput]:
         """Advance computed counts, publish computed blocks, append sampled tokens, stop."""
         tokens = iter(sampled)
         outputs = []
@@ -344,7 +349,7 @@ class LLMEngine:
             self.kv_cache.update_cache_blocks(request, request.num_computed_tokens)
             if not samples:
                 continue
-            request.append_output_token(next(tokens))
+            request.append_output_token(*next(tokens))
             if request.prefill_only:
                 self.scheduler.hold_for_transfer(request)
                 outputs.append(self._kv_ready(request))
@@ -386,6 +391,7 @@ class LLMEngine:
             num_prompt_tokens=request.num_prompt_tokens,
             num_output_tokens=request.num_output_tokens,
             num_cached_tokens=request.num_cached_tokens,
+            new_logprobs=_newest_logprob(request),
         )
 
     def _kv_ready(self, request: Request) -> RequestOutput:
@@ -400,6 +406,7 @@ class LLMEngine:
             num_prompt_tokens=request.num_prompt_tokens,
             num_output_tokens=request.num_output_tokens,
             num_cached_tokens=request.num_cached_tokens,
+            new_logprobs=_newest_logprob(request),
         )
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
@@ -483,3 +490,7 @@ class LLMEngine:
                 f"the prompt has {len(token_ids)} tokens but the context window is "
                 f"{self.max_model_len} tokens (at least one is needed for output); shorten it"
             )
+
+
+def _newest_logprob(request: Request) -> tuple[TokenLogprob, ...]:
+    return () if request.last_logprob is None else (request.last_logprob,)

@@ -60,6 +60,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0  # OpenAI, [-2, 2]
     repetition_penalty: float = 1.0  # vLLM / transformers, > 0
     min_p: float = 0.0  # sampling: drop tokens below min_p x the top token's probability
+    logprobs: int | None = None  # report each output token's logprob and this many top ones
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -84,6 +85,8 @@ class SamplingParams:
             raise InvalidRequestError(
                 f"repetition_penalty must be in (0, 10], got {self.repetition_penalty}"
             )
+        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
+            raise InvalidRequestError(f"logprobs must be in [0, 20], got {self.logprobs}")
         if not 0.0 <= self.min_p <= 1.0:
             raise InvalidRequestError(f"min_p must be in [0, 1], got {self.min_p}")
         if len(self.logit_bias) > 300:
@@ -114,6 +117,16 @@ class SamplingParams:
         return self.temperature == 0.0 or self.top_k == 1
 
 
+@dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    """A sampled token's log-probability (fp32, from the logits the sampler used: after bias
+    and penalties, before temperature) and the `logprobs` most likely tokens with theirs."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
 _arrival_counter = itertools.count()
 
 
@@ -141,6 +154,7 @@ class Request:
     num_preemptions: int = 0
     arrival_order: int = field(default_factory=lambda: next(_arrival_counter))
     block_hashes: list[BlockHash] = field(default_factory=list)
+    last_logprob: "TokenLogprob | None" = None  # of the newest output token, when asked for
     _all_token_ids: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -180,7 +194,8 @@ class Request:
         self.device_hit_tokens, self.storage_hit_tokens = device_hit_tokens, storage_hit_tokens
         return True
 
-    def append_output_token(self, token_id: int) -> None:
+    def append_output_token(self, token_id: int, logprob: "TokenLogprob | None" = None) -> None:
+        self.last_logprob = logprob
         self.output_token_ids.append(token_id)
         self._all_token_ids.append(token_id)
         if len(self._all_token_ids) % self.hasher.block_size == 0:

@@ -5,7 +5,7 @@ from collections.abc import Sequence
 import torch
 
 from pdserve.engine.logits import SamplingRow, adjust_logits
-from pdserve.engine.request import SamplingParams
+from pdserve.engine.request import SamplingParams, TokenLogprob
 
 
 class Sampler:
@@ -22,11 +22,21 @@ class Sampler:
         self.device = device
         self._default_generator = torch.Generator(device=device).manual_seed(seed)
 
-    def sample_rows(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> list[int]:
-        """Adjust the logits as each row's request asks (`adjust_logits`), then sample."""
+    def sample_rows(
+        self, logits: torch.Tensor, rows: Sequence[SamplingRow]
+    ) -> list[tuple[int, TokenLogprob | None]]:
+        """Adjust the logits as each row's request asks (`adjust_logits`), sample, and give
+        the logprobs of the rows that ask for them."""
         adjust_logits(logits, rows)
         params = [r.sampling_params for r in rows]
-        return self.sample(logits, params, [len(r.output_token_ids) for r in rows])
+        tokens = self.sample(logits, params, [len(r.output_token_ids) for r in rows])
+        wanted = [i for i, p in enumerate(params) if p.logprobs is not None]
+        logprobs: list[TokenLogprob | None] = [None] * len(rows)
+        if wanted:
+            table = torch.log_softmax(logits[wanted].float(), dim=-1)
+            for row, i in enumerate(wanted):
+                logprobs[i] = _token_logprob(table[row], tokens[i], params[i].logprobs or 0)
+        return list(zip(tokens, logprobs, strict=True))
 
     def sample(
         self, logits: torch.Tensor, params: Sequence[SamplingParams], output_indices: Sequence[int]
@@ -60,6 +70,14 @@ class Sampler:
             scores = _top_p_filter(scores, params.top_p)
         probs = torch.softmax(scores, dim=-1)
         return int(torch.multinomial(probs, 1, generator=generator).item())
+
+
+def _token_logprob(table: torch.Tensor, token: int, top: int) -> TokenLogprob:
+    best: tuple[tuple[int, float], ...] = ()
+    if top:
+        values, ids = torch.topk(table, top)
+        best = tuple(zip(ids.tolist(), values.tolist(), strict=True))
+    return TokenLogprob(token, float(table[token]), best)
 
 
 def _top_p_filter(scores: torch.Tensor, top_p: float) -> torch.Tensor:

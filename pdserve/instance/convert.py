@@ -2,7 +2,7 @@
 objects meet generated messages (errors: `pdserve.rpc.status`)."""
 
 from pdserve.engine.engine import RequestOutput
-from pdserve.engine.request import SamplingParams
+from pdserve.engine.request import SamplingParams, TokenLogprob
 from pdserve.transfer.base import KVEndpoints
 from pdserve.v1 import common_pb2, decode_pb2
 
@@ -32,6 +32,8 @@ def sampling_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
     )
     if params.top_k is not None:
         message.top_k = params.top_k
+    if params.logprobs is not None:
+        message.logprobs = params.logprobs
     if params.seed is not None:
         message.seed = params.seed
     return message
@@ -55,6 +57,7 @@ def sampling_from_proto(message: common_pb2.SamplingParams) -> SamplingParams:
         frequency_penalty=message.frequency_penalty,
         repetition_penalty=message.repetition_penalty or 1.0,
         min_p=message.min_p,
+        logprobs=message.logprobs if message.HasField("logprobs") else None,
     )
 
 
@@ -72,7 +75,11 @@ def token_replies(output: RequestOutput) -> list[common_pb2.TokenReply]:
     """One engine output as stream replies: a chunk, then a final reply when finished."""
     replies = [
         common_pb2.TokenReply(
-            chunk=common_pb2.TokenChunk(token_ids=list(output.new_token_ids), text=output.new_text)
+            chunk=common_pb2.TokenChunk(
+                token_ids=list(output.new_token_ids),
+                text=output.new_text,
+                logprobs=[logprob_to_proto(lp) for lp in output.new_logprobs],
+            )
         )
     ]
     if output.finished:
@@ -107,3 +114,17 @@ def endpoints_from_proto(message: decode_pb2.KVEndpoints) -> KVEndpoints:
         message.mooncake_base,
         message.kv_bytes,
     )
+
+
+def logprob_to_proto(logprob: TokenLogprob) -> common_pb2.TokenLogprob:
+    return common_pb2.TokenLogprob(
+        token_id=logprob.token_id,
+        logprob=logprob.logprob,
+        top_ids=[t for t, _ in logprob.top],
+        top_logprobs=[v for _, v in logprob.top],
+    )
+
+
+def logprob_from_proto(message: common_pb2.TokenLogprob) -> TokenLogprob:
+    top = tuple(zip(message.top_ids, message.top_logprobs, strict=True))
+    return TokenLogprob(message.token_id, message.logprob, top)

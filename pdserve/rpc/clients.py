@@ -101,10 +101,15 @@ class DecodeClient(_Client):
         )
         self._call(stub.CommitKV, message, self.deadlines.control_s)
 
-    def start_decode(self, request_id: str, first_token_id: int) -> None:
+    def start_decode(
+        self,
+        request_id: str,
+        first_token_id: int,
+        first_logprob: common_pb2.TokenLogprob | None = None,
+    ) -> None:
         stub = decode_pb2_grpc.DecodeServiceStub(self._channel)
         message = decode_pb2.StartDecodeRequest(
-            request_id=request_id, first_token_id=first_token_id
+            request_id=request_id, first_token_id=first_token_id, first_logprob=first_logprob
         )
         self._call(stub.StartDecode, message, self.deadlines.control_s)
 

@@ -231,17 +231,23 @@ class StartDecodeRequest(_message.Message):
 
     REQUEST_ID_FIELD_NUMBER: _builtins.int
     FIRST_TOKEN_ID_FIELD_NUMBER: _builtins.int
+    FIRST_LOGPROB_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     first_token_id: _builtins.int
+    @_builtins.property
+    def first_logprob(self) -> _common_pb2.TokenLogprob:
+        """when the request asked for logprobs"""
+
     def __init__(
         self,
         *,
         request_id: _builtins.str = ...,
         first_token_id: _builtins.int = ...,
+        first_logprob: _common_pb2.TokenLogprob | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["first_logprob", b"first_logprob"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["first_token_id", b"first_token_id", "request_id", b"request_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["first_logprob", b"first_logprob", "first_token_id", b"first_token_id", "request_id", b"request_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from pdserve.config import DecodeConfig, EngineConfig, StorageConfig, TransferConfig
 from pdserve.engine.engine import LLMEngine, RequestOutput
-from pdserve.engine.request import Request, SamplingParams
+from pdserve.engine.request import Request, SamplingParams, TokenLogprob
 from pdserve.errors import (
     DuplicateRequestError,
     InvalidRequestError,
@@ -193,11 +193,21 @@ class DecodeInstance:
 
     # -- first token and streaming ---------------------------------------------------------------
 
-    def start_decode(self, request_id: str, first_token_id: int) -> None:
+    def start_decode(
+        self, request_id: str, first_token_id: int, first_logprob: TokenLogprob | None = None
+    ) -> None:
         """First-token handoff: the KV is complete, the request joins the running batch."""
-        self.runtime.loop.call(lambda engine: self._start(engine, request_id, first_token_id))
+        self.runtime.loop.call(
+            lambda engine: self._start(engine, request_id, first_token_id, first_logprob)
+        )
 
-    def _start(self, engine: LLMEngine, request_id: str, first_token_id: int) -> None:
+    def _start(
+        self,
+        engine: LLMEngine,
+        request_id: str,
+        first_token_id: int,
+        first_logprob: TokenLogprob | None,
+    ) -> None:
         reservation = self.reservations.pop(request_id)
         if reservation is None:
             raise RequestNotFoundError(f"no reservation for request {request_id} (expired?)")
@@ -212,7 +222,8 @@ class DecodeInstance:
         if not 0 <= first_token_id < self.runtime.vocab_size:
             self._end(engine, request_id)
             raise InvalidRequestError(f"first token id {first_token_id} is outside the vocabulary")
-        self.runtime.deliver([engine.admit_prefilled(reservation.request, first_token_id)])
+        output = engine.admit_prefilled(reservation.request, first_token_id, first_logprob)
+        self.runtime.deliver([output])
 
     def stream_outputs(self, request_id: str) -> Iterator[RequestOutput]:
         """Every output of the request from its first token on; ends when it finishes.

@@ -10,7 +10,12 @@ import grpc
 
 from pdserve.config import DecodeConfig, EngineConfig, StorageConfig, TransferConfig
 from pdserve.errors import KVTransferError, PdserveError
-from pdserve.instance.convert import endpoints_to_proto, sampling_from_proto, token_replies
+from pdserve.instance.convert import (
+    endpoints_to_proto,
+    logprob_from_proto,
+    sampling_from_proto,
+    token_replies,
+)
 from pdserve.rpc.status import abort_with, error_reply
 from pdserve.rpc.tls import TlsFiles
 from pdserve.transfer.wire import KVChunkView, parse_kv_chunk
@@ -98,7 +103,12 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         self, request: decode_pb2.StartDecodeRequest, context: grpc.ServicerContext
     ) -> decode_pb2.StartDecodeReply:
         try:
-            self.instance.start_decode(request.request_id, request.first_token_id)
+            logprob = (
+                logprob_from_proto(request.first_logprob)
+                if request.HasField("first_logprob")
+                else None
+            )
+            self.instance.start_decode(request.request_id, request.first_token_id, logprob)
         except Exception as e:
             _log_unexpected(e, "StartDecode", request.request_id)
             abort_with(context, e)

@@ -29,7 +29,7 @@ from pdserve.errors import (
     RequestNotFoundError,
     ResourceExhaustedError,
 )
-from pdserve.instance.convert import endpoints_from_proto, generate_request
+from pdserve.instance.convert import endpoints_from_proto, generate_request, logprob_to_proto
 from pdserve.instance.runtime import InstanceRuntime
 from pdserve.instance.streams import OutputStream
 from pdserve.rpc.clients import DEFAULT_DEADLINES, Deadlines, DecodeClient, InstanceClient
@@ -145,7 +145,7 @@ class PrefillInstance:
             output = self._compute(request, stream, outcome)
             self._send_kv(request, reservation, decode_address, outcome)
             _check_not_aborted(stream)  # aborted while sending: its blocks were kept until now
-            self._hand_off(request_id, decode, output.new_token_ids[0], outcome)
+            self._hand_off(request_id, decode, output, outcome)
             decode_reserved = False
         finally:
             self.runtime.close_stream(request_id, stream=stream)
@@ -155,12 +155,15 @@ class PrefillInstance:
         return outcome
 
     def _hand_off(
-        self, request_id: str, decode: DecodeClient, first_token_id: int, outcome: PrefillOutcome
+        self, request_id: str, decode: DecodeClient, first: RequestOutput, outcome: PrefillOutcome
     ) -> None:
-        """The KV is on decode: give it the first token, which starts the request there."""
+        """The KV is on decode: give it the first token (and its logprob, when asked for),
+        which starts the request there."""
         start = time.perf_counter()
+        first_token_id = first.new_token_ids[0]
+        logprob = logprob_to_proto(first.new_logprobs[0]) if first.new_logprobs else None
         try:
-            decode.start_decode(request_id, first_token_id)
+            decode.start_decode(request_id, first_token_id, logprob)
         except (InvalidRequestError, InstanceUnavailableError) as e:
             raise _from_decode(e, decode.address) from e
         except RequestNotFoundError as e:  # decode's reservation expired before the handoff

@@ -9,7 +9,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterator, MutableMapping
+from collections.abc import AsyncIterator, Callable, Iterator, MutableMapping, Sequence
 from typing import Any
 
 import anyio
@@ -21,6 +21,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.concurrency import run_in_threadpool
 
 from pdserve.config import RouterConfig
+from pdserve.engine.request import TokenLogprob
 from pdserve.errors import (
     InvalidRequestError,
     ModelNotFoundError,
@@ -31,6 +32,7 @@ from pdserve.errors import (
     ResourceExhaustedError,
 )
 from pdserve.metrics import RouterMetrics
+from pdserve.model.tokenizer import Tokenizer
 from services.router.openai_schema import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -108,13 +110,16 @@ def create_app(router: Router, config: RouterConfig) -> FastAPI:
         router.check_model(body.model)
         prompt = body.single_prompt()
         ids = router.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
-        return await _serve(router, http, body, ids, _CompletionFormat(router.model_id))
+        fmt = _CompletionFormat(router.model_id, router.model.tokenizer)
+        return await _serve(router, http, body, ids, fmt)
 
     @app.post("/v1/chat/completions", response_model=None, responses=ERROR_RESPONSES)
     async def chat(body: ChatCompletionRequest, http: Request) -> Response:
         router.check_model(body.model)
         ids = router.tokenize_chat(body.chat_messages())
-        return await _serve(router, http, body, ids, _ChatFormat(router.model_id))
+        return await _serve(
+            router, http, body, ids, _ChatFormat(router.model_id, router.model.tokenizer)
+        )
 
     app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
     return app
@@ -245,11 +250,18 @@ def _data(payload: dict[str, Any]) -> bytes:
 
 
 class _Format:
+    """One response's shapes; holds per-response state (logprobs' text offsets)."""
+
     object_name = ""
 
-    def __init__(self, model_id: str) -> None:
+    def __init__(self, model_id: str, tokenizer: Tokenizer) -> None:
         self.model_id = model_id
+        self.tokenizer = tokenizer
         self.created = int(time.time())
+        self._text_offset = 0
+
+    def _token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
     def envelope(self, request_id: str, choice: dict[str, Any], chunk: bool) -> dict[str, Any]:
         suffix = ".chunk" if chunk else ""
@@ -287,20 +299,37 @@ class _CompletionFormat(_Format):
     prefix = "cmpl"
 
     def stream_delta(self, request_id: str, event: TokenDelta) -> dict[str, Any]:
-        return self._text(request_id, event.text, None)
+        return self._text(request_id, event.text, None, self._logprobs(event.logprobs))
 
     def stream_finish(self, request_id: str, event: Finished) -> dict[str, Any]:
-        return self._text(request_id, "", event.finish_reason)
+        return self._text(request_id, "", event.finish_reason, None)
 
-    def _text(self, request_id: str, text: str, reason: str | None) -> dict[str, Any]:
-        payload = self.envelope(
-            request_id, {"text": text, "logprobs": None, "finish_reason": reason}, False
-        )
-        return payload
+    def _text(
+        self, request_id: str, text: str, reason: str | None, logprobs: dict[str, Any] | None
+    ) -> dict[str, Any]:
+        choice = {"text": text, "logprobs": logprobs, "finish_reason": reason}
+        return self.envelope(request_id, choice, False)
+
+    def _logprobs(self, logprobs: Sequence[TokenLogprob]) -> dict[str, Any] | None:
+        """OpenAI's completions shape: tokens, token_logprobs, top_logprobs, text_offset."""
+        if not logprobs:
+            return None
+        tokens, offsets = [], []
+        for lp in logprobs:
+            tokens.append(self._token_text(lp.token_id))
+            offsets.append(self._text_offset)
+            self._text_offset += len(tokens[-1])
+        return {
+            "tokens": tokens,
+            "token_logprobs": [lp.logprob for lp in logprobs],
+            "top_logprobs": [{self._token_text(t): v for t, v in lp.top} for lp in logprobs],
+            "text_offset": offsets,
+        }
 
     def complete(self, request_id: str, events: list[Event], num_prompt: int) -> dict[str, Any]:
         text, final = _collect(events)
-        payload = self._text(request_id, text, final.finish_reason)
+        logprobs = self._logprobs(_all_logprobs(events))
+        payload = self._text(request_id, text, final.finish_reason, logprobs)
         payload["usage"] = _usage(num_prompt, final)
         return payload
 
@@ -318,8 +347,24 @@ class _ChatFormat(_Format):
         return [self.envelope(request_id, choice, chunk=True)]
 
     def stream_delta(self, request_id: str, event: TokenDelta) -> dict[str, Any]:
-        choice = {"delta": {"content": event.text}, "logprobs": None, "finish_reason": None}
+        logprobs = self._logprobs(event.logprobs)
+        choice = {"delta": {"content": event.text}, "logprobs": logprobs, "finish_reason": None}
         return self.envelope(request_id, choice, chunk=True)
+
+    def _logprobs(self, logprobs: Sequence[TokenLogprob]) -> dict[str, Any] | None:
+        """OpenAI's chat shape: per token its text, logprob, UTF-8 bytes and top alternatives."""
+        if not logprobs:
+            return None
+
+        def entry(token_id: int, logprob: float) -> dict[str, Any]:
+            text = self._token_text(token_id)
+            return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+        content = [
+            {**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]}
+            for lp in logprobs
+        ]
+        return {"content": content, "refusal": None}
 
     def stream_finish(self, request_id: str, event: Finished) -> dict[str, Any]:
         choice: dict[str, Any] = {
@@ -332,7 +377,8 @@ class _ChatFormat(_Format):
     def complete(self, request_id: str, events: list[Event], num_prompt: int) -> dict[str, Any]:
         text, final = _collect(events)
         message = {"role": "assistant", "content": text}
-        choice = {"message": message, "logprobs": None, "finish_reason": final.finish_reason}
+        logprobs = self._logprobs(_all_logprobs(events))
+        choice = {"message": message, "logprobs": logprobs, "finish_reason": final.finish_reason}
         payload = self.envelope(request_id, choice, chunk=False)
         payload["usage"] = _usage(num_prompt, final)
         return payload
@@ -343,6 +389,10 @@ def _collect(events: list[Event]) -> tuple[str, Finished]:
     if not isinstance(final, Finished):
         raise PdserveError("the generation ended without a final event")
     return "".join(e.text for e in events if isinstance(e, TokenDelta)), final
+
+
+def _all_logprobs(events: list[Event]) -> list[TokenLogprob]:
+    return [lp for e in events if isinstance(e, TokenDelta) for lp in e.logprobs]
 
 
 def _usage(num_prompt: int, final: Finished) -> dict[str, int]:

@@ -67,7 +67,7 @@ class Transcript:
                 return [event]
             text = detokenizer.update(self.token_ids, finished=False)
             self._shown += len(text)
-            delta = TokenDelta(event.token_ids, text)
+            delta = TokenDelta(event.token_ids, text, event.logprobs)
             if detokenizer.stop_reason is not None:
                 return [delta, self._final("stop", detokenizer.stop_reason)]
             return [delta]

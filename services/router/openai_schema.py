@@ -22,19 +22,17 @@ IGNORED_FIELDS = frozenset(
 # Known OpenAI / vLLM fields this server does not implement (yet): a 400 names them.
 UNSUPPORTED_FIELDS = frozenset(
     {
-        "top_logprobs", "response_format", "tools", "tool_choice", "functions",
+ "response_format", "tools", "tool_choice", "functions",
         "function_call", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
         "structured_outputs", "prediction", "modalities", "audio", "reasoning_effort",
-        "web_search_options", "use_beam_search", "length_penalty", "logprobs", "echo",
-        "best_of", "suffix",
+        "web_search_options", "use_beam_search", "length_penalty", "echo", "best_of", "suffix",
     }
 )  # fmt: skip
 
 
 # Values of unsupported fields that ask for nothing (clients send defaults explicitly).
 _NEUTRAL: dict[str, Any] = {
-    "best_of": 1, "top_logprobs": 0, "echo": False, "use_beam_search": False,
-    "length_penalty": 1,
+    "best_of": 1, "echo": False, "use_beam_search": False, "length_penalty": 1,
 }  # fmt: skip
 
 
@@ -105,6 +103,10 @@ class OpenAIRequest(BaseModel):
     def _also_ignored(self) -> frozenset[str]:
         return frozenset()
 
+    def logprobs_wanted(self) -> int | None:
+        """How many top logprobs per token the client wants (None: no logprobs)."""
+        return None
+
     def sampling_params(self, max_tokens: int | None) -> SamplingParams:
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
         return SamplingParams(
@@ -122,6 +124,7 @@ class OpenAIRequest(BaseModel):
             frequency_penalty=self.frequency_penalty,
             repetition_penalty=self.repetition_penalty,
             min_p=self.min_p,
+            logprobs=self.logprobs_wanted(),
         )
 
     @property
@@ -131,6 +134,10 @@ class OpenAIRequest(BaseModel):
 
 class CompletionRequest(OpenAIRequest):
     prompt: str | list[int] | list[str] | list[list[int]]
+    logprobs: int | None = Field(default=None, ge=0, le=20)
+
+    def logprobs_wanted(self) -> int | None:
+        return self.logprobs
 
     @model_validator(mode="after")
     def _single_prompt(self) -> "CompletionRequest":
@@ -190,12 +197,16 @@ class ChatCompletionRequest(OpenAIRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1, le=MAX_TOKENS_LIMIT)
     logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
     tool_choice: str | None = None  # "none" (tools ignored) is all this server honours
+
+    def logprobs_wanted(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     @model_validator(mode="after")
     def _chat_supported(self) -> "ChatCompletionRequest":
-        if self.logprobs:
-            raise ValueError("not supported by this server: logprobs")
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true")
         if self.tool_choice not in (None, "none"):
             raise ValueError("not supported by this server: tool_choice (other than none)")
         return self

@@ -12,9 +12,9 @@ import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from pdserve.engine.request import SamplingParams
+from pdserve.engine.request import SamplingParams, TokenLogprob
 from pdserve.errors import DecodeUnavailableError, InstanceUnavailableError, PdserveError
-from pdserve.instance.convert import FINISH_REASON_NAMES, generate_request
+from pdserve.instance.convert import FINISH_REASON_NAMES, generate_request, logprob_from_proto
 from pdserve.rpc.channels import ChannelPool
 from pdserve.rpc.clients import (
     DEFAULT_DEADLINES,
@@ -34,6 +34,7 @@ logger = logging.getLogger(__name__)
 class TokenDelta:
     token_ids: tuple[int, ...]
     text: str
+    logprobs: tuple[TokenLogprob, ...] = ()  # one per token id, when the request asked
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,7 +140,8 @@ def _read_tokens(
     """Token replies as events; raises the typed error of an error reply or a broken stream."""
     for reply in stream:
         if isinstance(reply, common_pb2.TokenChunk):
-            yield TokenDelta(tuple(reply.token_ids), reply.text)
+            logprobs = tuple(logprob_from_proto(lp) for lp in reply.logprobs)
+            yield TokenDelta(tuple(reply.token_ids), reply.text, logprobs)
         else:
             yield Finished(
                 FINISH_REASON_NAMES.get(reply.finish_reason, "unknown"),

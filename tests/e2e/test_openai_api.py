@@ -161,7 +161,7 @@ def error_of(response: httpx.Response) -> dict[str, object]:
         ({"model": MODEL, "prompt": "hi", "presence_penalty": 99}, 400, "presence_penalty"),
         ({"model": MODEL, "prompt": "hi", "repetition_penalty": 0}, 400, "repetition_penalty"),
         ({"model": MODEL, "prompt": "hi", "top_logprobs": 2}, 400, "top_logprobs"),
-        ({"model": MODEL, "prompt": "hi", "logprobs": 1}, 400, "logprobs"),
+        ({"model": MODEL, "prompt": "hi", "logprobs": 21}, 400, "logprobs"),
         ({"model": MODEL, "prompt": "hi", "echo": True}, 400, "echo"),
         ({"model": MODEL, "prompt": "hi", "frobnicate": 1}, 400, "unknown field(s): frobnicate"),
         ({"model": MODEL, "prompt": "hi", "max_tokens": 2**32}, 400, "max_tokens"),

@@ -1,0 +1,109 @@
+"""Output logprobs equal `log_softmax` of transformers' logits (fp32 tiny model), in one engine
+and across prefill + decode (the first token's from prefill, the rest from decode), and
+through the router's OpenAI shapes."""
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import openai
+import pytest
+import torch
+from credentials import SECRET, channels
+from reference import hf_model
+
+from pdserve.config import DecodeConfig, EngineConfig, PrefillConfig, RouterConfig
+from pdserve.engine import LLMEngine, SamplingParams
+from services.decode.servicer import serve_decode
+from services.prefill.servicer import serve_prefill
+from services.router.pd_client import PDClient, TokenDelta
+from services.router.server import RunningRouter, serve_router
+
+PROMPT = [5, 17, 99, 42, 7, 7, 7, 250, 31, 8]
+STEPS = 8
+
+
+@pytest.fixture(scope="module")
+def pd(tiny_model_dir: Path) -> Iterator[tuple[PDClient, str, str, RunningRouter]]:
+    config = EngineConfig(model=str(tiny_model_dir), num_kv_blocks=64)
+    p, p_server, p_port = serve_prefill(config, PrefillConfig(), secret=SECRET)
+    d, d_server, d_port = serve_decode(config, DecodeConfig(), secret=SECRET)
+    prefill, decode = f"127.0.0.1:{p_port}", f"127.0.0.1:{d_port}"
+    router = serve_router(RouterConfig(port=0, model_name="tiny"), config, [prefill], [decode],
+                          secret=SECRET)  # fmt: skip
+    client = PDClient(channels())
+    yield client, prefill, decode, router
+    client.close()
+    router.stop()
+    for instance, server in ((p, p_server), (d, d_server)):
+        server.stop(0)
+        instance.check_integrity()
+        instance.stop()
+
+
+@torch.no_grad()
+def reference(model: torch.nn.Module, tokens: list[int]) -> list[torch.Tensor]:
+    """log_softmax at each output position of PROMPT + tokens."""
+    logits = model(torch.tensor([PROMPT + tokens])).logits[0].float()
+    return [torch.log_softmax(logits[len(PROMPT) - 1 + i], -1) for i in range(len(tokens))]
+
+
+def check(
+    logprobs: list[tuple[int, float, tuple[tuple[int, float], ...]]], ref: list[torch.Tensor]
+) -> None:
+    assert len(logprobs) == len(ref)
+    for (token, value, top), table in zip(logprobs, ref, strict=True):
+        assert abs(value - float(table[token])) < 1e-4
+        best = torch.topk(table, len(top))
+        assert [t for t, _ in top] == best.indices.tolist()
+        assert all(abs(v - float(table[t])) < 1e-4 for t, v in top)
+
+
+def test_output_logprobs_equal_transformers_in_one_engine_and_across_pd(
+    pd: tuple[PDClient, str, str, RunningRouter], tiny_model_dir: Path
+) -> None:
+    model = hf_model(tiny_model_dir)
+    params = SamplingParams(max_tokens=STEPS, ignore_eos=True, logprobs=5)
+    engine = LLMEngine.from_config(EngineConfig(model=str(tiny_model_dir), num_kv_blocks=64))
+    request_id = engine.add_request(PROMPT, params)
+    single = []
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.request_id == request_id:
+                single += [(lp.token_id, lp.logprob, lp.top) for lp in out.new_logprobs]
+    tokens = [t for t, _, _ in single]
+    check(single, reference(model, tokens))
+    client, prefill, decode, _ = pd
+    split = [(lp.token_id, lp.logprob, lp.top)
+             for e in client.generate(prefill, decode, list(PROMPT), params)
+             if isinstance(e, TokenDelta) for lp in e.logprobs]  # fmt: skip
+    assert [t for t, _, _ in split] == tokens
+    check(split, reference(model, tokens))
+
+
+def test_openai_shapes_for_completions_and_chat_streaming_or_not(
+    pd: tuple[PDClient, str, str, RunningRouter],
+) -> None:
+    *_, router = pd
+    api = openai.OpenAI(base_url=f"{router.url}/v1", api_key="unused", max_retries=0)
+    done = api.completions.create(model="tiny", prompt=PROMPT, max_tokens=STEPS, temperature=0,
+                                  logprobs=3, extra_body={"ignore_eos": True})  # fmt: skip
+    lp = done.choices[0].logprobs
+    assert lp is not None and lp.tokens and len(lp.token_logprobs or []) == STEPS
+    assert lp.top_logprobs is not None and all(len(t) == 3 for t in lp.top_logprobs)
+    assert lp.text_offset is not None and lp.text_offset[0] == 0
+    assert lp.text_offset == sorted(lp.text_offset)
+    streamed = api.completions.create(model="tiny", prompt=PROMPT, max_tokens=STEPS,
+                                      temperature=0, logprobs=3, stream=True,
+                                      extra_body={"ignore_eos": True})  # fmt: skip
+    values = [v for c in streamed if c.choices and c.choices[0].logprobs
+              for v in c.choices[0].logprobs.token_logprobs or []]  # fmt: skip
+    assert values == lp.token_logprobs
+    messages = [{"role": "user", "content": "hi"}]
+    chat = api.chat.completions.create(model="tiny", messages=messages, max_tokens=4,  # type: ignore[arg-type]
+                                       temperature=0, logprobs=True, top_logprobs=2)  # fmt: skip
+    content = chat.choices[0].logprobs.content  # type: ignore[union-attr]
+    assert chat.usage is not None and content is not None
+    assert len(content) == chat.usage.completion_tokens
+    assert all(len(c.top_logprobs) == 2 and c.bytes is not None for c in content)
+    assert content[0].top_logprobs[0].logprob >= content[0].top_logprobs[1].logprob
+    api.close()
