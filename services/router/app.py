@@ -5,11 +5,14 @@ for the caller's mistakes and 503 (with Retry-After) when the cluster has no cap
 """
 
 import asyncio
+import functools
+import itertools
 import json
 import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator, MutableMapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 import anyio
@@ -21,7 +24,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.concurrency import run_in_threadpool
 
 from pdserve.config import RouterConfig
-from pdserve.engine.request import TokenLogprob
+from pdserve.engine.request import SamplingParams, TokenLogprob
 from pdserve.errors import (
     InvalidRequestError,
     ModelNotFoundError,
@@ -148,31 +151,81 @@ def _openai_finishes(events: Iterator[Event]) -> Iterator[Event]:
 async def _serve(
     router: Router, http: Request, body: OpenAIRequest, ids: list[int], fmt: "_Format"
 ) -> Response:
+    """Run the request's choices (`n`, or `best_of` to rank) and answer in OpenAI's shapes.
+    The first choice runs alone until its first token, so that the prompt's KV is computed
+    once: the others find it in the prefix cache."""
     params = body.params()  # type: ignore[attr-defined]
     router.validate(ids, params)
     router.check_accepting()
     request_id = uuid.uuid4().hex
-    events = _timed(router.metrics, _openai_finishes(router.generate(request_id, ids, params)))
+    count = body.generations()
+    choice_ids = [request_id] if count == 1 else [f"{request_id}-{i}" for i in range(count)]
+    ranked = count > body.n
+    choice_params = [_choice_params(params, i, ranked) for i in range(count)]
+
+    def start(i: int) -> Iterator[Event]:
+        events = router.generate(choice_ids[i], ids, choice_params[i])
+        return _timed(router.metrics, _openai_finishes(events))
+
+    def abort_all() -> None:
+        for choice_id in choice_ids:
+            router.abort(choice_id)
+
+    first_events = start(0)
+    first = await run_in_threadpool(next, first_events)  # errors before the first token -> HTTP
+    streams = [itertools.chain([first], first_events), *(start(i) for i in range(1, count))]
     if body.stream:
-        first = await run_in_threadpool(next, events)  # errors before the first token -> HTTP
         state = _StreamState()
-        stream = _sse(state, first, events, fmt, request_id, body.include_usage, len(ids))
-        return _AbortingStream(stream, state, lambda: router.abort(request_id))
-    collected = await _until_done_or_disconnected(router, http, request_id, lambda: list(events))
+        sse = _sse(state, streams, fmt, request_id, body.include_usage, len(ids))
+        return _AbortingStream(sse, state, abort_all)
+    works: list[Callable[[], list[Event]]] = [functools.partial(list, s) for s in streams]
+    collected = await _until_done_or_disconnected(http, abort_all, works)
+    if ranked:
+        collected = _best(collected, body.n, keep_logprobs=params.logprobs is not None)
     return JSONResponse(fmt.complete(request_id, collected, len(ids)))
 
 
+def _choice_params(params: SamplingParams, index: int, ranked: bool) -> SamplingParams:
+    """Choice `index`'s own seed stream (seed + index), and the logprobs ranking needs."""
+    seed = None if params.seed is None else (params.seed + index) % 2**63
+    logprobs = params.logprobs if not ranked else max(params.logprobs or 0, 0)
+    return replace(params, seed=seed, logprobs=logprobs)
+
+
+def _best(choices: list[list[Event]], n: int, keep_logprobs: bool) -> list[list[Event]]:
+    """`best_of`: the `n` choices of highest cumulative logprob, best first (usage still
+    counts every choice generated: the last element carries the rest's tokens)."""
+
+    def score(events: list[Event]) -> float:
+        return sum(lp.logprob for lp in _all_logprobs(events))
+
+    ranked = sorted(choices, key=score, reverse=True)
+    best = ranked[:n]
+    if not keep_logprobs:
+        best = [[replace(e, logprobs=()) if isinstance(e, TokenDelta) else e for e in c]
+                for c in best]  # fmt: skip
+    extra = sum(_collect(c)[1].num_output_tokens for c in ranked[n:])
+    last = best[-1]
+    final = _collect(last)[1]
+    best[-1] = [*last[:-1], replace(final, num_output_tokens=final.num_output_tokens + extra)]
+    return best
+
+
 async def _until_done_or_disconnected(
-    router: Router, http: Request, request_id: str, work: Callable[[], list[Event]]
-) -> list[Event]:
-    task = asyncio.ensure_future(run_in_threadpool(work))
+    http: Request, abort: Callable[[], None], works: Sequence[Callable[[], list[Event]]]
+) -> list[list[Event]]:
+    tasks = [asyncio.ensure_future(run_in_threadpool(work)) for work in works]
     while True:
-        done, _ = await asyncio.wait({task}, timeout=0.25)
-        if done:
-            return task.result()
+        done, _ = await asyncio.wait(tasks, timeout=0.25)
+        if len(done) == len(tasks):
+            return [task.result() for task in tasks]
+        if any(task.exception() for task in done):
+            await run_in_threadpool(abort)  # one choice failed: stop the others, report it
+            await asyncio.gather(*tasks, return_exceptions=True)
+            return [task.result() for task in tasks]
         if await http.is_disconnected():
-            await run_in_threadpool(router.abort, request_id)
-            return await task
+            await run_in_threadpool(abort)
+            return [await task for task in tasks]
 
 
 def _timed(metrics: RouterMetrics, events: Iterator[Event]) -> Iterator[Event]:
@@ -218,31 +271,54 @@ class _AbortingStream(StreamingResponse):
 
 async def _sse(
     state: _StreamState,
-    first: Event,
-    events: Iterator[Event],
+    streams: list[Iterator[Event]],
     fmt: "_Format",
     request_id: str,
     include_usage: bool,
     num_prompt_tokens: int,
 ) -> AsyncIterator[bytes]:
+    """Every choice's events as they come (chunks carry the choice's index), then usage."""
+    queue: asyncio.Queue[tuple[int, Event | PdserveError | None]] = asyncio.Queue()
+
+    async def pump(index: int, events: Iterator[Event]) -> None:
+        try:
+            while True:
+                event = await run_in_threadpool(next, events, None)
+                await queue.put((index, event))
+                if event is None or isinstance(event, Finished):
+                    return
+        except PdserveError as e:
+            await queue.put((index, e))
+
+    tasks = [asyncio.ensure_future(pump(i, events)) for i, events in enumerate(streams)]
+    finals: dict[int, Finished] = {}
     try:
-        event: Event | None = first
-        for chunk in fmt.stream_start(request_id):
-            yield _data(chunk)
-        while event is not None:
-            if isinstance(event, Finished):
-                state.finished = True
-                yield _data(fmt.stream_finish(request_id, event))
-                if include_usage:
-                    yield _data(fmt.usage_chunk(request_id, event, num_prompt_tokens))
-                break
-            yield _data(fmt.stream_delta(request_id, event))
-            event = await run_in_threadpool(next, events, None)
+        starts = [c for i in range(len(streams)) if (c := fmt.choice_start(i)) is not None]
+        if starts:
+            yield _data(fmt.envelope(request_id, starts, chunk=True))
+        while len(finals) < len(streams):
+            index, item = await queue.get()
+            if isinstance(item, PdserveError):
+                raise item
+            if item is None:
+                raise PdserveError("the generation ended without a final event")
+            if isinstance(item, Finished):
+                finals[index] = item
+                yield _data(fmt.envelope(request_id, [fmt.choice_finish(index, item)], True))
+            else:
+                yield _data(fmt.envelope(request_id, [fmt.choice_delta(index, item)], True))
+        state.finished = True
+        if include_usage:
+            ordered = [finals[i] for i in sorted(finals)]
+            yield _data(fmt.usage_chunk(request_id, ordered, num_prompt_tokens))
         yield b"data: [DONE]\n\n"
     except PdserveError as e:
-        state.finished = True
+        state.finished = len(streams) == 1  # other choices may still run: the stream aborts them
         yield _data({"error": _error_body(e)[1]["error"]})
         yield b"data: [DONE]\n\n"
+    finally:
+        for task in tasks:
+            task.cancel()
 
 
 def _data(payload: dict[str, Any]) -> bytes:
@@ -250,47 +326,59 @@ def _data(payload: dict[str, Any]) -> bytes:
 
 
 class _Format:
-    """One response's shapes; holds per-response state (logprobs' text offsets)."""
+    """One response's shapes: choice dicts for deltas, finishes and whole choices, wrapped in
+    chunk or response envelopes. Holds per-choice state (logprobs' text offsets)."""
 
     object_name = ""
+    prefix = ""
 
     def __init__(self, model_id: str, tokenizer: Tokenizer) -> None:
         self.model_id = model_id
         self.tokenizer = tokenizer
         self.created = int(time.time())
-        self._text_offset = 0
+        self._text_offsets: dict[int, int] = {}
 
     def _token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
-    def envelope(self, request_id: str, choice: dict[str, Any], chunk: bool) -> dict[str, Any]:
+    def envelope(
+        self, request_id: str, choices: list[dict[str, Any]], chunk: bool
+    ) -> dict[str, Any]:
         suffix = ".chunk" if chunk else ""
         return {
             "id": f"{self.prefix}-{request_id}",
             "object": f"{self.object_name}{suffix}",
             "created": self.created,
             "model": self.model_id,
-            "choices": [{"index": 0, **choice}],
+            "choices": choices,
         }
 
-    prefix = ""
+    def choice_start(self, index: int) -> dict[str, Any] | None:
+        return None
 
-    def stream_start(self, request_id: str) -> list[dict[str, Any]]:
-        return []
-
-    def stream_delta(self, request_id: str, event: TokenDelta) -> dict[str, Any]:
+    def choice_delta(self, index: int, event: TokenDelta) -> dict[str, Any]:
         raise NotImplementedError
 
-    def stream_finish(self, request_id: str, event: Finished) -> dict[str, Any]:
+    def choice_finish(self, index: int, event: Finished) -> dict[str, Any]:
         raise NotImplementedError
 
-    def complete(self, request_id: str, events: list[Event], num_prompt: int) -> dict[str, Any]:
+    def choice_complete(self, index: int, events: list[Event]) -> dict[str, Any]:
         raise NotImplementedError
 
-    def usage_chunk(self, request_id: str, event: Finished, num_prompt: int) -> dict[str, Any]:
-        payload = self.envelope(request_id, {}, chunk=True)
-        payload["choices"] = []
-        payload["usage"] = _usage(num_prompt, event)
+    def complete(
+        self, request_id: str, choices: list[list[Event]], num_prompt: int
+    ) -> dict[str, Any]:
+        payload = self.envelope(
+            request_id, [self.choice_complete(i, e) for i, e in enumerate(choices)], chunk=False
+        )
+        payload["usage"] = _usage(num_prompt, [_collect(e)[1] for e in choices])
+        return payload
+
+    def usage_chunk(
+        self, request_id: str, finals: list[Finished], num_prompt: int
+    ) -> dict[str, Any]:
+        payload = self.envelope(request_id, [], chunk=True)
+        payload["usage"] = _usage(num_prompt, finals)
         return payload
 
 
@@ -298,27 +386,28 @@ class _CompletionFormat(_Format):
     object_name = "text_completion"
     prefix = "cmpl"
 
-    def stream_delta(self, request_id: str, event: TokenDelta) -> dict[str, Any]:
-        return self._text(request_id, event.text, None, self._logprobs(event.logprobs))
+    def choice_delta(self, index: int, event: TokenDelta) -> dict[str, Any]:
+        return _text_choice(index, event.text, None, self._logprobs(index, event.logprobs))
 
-    def stream_finish(self, request_id: str, event: Finished) -> dict[str, Any]:
-        return self._text(request_id, "", event.finish_reason, None)
+    def choice_finish(self, index: int, event: Finished) -> dict[str, Any]:
+        return _text_choice(index, "", event.finish_reason, None)
 
-    def _text(
-        self, request_id: str, text: str, reason: str | None, logprobs: dict[str, Any] | None
-    ) -> dict[str, Any]:
-        choice = {"text": text, "logprobs": logprobs, "finish_reason": reason}
-        return self.envelope(request_id, choice, False)
+    def choice_complete(self, index: int, events: list[Event]) -> dict[str, Any]:
+        text, final = _collect(events)
+        logprobs = self._logprobs(index, _all_logprobs(events))
+        return _text_choice(index, text, final.finish_reason, logprobs)
 
-    def _logprobs(self, logprobs: Sequence[TokenLogprob]) -> dict[str, Any] | None:
+    def _logprobs(self, index: int, logprobs: Sequence[TokenLogprob]) -> dict[str, Any] | None:
         """OpenAI's completions shape: tokens, token_logprobs, top_logprobs, text_offset."""
         if not logprobs:
             return None
         tokens, offsets = [], []
+        offset = self._text_offsets.get(index, 0)
         for lp in logprobs:
             tokens.append(self._token_text(lp.token_id))
-            offsets.append(self._text_offset)
-            self._text_offset += len(tokens[-1])
+            offsets.append(offset)
+            offset += len(tokens[-1])
+        self._text_offsets[index] = offset
         return {
             "tokens": tokens,
             "token_logprobs": [lp.logprob for lp in logprobs],
@@ -326,30 +415,35 @@ class _CompletionFormat(_Format):
             "text_offset": offsets,
         }
 
-    def complete(self, request_id: str, events: list[Event], num_prompt: int) -> dict[str, Any]:
-        text, final = _collect(events)
-        logprobs = self._logprobs(_all_logprobs(events))
-        payload = self._text(request_id, text, final.finish_reason, logprobs)
-        payload["usage"] = _usage(num_prompt, final)
-        return payload
+
+def _text_choice(
+    index: int, text: str, reason: str | None, logprobs: dict[str, Any] | None
+) -> dict[str, Any]:
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": reason}
 
 
 class _ChatFormat(_Format):
     object_name = "chat.completion"
     prefix = "chatcmpl"
 
-    def stream_start(self, request_id: str) -> list[dict[str, Any]]:
-        choice = {
-            "delta": {"role": "assistant", "content": ""},
-            "logprobs": None,
-            "finish_reason": None,
-        }
-        return [self.envelope(request_id, choice, chunk=True)]
+    def choice_start(self, index: int) -> dict[str, Any] | None:
+        delta = {"role": "assistant", "content": ""}
+        return {"index": index, "delta": delta, "logprobs": None, "finish_reason": None}
 
-    def stream_delta(self, request_id: str, event: TokenDelta) -> dict[str, Any]:
+    def choice_delta(self, index: int, event: TokenDelta) -> dict[str, Any]:
         logprobs = self._logprobs(event.logprobs)
-        choice = {"delta": {"content": event.text}, "logprobs": logprobs, "finish_reason": None}
-        return self.envelope(request_id, choice, chunk=True)
+        delta = {"content": event.text}
+        return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": None}
+
+    def choice_finish(self, index: int, event: Finished) -> dict[str, Any]:
+        return {"index": index, "delta": {}, "logprobs": None, "finish_reason": event.finish_reason}
+
+    def choice_complete(self, index: int, events: list[Event]) -> dict[str, Any]:
+        text, final = _collect(events)
+        message = {"role": "assistant", "content": text}
+        logprobs = self._logprobs(_all_logprobs(events))
+        return {"index": index, "message": message, "logprobs": logprobs,
+                "finish_reason": final.finish_reason}  # fmt: skip
 
     def _logprobs(self, logprobs: Sequence[TokenLogprob]) -> dict[str, Any] | None:
         """OpenAI's chat shape: per token its text, logprob, UTF-8 bytes and top alternatives."""
@@ -366,23 +460,6 @@ class _ChatFormat(_Format):
         ]
         return {"content": content, "refusal": None}
 
-    def stream_finish(self, request_id: str, event: Finished) -> dict[str, Any]:
-        choice: dict[str, Any] = {
-            "delta": {},
-            "logprobs": None,
-            "finish_reason": event.finish_reason,
-        }
-        return self.envelope(request_id, choice, chunk=True)
-
-    def complete(self, request_id: str, events: list[Event], num_prompt: int) -> dict[str, Any]:
-        text, final = _collect(events)
-        message = {"role": "assistant", "content": text}
-        logprobs = self._logprobs(_all_logprobs(events))
-        choice = {"message": message, "logprobs": logprobs, "finish_reason": final.finish_reason}
-        payload = self.envelope(request_id, choice, chunk=False)
-        payload["usage"] = _usage(num_prompt, final)
-        return payload
-
 
 def _collect(events: list[Event]) -> tuple[str, Finished]:
     final = events[-1]
@@ -395,8 +472,8 @@ def _all_logprobs(events: list[Event]) -> list[TokenLogprob]:
     return [lp for e in events if isinstance(e, TokenDelta) for lp in e.logprobs]
 
 
-def _usage(num_prompt: int, final: Finished) -> dict[str, int]:
-    completion = final.num_output_tokens
+def _usage(num_prompt: int, finals: Sequence[Finished]) -> dict[str, int]:
+    completion = sum(f.num_output_tokens for f in finals)
     return {
         "prompt_tokens": num_prompt,
         "completion_tokens": completion,

@@ -14,6 +14,7 @@ from pdserve.errors import InvalidRequestError
 
 DEFAULT_MAX_TOKENS = 16
 MAX_TOKENS_LIMIT = 2**31 - 1  # beyond any context window; the context check words the error
+MAX_CHOICES = 16  # n and best_of: each choice is a generation (and a router thread)
 
 # Sent by OpenAI SDKs and frameworks; they change nothing about the generation here.
 IGNORED_FIELDS = frozenset(
@@ -25,15 +26,13 @@ UNSUPPORTED_FIELDS = frozenset(
  "response_format", "tools", "tool_choice", "functions",
         "function_call", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
         "structured_outputs", "prediction", "modalities", "audio", "reasoning_effort",
-        "web_search_options", "use_beam_search", "length_penalty", "echo", "best_of", "suffix",
+        "web_search_options", "use_beam_search", "length_penalty", "echo", "suffix",
     }
 )  # fmt: skip
 
 
 # Values of unsupported fields that ask for nothing (clients send defaults explicitly).
-_NEUTRAL: dict[str, Any] = {
-    "best_of": 1, "echo": False, "use_beam_search": False, "length_penalty": 1,
-}  # fmt: skip
+_NEUTRAL: dict[str, Any] = {"echo": False, "use_beam_search": False, "length_penalty": 1}
 
 
 def _neutral(name: str, value: Any) -> bool:
@@ -56,7 +55,7 @@ class OpenAIRequest(BaseModel):
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     top_k: int | None = Field(default=None, ge=-1, le=2**31 - 1)  # vLLM: -1 or unset = off
-    n: int = Field(default=1, ge=1, le=128)
+    n: int = Field(default=1, ge=1, le=MAX_CHOICES)
     stream: bool = False
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = Field(default=None, max_length=64)
@@ -90,8 +89,6 @@ class OpenAIRequest(BaseModel):
         unknown = sorted(asked - UNSUPPORTED_FIELDS - allowed)
         if unknown:
             raise ValueError(f"unknown field(s): {', '.join(unknown)}")
-        if self.n != 1:
-            raise ValueError("n > 1 is not supported; send one request per completion")
         if isinstance(self.stop, list) and len(self.stop) > 4:
             raise ValueError("at most 4 stop sequences are allowed")
         for stop in [self.stop] if isinstance(self.stop, str) else self.stop or []:
@@ -106,6 +103,10 @@ class OpenAIRequest(BaseModel):
     def logprobs_wanted(self) -> int | None:
         """How many top logprobs per token the client wants (None: no logprobs)."""
         return None
+
+    def generations(self) -> int:
+        """Choices to generate (`best_of` of them are ranked down to `n`)."""
+        return self.n
 
     def sampling_params(self, max_tokens: int | None) -> SamplingParams:
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
@@ -135,9 +136,13 @@ class OpenAIRequest(BaseModel):
 class CompletionRequest(OpenAIRequest):
     prompt: str | list[int] | list[str] | list[list[int]]
     logprobs: int | None = Field(default=None, ge=0, le=20)
+    best_of: int | None = Field(default=None, ge=1, le=MAX_CHOICES)
 
     def logprobs_wanted(self) -> int | None:
         return self.logprobs
+
+    def generations(self) -> int:
+        return max(self.n, self.best_of or 1)
 
     @model_validator(mode="after")
     def _single_prompt(self) -> "CompletionRequest":
@@ -149,6 +154,10 @@ class CompletionRequest(OpenAIRequest):
             and len(prompt) != 1
         ):
             raise ValueError("a batch of prompts is not supported; send one prompt per request")
+        if self.best_of is not None and self.best_of < self.n:
+            raise ValueError("best_of must be at least n")
+        if self.stream and self.generations() > self.n:
+            raise ValueError("best_of > n cannot be streamed")
         single = self.single_prompt()
         if isinstance(single, str):
             _check_text(single, "prompt")

@@ -151,7 +151,9 @@ def error_of(response: httpx.Response) -> dict[str, object]:
         ({"model": MODEL, "prompt": "hi", "temperature": 5}, 400, "temperature"),
         ({"model": MODEL, "prompt": "hi", "top_p": 0}, 400, "top_p"),
         ({"model": MODEL, "prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
-        ({"model": MODEL, "prompt": "hi", "n": 2}, 400, "n > 1"),
+        ({"model": MODEL, "prompt": "hi", "n": 17}, 400, "n"),
+        ({"model": MODEL, "prompt": "hi", "n": 3, "best_of": 2}, 400, "best_of must be"),
+        ({"model": MODEL, "prompt": "hi", "best_of": 3, "stream": True}, 400, "streamed"),
         ({"model": MODEL, "prompt": ["a", "b"]}, 400, "batch of prompts"),
         ({"model": MODEL, "prompt": [1, 99999]}, 400, "token ids"),
         ({"model": MODEL}, 400, "prompt"),
@@ -261,6 +263,49 @@ def test_logit_bias_and_penalties_reach_prefill_and_decode(cluster: UpCluster) -
     assert penalised.status_code == 200 and penalised.json()["choices"][0]["text"] != plain
 
 
+def test_n_choices_have_their_own_seed_streams_and_share_one_prefill(
+    cluster: UpCluster, client: openai.OpenAI
+) -> None:
+    prompt = "The river, the hills and the quiet town by the sea. " * 3  # 3+ blocks; the tiny
+    # model is peaked on some prompts (every seed then samples the same text)
+
+    def computed() -> int:
+        return sum(cluster.stats(a).num_computed_tokens for a in cluster.addresses("prefill"))
+
+    before = computed()
+    first = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, n=4,
+                                      temperature=1.5, seed=11)  # fmt: skip
+    after = computed()
+    texts = [c.text for c in sorted(first.choices, key=lambda c: c.index)]
+    assert [c.index for c in sorted(first.choices, key=lambda c: c.index)] == [0, 1, 2, 3]
+    assert len(set(texts)) == 4  # each choice samples its own stream (seed + index)
+    assert first.usage is not None and first.usage.completion_tokens == 48
+    prompt_tokens = first.usage.prompt_tokens
+    assert after - before <= prompt_tokens + 3 * 16  # the others hit its KV (all but a block)
+    again = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, n=4,
+                                      temperature=1.5, seed=11)  # fmt: skip
+    assert [c.text for c in sorted(again.choices, key=lambda c: c.index)] == texts
+    stream = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=5, n=2,
+        temperature=1.0, seed=3, stream=True, stream_options={"include_usage": True},
+    )  # fmt: skip
+    chunks = list(stream)
+    finished = {c.choices[0].index for c in chunks if c.choices and c.choices[0].finish_reason}
+    assert finished == {0, 1}
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 10
+
+
+def test_best_of_keeps_the_choice_of_highest_cumulative_logprob(client: openai.OpenAI) -> None:
+    asked = {"model": MODEL, "prompt": "The river", "max_tokens": 8, "temperature": 1.0,
+             "seed": 21, "extra_body": {"ignore_eos": True}}  # fmt: skip
+    every = client.completions.create(n=3, logprobs=0, **asked)  # type: ignore[arg-type]
+    scores = {c.text: sum(c.logprobs.token_logprobs or []) for c in every.choices}  # type: ignore[union-attr]
+    best = client.completions.create(best_of=3, **asked)  # type: ignore[arg-type]
+    assert len(best.choices) == 1 and best.choices[0].logprobs is None
+    assert best.choices[0].text == max(scores, key=scores.__getitem__)
+    assert best.usage is not None and best.usage.completion_tokens == 24  # all three generated
+
+
 def test_tokenize_detokenize_and_models_report_the_context(cluster: UpCluster) -> None:
     base = cluster.router_url.removesuffix("/v1")
     tokenized = httpx.post(f"{base}/tokenize", json={"model": MODEL, "prompt": "hello there"})
@@ -314,7 +359,8 @@ def test_client_disconnect_aborts_the_request_everywhere(cluster: UpCluster) -> 
             "ignore_eos": True}  # fmt: skip
     url = f"{cluster.router_url}/completions"
     with httpx.stream("POST", url, json=body, timeout=30) as response:
-        assert next(response.iter_lines()).startswith("data: ")
+        lines = response.iter_lines()  # kept: a discarded iterator closes the connection
+        assert next(lines).startswith("data: ")
         assert cluster.stats(decode).num_running == 1
     wait_for(lambda: cluster.stats(decode).num_running == 0)
     # `nothing_left_in_flight` then checks that the router released every lease
