@@ -75,7 +75,7 @@ def create_app(router: Router, config: RouterConfig) -> FastAPI:
         """Prometheus HTTP service discovery: every endpoint of the cluster to scrape."""
         return router.scrape_targets
 
-    @app.get("/metrics")
+    @app.get("/metrics", include_in_schema=False)  # Prometheus text, not the API
     async def metrics() -> Response:
         router.export_load()
         return Response(generate_latest(router.metrics.registry), media_type=CONTENT_TYPE_LATEST)

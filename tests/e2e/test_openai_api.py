@@ -13,6 +13,8 @@ import httpx
 import openai
 import pytest
 import ray
+import schemathesis
+from hypothesis import HealthCheck, given, settings
 from pdserve_up import CLI, UpCluster, pdserve_up
 from waiting import wait_for
 
@@ -580,3 +582,37 @@ def test_scaling_adds_an_instance_that_receives_traffic(
         "prefill-0",
         "prefill-1",
     ]
+
+
+# -- fuzzing the OpenAPI document (schemathesis) -----------------------------------------------
+
+FUZZ_EXAMPLES = 100  # per operation
+# Every check but this one: cross-field limits the schema cannot state (prompt + max_tokens
+# within the context window, token ids within the vocabulary, one of prompt/messages) turn a
+# schema-valid request into a 400, rightly.
+LIMITS_NOT_IN_THE_SCHEMA = [schemathesis.checks.positive_data_acceptance]
+
+
+def test_fuzzed_requests_get_documented_answers_and_no_5xx(cluster: UpCluster) -> None:
+    """Schemathesis' checks (no 5xx, documented status codes, content types and response
+    schemas, invalid data rejected, ...) on cases generated from the router's /openapi.json."""
+    base = cluster.router_url.removesuffix("/v1")
+    schema = schemathesis.openapi.from_url(f"{base}/openapi.json")
+    cases = 0
+    for result in schema.get_all_operations():
+        operation = result.ok()
+
+        @given(case=operation.as_strategy())
+        @settings(max_examples=FUZZ_EXAMPLES, deadline=None, database=None,
+                  suppress_health_check=list(HealthCheck))  # fmt: skip
+        def check(case: schemathesis.Case) -> None:
+            nonlocal cases
+            cases += 1
+            case.call_and_validate(timeout=120, excluded_checks=LIMITS_NOT_IN_THE_SCHEMA)
+
+        check()
+    print(f"schemathesis: {cases} cases")
+    assert cases >= FUZZ_EXAMPLES * 4
+    errors = {k: v for k, v in cluster.router_metrics().items()
+              if k.startswith("pdserve_router_requests_total") and 'status="5' in k}  # fmt: skip
+    assert not errors
