@@ -8,7 +8,7 @@ through its parents), so the optimum is not understated.
 
 import heapq
 import math
-from collections.abc import Sequence
+from collections.abc import Container, Sequence
 
 from services.simulator.replay import Tally
 from services.simulator.trace import TraceRecord
@@ -27,12 +27,7 @@ def unlimited(records: Sequence[TraceRecord], block_tokens: int) -> Tally:
     seen: set[int] = set()
     tally = Tally()
     for chain, hittable in _chains(records, block_tokens):
-        hits = 0
-        for h in chain[:hittable]:
-            if h not in seen:
-                break
-            hits += 1
-        tally.add(len(chain), hits, 0)
+        tally.add(len(chain), _leading(chain[:hittable], seen), 0)
         seen.update(chain)
     return tally
 
@@ -44,12 +39,7 @@ def belady(records: Sequence[TraceRecord], block_tokens: int, capacity: int) -> 
     heap: list[tuple[float, int, int]] = []  # (-next use, -depth, hash id), lazily invalidated
     tally = Tally()
     for index, (chain, hittable) in enumerate(chains):
-        hits = 0
-        for h in chain[:hittable]:
-            if h not in cached:
-                break
-            hits += 1
-        tally.add(len(chain), hits, 0)
+        tally.add(len(chain), _leading(chain[:hittable], cached), 0)
         for depth, h in enumerate(chain):
             key = (next_use[index][depth], depth)
             cached[h] = key
@@ -59,6 +49,14 @@ def belady(records: Sequence[TraceRecord], block_tokens: int, capacity: int) -> 
             if cached.get(h) == (-far, -deep):
                 del cached[h]
     return tally
+
+
+def _leading(chain: Sequence[int], cache: Container[int]) -> int:
+    """How many leading blocks of `chain` the cache holds (a prefix hit)."""
+    for count, h in enumerate(chain):
+        if h not in cache:
+            return count
+    return len(chain)
 
 
 def _next_uses(chains: Sequence[tuple[tuple[int, ...], int]]) -> list[list[float]]:
