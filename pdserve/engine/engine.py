@@ -133,19 +133,7 @@ class LLMEngine:
             if tier is not None
             else None
         )
-        kv_cache = KVCacheManager(
-            num_blocks,
-            config.block_size,
-            enable_prefix_caching=config.enable_prefix_caching,
-            event_sink=event_sink,
-            write_back=connector,
-            eviction=make_eviction_policy(
-                config.eviction_policy,
-                num_blocks,
-                half_life_s=config.lrfu_half_life_s,
-                score_capacity=config.lrfu_score_capacity,
-            ),
-        )
+        kv_cache = _kv_cache_manager(config, num_blocks, event_sink, connector)
         scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens),
             kv_cache,
@@ -494,3 +482,25 @@ class LLMEngine:
 
 def _newest_logprob(request: Request) -> tuple[TokenLogprob, ...]:
     return () if request.last_logprob is None else (request.last_logprob,)
+
+
+def _kv_cache_manager(
+    config: EngineConfig,
+    num_blocks: int,
+    event_sink: KVEventSink | None,
+    connector: StorageConnector | None,
+) -> KVCacheManager:
+    eviction = make_eviction_policy(
+        config.eviction_policy,
+        num_blocks,
+        half_life_s=config.lrfu_half_life_s,
+        score_capacity=config.lrfu_score_capacity,
+    )
+    return KVCacheManager(
+        num_blocks,
+        config.block_size,
+        enable_prefix_caching=config.enable_prefix_caching,
+        event_sink=event_sink,
+        write_back=connector,
+        eviction=eviction,
+    )

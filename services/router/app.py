@@ -86,6 +86,31 @@ def create_app(router: Router, config: RouterConfig) -> FastAPI:
                 "max_model_len": router.model.max_model_len}  # fmt: skip
         return {"object": "list", "data": [card]}
 
+    _add_token_endpoints(app, router)
+
+    @app.post("/v1/completions", response_model=None, responses=ERROR_RESPONSES)
+    async def completions(body: CompletionRequest, http: Request) -> Response:
+        router.check_model(body.model)
+        prompt = body.single_prompt()
+        ids = router.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
+        fmt = _CompletionFormat(router.model_id, router.model.tokenizer)
+        return await _serve(router, http, body, ids, fmt)
+
+    @app.post("/v1/chat/completions", response_model=None, responses=ERROR_RESPONSES)
+    async def chat(body: ChatCompletionRequest, http: Request) -> Response:
+        router.check_model(body.model)
+        ids = router.tokenize_chat(body.chat_messages())
+        return await _serve(
+            router, http, body, ids, _ChatFormat(router.model_id, router.model.tokenizer)
+        )
+
+    app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
+    return app
+
+
+def _add_token_endpoints(app: FastAPI, router: Router) -> None:
+    """vLLM's `/tokenize` and `/detokenize`."""
+
     @app.post("/tokenize", responses=ERROR_RESPONSES)
     async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
         if body.model is not None:
@@ -107,25 +132,6 @@ def create_app(router: Router, config: RouterConfig) -> FastAPI:
         if any(not 0 <= t < router.model.vocab_size for t in body.tokens):
             raise InvalidRequestError(f"token ids must be in [0, {router.model.vocab_size})")
         return {"prompt": router.model.tokenizer.decode(body.tokens)}
-
-    @app.post("/v1/completions", response_model=None, responses=ERROR_RESPONSES)
-    async def completions(body: CompletionRequest, http: Request) -> Response:
-        router.check_model(body.model)
-        prompt = body.single_prompt()
-        ids = router.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
-        fmt = _CompletionFormat(router.model_id, router.model.tokenizer)
-        return await _serve(router, http, body, ids, fmt)
-
-    @app.post("/v1/chat/completions", response_model=None, responses=ERROR_RESPONSES)
-    async def chat(body: ChatCompletionRequest, http: Request) -> Response:
-        router.check_model(body.model)
-        ids = router.tokenize_chat(body.chat_messages())
-        return await _serve(
-            router, http, body, ids, _ChatFormat(router.model_id, router.model.tokenizer)
-        )
-
-    app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
-    return app
 
 
 def _openapi(app: FastAPI) -> dict[str, Any]:

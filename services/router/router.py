@@ -309,11 +309,7 @@ class Router:
                     raise  # the caller's mistake, or stopped on purpose: not retried
                 except PdserveError as e:
                     failure = e
-                    self.metrics.retries.inc()
-                    excluded |= self._blame(e, prefill, decode)
-                    logger.warning("request %s attempt %d on %s -> %s failed: %s",
-                                   request_id, attempt, prefill, decode, e)  # fmt: skip
-                    self._release(request_id)
+                    excluded |= self._failed_attempt(e, request_id, attempt, prefill, decode)
                     time.sleep(backoff)
                     backoff *= 2
                     continue
@@ -409,6 +405,17 @@ class Router:
             self._unhealthy_until[address] = now + UNHEALTHY_COOLDOWN_S
         if isinstance(error, InstanceUnavailableError):
             self.on_unreachable()
+        return blamed
+
+    def _failed_attempt(
+        self, error: PdserveError, request_id: str, attempt: int, prefill: str, decode: str | None
+    ) -> set[str]:
+        """Count, blame and log a failure before the first token; returns who to avoid."""
+        self.metrics.retries.inc()
+        blamed = self._blame(error, prefill, decode)
+        logger.warning("request %s attempt %d on %s -> %s failed: %s",
+                       request_id, attempt, prefill, decode, error)  # fmt: skip
+        self._release(request_id)
         return blamed
 
     def _lost_stream(self, error: PdserveError, streaming: str) -> str:
