@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from pdserve.engine.request import Request
 from pdserve.engine.storage_connector import StorageConnector
-from pdserve.kvcache.manager import KVCacheManager
+from pdserve.kvcache.manager import NO_MATCH, KVCacheManager, PrefixMatch
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,7 +36,7 @@ class PromptAdmission:
 
     def device_hit_blocks(self, request: Request) -> int:
         """Blocks of the request's prefix in the device cache now (no side effects)."""
-        return len(self.kv_cache.match_prefix(request).block_ids)
+        return len(self._match(request).block_ids)
 
     def admit(
         self,
@@ -52,9 +52,11 @@ class PromptAdmission:
         changing nothing, when the pool is too short.
         """
         kv = self.kv_cache
-        prefix = kv.match_prefix(request)
+        prefix = self._match(request)
         device_blocks = len(prefix.block_ids)
-        staged = self.storage.num_usable(request, device_blocks) if self.storage else 0
+        staged = 0
+        if self.storage is not None and _reuses_kv(request):
+            staged = self.storage.num_usable(request, device_blocks)
         computed = prefix.num_tokens + staged * kv.block_size
         remaining = request.num_tokens - computed
         target = computed + (remaining if token_budget is None else min(remaining, token_budget))
@@ -68,7 +70,16 @@ class PromptAdmission:
         request.num_computed_tokens = computed
         return Admission(prefix.num_tokens, staged * kv.block_size, tuple(table))
 
+    def _match(self, request: Request) -> PrefixMatch:
+        return self.kv_cache.match_prefix(request) if _reuses_kv(request) else NO_MATCH
+
     def num_blocks_needed(self, request: Request) -> int:
         """Free blocks `admit(request)` would take (for refusal messages)."""
-        prefix = self.kv_cache.match_prefix(request)
+        prefix = self._match(request)
         return self.kv_cache.num_blocks_to_allocate(request, request.num_tokens, prefix)
+
+
+def _reuses_kv(request: Request) -> bool:
+    """Whether cached KV may stand in for computing the prompt: not when the request wants
+    every prompt position's logprobs (only a forward pass gives them)."""
+    return request.sampling_params.prompt_logprobs is None

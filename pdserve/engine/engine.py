@@ -63,6 +63,7 @@ class RequestOutput:
     num_cached_tokens: int  # prompt tokens not computed here: device + storage hits
     error: str | None = None  # set on the final output of a request its engine step failed
     new_logprobs: tuple[TokenLogprob, ...] = ()  # of new_token_ids, when the request asks
+    prompt_logprobs: tuple[TokenLogprob, ...] = ()  # prompt tokens 1.., on the first output
 
 
 @dataclass(frozen=True, slots=True)
@@ -316,10 +317,13 @@ class LLMEngine:
                 start_pos=c.request.num_computed_tokens,
                 block_table=self.kv_cache.block_table(c.request.request_id),
                 needs_logits=c.completes_known_tokens,
+                all_logits=_wants_prompt_logprobs(c.request),
             )
             for c in scheduled.chunks
         ]
-        logits = self.runner.execute(chunks)
+        logits, every = self.runner.execute_all(chunks)
+        for index, position_logits in every.items():
+            _record_prompt_logprobs(scheduled.chunks[index].request, chunks[index], position_logits)
         sampling = [c.request for c in scheduled.chunks if c.completes_known_tokens]
         return self.sampler.sample_rows(logits, sampling)
 
@@ -380,6 +384,7 @@ class LLMEngine:
             num_output_tokens=request.num_output_tokens,
             num_cached_tokens=request.num_cached_tokens,
             new_logprobs=_newest_logprob(request),
+            prompt_logprobs=_prompt_logprobs_once(request),
         )
 
     def _kv_ready(self, request: Request) -> RequestOutput:
@@ -395,6 +400,7 @@ class LLMEngine:
             num_output_tokens=request.num_output_tokens,
             num_cached_tokens=request.num_cached_tokens,
             new_logprobs=_newest_logprob(request),
+            prompt_logprobs=_prompt_logprobs_once(request),
         )
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
@@ -504,3 +510,33 @@ def _kv_cache_manager(
         write_back=connector,
         eviction=eviction,
     )
+
+
+def _prompt_logprobs_once(request: Request) -> tuple[TokenLogprob, ...]:
+    """The prompt's logprobs, on the request's first output only."""
+    return tuple(request.prompt_logprobs) if request.num_output_tokens == 1 else ()
+
+
+def _wants_prompt_logprobs(request: Request) -> bool:
+    return (
+        request.sampling_params.prompt_logprobs is not None
+        and request.num_computed_tokens < request.num_prompt_tokens
+    )
+
+
+def _record_prompt_logprobs(request: Request, chunk: SequenceChunk, logits: torch.Tensor) -> None:
+    """Logits at position p give prompt token p + 1's logprob (raw: no bias or penalty). A
+    preempted request computes its prompt again: positions already recorded are skipped."""
+    top = request.sampling_params.prompt_logprobs or 0
+    prompt = request.prompt_token_ids
+    table = torch.log_softmax(logits.float(), dim=-1)
+    for offset in range(len(chunk.token_ids)):
+        target = chunk.start_pos + offset + 1
+        if target >= len(prompt) or target != len(request.prompt_logprobs) + 1:
+            continue
+        token = prompt[target]
+        best: tuple[tuple[int, float], ...] = ()
+        if top:
+            values, ids = torch.topk(table[offset], top)
+            best = tuple(zip(ids.tolist(), values.tolist(), strict=True))
+        request.prompt_logprobs.append(TokenLogprob(token, float(table[offset, token]), best))

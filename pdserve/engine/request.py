@@ -61,6 +61,8 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # vLLM / transformers, > 0
     min_p: float = 0.0  # sampling: drop tokens below min_p x the top token's probability
     logprobs: int | None = None  # report each output token's logprob and this many top ones
+    prompt_logprobs: int | None = None  # the same for every prompt token but the first (the
+    # prompt is then computed in full: no prefix-cache or storage hit stands in for it)
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -85,8 +87,10 @@ class SamplingParams:
             raise InvalidRequestError(
                 f"repetition_penalty must be in (0, 10], got {self.repetition_penalty}"
             )
-        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
-            raise InvalidRequestError(f"logprobs must be in [0, 20], got {self.logprobs}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value <= 20:
+                raise InvalidRequestError(f"{name} must be in [0, 20], got {value}")
         if not 0.0 <= self.min_p <= 1.0:
             raise InvalidRequestError(f"min_p must be in [0, 1], got {self.min_p}")
         if len(self.logit_bias) > 300:
@@ -155,6 +159,7 @@ class Request:
     arrival_order: int = field(default_factory=lambda: next(_arrival_counter))
     block_hashes: list[BlockHash] = field(default_factory=list)
     last_logprob: "TokenLogprob | None" = None  # of the newest output token, when asked for
+    prompt_logprobs: list["TokenLogprob"] = field(default_factory=list)  # tokens 1.. of the prompt
     _all_token_ids: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:

@@ -34,6 +34,8 @@ def sampling_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
         message.top_k = params.top_k
     if params.logprobs is not None:
         message.logprobs = params.logprobs
+    if params.prompt_logprobs is not None:
+        message.prompt_logprobs = params.prompt_logprobs
     if params.seed is not None:
         message.seed = params.seed
     return message
@@ -58,6 +60,7 @@ def sampling_from_proto(message: common_pb2.SamplingParams) -> SamplingParams:
         repetition_penalty=message.repetition_penalty or 1.0,
         min_p=message.min_p,
         logprobs=message.logprobs if message.HasField("logprobs") else None,
+        prompt_logprobs=message.prompt_logprobs if message.HasField("prompt_logprobs") else None,
     )
 
 
@@ -79,6 +82,7 @@ def token_replies(output: RequestOutput) -> list[common_pb2.TokenReply]:
                 token_ids=list(output.new_token_ids),
                 text=output.new_text,
                 logprobs=[logprob_to_proto(lp) for lp in output.new_logprobs],
+                prompt_logprobs=[logprob_to_proto(lp) for lp in output.prompt_logprobs],
             )
         )
     ]

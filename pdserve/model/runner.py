@@ -25,6 +25,7 @@ class SequenceChunk:
     start_pos: int  # tokens of this sequence already in the KV cache
     block_table: Sequence[int]  # covers at least start_pos + len(token_ids) tokens
     needs_logits: bool  # compute logits for the last token (end of prefill, or decode)
+    all_logits: bool = False  # also every position's (prompt logprobs)
 
 
 def kv_cache_shape(model: CausalLM, num_blocks: int, block_size: int) -> tuple[int, ...]:
@@ -116,15 +117,28 @@ class ModelRunner:
             self.segment.unlink()
             self.segment = None
 
-    @torch.inference_mode()
     def execute(self, chunks: Sequence[SequenceChunk]) -> torch.Tensor:
         """Write the chunks' KV into their slots and return fp32 logits `[n, vocab]` for the
         chunks with `needs_logits`, in order. Mutates the KV cache slots of the new tokens only."""
+        return self.execute_all(chunks)[0]
+
+    @torch.inference_mode()
+    def execute_all(
+        self, chunks: Sequence[SequenceChunk]
+    ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """`execute`, plus fp32 logits `[len(tokens), vocab]` at every position of each chunk
+        with `all_logits` (by chunk index)."""
         input_ids, positions, meta = self._prepare(chunks)
         hidden = self.model(input_ids, positions, self.kv_cache, meta)
         ends = torch.tensor(meta.query_lens, device=self.device).cumsum(0) - 1
         wanted = torch.tensor([c.needs_logits for c in chunks], device=self.device)
-        return self.model.compute_logits(hidden[ends[wanted]])
+        every: dict[int, torch.Tensor] = {}
+        start = 0
+        for index, (chunk, length) in enumerate(zip(chunks, meta.query_lens, strict=True)):
+            if chunk.all_logits:
+                every[index] = self.model.compute_logits(hidden[start : start + length])
+            start += length
+        return self.model.compute_logits(hidden[ends[wanted]]), every
 
     def _prepare(
         self, chunks: Sequence[SequenceChunk]

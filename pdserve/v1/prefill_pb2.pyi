@@ -3,8 +3,10 @@
 isort:skip_file
 The prefill instance: computes a prompt's KV and hands it to a decode instance."""
 
+from collections import abc as _abc
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
+from google.protobuf.internal import containers as _containers
 from pdserve.v1 import common_pb2 as _common_pb2
 import builtins as _builtins
 import sys
@@ -91,6 +93,7 @@ class PrefillResult(_message.Message):
     KV_BYTES_SENT_FIELD_NUMBER: _builtins.int
     TIMINGS_FIELD_NUMBER: _builtins.int
     TRANSPORT_FIELD_NUMBER: _builtins.int
+    PROMPT_LOGPROBS_FIELD_NUMBER: _builtins.int
     first_token_id: _builtins.int
     num_prompt_tokens: _builtins.int
     num_cached_tokens: _builtins.int
@@ -103,6 +106,10 @@ class PrefillResult(_message.Message):
     """grpc | shm | mooncake; empty when nothing was sent"""
     @_builtins.property
     def timings(self) -> Global___PrefillTimings: ...
+    @_builtins.property
+    def prompt_logprobs(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprob]:
+        """prompt tokens 1.., when the request asked"""
+
     def __init__(
         self,
         *,
@@ -114,10 +121,11 @@ class PrefillResult(_message.Message):
         kv_bytes_sent: _builtins.int = ...,
         timings: Global___PrefillTimings | None = ...,
         transport: _builtins.str = ...,
+        prompt_logprobs: _abc.Iterable[_common_pb2.TokenLogprob] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["timings", b"timings"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["first_token_id", b"first_token_id", "kv_blocks_sent", b"kv_blocks_sent", "kv_bytes_sent", b"kv_bytes_sent", "num_cached_tokens", b"num_cached_tokens", "num_decode_cached_tokens", b"num_decode_cached_tokens", "num_prompt_tokens", b"num_prompt_tokens", "timings", b"timings", "transport", b"transport"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["first_token_id", b"first_token_id", "kv_blocks_sent", b"kv_blocks_sent", "kv_bytes_sent", b"kv_bytes_sent", "num_cached_tokens", b"num_cached_tokens", "num_decode_cached_tokens", b"num_decode_cached_tokens", "num_prompt_tokens", b"num_prompt_tokens", "prompt_logprobs", b"prompt_logprobs", "timings", b"timings", "transport", b"transport"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

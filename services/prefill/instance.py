@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 from pdserve.config import EngineConfig, PrefillConfig, StorageConfig, TransferConfig
 from pdserve.engine.engine import LLMEngine, RequestOutput
-from pdserve.engine.request import Request, RequestStatus, SamplingParams
+from pdserve.engine.request import Request, RequestStatus, SamplingParams, TokenLogprob
 from pdserve.errors import (
     DecodeUnavailableError,
     InstanceUnavailableError,
@@ -62,6 +62,7 @@ class PrefillOutcome:
     bytes_sent: int
     timings: PrefillTimings = field(default_factory=PrefillTimings)
     transport: str = ""  # how the KV went to decode (empty: decode held every block)
+    prompt_logprobs: tuple[TokenLogprob, ...] = ()  # when the request asked for them
 
 
 @dataclass(frozen=True, slots=True)
@@ -232,6 +233,7 @@ class PrefillInstance:
         if not output.kv_ready:
             raise RequestAbortedError(f"request {request.request_id} was aborted")
         outcome.num_cached_tokens = output.num_cached_tokens
+        outcome.prompt_logprobs = output.prompt_logprobs
         done = time.perf_counter()
         scheduled = request.first_scheduled_at or queued
         outcome.timings.queue_s = max(0.0, scheduled - queued)

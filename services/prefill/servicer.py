@@ -6,7 +6,7 @@ import grpc
 
 from pdserve.config import EngineConfig, PrefillConfig, StorageConfig, TransferConfig
 from pdserve.errors import InvalidRequestError, PdserveError
-from pdserve.instance.convert import sampling_from_proto
+from pdserve.instance.convert import logprob_to_proto, sampling_from_proto
 from pdserve.rpc.status import abort_with
 from pdserve.rpc.tls import TlsFiles
 from pdserve.v1 import prefill_pb2, prefill_pb2_grpc
@@ -61,6 +61,7 @@ def _result(outcome: PrefillOutcome) -> prefill_pb2.PrefillResult:
         kv_blocks_sent=outcome.blocks_sent,
         kv_bytes_sent=outcome.bytes_sent,
         transport=outcome.transport,
+        prompt_logprobs=[logprob_to_proto(lp) for lp in outcome.prompt_logprobs],
         timings=prefill_pb2.PrefillTimings(
             reserve_s=t.reserve_s,
             queue_s=t.queue_s,

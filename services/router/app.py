@@ -12,7 +12,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator, MutableMapping, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import anyio
@@ -94,6 +94,9 @@ def create_app(router: Router, config: RouterConfig) -> FastAPI:
         prompt = body.single_prompt()
         ids = router.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
         fmt = _CompletionFormat(router.model_id, router.model.tokenizer)
+        if body.echo:
+            text = prompt if isinstance(prompt, str) else router.model.tokenizer.decode(ids)
+            fmt.echo = _Echo(ids[0], text, body.prompt_only)
         return await _serve(router, http, body, ids, fmt)
 
     @app.post("/v1/chat/completions", response_model=None, responses=ERROR_RESPONSES)
@@ -388,36 +391,101 @@ class _Format:
         return payload
 
 
+@dataclass(frozen=True, slots=True)
+class _Echo:
+    """`echo`: the prompt goes before each choice's completion (with its logprobs: the first
+    token has none); `prompt_only` (`max_tokens: 0`): nothing generated is shown."""
+
+    first_token: int
+    text: str
+    prompt_only: bool
+
+
 class _CompletionFormat(_Format):
     object_name = "text_completion"
     prefix = "cmpl"
+    echo: _Echo | None = None
 
     def choice_delta(self, index: int, event: TokenDelta) -> dict[str, Any]:
-        return _text_choice(index, event.text, None, self._logprobs(index, event.logprobs))
+        text, logprobs = self._shown(event.text, event.logprobs)
+        if self.echo is not None and index not in self._text_offsets:  # its first delta
+            text = self.echo.text + text
+            prompt = self._prompt_entries(event.prompt_logprobs)
+            return _text_choice(index, text, None, self._logprobs(index, logprobs, prompt))
+        return _text_choice(index, text, None, self._logprobs(index, logprobs))
 
     def choice_finish(self, index: int, event: Finished) -> dict[str, Any]:
-        return _text_choice(index, "", event.finish_reason, None)
+        reason = (
+            "length" if self.echo is not None and self.echo.prompt_only else event.finish_reason
+        )
+        return _text_choice(index, "", reason, None)
 
     def choice_complete(self, index: int, events: list[Event]) -> dict[str, Any]:
         text, final = _collect(events)
-        logprobs = self._logprobs(index, _all_logprobs(events))
-        return _text_choice(index, text, final.finish_reason, logprobs)
+        text, logprobs = self._shown(text, _all_logprobs(events))
+        prompt = None
+        if self.echo is not None:
+            text = self.echo.text + text
+            first = next((e for e in events if isinstance(e, TokenDelta)), None)
+            prompt = self._prompt_entries(first.prompt_logprobs if first else ())
+        reason = self.choice_finish(index, final)["finish_reason"]
+        return _text_choice(index, text, reason, self._logprobs(index, logprobs, prompt))
 
-    def _logprobs(self, index: int, logprobs: Sequence[TokenLogprob]) -> dict[str, Any] | None:
+    def complete(
+        self, request_id: str, choices: list[list[Event]], num_prompt: int
+    ) -> dict[str, Any]:
+        payload = super().complete(request_id, choices, num_prompt)
+        if self.echo is not None and self.echo.prompt_only:  # the one token run is not shown
+            payload["usage"] = {"prompt_tokens": num_prompt, "completion_tokens": 0,
+                                "total_tokens": num_prompt}  # fmt: skip
+        return payload
+
+    def _shown(
+        self, text: str, logprobs: Sequence[TokenLogprob]
+    ) -> tuple[str, Sequence[TokenLogprob]]:
+        if self.echo is not None and self.echo.prompt_only:
+            return "", ()
+        return text, logprobs
+
+    def _prompt_entries(
+        self, logprobs: Sequence[TokenLogprob]
+    ) -> list[tuple[int, float | None, dict[str, float] | None]] | None:
+        """The echoed prompt's (token, logprob, top) entries; None when not asked for."""
+        if self.echo is None or not logprobs:
+            return None
+        entries: list[tuple[int, float | None, dict[str, float] | None]] = [
+            (self.echo.first_token, None, None)
+        ]
+        for lp in logprobs:
+            entries.append((lp.token_id, lp.logprob, {self._token_text(t): v for t, v in lp.top}))
+        return entries
+
+    def _logprobs(
+        self,
+        index: int,
+        logprobs: Sequence[TokenLogprob],
+        prompt: list[tuple[int, float | None, dict[str, float] | None]] | None = None,
+    ) -> dict[str, Any] | None:
         """OpenAI's completions shape: tokens, token_logprobs, top_logprobs, text_offset."""
-        if not logprobs:
+        entries = list(prompt or [])
+        entries += [
+            (lp.token_id, lp.logprob, {self._token_text(t): v for t, v in lp.top})
+            for lp in logprobs
+        ]
+        offset = self._text_offsets.get(index, 0)
+        if not entries:
+            self._text_offsets[index] = offset
             return None
         tokens, offsets = [], []
-        offset = self._text_offsets.get(index, 0)
-        for lp in logprobs:
-            tokens.append(self._token_text(lp.token_id))
+        for token_id, _, _ in entries:
+            tokens.append(self._token_text(token_id))
             offsets.append(offset)
             offset += len(tokens[-1])
         self._text_offsets[index] = offset
         return {
             "tokens": tokens,
-            "token_logprobs": [lp.logprob for lp in logprobs],
-            "top_logprobs": [{self._token_text(t): v for t, v in lp.top} for lp in logprobs],
+            "token_logprobs": [value for _, value, _ in entries],
+            "top_logprobs": [top for _, _, top in entries],
             "text_offset": offsets,
         }
 

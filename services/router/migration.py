@@ -38,6 +38,7 @@ class Transcript:
             self.params,
             max_tokens=self.params.max_tokens - done,
             output_offset=self.params.output_offset + done,
+            prompt_logprobs=None,  # the client has them (they rode on the first delta)
         )
         return self.prompt + self.token_ids, params
 

@@ -5,6 +5,7 @@ Every field is either implemented or rejected with a 400 that names it, except t
 strings must be valid Unicode (a lone surrogate is a 400, not a tokenizer crash).
 """
 
+from dataclasses import replace
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -26,13 +27,13 @@ UNSUPPORTED_FIELDS = frozenset(
  "response_format", "tools", "tool_choice", "functions",
         "function_call", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
         "structured_outputs", "prediction", "modalities", "audio", "reasoning_effort",
-        "web_search_options", "use_beam_search", "length_penalty", "echo", "suffix",
+        "web_search_options", "use_beam_search", "length_penalty", "suffix",
     }
 )  # fmt: skip
 
 
 # Values of unsupported fields that ask for nothing (clients send defaults explicitly).
-_NEUTRAL: dict[str, Any] = {"echo": False, "use_beam_search": False, "length_penalty": 1}
+_NEUTRAL: dict[str, Any] = {"use_beam_search": False, "length_penalty": 1}
 
 
 def _neutral(name: str, value: Any) -> bool:
@@ -137,6 +138,14 @@ class CompletionRequest(OpenAIRequest):
     prompt: str | list[int] | list[str] | list[list[int]]
     logprobs: int | None = Field(default=None, ge=0, le=20)
     best_of: int | None = Field(default=None, ge=1, le=MAX_CHOICES)
+    echo: bool = False  # the prompt (and, with logprobs, its logprobs) before the completion
+    max_tokens: int | None = Field(default=None, ge=0, le=MAX_TOKENS_LIMIT)  # 0: with echo
+
+    @property
+    def prompt_only(self) -> bool:
+        """`echo` with `max_tokens: 0`: the prompt's logprobs, nothing generated (how
+        evaluation harnesses score log-likelihoods)."""
+        return self.echo and self.max_tokens == 0
 
     def logprobs_wanted(self) -> int | None:
         return self.logprobs
@@ -154,6 +163,8 @@ class CompletionRequest(OpenAIRequest):
             and len(prompt) != 1
         ):
             raise ValueError("a batch of prompts is not supported; send one prompt per request")
+        if self.max_tokens == 0 and not self.echo:
+            raise ValueError("max_tokens must be at least 1 (0 only with echo)")
         if self.best_of is not None and self.best_of < self.n:
             raise ValueError("best_of must be at least n")
         if self.stream and self.generations() > self.n:
@@ -170,7 +181,10 @@ class CompletionRequest(OpenAIRequest):
         return prompt  # type: ignore[return-value]
 
     def params(self) -> SamplingParams:
-        return self.sampling_params(self.max_tokens)
+        params = self.sampling_params(1 if self.prompt_only else self.max_tokens)
+        if self.echo and self.logprobs is not None:
+            params = replace(params, prompt_logprobs=self.logprobs)
+        return params
 
 
 class ChatMessage(BaseModel):

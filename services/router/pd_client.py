@@ -35,6 +35,7 @@ class TokenDelta:
     token_ids: tuple[int, ...]
     text: str
     logprobs: tuple[TokenLogprob, ...] = ()  # one per token id, when the request asked
+    prompt_logprobs: tuple[TokenLogprob, ...] = ()  # prompt tokens 1.., on the first delta
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,11 +138,18 @@ class PDClient:
 def _read_tokens(
     stream: TokenStream, prefill: prefill_pb2.PrefillResult | None
 ) -> Iterator[TokenDelta | Finished]:
-    """Token replies as events; raises the typed error of an error reply or a broken stream."""
+    """Token replies as events; raises the typed error of an error reply or a broken stream.
+    The prompt's logprobs (from prefill's result, or a mixed instance's first chunk) ride on
+    the first delta."""
+    prompt = prefill.prompt_logprobs if prefill is not None else ()
     for reply in stream:
         if isinstance(reply, common_pb2.TokenChunk):
             logprobs = tuple(logprob_from_proto(lp) for lp in reply.logprobs)
-            yield TokenDelta(tuple(reply.token_ids), reply.text, logprobs)
+            prompt_logprobs = tuple(
+                logprob_from_proto(lp) for lp in prompt or reply.prompt_logprobs
+            )
+            prompt = ()
+            yield TokenDelta(tuple(reply.token_ids), reply.text, logprobs, prompt_logprobs)
         else:
             yield Finished(
                 FINISH_REASON_NAMES.get(reply.finish_reason, "unknown"),

@@ -154,7 +154,7 @@ def test_a_failed_step_ends_a_mixed_stream_with_step_failed_and_the_instance_ser
     params = SamplingParams(max_tokens=3, ignore_eos=True)
     try:
         runner = instance.runtime.engine.runner
-        execute = runner.execute
+        execute = runner.execute_all
         failures = [RuntimeError("injected fault")]
 
         def faulty(chunks: object) -> object:  # the model runner fails once
@@ -162,7 +162,7 @@ def test_a_failed_step_ends_a_mixed_stream_with_step_failed_and_the_instance_ser
                 raise failures.pop()
             return execute(chunks)  # type: ignore[arg-type]
 
-        runner.execute = faulty  # type: ignore[method-assign,assignment]
+        runner.execute_all = faulty  # type: ignore[method-assign,assignment]
         with pytest.raises(StepFailedError, match="injected fault"):
             list(client.generate_mixed(address, [5] * 20, params, "faulted"))
         events = list(client.generate_mixed(address, [5] * 20, params, "after"))

@@ -107,3 +107,36 @@ def test_openai_shapes_for_completions_and_chat_streaming_or_not(
     assert all(len(c.top_logprobs) == 2 and c.bytes is not None for c in content)
     assert content[0].top_logprobs[0].logprob >= content[0].top_logprobs[1].logprob
     api.close()
+
+
+def test_echo_returns_the_prompt_logprobs_computed_on_prefill(
+    pd: tuple[PDClient, str, str, RunningRouter], tiny_model_dir: Path
+) -> None:
+    """`echo` + `logprobs` + `max_tokens: 0` (how lm-eval scores log-likelihoods): the prompt's
+    per-token logprobs (the first token's null), equal to transformers' log_softmax, nothing
+    generated; the prompt is computed in full even when it is cached."""
+    *_, router = pd
+    api = openai.OpenAI(base_url=f"{router.url}/v1", api_key="unused", max_retries=0)
+    model = hf_model(tiny_model_dir)
+    with torch.no_grad():
+        table = torch.log_softmax(model(torch.tensor([PROMPT])).logits[0].float(), -1)
+    expected = [None] + [float(table[i - 1, PROMPT[i]]) for i in range(1, len(PROMPT))]
+    for _ in range(2):  # the second time the prompt is in the prefix cache
+        done = api.completions.create(model="tiny", prompt=PROMPT, max_tokens=0, echo=True,
+                                      logprobs=2, temperature=0)  # fmt: skip
+        lp = done.choices[0].logprobs
+        assert lp is not None and lp.token_logprobs is not None and lp.top_logprobs is not None
+        assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+        assert all(abs(a - b) < 1e-4 for a, b in zip(lp.token_logprobs[1:], expected[1:],
+                                                      strict=True))  # fmt: skip
+        assert all(len(t) == 2 for t in lp.top_logprobs[1:])
+        assert done.usage is not None and done.usage.completion_tokens == 0
+        assert done.choices[0].finish_reason == "length"
+    text = api.completions.create(model="tiny", prompt="Hello there", max_tokens=3, echo=True,
+                                  temperature=0, extra_body={"ignore_eos": True})  # fmt: skip
+    assert text.choices[0].text.startswith("Hello there") and len(text.choices[0].text) > 11
+    chunks = list(api.completions.create(model="tiny", prompt="Hello there", max_tokens=3,
+                                         echo=True, temperature=0, stream=True,
+                                         extra_body={"ignore_eos": True}))  # fmt: skip
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == text.choices[0].text
+    api.close()

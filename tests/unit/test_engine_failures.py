@@ -42,16 +42,18 @@ class FailingRunner:
     """Wraps the engine's runner: the next `failures` forward passes raise `error`."""
 
     def __init__(self, engine: LLMEngine, error: Exception, failures: int = 1) -> None:
-        self.execute = engine.runner.execute
+        self.execute_all = engine.runner.execute_all
         self.error, self.failures, self.batches = error, failures, 0
-        engine.runner.execute = self  # type: ignore[method-assign]
+        engine.runner.execute_all = self  # type: ignore[method-assign]
 
-    def __call__(self, chunks: Sequence[SequenceChunk]) -> torch.Tensor:
+    def __call__(
+        self, chunks: Sequence[SequenceChunk]
+    ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
         self.batches += 1
         if self.failures > 0:
             self.failures -= 1
             raise self.error
-        return self.execute(chunks)
+        return self.execute_all(chunks)
 
 
 def run(engine: LLMEngine) -> dict[str, list[object]]:
