@@ -11,6 +11,7 @@ import torch
 from pdserve.config import EngineConfig
 from pdserve.engine.admission import Admission, PromptAdmission
 from pdserve.engine.detokenizer import IncrementalDetokenizer
+from pdserve.engine.grammar import Grammars
 from pdserve.engine.request import Request, RequestStatus, SamplingParams, TokenLogprob
 from pdserve.engine.sampler import Sampler
 from pdserve.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
@@ -101,6 +102,9 @@ class LLMEngine:
         self.hasher = BlockHasher.for_model(kv_cache.block_size, loaded.model_tag)
         self.max_model_len = min(loaded.max_model_len, kv_cache.num_blocks * kv_cache.block_size)
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self.grammars = Grammars(
+            loaded.tokenizer, loaded.config.vocab_size, loaded.eos_token_ids
+        )  # compiled on first use (xgrammar is imported only then)
 
     @classmethod
     def from_config(
@@ -159,7 +163,7 @@ class LLMEngine:
         token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         self._validate_prompt(token_ids)
         params = params or SamplingParams()
-        return Request(
+        request = Request(
             request_id=request_id or uuid.uuid4().hex,
             prompt_token_ids=tuple(token_ids),
             sampling_params=params,
@@ -167,6 +171,11 @@ class LLMEngine:
             eos_token_ids=() if params.ignore_eos else self.loaded.eos_token_ids,
             prefill_only=prefill_only,
         )
+        if params.structured is not None:
+            request.grammar = self.grammars.matcher(*params.structured)
+            for token in token_ids[len(token_ids) - params.output_offset :]:
+                request.grammar.accept_token(token)  # a migrated request's earlier output
+        return request
 
     def add_request(
         self,
@@ -354,6 +363,8 @@ class LLMEngine:
         params = request.sampling_params
         if token in params.stop_token_ids or token in request.eos_token_ids:
             return RequestStatus.FINISHED_STOPPED
+        if request.grammar is not None and request.grammar.is_terminated():
+            return RequestStatus.FINISHED_STOPPED  # the grammar is complete
         if (
             request.num_output_tokens >= params.max_tokens
             or request.num_tokens >= self.max_model_len

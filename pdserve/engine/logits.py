@@ -10,7 +10,7 @@ prompt: it counts as output here.
 """
 
 from collections.abc import Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -31,6 +31,9 @@ class SamplingRow(Protocol):
 
     @property
     def eos_token_ids(self) -> Sequence[int]: ...
+
+    @property
+    def grammar(self) -> Any: ...
 
 
 @torch.inference_mode()

@@ -5,6 +5,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import IntEnum
+from typing import Any
 
 from pdserve.errors import InvalidRequestError
 from pdserve.kvcache.hashing import BlockHash, BlockHasher
@@ -38,6 +39,9 @@ _FINISH_REASONS = {
 }
 
 
+GRAMMAR_KINDS = ("json", "json_schema", "regex", "choice")  # pdserve.engine.grammar
+
+
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
     """How to pick tokens and when to stop. Validated on construction (InvalidRequestError)."""
@@ -63,6 +67,8 @@ class SamplingParams:
     logprobs: int | None = None  # report each output token's logprob and this many top ones
     prompt_logprobs: int | None = None  # the same for every prompt token but the first (the
     # prompt is then computed in full: no prefix-cache or storage hit stands in for it)
+    structured: tuple[str, str] | None = None  # (kind, spec): output follows this grammar
+    # (pdserve.engine.grammar: json, json_schema, regex, choice)
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -91,6 +97,10 @@ class SamplingParams:
             value = getattr(self, name)
             if value is not None and not 0 <= value <= 20:
                 raise InvalidRequestError(f"{name} must be in [0, 20], got {value}")
+        if self.structured is not None and self.structured[0] not in GRAMMAR_KINDS:
+            raise InvalidRequestError(
+                f"structured output kind must be one of {GRAMMAR_KINDS}, got {self.structured[0]!r}"
+            )
         if not 0.0 <= self.min_p <= 1.0:
             raise InvalidRequestError(f"min_p must be in [0, 1], got {self.min_p}")
         if len(self.logit_bias) > 300:
@@ -159,6 +169,7 @@ class Request:
     arrival_order: int = field(default_factory=lambda: next(_arrival_counter))
     block_hashes: list[BlockHash] = field(default_factory=list)
     last_logprob: "TokenLogprob | None" = None  # of the newest output token, when asked for
+    grammar: Any = None  # an xgrammar matcher when the request has `structured`
     prompt_logprobs: list["TokenLogprob"] = field(default_factory=list)  # tokens 1.. of the prompt
     _all_token_ids: list[int] = field(default_factory=list)
 
@@ -200,6 +211,8 @@ class Request:
         return True
 
     def append_output_token(self, token_id: int, logprob: "TokenLogprob | None" = None) -> None:
+        if self.grammar is not None and not self.grammar.is_terminated():
+            self.grammar.accept_token(token_id)  # every output token, wherever it was sampled
         self.last_logprob = logprob
         self.output_token_ids.append(token_id)
         self._all_token_ids.append(token_id)

@@ -4,6 +4,7 @@ from collections.abc import Sequence
 
 import torch
 
+from pdserve.engine.grammar import apply_masks
 from pdserve.engine.logits import SamplingRow, adjust_logits
 from pdserve.engine.request import SamplingParams, TokenLogprob
 
@@ -28,6 +29,7 @@ class Sampler:
         """Adjust the logits as each row's request asks (`adjust_logits`), sample, and give
         the logprobs of the rows that ask for them."""
         adjust_logits(logits, rows)
+        apply_masks(logits, [r.grammar for r in rows])
         params = [r.sampling_params for r in rows]
         tokens = self.sample(logits, params, [len(r.output_token_ids) for r in rows])
         wanted = [i for i, p in enumerate(params) if p.logprobs is not None]

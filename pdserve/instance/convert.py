@@ -36,6 +36,8 @@ def sampling_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
         message.logprobs = params.logprobs
     if params.prompt_logprobs is not None:
         message.prompt_logprobs = params.prompt_logprobs
+    if params.structured is not None:
+        message.grammar_kind, message.grammar_spec = params.structured
     if params.seed is not None:
         message.seed = params.seed
     return message
@@ -61,6 +63,7 @@ def sampling_from_proto(message: common_pb2.SamplingParams) -> SamplingParams:
         min_p=message.min_p,
         logprobs=message.logprobs if message.HasField("logprobs") else None,
         prompt_logprobs=message.prompt_logprobs if message.HasField("prompt_logprobs") else None,
+        structured=(message.grammar_kind, message.grammar_spec) if message.grammar_kind else None,
     )
 
 

@@ -60,6 +60,11 @@ class Tokenizer:
         return None if token_id is None else int(token_id)
 
     @property
+    def backend(self) -> HFTokenizer:
+        """The `tokenizers` object underneath (vocabulary and decoder, for grammars)."""
+        return self._tokenizer
+
+    @property
     def eos_token_id(self) -> int | None:
         eos = self._special_tokens.get("eos_token")
         return None if eos is None else self.token_id(eos)

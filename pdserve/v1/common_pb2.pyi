@@ -129,6 +129,8 @@ class SamplingParams(_message.Message):
     MIN_P_FIELD_NUMBER: _builtins.int
     LOGPROBS_FIELD_NUMBER: _builtins.int
     PROMPT_LOGPROBS_FIELD_NUMBER: _builtins.int
+    GRAMMAR_KIND_FIELD_NUMBER: _builtins.int
+    GRAMMAR_SPEC_FIELD_NUMBER: _builtins.int
     max_tokens: _builtins.int
     temperature: _builtins.float
     """0 = greedy"""
@@ -152,6 +154,10 @@ class SamplingParams(_message.Message):
     """set: report each token's logprob and this many top ones"""
     prompt_logprobs: _builtins.int
     """the same for prompt tokens 1.. (prompt computed in full)"""
+    grammar_kind: _builtins.str
+    """structured output: json | json_schema | regex | choice; empty: none"""
+    grammar_spec: _builtins.str
+    """the schema (JSON), the regex, the choices (a JSON list)"""
     @_builtins.property
     def stop(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
     @_builtins.property
@@ -178,10 +184,12 @@ class SamplingParams(_message.Message):
         min_p: _builtins.float = ...,
         logprobs: _builtins.int | None = ...,
         prompt_logprobs: _builtins.int | None = ...,
+        grammar_kind: _builtins.str = ...,
+        grammar_spec: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_logprobs", b"_logprobs", "_prompt_logprobs", b"_prompt_logprobs", "_seed", b"_seed", "_top_k", b"_top_k", "logprobs", b"logprobs", "prompt_logprobs", b"prompt_logprobs", "seed", b"seed", "top_k", b"top_k"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_logprobs", b"_logprobs", "_prompt_logprobs", b"_prompt_logprobs", "_seed", b"_seed", "_top_k", b"_top_k", "frequency_penalty", b"frequency_penalty", "ignore_eos", b"ignore_eos", "logit_bias", b"logit_bias", "logprobs", b"logprobs", "max_tokens", b"max_tokens", "min_p", b"min_p", "min_tokens", b"min_tokens", "output_offset", b"output_offset", "presence_penalty", b"presence_penalty", "prompt_logprobs", b"prompt_logprobs", "repetition_penalty", b"repetition_penalty", "seed", b"seed", "stop", b"stop", "stop_token_ids", b"stop_token_ids", "temperature", b"temperature", "top_k", b"top_k", "top_p", b"top_p"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_logprobs", b"_logprobs", "_prompt_logprobs", b"_prompt_logprobs", "_seed", b"_seed", "_top_k", b"_top_k", "frequency_penalty", b"frequency_penalty", "grammar_kind", b"grammar_kind", "grammar_spec", b"grammar_spec", "ignore_eos", b"ignore_eos", "logit_bias", b"logit_bias", "logprobs", b"logprobs", "max_tokens", b"max_tokens", "min_p", b"min_p", "min_tokens", b"min_tokens", "output_offset", b"output_offset", "presence_penalty", b"presence_penalty", "prompt_logprobs", b"prompt_logprobs", "repetition_penalty", b"repetition_penalty", "seed", b"seed", "stop", b"stop", "stop_token_ids", b"stop_token_ids", "temperature", b"temperature", "top_k", b"top_k", "top_p", b"top_p"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__logprobs: _TypeAlias = _typing.Literal["logprobs"]  # noqa: Y015
     _WhichOneofArgType__logprobs: _TypeAlias = _typing.Literal["_logprobs", b"_logprobs"]  # noqa: Y015

@@ -5,6 +5,7 @@ Every field is either implemented or rejected with a 400 that names it, except t
 strings must be valid Unicode (a lone surrogate is a 400, not a tokenizer crash).
 """
 
+import json
 from dataclasses import replace
 from typing import Any, Literal
 
@@ -24,8 +25,7 @@ IGNORED_FIELDS = frozenset(
 # Known OpenAI / vLLM fields this server does not implement (yet): a 400 names them.
 UNSUPPORTED_FIELDS = frozenset(
     {
- "response_format", "tools", "tool_choice", "functions",
-        "function_call", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
+ "tools", "tool_choice", "functions", "function_call", "guided_grammar",
         "structured_outputs", "prediction", "modalities", "audio", "reasoning_effort",
         "web_search_options", "use_beam_search", "length_penalty", "suffix",
     }
@@ -69,6 +69,10 @@ class OpenAIRequest(BaseModel):
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     repetition_penalty: float = Field(default=1.0, gt=0.0, le=10.0)  # vLLM
     logit_bias: dict[str, float] | None = Field(default=None, max_length=300)
+    response_format: dict[str, Any] | None = None  # text | json_object | json_schema
+    guided_json: dict[str, Any] | str | None = None  # vLLM: a JSON schema
+    guided_regex: str | None = Field(default=None, max_length=10_000)  # vLLM
+    guided_choice: list[str] | None = Field(default=None, min_length=1, max_length=256)  # vLLM
 
     @field_validator("logit_bias")
     @classmethod
@@ -92,6 +96,7 @@ class OpenAIRequest(BaseModel):
             raise ValueError(f"unknown field(s): {', '.join(unknown)}")
         if isinstance(self.stop, list) and len(self.stop) > 4:
             raise ValueError("at most 4 stop sequences are allowed")
+        self.structured()  # a malformed grammar request is a 400 here
         for stop in [self.stop] if isinstance(self.stop, str) else self.stop or []:
             _check_text(stop, "stop")
         if any(not 0 <= t < 2**31 for t in self.stop_token_ids or ()):
@@ -104,6 +109,37 @@ class OpenAIRequest(BaseModel):
     def logprobs_wanted(self) -> int | None:
         """How many top logprobs per token the client wants (None: no logprobs)."""
         return None
+
+    def structured(self) -> tuple[str, str] | None:
+        """The grammar the output must follow, as (kind, spec); None: free text. Raises
+        ValueError for a malformed `response_format` or more than one grammar."""
+        asked: list[tuple[str, str]] = []
+        kind = (self.response_format or {}).get("type", "text")
+        if kind == "json_object":
+            asked.append(("json", ""))
+        elif kind == "json_schema":
+            schema = (self.response_format or {}).get("json_schema", {}).get("schema")
+            if not isinstance(schema, dict):
+                raise ValueError("response_format json_schema needs json_schema.schema, an object")
+            asked.append(("json_schema", json.dumps(schema)))
+        elif kind != "text":
+            raise ValueError("response_format type must be text, json_object or json_schema")
+        if self.guided_json is not None:
+            schema_text = (
+                self.guided_json
+                if isinstance(self.guided_json, str)
+                else json.dumps(self.guided_json)
+            )
+            asked.append(("json_schema", schema_text))
+        if self.guided_regex is not None:
+            asked.append(("regex", self.guided_regex))
+        if self.guided_choice is not None:
+            asked.append(("choice", json.dumps(self.guided_choice)))
+        if len(asked) > 1:
+            raise ValueError(
+                "give one of response_format, guided_json, guided_regex, guided_choice"
+            )
+        return asked[0] if asked else None
 
     def generations(self) -> int:
         """Choices to generate (`best_of` of them are ranked down to `n`)."""
@@ -127,6 +163,7 @@ class OpenAIRequest(BaseModel):
             repetition_penalty=self.repetition_penalty,
             min_p=self.min_p,
             logprobs=self.logprobs_wanted(),
+            structured=self.structured(),
         )
 
     @property

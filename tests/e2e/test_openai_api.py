@@ -209,7 +209,7 @@ def test_malformed_json_and_oversized_bodies_are_rejected(cluster: UpCluster) ->
 @pytest.mark.parametrize(
     ("extra", "fragment"),
     [
-        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"response_format": {"type": "yaml"}}, "response_format"),
         ({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required"},
          "not supported by this server: tools"),
         ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
