@@ -156,6 +156,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
     target.add_argument("--prefill", default="", help="with --url: prefill host:port,... (stats)")
     target.add_argument("--model", help="with --url: model id to send (default: /v1/models)")
     target.add_argument("--model-dir", help="tokenizer and vocabulary for token-id prompts (tiny)")
+    _add_cluster_arguments(parser)
+    parser.add_argument("--verbose", action="store_true", help="INFO logs of the services")
+
+
+def _add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
     cluster = parser.add_argument_group("in-process cluster (headline)")
     cluster.add_argument("--configs", default=",".join(CONFIGS), help="subset of " + str(CONFIGS))
     cluster.add_argument("--kv-fraction", type=float, default=0.5, help="prefill blocks / W")
@@ -166,8 +171,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     cluster.add_argument(
         "--load-weight",
         type=float,
-        help="what-if: PolicyConfig.load_weight for the router's policy (RouterConfig has no "
-        "such field: the benchmark swaps the router's policy object)",
+        help="what-if: router.load_weight of the clusters (default: the router's)",
     )
     cluster.add_argument("--balance-abs-threshold", type=int, help="what-if, as --load-weight")
     cluster.add_argument("--eviction-policy", help="engine.eviction_policy (default: engine's)")
@@ -176,7 +180,6 @@ def configure(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="instead of the headline: cache_aware with each eviction policy (lru, lrfu)",
     )
-    parser.add_argument("--verbose", action="store_true", help="INFO logs of the services")
 
 
 # -- workloads -------------------------------------------------------------------------------------
