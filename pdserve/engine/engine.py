@@ -13,7 +13,7 @@ from pdserve.engine.admission import Admission, PromptAdmission
 from pdserve.engine.detokenizer import IncrementalDetokenizer
 from pdserve.engine.grammar import Grammars
 from pdserve.engine.request import Request, RequestStatus, SamplingParams, TokenLogprob
-from pdserve.engine.sampler import Sampler
+from pdserve.engine.sampler import Sampler, token_logprob
 from pdserve.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from pdserve.engine.storage_connector import StorageConnector
 from pdserve.errors import (
@@ -545,9 +545,4 @@ def _record_prompt_logprobs(request: Request, chunk: SequenceChunk, logits: torc
         target = chunk.start_pos + offset + 1
         if target >= len(prompt) or target != len(request.prompt_logprobs) + 1:
             continue
-        token = prompt[target]
-        best: tuple[tuple[int, float], ...] = ()
-        if top:
-            values, ids = torch.topk(table[offset], top)
-            best = tuple(zip(ids.tolist(), values.tolist(), strict=True))
-        request.prompt_logprobs.append(TokenLogprob(token, float(table[offset, token]), best))
+        request.prompt_logprobs.append(token_logprob(table[offset], prompt[target], top))

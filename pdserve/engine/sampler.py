@@ -37,7 +37,7 @@ class Sampler:
         if wanted:
             table = torch.log_softmax(logits[wanted].float(), dim=-1)
             for row, i in enumerate(wanted):
-                logprobs[i] = _token_logprob(table[row], tokens[i], params[i].logprobs or 0)
+                logprobs[i] = token_logprob(table[row], tokens[i], params[i].logprobs or 0)
         return list(zip(tokens, logprobs, strict=True))
 
     def sample(
@@ -74,7 +74,8 @@ class Sampler:
         return int(torch.multinomial(probs, 1, generator=generator).item())
 
 
-def _token_logprob(table: torch.Tensor, token: int, top: int) -> TokenLogprob:
+def token_logprob(table: torch.Tensor, token: int, top: int) -> TokenLogprob:
+    """`token`'s entry of one row of log-probabilities, with the `top` most likely tokens."""
     best: tuple[tuple[int, float], ...] = ()
     if top:
         values, ids = torch.topk(table, top)

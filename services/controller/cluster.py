@@ -200,7 +200,7 @@ class Cluster:
         """Recreate a dead instance: same name, role and placement, new endpoints. Raises
         ClusterError (the instance stays listed, dead, for another try)."""
         with self.lock:
-            old = next((i for i in self.instances if i.name == name), None)
+            old = self.info(name)
             if old is None:
                 raise ClusterError(f"instance {name} was removed")
             _kill_quietly(self._actors[name])
@@ -224,6 +224,10 @@ class Cluster:
             self._bundles.pop(name, None)
             self.instances = [i for i in self.instances if i.name != name]
             _stop(name, actor)
+
+    def info(self, name: str) -> InstanceInfo | None:
+        """The listed instance called `name` (None: not listed, e.g. removed by scaling)."""
+        return next((i for i in self.instances if i.name == name), None)
 
     def actor(self, name: str) -> Any:
         return self._actors[name]

@@ -52,7 +52,7 @@ class Supervisor:
         for name in self.cluster.dead_instances():
             if name in self._down:
                 continue
-            info = next((i for i in self.cluster.instances if i.name == name), None)
+            info = self.cluster.info(name)
             if info is None:  # removed by scaling meanwhile
                 continue
             drained = info.address in self.router.drained
@@ -71,7 +71,7 @@ class Supervisor:
         return max(0.0, min([interval_s, *(at - time.monotonic() for at in pending)]))
 
     def _restart(self, name: str, down: _Down) -> None:
-        info = next((i for i in self.cluster.instances if i.name == name), None)
+        info = self.cluster.info(name)
         if info is None:  # removed by scaling meanwhile
             del self._down[name]
             self.router.metrics.dead_instances.set(len(self._down))

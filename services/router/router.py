@@ -175,18 +175,21 @@ class Router:
         """Refuse new requests and wait up to `timeout_s` for the in-flight ones to finish;
         returns whether they all did."""
         self.draining = True
-        deadline = time.monotonic() + timeout_s
-        while self._transcripts and time.monotonic() < deadline:
-            self._stopped.wait(0.05)
-        return not self._transcripts
+        return self._wait_until(lambda: not self._transcripts, timeout_s)
 
     def wait_idle(self, address: str, timeout_s: float) -> bool:
         """Wait up to `timeout_s` until no request the router routed holds `address` (its
         lease: a prefill's ends with its first token); returns whether none does."""
+        return self._wait_until(
+            lambda: not self.load.load_of(address).in_flight_requests, timeout_s
+        )
+
+    def _wait_until(self, done: Callable[[], bool], timeout_s: float) -> bool:
+        """Poll `done` (other threads finish the requests) for up to `timeout_s`."""
         deadline = time.monotonic() + timeout_s
-        while self.load.load_of(address).in_flight_requests and time.monotonic() < deadline:
+        while not done() and time.monotonic() < deadline:
             self._stopped.wait(0.05)
-        return not self.load.load_of(address).in_flight_requests
+        return done()
 
     def check_model(self, name: str) -> None:
         if name != self.model.model_id:
