@@ -43,6 +43,7 @@ DEVICE_PATTERN = re.compile(r"cpu|cuda(:[0-9]+)?")
 # The keys of services.router.policies.POLICIES (pdserve does not import services; a unit test
 # keeps the two equal).
 PREFILL_POLICIES = ("round_robin", "least_load", "cache_aware")
+TOOL_PARSERS = ("hermes", "llama3_json")  # services/router/tool_calls.py
 PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")  # Ray's
 TRANSPORTS = ("auto", "grpc", "shm", "mooncake")
 MOONCAKE_PROTOCOLS = ("tcp", "rdma")
@@ -164,9 +165,14 @@ class RouterConfig:
     # migration_max_tokens (None: any length the model takes)
     migration_limit: int = 3
     migration_max_tokens: int | None = None
+    # how `tool_choice: "auto"` answers are parsed for calls: hermes (<tool_call>…</tool_call>)
+    # | llama3_json; None: the format the chat template teaches (none found: "auto" is a 400)
+    tool_parser: str | None = None
 
     def __post_init__(self) -> None:
         _check_choice("router.prefill_policy", self.prefill_policy, PREFILL_POLICIES)
+        if self.tool_parser is not None:
+            _check_choice("router.tool_parser", self.tool_parser, TOOL_PARSERS)
         if self.migration_limit < 0:
             raise ConfigError("router.migration_limit must be >= 0 (0: never migrate)")
         if self.migration_max_tokens is not None and self.migration_max_tokens < 1:

@@ -75,11 +75,21 @@ class Grammars:
         return self._compiler
 
 
+# xgrammar (0.2.8 and 0.2.9) writes the characters of a length-bounded string (minLength,
+# maxLength) without the exclusion of raw control characters its other strings have, so a
+# sampled "JSON" string could hold one and no JSON parser would take it: the rule gets it back.
+_BOUNDED_CHARACTERS = r"_characters ::= (([^\"\\\r\n]))"
+_JSON_CHARACTERS = r"_characters ::= (([^\0-\x1f\"\\\r\n]))"
+
+
 def _compile(compiler: Any, kind: str, spec: str) -> Any:
     if kind == "json":  # OpenAI's json_object: an object, not any JSON value
         return compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
     if kind == "json_schema":
-        return compiler.compile_json_schema(spec, any_whitespace=False)
+        import xgrammar
+
+        grammar = str(xgrammar.Grammar.from_json_schema(spec, any_whitespace=False))
+        return compiler.compile_grammar(grammar.replace(_BOUNDED_CHARACTERS, _JSON_CHARACTERS))
     if kind == "regex":
         return compiler.compile_regex(spec)
     if kind == "choice":

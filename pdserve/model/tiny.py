@@ -21,8 +21,17 @@ logger = logging.getLogger(__name__)
 
 TINY_SEED = 0
 SPECIAL_TOKENS = ("<s>", "</s>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>")
+# Tools are offered and called in the Hermes format (`<tool_call>{...}</tool_call>`), so the
+# router's `auto` tool parser has a family for the tiny model too.
 CHAT_TEMPLATE = (
-    "{{ bos_token }}{% for message in messages %}<|{{ message['role'] }}|>{{ message['content'] }}"
+    "{{ bos_token }}{% if tools %}<|system|>You can call these functions:\n"
+    "{% for tool in tools %}{{ tool | tojson }}\n{% endfor %}"
+    'To call one, answer <tool_call>{"name": <name>, "arguments": <arguments object>}'
+    "</tool_call><|end|>{% endif %}"
+    "{% for message in messages %}<|{{ message['role'] }}|>{{ message['content'] }}"
+    "{% for call in message.tool_calls or [] %}<tool_call>"
+    '{"name": "{{ call.function.name }}", "arguments": {{ call.function.arguments | tojson }}}'
+    "</tool_call>{% endfor %}"
     "<|end|>{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"
 )
 TINY_ARCH = {
@@ -39,7 +48,7 @@ TINY_ARCH = {
 
 def default_model_dir() -> Path:
     """The tiny model under the user's cache dir, written on first use."""
-    path = Path(platformdirs.user_cache_dir("pdserve")) / f"tiny-llama-v1-seed{TINY_SEED}"
+    path = Path(platformdirs.user_cache_dir("pdserve")) / f"tiny-llama-v2-seed{TINY_SEED}"
     if not (path / "model.safetensors").is_file():
         write_tiny_model(path, seed=TINY_SEED)
     return path

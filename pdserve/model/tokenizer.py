@@ -2,8 +2,9 @@
 
 import json
 from collections.abc import Mapping, Sequence
+from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
@@ -18,19 +19,44 @@ def _token_content(value: Any) -> str | None:
     return str(value) if value is not None else None
 
 
+def _tojson(
+    value: Any, indent: int | None = None, separators: Any = None, sort_keys: bool = False
+) -> str:
+    """transformers' `tojson` (jinja's own escapes HTML characters, which templates do not want)."""
+    return json.dumps(
+        value, ensure_ascii=False, indent=indent, separators=separators, sort_keys=sort_keys
+    )
+
+
+def _raise_exception(message: str) -> NoReturn:
+    raise InvalidRequestError(f"the chat template refused the messages: {message}")
+
+
+def _templates(value: Any) -> dict[str, str]:
+    """`chat_template` as HF stores it: one template, or a list of named ones."""
+    if isinstance(value, str):
+        return {"default": value}
+    if isinstance(value, list):
+        return {str(t["name"]): str(t["template"]) for t in value if isinstance(t, dict)}
+    return {}
+
+
 class Tokenizer:
     """Encode, decode and render chat messages. Thread-safe for concurrent reads."""
 
     def __init__(
         self,
         tokenizer: HFTokenizer,
-        chat_template: str | None,
+        chat_template: str | list[dict[str, str]] | None,
         special_tokens: Mapping[str, str | None],
     ) -> None:
         self._tokenizer = tokenizer
-        self._chat_template = chat_template
+        self._chat_templates = _templates(chat_template)
         self._special_tokens = dict(special_tokens)
         self._template_env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        self._template_env.filters["tojson"] = _tojson
+        self._template_env.globals["raise_exception"] = _raise_exception
+        self._template_env.globals["strftime_now"] = lambda f: datetime.now().strftime(f)
 
     @classmethod
     def from_dir(cls, path: Path) -> "Tokenizer":
@@ -49,7 +75,16 @@ class Tokenizer:
             name: _token_content(config.get(name))
             for name in ("bos_token", "eos_token", "pad_token")
         }
-        return cls(tokenizer, config.get("chat_template"), special)
+        template_file = path / "chat_template.jinja"  # newer HF directories keep it apart
+        template = config.get("chat_template")
+        if template is None and template_file.is_file():
+            template = template_file.read_text()
+        return cls(tokenizer, template, special)
+
+    @property
+    def chat_template(self) -> str | None:
+        """Every chat template of the model, joined (for telling its tool-call format)."""
+        return "\n".join(self._chat_templates.values()) or None
 
     @property
     def vocab_size(self) -> int:
@@ -78,21 +113,35 @@ class Tokenizer:
         return text
 
     def apply_chat_template(
-        self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        add_generation_prompt: bool = True,
     ) -> str:
-        """Render `messages` (dicts with `role` and `content`) with the model's chat template."""
-        if self._chat_template is None:
+        """Render `messages` (dicts with `role` and `content`, and `tool_calls` or
+        `tool_call_id` where given) and the `tools` offered with the model's chat template
+        (its `tool_use` template when it has one and tools are offered)."""
+        source = self._chat_templates.get("tool_use" if tools else "default")
+        source = source or self._chat_templates.get("default")
+        if source is None:
             raise InvalidRequestError(
                 "this model has no chat template; use a completion prompt instead of messages"
             )
-        template = self._template_env.from_string(self._chat_template)
+        template = self._template_env.from_string(source)
         return template.render(
             messages=list(messages),
+            tools=list(tools) if tools else None,
             add_generation_prompt=add_generation_prompt,
             bos_token=self._special_tokens.get("bos_token") or "",
             eos_token=self._special_tokens.get("eos_token") or "",
         )
 
-    def encode_chat(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
+    def encode_chat(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        tools: Sequence[Mapping[str, Any]] | None = None,
+    ) -> list[int]:
         """Token ids of the rendered chat; the template already carries any special tokens."""
-        return self.encode(self.apply_chat_template(messages), add_special_tokens=False)
+        text = self.apply_chat_template(messages, tools=tools)
+        return self.encode(text, add_special_tokens=False)

@@ -36,6 +36,7 @@ from pdserve.errors import (
 )
 from pdserve.metrics import RouterMetrics
 from pdserve.model.tokenizer import Tokenizer
+from services.router import tool_calls
 from services.router.openai_schema import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -99,16 +100,27 @@ def create_app(router: Router, config: RouterConfig) -> FastAPI:
             fmt.echo = _Echo(ids[0], text, body.prompt_only)
         return await _serve(router, http, body, ids, fmt)
 
+    tool_family = config.tool_parser or tool_calls.family_of(router.model.tokenizer.chat_template)
+
     @app.post("/v1/chat/completions", response_model=None, responses=ERROR_RESPONSES)
     async def chat(body: ChatCompletionRequest, http: Request) -> Response:
         router.check_model(body.model)
-        ids = router.tokenize_chat(body.chat_messages())
-        return await _serve(
-            router, http, body, ids, _ChatFormat(router.model_id, router.model.tokenizer)
-        )
+        ids = router.tokenize_chat(body.chat_messages(), body.template_tools())
+        fmt = _ChatFormat(router.model_id, router.model.tokenizer, _tool_parsers(body, tool_family))
+        return await _serve(router, http, body, ids, fmt)
 
     app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
     return app
+
+
+def _tool_parsers(
+    body: ChatCompletionRequest, family: str | None
+) -> Callable[[], tool_calls.CallParser] | None:
+    """A parser factory for the request's tool calls; None when it has no tools to call."""
+    if body.tool_mode() == "none":
+        return None
+    names = frozenset(tool.function.name for tool in body.tools or ())
+    return tool_calls.parser_factory(body.tool_mode(), names, family, body.named_tool())
 
 
 def _add_token_endpoints(app: FastAPI, router: Router) -> None:
@@ -119,9 +131,7 @@ def _add_token_endpoints(app: FastAPI, router: Router) -> None:
         if body.model is not None:
             router.check_model(body.model)
         if body.messages is not None:
-            ids = router.tokenize_chat(
-                [{"role": m.role, "content": m.text()} for m in body.messages]
-            )
+            ids = router.tokenize_chat([m.template_message() for m in body.messages])
         else:
             ids = router.model.tokenizer.encode(
                 body.prompt or "", add_special_tokens=body.add_special_tokens
@@ -314,8 +324,8 @@ async def _sse(
             if isinstance(item, Finished):
                 finals[index] = item
                 yield _data(fmt.envelope(request_id, [fmt.choice_finish(index, item)], True))
-            else:
-                yield _data(fmt.envelope(request_id, [fmt.choice_delta(index, item)], True))
+            elif (choice := fmt.choice_delta(index, item)) is not None:
+                yield _data(fmt.envelope(request_id, [choice], True))
         state.finished = True
         if include_usage:
             ordered = [finals[i] for i in sorted(finals)]
@@ -365,7 +375,8 @@ class _Format:
     def choice_start(self, index: int) -> dict[str, Any] | None:
         return None
 
-    def choice_delta(self, index: int, event: TokenDelta) -> dict[str, Any]:
+    def choice_delta(self, index: int, event: TokenDelta) -> dict[str, Any] | None:
+        """The choice of a chunk for `event`; None when it shows nothing yet."""
         raise NotImplementedError
 
     def choice_finish(self, index: int, event: Finished) -> dict[str, Any]:
@@ -497,27 +508,64 @@ def _text_choice(
 
 
 class _ChatFormat(_Format):
+    """Chat shapes; with tools, each choice's text goes through its own tool-call parser."""
+
     object_name = "chat.completion"
     prefix = "chatcmpl"
+
+    def __init__(
+        self,
+        model_id: str,
+        tokenizer: Tokenizer,
+        tool_parsers: Callable[[], tool_calls.CallParser] | None = None,
+    ) -> None:
+        super().__init__(model_id, tokenizer)
+        self._new_parser = tool_parsers
+        self._parsers: dict[int, tool_calls.CallParser] = {}
+
+    def _parser(self, index: int) -> tool_calls.CallParser | None:
+        if self._new_parser is not None and index not in self._parsers:
+            self._parsers[index] = self._new_parser()
+        return self._parsers.get(index)
 
     def choice_start(self, index: int) -> dict[str, Any] | None:
         delta = {"role": "assistant", "content": ""}
         return {"index": index, "delta": delta, "logprobs": None, "finish_reason": None}
 
-    def choice_delta(self, index: int, event: TokenDelta) -> dict[str, Any]:
+    def choice_delta(self, index: int, event: TokenDelta) -> dict[str, Any] | None:
         logprobs = self._logprobs(event.logprobs)
-        delta = {"content": event.text}
+        parser = self._parser(index)
+        if parser is None:
+            delta: dict[str, Any] = {"content": event.text}
+        else:
+            delta = tool_calls.stream_delta(parser.feed(event.text))
+            if not delta and logprobs is None:
+                return None  # held back: it may be the start of a call
         return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": None}
 
     def choice_finish(self, index: int, event: Finished) -> dict[str, Any]:
-        return {"index": index, "delta": {}, "logprobs": None, "finish_reason": event.finish_reason}
+        parser = self._parser(index)
+        if parser is None:
+            delta, reason = {}, event.finish_reason
+        else:
+            delta = tool_calls.stream_delta(parser.finish())
+            reason = parser.finish_reason(event.finish_reason)
+        return {"index": index, "delta": delta, "logprobs": None, "finish_reason": reason}
 
     def choice_complete(self, index: int, events: list[Event]) -> dict[str, Any]:
         text, final = _collect(events)
-        message = {"role": "assistant", "content": text}
+        message: dict[str, Any] = {"role": "assistant", "content": text}
+        reason = final.finish_reason
+        parser = self._parser(index)
+        if parser is not None:
+            content, calls = tool_calls.assemble(parser.feed(text) + parser.finish())
+            message["content"] = content
+            if calls:
+                message["tool_calls"] = calls
+            reason = parser.finish_reason(reason)
         logprobs = self._logprobs(_all_logprobs(events))
         return {"index": index, "message": message, "logprobs": logprobs,
-                "finish_reason": final.finish_reason}  # fmt: skip
+                "finish_reason": reason}  # fmt: skip
 
     def _logprobs(self, logprobs: Sequence[TokenLogprob]) -> dict[str, Any] | None:
         """OpenAI's chat shape: per token its text, logprob, UTF-8 bytes and top alternatives."""

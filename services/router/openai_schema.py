@@ -13,6 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from pdserve.engine.request import SamplingParams
 from pdserve.errors import InvalidRequestError
+from services.router import tool_calls
 
 DEFAULT_MAX_TOKENS = 16
 MAX_TOKENS_LIMIT = 2**31 - 1  # beyond any context window; the context check words the error
@@ -87,11 +88,10 @@ class OpenAIRequest(BaseModel):
     @model_validator(mode="after")
     def _supported(self) -> "OpenAIRequest":
         asked = {k for k, v in (self.model_extra or {}).items() if not _neutral(k, v)}
-        allowed = IGNORED_FIELDS | self._also_ignored()
-        unsupported = sorted((asked & UNSUPPORTED_FIELDS) - allowed)
+        unsupported = sorted((asked & UNSUPPORTED_FIELDS) - IGNORED_FIELDS)
         if unsupported:
             raise ValueError(f"not supported by this server: {', '.join(unsupported)}")
-        unknown = sorted(asked - UNSUPPORTED_FIELDS - allowed)
+        unknown = sorted(asked - UNSUPPORTED_FIELDS - IGNORED_FIELDS)
         if unknown:
             raise ValueError(f"unknown field(s): {', '.join(unknown)}")
         if isinstance(self.stop, list) and len(self.stop) > 4:
@@ -102,9 +102,6 @@ class OpenAIRequest(BaseModel):
         if any(not 0 <= t < 2**31 for t in self.stop_token_ids or ()):
             raise ValueError("stop_token_ids must be token ids (non-negative)")
         return self
-
-    def _also_ignored(self) -> frozenset[str]:
-        return frozenset()
 
     def logprobs_wanted(self) -> int | None:
         """How many top logprobs per token the client wants (None: no logprobs)."""
@@ -224,11 +221,55 @@ class CompletionRequest(OpenAIRequest):
         return params
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it back
+
+
+class ToolCall(BaseModel):
+    """A call an earlier assistant message made (sent back in the conversation)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+    def template_call(self) -> dict[str, Any]:
+        """As chat templates expect it: the arguments as an object, not JSON text."""
+        try:
+            arguments = json.loads(self.function.arguments)
+        except json.JSONDecodeError:
+            raise ValueError(f"tool call {self.id}: its arguments are not JSON") from None
+        function = {"name": self.function.name, "arguments": arguments}
+        return {"id": self.id, "type": "function", "function": function}
+
+
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")  # `name`, `tool_call_id` … of other roles
+    model_config = ConfigDict(extra="ignore")  # e.g. `refusal`, `audio` of earlier answers
 
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCall] | None = Field(default=None, max_length=128)
+    tool_call_id: str | None = None
+
+    @model_validator(mode="after")
+    def _calls_parse(self) -> "ChatMessage":
+        for call in self.tool_calls or ():
+            call.template_call()
+        return self
+
+    def template_message(self) -> dict[str, Any]:
+        """The message as chat templates take it (`developer` is a system message there)."""
+        role = {"developer": "system"}.get(self.role, self.role)
+        message: dict[str, Any] = {"role": role, "content": self.text()}
+        if self.tool_calls:
+            message["tool_calls"] = [call.template_call() for call in self.tool_calls]
+        for key in ("name", "tool_call_id"):
+            if getattr(self, key) is not None:
+                message[key] = getattr(self, key)
+        return message
 
     @field_validator("content")
     @classmethod
@@ -253,12 +294,44 @@ class ChatMessage(BaseModel):
         return "".join(parts)
 
 
+class FunctionDefinition(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")  # OpenAI's rule for function names
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema; none: the function takes none
+    strict: bool | None = None  # required / named calls always follow the schema here
+
+    def parameters_schema(self) -> dict[str, Any]:
+        if self.parameters is None:
+            return {"type": "object", "properties": {}, "additionalProperties": False}
+        return self.parameters
+
+
+class ToolDefinition(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class ToolChoiceFunction(BaseModel):
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    type: Literal["function"]
+    function: ToolChoiceFunction
+
+
 class ChatCompletionRequest(OpenAIRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1, le=MAX_TOKENS_LIMIT)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
-    tool_choice: str | None = None  # "none" (tools ignored) is all this server honours
+    tools: list[ToolDefinition] | None = Field(default=None, max_length=128)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None  # false: at most one call (with "required")
 
     def logprobs_wanted(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
@@ -267,19 +340,58 @@ class ChatCompletionRequest(OpenAIRequest):
     def _chat_supported(self) -> "ChatCompletionRequest":
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs: true")
-        if self.tool_choice not in (None, "none"):
-            raise ValueError("not supported by this server: tool_choice (other than none)")
+        names = [tool.function.name for tool in self.tools or ()]
+        if len(set(names)) < len(names):
+            raise ValueError("tools: two functions have the same name")
+        if self.tool_choice not in (None, "none") and not names:
+            raise ValueError("tool_choice needs tools")
         return self
 
-    def _also_ignored(self) -> frozenset[str]:
-        return frozenset({"tools"}) if self.tool_choice == "none" else frozenset()
+    def tool_mode(self) -> str:
+        """none (tools ignored) | auto (the model decides) | required | named."""
+        if not self.tools or self.tool_choice == "none":
+            return "none"
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return "named"
+        return self.tool_choice or "auto"
+
+    def named_tool(self) -> str | None:
+        choice = self.tool_choice
+        return choice.function.name if isinstance(choice, NamedToolChoice) else None
+
+    def structured(self) -> tuple[str, str] | None:
+        """A required or named tool call is a grammar too: the calls' JSON schema."""
+        asked = super().structured()
+        mode = self.tool_mode()
+        if mode not in ("required", "named"):
+            return asked
+        if asked is not None:
+            raise ValueError(
+                "tool_choice required or a named function cannot be combined with "
+                "response_format or guided_* (both constrain the output)"
+            )
+        functions = {t.function.name: t.function.parameters_schema() for t in self.tools or ()}
+        named = self.named_tool()
+        if named is not None and named not in functions:
+            raise ValueError(f"tool_choice names {named!r}, which is not among the tools")
+        if named is not None:
+            return ("json_schema", json.dumps(functions[named]))
+        schema = tool_calls.required_schema(
+            list(functions.items()), self.parallel_tool_calls is False
+        )
+        return ("json_schema", json.dumps(schema))
+
+    def template_tools(self) -> list[dict[str, Any]] | None:
+        """The tools the chat template shows the model (none with `tool_choice: "none"`)."""
+        if self.tool_mode() == "none":
+            return None
+        return [tool.model_dump(exclude_none=True) for tool in self.tools or ()]
 
     def params(self) -> SamplingParams:
         return self.sampling_params(self.max_completion_tokens or self.max_tokens)
 
-    def chat_messages(self) -> list[dict[str, str]]:
-        role = {"developer": "system"}
-        return [{"role": role.get(m.role, m.role), "content": m.text()} for m in self.messages]
+    def chat_messages(self) -> list[dict[str, Any]]:
+        return [message.template_message() for message in self.messages]
 
 
 class TokenizeRequest(BaseModel):

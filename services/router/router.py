@@ -200,8 +200,12 @@ class Router:
     def tokenize(self, prompt: str) -> list[int]:
         return self.model.tokenizer.encode(prompt)
 
-    def tokenize_chat(self, messages: Sequence[Mapping[str, str]]) -> list[int]:
-        return self.model.tokenizer.encode_chat(messages)
+    def tokenize_chat(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        tools: Sequence[Mapping[str, Any]] | None = None,
+    ) -> list[int]:
+        return self.model.tokenizer.encode_chat(messages, tools)
 
     def validate(self, token_ids: Sequence[int], params: SamplingParams) -> None:
         if not token_ids:

@@ -210,9 +210,10 @@ def test_malformed_json_and_oversized_bodies_are_rejected(cluster: UpCluster) ->
     ("extra", "fragment"),
     [
         ({"response_format": {"type": "yaml"}}, "response_format"),
-        ({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required"},
-         "not supported by this server: tools"),
-        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+        ({"functions": [{"name": "f"}]}, "not supported by this server: functions"),
+        ({"tool_choice": "required"}, "tool_choice needs tools"),
+        ({"tools": [{"type": "function", "function": {"name": "f"}}],
+          "tool_choice": {"type": "function", "function": {"name": "g"}}}, "not among the tools"),
         ({"max_completion_tokens": 2**32}, "max_completion_tokens"),
         ({"messages": [{"role": "user", "content": "bad \udcff"}]}, "not valid Unicode"),
     ],

@@ -23,7 +23,7 @@ def test_generate_streams_greedy_text_from_the_default_model(tmp_path: Path) -> 
     assert result.returncode == 0, result.stderr
     assert len(result.stdout.strip()) > 0
     assert "[finish_reason=length]" in result.stderr
-    assert (tmp_path / "pdserve" / "tiny-llama-v1-seed0" / "model.safetensors").is_file()
+    assert (tmp_path / "pdserve" / "tiny-llama-v2-seed0" / "model.safetensors").is_file()
     again = run_cli("generate", "Once upon a time", "--max-tokens", "12", cache=tmp_path)
     assert again.stdout == result.stdout
 

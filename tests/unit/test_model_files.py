@@ -82,6 +82,48 @@ def test_chat_template_renders_roles_and_generation_prompt(tiny_model_dir: Path)
     assert tokenizer.decode(ids, skip_special_tokens=False) == text
 
 
+def test_chat_template_renders_tools_and_earlier_calls_as_transformers_would(
+    tiny_model_dir: Path,
+) -> None:
+    tokenizer = Tokenizer.from_dir(tiny_model_dir)
+    tool = {"type": "function", "function": {"name": "f", "description": "a <b> & c"}}
+    call = {"id": "call_1", "type": "function",
+            "function": {"name": "f", "arguments": {"q": "é"}}}  # fmt: skip
+    messages = [
+        {"role": "user", "content": "x"},
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "tool", "content": "42", "tool_call_id": "call_1"},
+    ]
+    text = tokenizer.apply_chat_template(messages, tools=[tool])
+    # transformers' tojson: no HTML escapes, non-ASCII kept
+    assert '{"type": "function", "function": {"name": "f", "description": "a <b> & c"}}' in text
+    assert (
+        '<|assistant|><tool_call>{"name": "f", "arguments": {"q": "é"}}</tool_call><|end|>' in text
+    )
+    assert text.endswith("<|tool|>42<|end|><|assistant|>")
+    assert tokenizer.apply_chat_template(messages[:1]) == "<s><|user|>x<|end|><|assistant|>"
+
+
+def test_named_templates_and_a_separate_template_file_are_read(
+    tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    (tmp_path / "tokenizer.json").write_bytes((tiny_model_dir / "tokenizer.json").read_bytes())
+    (tmp_path / "chat_template.jinja").write_text("{{ messages[0]['content'] }}!")
+    assert (
+        Tokenizer.from_dir(tmp_path).apply_chat_template([{"role": "user", "content": "a"}]) == "a!"
+    )
+    named = [{"name": "default", "template": "plain"}, {"name": "tool_use", "template": "tools"}]
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": named}))
+    tokenizer = Tokenizer.from_dir(tmp_path)
+    assert tokenizer.apply_chat_template([]) == "plain"
+    assert tokenizer.apply_chat_template([], tools=[{"type": "function"}]) == "tools"
+    (tmp_path / "tokenizer_config.json").write_text(
+        json.dumps({"chat_template": "{{ raise_exception('no system role') }}"})
+    )
+    with pytest.raises(InvalidRequestError, match="no system role"):
+        Tokenizer.from_dir(tmp_path).apply_chat_template([])
+
+
 def test_missing_chat_template_is_a_clear_error(tmp_path: Path, tiny_model_dir: Path) -> None:
     (tmp_path / "tokenizer.json").write_bytes((tiny_model_dir / "tokenizer.json").read_bytes())
     with pytest.raises(InvalidRequestError, match="no chat template"):
