@@ -168,11 +168,15 @@ class RouterConfig:
     # how `tool_choice: "auto"` answers are parsed for calls: hermes (<tool_call>…</tool_call>)
     # | llama3_json; None: the format the chat template teaches (none found: "auto" is a 400)
     tool_parser: str | None = None
+    # generations running at once (each `n` choice counts); more get 503 with Retry-After
+    max_concurrent_requests: int = 4096
 
     def __post_init__(self) -> None:
         _check_choice("router.prefill_policy", self.prefill_policy, PREFILL_POLICIES)
         if self.tool_parser is not None:
             _check_choice("router.tool_parser", self.tool_parser, TOOL_PARSERS)
+        if self.max_concurrent_requests < 1:
+            raise ConfigError("router.max_concurrent_requests must be at least 1")
         if self.migration_limit < 0:
             raise ConfigError("router.migration_limit must be >= 0 (0: never migrate)")
         if self.migration_max_tokens is not None and self.migration_max_tokens < 1:

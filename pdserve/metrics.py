@@ -75,6 +75,16 @@ class RouterMetrics:
             "Attempts that failed before the first token and were retried.",
             registry=self.registry,
         )
+        self.rejected = Counter(
+            "pdserve_router_rejected_requests",
+            "Requests refused with 503 because router.max_concurrent_requests generations ran.",
+            registry=self.registry,
+        )
+        self.running = Gauge(
+            "pdserve_router_running_generations",
+            "Generations the router is running (limit: router.max_concurrent_requests).",
+            registry=self.registry,
+        )
         # the supervisor of `pdserve up` runs next to the router and reports here
         self.instance_restarts = Counter(
             "pdserve_router_instance_restarts",

@@ -17,6 +17,11 @@ CHANNEL_OPTIONS = [
     ("grpc.keepalive_timeout_ms", 5_000),
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.max_pings_without_data", 0),
+    # a peer that was down is dialled again within a second (gRPC's default backoff grows to
+    # 2 minutes, during which calls fail at once: a restarted instance would stay unused)
+    ("grpc.initial_reconnect_backoff_ms", 250),
+    ("grpc.min_reconnect_backoff_ms", 250),
+    ("grpc.max_reconnect_backoff_ms", 1000),
 ]
 SERVER_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
@@ -38,6 +43,14 @@ class ChannelPool:
         self._tls = tls
         self._channels: dict[str, grpc.Channel] = {}
         self._lock = threading.Lock()
+
+    @property
+    def secret(self) -> str | None:
+        return self._secret
+
+    @property
+    def tls(self) -> TlsFiles | None:
+        return self._tls
 
     def get(self, address: str) -> grpc.Channel:
         with self._lock:

@@ -46,9 +46,16 @@ class TlsFiles:
 
     def channel(self, address: str, options: list[tuple[str, Any]]) -> grpc.Channel:
         """A channel to `address` that presents this certificate and checks the peer's."""
+        credentials, options = self.channel_credentials(options)
+        return grpc.secure_channel(address, credentials, options=options)
+
+    def channel_credentials(
+        self, options: list[tuple[str, Any]]
+    ) -> tuple[grpc.ChannelCredentials, list[tuple[str, Any]]]:
+        """(credentials, `options` plus the server-name override) of a mutual-TLS channel,
+        sync or `grpc.aio`."""
         cert, key, ca = self._read()
         credentials = grpc.ssl_channel_credentials(
             root_certificates=ca, private_key=key, certificate_chain=cert
         )
-        override = [("grpc.ssl_target_name_override", self.server_name)]
-        return grpc.secure_channel(address, credentials, options=[*options, *override])
+        return credentials, [*options, ("grpc.ssl_target_name_override", self.server_name)]

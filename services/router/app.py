@@ -5,13 +5,12 @@ for the caller's mistakes and 503 (with Retry-After) when the cluster has no cap
 """
 
 import asyncio
-import functools
-import itertools
+import contextlib
 import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterator, MutableMapping, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, MutableMapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -63,7 +62,12 @@ ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
 
 
 def create_app(router: Router, config: RouterConfig) -> FastAPI:
-    app = FastAPI(title="pdserve", docs_url=None, redoc_url=None)
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        yield
+        await router.client.aio.channels.close()  # they belong to this event loop
+
+    app = FastAPI(title="pdserve", docs_url=None, redoc_url=None, lifespan=lifespan)
     _install_error_handlers(app)
     app.add_middleware(_RequestGate, metrics=router.metrics, max_bytes=config.max_body_bytes)
 
@@ -158,10 +162,10 @@ def _openapi(app: FastAPI) -> dict[str, Any]:
     return app.openapi_schema
 
 
-def _openai_finishes(events: Iterator[Event]) -> Iterator[Event]:
+async def _openai_finishes(events: AsyncIterator[Event]) -> AsyncGenerator[Event, None]:
     """Events with OpenAI's finish reasons only: a generation aborted upstream (an operator, an
     instance shutting down) ends with an error instead of `finish_reason: "abort"`."""
-    for event in events:
+    async for event in events:
         if isinstance(event, Finished) and event.finish_reason == "abort":
             raise RequestAbortedError("the request was aborted before it finished; retry it")
         yield event
@@ -176,13 +180,14 @@ async def _serve(
     params = body.params()  # type: ignore[attr-defined]
     router.validate(ids, params)
     router.check_accepting()
-    request_id = uuid.uuid4().hex
     count = body.generations()
+    router.admit(count)
+    request_id = uuid.uuid4().hex
     choice_ids = [request_id] if count == 1 else [f"{request_id}-{i}" for i in range(count)]
     ranked = count > body.n
     choice_params = [_choice_params(params, i, ranked) for i in range(count)]
 
-    def start(i: int) -> Iterator[Event]:
+    def start(i: int) -> AsyncGenerator[Event, None]:
         events = router.generate(choice_ids[i], ids, choice_params[i])
         return _timed(router.metrics, _openai_finishes(events))
 
@@ -191,17 +196,25 @@ async def _serve(
             router.abort(choice_id)
 
     first_events = start(0)
-    first = await run_in_threadpool(next, first_events)  # errors before the first token -> HTTP
-    streams = [itertools.chain([first], first_events), *(start(i) for i in range(1, count))]
+    first = await anext(first_events)  # errors before the first token -> an HTTP error
+    streams = [_prepend(first, first_events), *(start(i) for i in range(1, count))]
     if body.stream:
         state = _StreamState()
         sse = _sse(state, streams, fmt, request_id, body.include_usage, len(ids))
         return _AbortingStream(sse, state, abort_all)
-    works: list[Callable[[], list[Event]]] = [functools.partial(list, s) for s in streams]
-    collected = await _until_done_or_disconnected(http, abort_all, works)
+    collected = await _until_done_or_disconnected(http, abort_all, streams)
     if ranked:
         collected = _best(collected, body.n, keep_logprobs=params.logprobs is not None)
     return JSONResponse(fmt.complete(request_id, collected, len(ids)))
+
+
+async def _prepend(first: Event, rest: AsyncGenerator[Event, None]) -> AsyncGenerator[Event, None]:
+    try:
+        yield first
+        async for event in rest:
+            yield event
+    finally:
+        await rest.aclose()
 
 
 def _choice_params(params: SamplingParams, index: int, ranked: bool) -> SamplingParams:
@@ -231,9 +244,9 @@ def _best(choices: list[list[Event]], n: int, keep_logprobs: bool) -> list[list[
 
 
 async def _until_done_or_disconnected(
-    http: Request, abort: Callable[[], None], works: Sequence[Callable[[], list[Event]]]
+    http: Request, abort: Callable[[], None], streams: Sequence[AsyncGenerator[Event, None]]
 ) -> list[list[Event]]:
-    tasks = [asyncio.ensure_future(run_in_threadpool(work)) for work in works]
+    tasks = [asyncio.ensure_future(_collect_events(stream)) for stream in streams]
     while True:
         done, _ = await asyncio.wait(tasks, timeout=0.25)
         if len(done) == len(tasks):
@@ -247,21 +260,30 @@ async def _until_done_or_disconnected(
             return [await task for task in tasks]
 
 
-def _timed(metrics: RouterMetrics, events: Iterator[Event]) -> Iterator[Event]:
+async def _collect_events(stream: AsyncGenerator[Event, None]) -> list[Event]:
+    return [event async for event in stream]
+
+
+async def _timed(
+    metrics: RouterMetrics, events: AsyncGenerator[Event, None]
+) -> AsyncGenerator[Event, None]:
     """Observe TTFT, inter-token and end-to-end latency as the events pass."""
     start = last = time.perf_counter()
     first = True
-    for event in events:
-        now = time.perf_counter()
-        if isinstance(event, Finished):
-            metrics.e2e.observe(now - start)
-        elif first:
-            metrics.ttft.observe(now - start)
-            first = False
-        else:
-            metrics.inter_token.observe(now - last)
-        last = now
-        yield event
+    try:
+        async for event in events:
+            now = time.perf_counter()
+            if isinstance(event, Finished):
+                metrics.e2e.observe(now - start)
+            elif first:
+                metrics.ttft.observe(now - start)
+                first = False
+            else:
+                metrics.inter_token.observe(now - last)
+            last = now
+            yield event
+    finally:
+        await events.aclose()
 
 
 class _StreamState:
@@ -290,42 +312,27 @@ class _AbortingStream(StreamingResponse):
 
 async def _sse(
     state: _StreamState,
-    streams: list[Iterator[Event]],
+    streams: list[AsyncGenerator[Event, None]],
     fmt: "_Format",
     request_id: str,
     include_usage: bool,
     num_prompt_tokens: int,
 ) -> AsyncIterator[bytes]:
     """Every choice's events as they come (chunks carry the choice's index), then usage."""
-    queue: asyncio.Queue[tuple[int, Event | PdserveError | None]] = asyncio.Queue()
-
-    async def pump(index: int, events: Iterator[Event]) -> None:
-        try:
-            while True:
-                event = await run_in_threadpool(next, events, None)
-                await queue.put((index, event))
-                if event is None or isinstance(event, Finished):
-                    return
-        except PdserveError as e:
-            await queue.put((index, e))
-
-    tasks = [asyncio.ensure_future(pump(i, events)) for i, events in enumerate(streams)]
+    items = _indexed(0, streams[0]) if len(streams) == 1 else _merged(streams)
     finals: dict[int, Finished] = {}
     try:
         starts = [c for i in range(len(streams)) if (c := fmt.choice_start(i)) is not None]
         if starts:
             yield _data(fmt.envelope(request_id, starts, chunk=True))
-        while len(finals) < len(streams):
-            index, item = await queue.get()
-            if isinstance(item, PdserveError):
-                raise item
-            if item is None:
-                raise PdserveError("the generation ended without a final event")
+        async for index, item in items:
             if isinstance(item, Finished):
                 finals[index] = item
                 yield _data(fmt.envelope(request_id, [fmt.choice_finish(index, item)], True))
             elif (choice := fmt.choice_delta(index, item)) is not None:
                 yield _data(fmt.envelope(request_id, [choice], True))
+        if len(finals) < len(streams):
+            raise PdserveError("the generation ended without a final event")
         state.finished = True
         if include_usage:
             ordered = [finals[i] for i in sorted(finals)]
@@ -335,6 +342,46 @@ async def _sse(
         state.finished = len(streams) == 1  # other choices may still run: the stream aborts them
         yield _data({"error": _error_body(e)[1]["error"]})
         yield b"data: [DONE]\n\n"
+    finally:
+        await items.aclose()
+
+
+async def _indexed(
+    index: int, events: AsyncGenerator[Event, None]
+) -> AsyncGenerator[tuple[int, Event], None]:
+    try:
+        async for event in events:
+            yield index, event
+    finally:
+        await events.aclose()
+
+
+async def _merged(
+    streams: list[AsyncGenerator[Event, None]],
+) -> AsyncGenerator[tuple[int, Event], None]:
+    """Several choices' events, interleaved as they come; a failed choice raises its error."""
+    queue: asyncio.Queue[tuple[int, Event | PdserveError | None]] = asyncio.Queue()
+
+    async def pump(index: int, events: AsyncGenerator[Event, None]) -> None:
+        try:
+            async for event in events:
+                await queue.put((index, event))
+        except PdserveError as e:
+            await queue.put((index, e))
+        finally:
+            await queue.put((index, None))
+
+    tasks = [asyncio.ensure_future(pump(i, events)) for i, events in enumerate(streams)]
+    running = len(tasks)
+    try:
+        while running:
+            index, item = await queue.get()
+            if item is None:
+                running -= 1
+            elif isinstance(item, PdserveError):
+                raise item
+            else:
+                yield index, item
     finally:
         for task in tasks:
             task.cancel()

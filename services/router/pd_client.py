@@ -1,20 +1,22 @@
 """PDClient: drives one request through a prefill instance and a decode instance over gRPC.
 
 Prefill.Prefill (reservation on decode, prefill, KV transfer, first-token handoff), then
-Decode.StreamTokens, which replays every output from the first token on. The router
-builds on it; tests and benchmarks use it directly. Every call goes through the per-service
-clients of `pdserve.rpc.clients`: deadlines on every RPC, errors raised as the class the
-instance raised.
+Decode.StreamTokens, which replays every output from the first token on. The router uses the
+asyncio methods (`agenerate`, `agenerate_mixed`: `pdserve.rpc.aio`, on its event loop); the CLI,
+tests and benchmarks use the blocking ones. Every call goes through the per-service clients:
+deadlines on every RPC, errors raised as the class the instance raised.
 """
 
+import asyncio
 import logging
 import uuid
-from collections.abc import Iterator
+from collections.abc import AsyncGenerator, Iterator
 from dataclasses import dataclass
 
 from pdserve.engine.request import SamplingParams, TokenLogprob
 from pdserve.errors import DecodeUnavailableError, InstanceUnavailableError, PdserveError
 from pdserve.instance.convert import FINISH_REASON_NAMES, generate_request, logprob_from_proto
+from pdserve.rpc.aio import AioChannelPool, AioClients
 from pdserve.rpc.channels import ChannelPool
 from pdserve.rpc.clients import (
     DEFAULT_DEADLINES,
@@ -23,7 +25,6 @@ from pdserve.rpc.clients import (
     InstanceClient,
     MixedClient,
     PrefillClient,
-    TokenStream,
 )
 from pdserve.v1 import common_pb2, prefill_pb2
 
@@ -48,13 +49,15 @@ class Finished:
 
 
 class PDClient:
-    """Thread-safe: one channel per peer, shared."""
+    """Thread-safe: one channel per peer, shared. The asyncio methods run on one event loop
+    (their channels are its own), with the same credentials."""
 
     def __init__(
         self, channels: ChannelPool | None = None, deadlines: Deadlines = DEFAULT_DEADLINES
     ) -> None:
         self.channels = channels or ChannelPool()
         self.deadlines = deadlines
+        self.aio = AioClients(AioChannelPool(self.channels.secret, self.channels.tls), deadlines)
 
     def instance(self, address: str) -> InstanceClient:
         """InstanceService of any instance (abort, stats, KV events)."""
@@ -80,8 +83,10 @@ class PDClient:
             self._abort_quietly(decode_address, request_id)
             raise
         decode = DecodeClient(decode_address, self.channels, self.deadlines)
+        events = _Events(result)
         try:
-            yield from _read_tokens(decode.stream_tokens(request_id), result)
+            for reply in decode.stream_tokens(request_id):
+                yield events.of(reply)
         except DecodeUnavailableError:
             raise
         except InstanceUnavailableError as e:  # the token stream broke: decode's side
@@ -97,7 +102,49 @@ class PDClient:
         """One request on a mixed instance (both phases on one engine)."""
         mixed = MixedClient(address, self.channels, self.deadlines)
         stream = mixed.generate(generate_request(request_id, prompt_token_ids, params))
-        yield from _read_tokens(stream, None)
+        events = _Events(None)
+        for reply in stream:
+            yield events.of(reply)
+
+    async def agenerate(
+        self,
+        prefill_address: str,
+        decode_address: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        request_id: str,
+    ) -> AsyncGenerator[TokenDelta | Finished, None]:
+        """`generate` on the event loop."""
+        message = prefill_pb2.PrefillRequest(
+            request=generate_request(request_id, prompt_token_ids, params),
+            decode_address=decode_address,
+        )
+        try:
+            result = await self.aio.prefill(prefill_address, message)
+        except PdserveError:
+            await asyncio.to_thread(self._abort_quietly, decode_address, request_id)
+            raise
+        events = _Events(result)
+        try:
+            async for reply in self.aio.stream_tokens(decode_address, request_id):
+                yield events.of(reply)
+        except DecodeUnavailableError:
+            raise
+        except InstanceUnavailableError as e:  # the token stream broke: decode's side
+            raise DecodeUnavailableError(str(e), e.retry_after_ms) from e
+
+    async def agenerate_mixed(
+        self,
+        address: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        request_id: str,
+    ) -> AsyncGenerator[TokenDelta | Finished, None]:
+        """`generate_mixed` on the event loop."""
+        message = generate_request(request_id, prompt_token_ids, params)
+        events = _Events(None)
+        async for reply in self.aio.generate_mixed(address, message):
+            yield events.of(reply)
 
     def prefill(
         self,
@@ -135,27 +182,24 @@ class PDClient:
         self.channels.close()
 
 
-def _read_tokens(
-    stream: TokenStream, prefill: prefill_pb2.PrefillResult | None
-) -> Iterator[TokenDelta | Finished]:
-    """Token replies as events; raises the typed error of an error reply or a broken stream.
-    The prompt's logprobs (from prefill's result, or a mixed instance's first chunk) ride on
-    the first delta."""
-    prompt = prefill.prompt_logprobs if prefill is not None else ()
-    for reply in stream:
+class _Events:
+    """Token replies as events. The prompt's logprobs (from prefill's result, or a mixed
+    instance's first chunk) ride on the first delta."""
+
+    def __init__(self, prefill: prefill_pb2.PrefillResult | None) -> None:
+        self._prefill = prefill
+        self._prompt = prefill.prompt_logprobs if prefill is not None else ()
+
+    def of(self, reply: common_pb2.TokenChunk | common_pb2.TokenFinal) -> TokenDelta | Finished:
         if isinstance(reply, common_pb2.TokenChunk):
             logprobs = tuple(logprob_from_proto(lp) for lp in reply.logprobs)
-            prompt_logprobs = tuple(
-                logprob_from_proto(lp) for lp in prompt or reply.prompt_logprobs
-            )
-            prompt = ()
-            yield TokenDelta(tuple(reply.token_ids), reply.text, logprobs, prompt_logprobs)
-        else:
-            yield Finished(
-                FINISH_REASON_NAMES.get(reply.finish_reason, "unknown"),
-                reply.stop_reason,
-                reply.num_prompt_tokens,
-                reply.num_output_tokens,
-                prefill,
-            )
-            return
+            prompt = tuple(logprob_from_proto(lp) for lp in self._prompt or reply.prompt_logprobs)
+            self._prompt = ()
+            return TokenDelta(tuple(reply.token_ids), reply.text, logprobs, prompt)
+        return Finished(
+            FINISH_REASON_NAMES.get(reply.finish_reason, "unknown"),
+            reply.stop_reason,
+            reply.num_prompt_tokens,
+            reply.num_output_tokens,
+            self._prefill,
+        )

@@ -1,16 +1,18 @@
 """Router: picks a prefill and a decode instance per request, holds their load leases, retries.
 
-Threads: HTTP handlers call `generate` (a blocking iterator) from a thread pool; one background
-thread per prefill instance follows its KV-event stream into the KVEventIndex; one thread
-refreshes decode load. Every lease is released exactly once on every path (success, error, retry,
-abort, client disconnect): `Lease.release` is idempotent and both the generator's `finally` and
-`abort` call it.
+Threads: `generate` is an async generator that HTTP handlers consume on the server's event loop
+(grpc.aio: no thread per request or token); one background thread per prefill instance follows
+its KV-event stream into the KVEventIndex; one thread refreshes decode load. Every lease is
+released exactly once on every path (success, error, retry, abort, client disconnect):
+`Lease.release` is idempotent and both the generator's `finally` and `abort` call it. At most
+`router.max_concurrent_requests` generations run at once (`admit`); more get a 503.
 """
 
+import asyncio
 import logging
 import threading
 import time
-from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
+from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -166,6 +168,11 @@ class Router:
     def num_decode(self) -> int:
         return len(self.decode)
 
+    @property
+    def num_running(self) -> int:
+        """Generations running now (each `n` choice is one)."""
+        return len(self._transcripts)
+
     def check_accepting(self) -> None:
         """Raise NoCapacityError (a 503 with Retry-After) while the cluster is shutting down."""
         if self.draining:
@@ -190,6 +197,18 @@ class Router:
         while not done() and time.monotonic() < deadline:
             self._stopped.wait(0.05)
         return done()
+
+    def admit(self, generations: int) -> None:
+        """Raise NoCapacityError (a 503 with Retry-After) when `generations` more would pass
+        `router.max_concurrent_requests`."""
+        limit = self.config.max_concurrent_requests
+        if self.num_running + generations > limit:
+            self.metrics.rejected.inc()
+            raise NoCapacityError(
+                f"the router runs {self.num_running} generations, its limit is {limit} "
+                "(router.max_concurrent_requests); retry later",
+                1000,
+            )
 
     def check_model(self, name: str) -> None:
         if name != self.model.model_id:
@@ -231,12 +250,12 @@ class Router:
 
     # -- generation -------------------------------------------------------------------------------
 
-    def generate(
+    async def generate(
         self, request_id: str, token_ids: list[int], params: SamplingParams
-    ) -> Iterator[TokenDelta | Finished]:
-        """Route and run one request. Errors before the first token are retried on other
-        instances (bounded, with backoff), then raised as NoCapacityError; a stream whose
-        instance fails after that continues on another (a migration, at most
+    ) -> AsyncGenerator[TokenDelta | Finished, None]:
+        """Route and run one request (on the event loop). Errors before the first token are
+        retried on other instances (bounded, with backoff), then raised as NoCapacityError; a
+        stream whose instance fails after that continues on another (a migration, at most
         `migration_limit` times), token-identical to an undisturbed run."""
         transcript = Transcript(self.model.tokenizer, token_ids, params)
         self._transcripts[request_id] = transcript
@@ -246,12 +265,14 @@ class Router:
                 prompt, resumed = transcript.submission()
                 events = self._attempts(request_id, prompt, resumed, excluded)
                 try:
-                    for event in events:
-                        yield from transcript.relay(event)
+                    event: TokenDelta | Finished | None = None
+                    async for event in events:
+                        for relayed in transcript.relay(event):
+                            yield relayed
                         if transcript.finished:
                             break
                     if not isinstance(event, Finished):  # ended by a stop string at the seam
-                        self.abort(request_id)
+                        await asyncio.to_thread(self.abort, request_id)
                     return
                 except (InstanceUnavailableError, StepFailedError) as e:
                     final = self._migrate(request_id, transcript, e)
@@ -259,7 +280,7 @@ class Router:
                         yield final
                         return
                 finally:
-                    events.close()
+                    await events.aclose()
         finally:
             del self._transcripts[request_id]
 
@@ -290,13 +311,13 @@ class Router:
         )  # fmt: skip
         return transcript.begin_migration()
 
-    def _attempts(
+    async def _attempts(
         self,
         request_id: str,
         token_ids: list[int],
         params: SamplingParams,
         excluded: set[str],
-    ) -> Generator[TokenDelta | Finished, None, None]:
+    ) -> AsyncGenerator[TokenDelta | Finished, None]:
         """One routed run of the request; failures before its first token are retried on
         other instances. A failure after it blames the instance that was streaming (added to
         `excluded`) and is raised."""
@@ -308,16 +329,16 @@ class Router:
                 raise RequestAbortedError(f"request {request_id} was aborted")
             prefill, decode, cached = self._choose(request_id, token_ids, hashes, excluded)
             leases = self._take_leases(request_id, prefill, decode, len(token_ids) - cached)
+            events = self._start(prefill, decode, token_ids, params, request_id)
             try:
-                events = self._start(prefill, decode, token_ids, params, request_id)
                 try:
-                    first = next(events)
+                    first = await anext(events)
                 except (InvalidRequestError, RequestAbortedError):
                     raise  # the caller's mistake, or stopped on purpose: not retried
                 except PdserveError as e:
                     failure = e
                     excluded |= self._failed_attempt(e, request_id, attempt, prefill, decode)
-                    time.sleep(backoff)
+                    await asyncio.sleep(backoff)
                     backoff *= 2
                     continue
                 if decode is None:
@@ -326,12 +347,14 @@ class Router:
                     leases[0].release()  # prefill is done once the first token exists
                 yield first
                 try:
-                    yield from events
+                    async for event in events:
+                        yield event
                 except (InstanceUnavailableError, StepFailedError) as e:
                     excluded.add(self._lost_stream(e, decode or prefill))
                     raise
                 return
             finally:
+                await events.aclose()
                 self._release(request_id)
         retry_ms = getattr(failure, "retry_after_ms", 0) or 1000  # RetryableError carries one
         raise NoCapacityError(
@@ -358,10 +381,10 @@ class Router:
         token_ids: list[int],
         params: SamplingParams,
         request_id: str,
-    ) -> Iterator[TokenDelta | Finished]:
+    ) -> AsyncGenerator[TokenDelta | Finished, None]:
         if decode is None:
-            return self.client.generate_mixed(prefill, token_ids, params, request_id)
-        return self.client.generate(prefill, decode, token_ids, params, request_id)
+            return self.client.agenerate_mixed(prefill, token_ids, params, request_id)
+        return self.client.agenerate(prefill, decode, token_ids, params, request_id)
 
     def active_requests(self) -> set[str]:
         """Ids of the requests the router is serving now."""
@@ -386,6 +409,7 @@ class Router:
 
     def export_load(self) -> None:
         """Copy the in-flight lease counts and index sizes into their gauges (before a scrape)."""
+        self.metrics.running.set(self.num_running)
         for address in [*self.prefill, *self.decode]:
             load = self.load.load_of(address)
             self.metrics.in_flight.labels(address).set(load.in_flight_requests)

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from streams import AsyncFace, collect
 
 from pdserve.config import EngineConfig, RouterConfig
 from pdserve.engine.detokenizer import IncrementalDetokenizer
@@ -31,7 +32,7 @@ def next_token(context: list[int]) -> int:
     return (sum(context) * 31 + len(context)) % 90 + 33  # printable single-byte tokens
 
 
-class DyingDecodes:
+class DyingDecodes(AsyncFace):
     """Each call plays the model from the given context; the k-th call's decode dies after
     `deaths[k]` tokens (None: it lives)."""
 
@@ -89,7 +90,7 @@ def play(
 ) -> tuple[list[TokenDelta | Finished], Router]:
     client = DyingDecodes(model.tokenizer, deaths, DecodeUnavailableError("decode is gone"))
     router = make_router(model, client, **config)
-    return list(router.generate("r", PROMPT, params)), router
+    return collect(router.generate("r", PROMPT, params)), router
 
 
 def summary(events: list[TokenDelta | Finished]) -> tuple[list[int], str, Finished]:
@@ -142,7 +143,7 @@ def test_past_the_migration_limit_the_stream_ends_with_an_error(model: ModelInfo
     stream = router.generate("r", PROMPT, params)
     received = []
     with pytest.raises(InstanceUnavailableError, match="after 2 migrations"):
-        received.extend(stream)
+        collect(stream, received)
     assert len(received) == 9 and router.load.num_live_leases() == 0
 
 
@@ -156,7 +157,7 @@ def test_a_failed_step_migrates_too(model: ModelInfo) -> None:
     params = SamplingParams(max_tokens=20, ignore_eos=True)
     client = DyingDecodes(model.tokenizer, [4], StepFailedError("the step failed"))
     router = make_router(model, client)
-    tokens, _, final = summary(list(router.generate("r", PROMPT, params)))
+    tokens, _, final = summary(collect(router.generate("r", PROMPT, params)))
     assert len(tokens) == 20 and final.finish_reason == "length"
     assert router.metrics.migrations.labels("step_failed")._value.get() == 1
 
@@ -167,6 +168,6 @@ def test_a_request_aborted_as_its_decode_dies_does_not_migrate(model: ModelInfo)
     router = make_router(model, client)
     client.on_death = lambda: router.abort("r")  # the client leaves as the stream breaks
     with pytest.raises(RequestAbortedError):
-        list(router.generate("r", PROMPT, params))
+        collect(router.generate("r", PROMPT, params))
     assert len(client.calls) == 1 and client.aborted == ["r"]
     assert router.load.num_live_leases() == 0 and router._transcripts == {}

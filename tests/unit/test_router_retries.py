@@ -1,6 +1,7 @@
 """Router retries and exactly-once load accounting, against a fake PD client (the instances'
 side of the interface): random failures before and after the first token, and cancellations."""
 
+import asyncio
 import contextlib
 import threading
 from collections.abc import Iterator
@@ -9,6 +10,7 @@ from pathlib import Path
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from streams import AsyncFace
 
 from pdserve.config import EngineConfig, RouterConfig
 from pdserve.engine.request import SamplingParams
@@ -31,7 +33,7 @@ DECODE = ["d0", "d1"]
 OUTCOMES = ["ok", "transfer_error", "refused", "mid_stream_error", "invalid"]
 
 
-class FakePDClient:
+class FakePDClient(AsyncFace):
     """Plays scripted outcomes, one per attempt, and records what the router asked for."""
 
     def __init__(self, outcomes: list[str]) -> None:
@@ -79,12 +81,17 @@ def make_router(model: ModelInfo, outcomes: list[str], attempts: int = 3) -> Rou
 
 def run(router: Router, request_id: str, stop_after: int | None = None) -> list[object]:
     events: list[object] = []
-    stream = router.generate(request_id, [5, 6, 7], SamplingParams())
-    for event in stream:
-        events.append(event)
-        if stop_after is not None and len(events) >= stop_after:
-            router.abort(request_id)  # what the HTTP layer does on disconnect
-            break
+
+    async def drive() -> None:
+        stream = router.generate(request_id, [5, 6, 7], SamplingParams())
+        async for event in stream:
+            events.append(event)
+            if stop_after is not None and len(events) >= stop_after:
+                router.abort(request_id)  # what the HTTP layer does on disconnect
+                break
+        await stream.aclose()
+
+    asyncio.run(drive())
     return events
 
 
@@ -189,9 +196,13 @@ def test_a_mixed_instance_sheds_prefill_load_at_the_first_token(model: ModelInfo
     on cache_aware's choice for the next prompts."""
     config = RouterConfig(retry_backoff_s=0.0)
     router = Router(config, model, [], [], FakeMixedClient([]), mixed=["m0"])  # type: ignore[arg-type]
-    stream = router.generate("r", list(range(5, 50)), SamplingParams())
-    next(stream)
-    load = router.load.load_of("m0")
-    assert (load.in_flight_requests, load.in_flight_prefill_tokens) == (1, 0)
-    list(stream)
+
+    async def drive() -> None:
+        stream = router.generate("r", list(range(5, 50)), SamplingParams())
+        await anext(stream)
+        load = router.load.load_of("m0")
+        assert (load.in_flight_requests, load.in_flight_prefill_tokens) == (1, 0)
+        _ = [event async for event in stream]
+
+    asyncio.run(drive())
     assert router.load.num_live_leases() == 0

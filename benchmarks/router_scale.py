@@ -1,0 +1,450 @@
+"""Router at scale: thousands of open streams through the real HTTP router.
+
+    python benchmarks/router_scale.py [--quick] [--stages 100:20,1000:20,4000:2]
+
+Only the router is measured: behind it stand a fake prefill and a fake decode instance, real
+`grpc.aio` servers (checking the cluster secret, as real instances do) that answer Prefill at
+once and stream a request's `max_tokens` tokens at a fixed rate from StreamTokens (each token's
+text is its send time in ns). A fake of the *other* side of the router's interface: what the
+router does with each request (schema, hashing, routing, leases, Prefill and StreamTokens over
+gRPC, transcript, SSE formatting) is all real.
+
+Processes (2-core box): the router alone in a child process (`serve_router`, the real app), the
+fakes in another, the client here: raw asyncio HTTP/1.1 connections (cheaper than an HTTP client
+library: the client must not be what limits). Each stage `streams:rate` ramps `streams` streaming
+`/v1/completions` (ramp 1 s, then held for `--hold-s`), each generating `rate` tokens/s, and
+reports: streams held at once (peak), errors, added latency per token (fake send → client
+receive, so it includes the fake's gRPC hop: an upper bound of router receive → client receive)
+p50/p99, tokens/s through the router, router CPU per 1k tokens (its process's CPU time over the
+stage), RSS per open stream (router RSS at the peak minus before the stage, over streams). A
+non-streaming series (`--plain`, concurrent requests of `--plain-tokens` tokens) reports
+requests/s and latency.
+
+`--peer sglang-router` (installed: `pip install sglang-router`) runs the same streaming stages
+through sglang-router in front of an OpenAI-HTTP stand-in that streams at the same rate, and
+reports pdserve's figures as ratios to its.
+"""
+
+import argparse
+import asyncio
+import json
+import multiprocessing
+import os
+import resource
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+import grpc
+from _common import finish, parse_args, print_table
+
+from pdserve.config import EngineConfig, RouterConfig
+from pdserve.rpc.auth import AUTHORIZATION, new_secret
+from pdserve.v1 import (
+    common_pb2,
+    common_pb2_grpc,
+    decode_pb2,
+    decode_pb2_grpc,
+    prefill_pb2,
+    prefill_pb2_grpc,
+)
+
+MODEL = "tiny"
+FAKE_TOKEN = 65
+HOST = "127.0.0.1"
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--stages", default=None, help="streams:tokens_per_s,... (default 100:20,1000:20,4000:2)"
+    )
+    parser.add_argument("--hold-s", type=float, default=None, help="seconds each stage holds")
+    parser.add_argument(
+        "--plain", default=None, help="concurrent non-streaming requests (default 100,1000)"
+    )
+    parser.add_argument("--plain-tokens", type=int, default=4)
+    parser.add_argument("--plain-rate", type=float, default=200.0, help="tokens/s per request")
+
+
+def _raise_fd_limit() -> None:
+    _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+
+
+# -- the fakes: instant prefill, fixed-rate decode ----------------------------------------------
+
+
+class _Fakes:
+    """Both fake instances in one process: prefill records each request's max_tokens for
+    decode's StreamTokens."""
+
+    def __init__(self, secret: str) -> None:
+        self.expected = (AUTHORIZATION, f"Bearer {secret}")
+        self.max_tokens: dict[str, int] = {}
+        self.interval_s = 0.05  # set by the benchmark before each stage
+
+    def check(self, context: Any) -> bool:
+        return self.expected in tuple(context.invocation_metadata() or ())
+
+
+class FakePrefill(prefill_pb2_grpc.PrefillServiceServicer):
+    def __init__(self, fakes: _Fakes) -> None:
+        self.fakes = fakes
+
+    async def Prefill(self, request: Any, context: Any) -> prefill_pb2.PrefillResult:
+        if not self.fakes.check(context):
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "no secret")
+        generate = request.request
+        self.fakes.max_tokens[generate.request_id] = generate.sampling.max_tokens
+        return prefill_pb2.PrefillResult(
+            first_token_id=FAKE_TOKEN, num_prompt_tokens=len(generate.prompt_token_ids)
+        )
+
+
+class FakeDecode(decode_pb2_grpc.DecodeServiceServicer):
+    """Answers the handoff's calls at once (only the fake prefill would make them) and streams
+    tokens at the stage's rate."""
+
+    def __init__(self, fakes: _Fakes) -> None:
+        self.fakes = fakes
+
+    async def Reserve(self, request: Any, context: Any) -> decode_pb2.ReserveReply:
+        return decode_pb2.ReserveReply()
+
+    async def CommitKV(self, request: Any, context: Any) -> decode_pb2.CommitKVReply:
+        return decode_pb2.CommitKVReply()
+
+    async def PushKV(self, request_iterator: Any, context: Any) -> decode_pb2.PushKVReply:
+        async for _ in request_iterator:
+            pass
+        return decode_pb2.PushKVReply()
+
+    async def StartDecode(self, request: Any, context: Any) -> decode_pb2.StartDecodeReply:
+        return decode_pb2.StartDecodeReply()
+
+    async def StreamTokens(self, request: Any, context: Any) -> AsyncIterator[Any]:
+        if not self.fakes.check(context):
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "no secret")
+        count = self.fakes.max_tokens.pop(request.request_id, 1)
+        interval = self.fakes.interval_s
+        start = time.monotonic()
+        for i in range(count):
+            delay = start + i * interval - time.monotonic()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            chunk = common_pb2.TokenChunk(token_ids=[FAKE_TOKEN], text=f"{time.time_ns()};")
+            yield common_pb2.TokenReply(chunk=chunk)
+        final = common_pb2.TokenFinal(
+            finish_reason=common_pb2.FINISH_REASON_LENGTH, num_output_tokens=count
+        )
+        yield common_pb2.TokenReply(final=final)
+
+
+class FakeInstance(common_pb2_grpc.InstanceServiceServicer):
+    def __init__(self, role: str) -> None:
+        self.role = role
+
+    async def Abort(self, request: Any, context: Any) -> common_pb2.AbortReply:
+        return common_pb2.AbortReply(found=False)
+
+    async def GetStats(self, request: Any, context: Any) -> common_pb2.InstanceStats:
+        return common_pb2.InstanceStats(
+            role=self.role, block_size=16, num_blocks=1 << 20, num_free_blocks=1 << 20
+        )
+
+    async def SubscribeKVEvents(self, request: Any, context: Any) -> AsyncIterator[Any]:
+        yield common_pb2.KVEvent(snapshot=common_pb2.BlocksStored())
+        await asyncio.Event().wait()  # held open until the router cancels it
+
+
+async def _serve_fakes(conn: Connection, secret: str) -> None:
+    fakes = _Fakes(secret)
+    servers, ports = [], []
+    for role in ("prefill", "decode"):
+        server = grpc.aio.server(options=[("grpc.max_concurrent_streams", 100_000)])
+        if role == "prefill":
+            prefill_pb2_grpc.add_PrefillServiceServicer_to_server(FakePrefill(fakes), server)
+        else:
+            decode_pb2_grpc.add_DecodeServiceServicer_to_server(FakeDecode(fakes), server)
+        common_pb2_grpc.add_InstanceServiceServicer_to_server(FakeInstance(role), server)
+        ports.append(server.add_insecure_port(f"{HOST}:0"))
+        await server.start()
+        servers.append(server)
+    conn.send(ports)
+    loop = asyncio.get_running_loop()
+    while (rate := await loop.run_in_executor(None, conn.recv)) is not None:  # None: stop
+        fakes.interval_s = 1.0 / rate
+        conn.send(rate)
+    for server in servers:
+        await server.stop(0)
+
+
+def fakes_process(conn: Connection, secret: str) -> None:
+    _raise_fd_limit()
+    asyncio.run(_serve_fakes(conn, secret))
+
+
+def router_process(conn: Connection, secret: str, prefill: str, decode: str) -> None:
+    _raise_fd_limit()
+    from services.router.server import serve_router
+
+    config = RouterConfig(port=0, model_name=MODEL, max_concurrent_requests=100_000)
+    running = serve_router(config, EngineConfig(), [prefill], [decode], secret=secret)
+    conn.send((running.port, os.getpid()))
+    conn.recv()
+    running.stop()
+
+
+# -- the client: raw HTTP/1.1 on asyncio --------------------------------------------------------
+
+
+@dataclass
+class StageStats:
+    latencies_ms: list[float] = field(default_factory=list)
+    tokens: int = 0
+    errors: list[str] = field(default_factory=list)
+    open_now: int = 0
+    open_peak: int = 0
+    completed: int = 0
+    request_s: list[float] = field(default_factory=list)
+
+
+def _request(body: dict[str, Any]) -> bytes:
+    payload = json.dumps(body).encode()
+    head = (
+        f"POST /v1/completions HTTP/1.1\r\nHost: {HOST}\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(payload)}\r\n\r\n"
+    )
+    return head.encode() + payload
+
+
+async def _open(
+    port: int, request: bytes
+) -> tuple[asyncio.StreamReader, asyncio.StreamWriter, int]:
+    """Send `request`; returns the connection once a 200's headers are read, and its
+    Content-Length (0 for a chunked body)."""
+    reader, writer = await asyncio.open_connection(HOST, port)
+    writer.write(request)
+    status = await reader.readline()
+    if b" 200 " not in status:
+        writer.close()
+        raise RuntimeError(status.decode(errors="replace").strip())
+    length = 0
+    while (line := await reader.readline()) not in (b"\r\n", b""):
+        if line.lower().startswith(b"content-length:"):
+            length = int(line.split(b":", 1)[1])
+    return reader, writer, length
+
+
+async def stream_one(port: int, request: bytes, stats: StageStats) -> None:
+    """One streaming request: every chunk's tokens timed against their send time."""
+    try:
+        reader, writer, _ = await _open(port, request)
+    except (OSError, RuntimeError) as e:
+        stats.errors.append(str(e))
+        return
+    stats.open_now += 1
+    stats.open_peak = max(stats.open_peak, stats.open_now)
+    done = False
+    try:
+        while True:
+            size = int((await reader.readline()).strip() or b"0", 16)
+            if size == 0:
+                break
+            data = await reader.readexactly(size + 2)
+            now = time.time_ns()
+            done = done or b"[DONE]" in data
+            for piece in data.split(b'"text":"')[1:]:
+                sent = piece.split(b";", 1)[0]
+                if sent.isdigit():
+                    stats.latencies_ms.append((now - int(sent)) / 1e6)
+                    stats.tokens += 1
+        if not done:
+            stats.errors.append("stream ended without [DONE]")
+    except (OSError, asyncio.IncompleteReadError, ValueError) as e:
+        stats.errors.append(f"stream broke: {e!r}")
+    finally:
+        stats.open_now -= 1
+        writer.close()
+    stats.completed += 1
+
+
+async def plain_one(port: int, request: bytes, stats: StageStats) -> None:
+    start = time.perf_counter()
+    try:
+        reader, writer, length = await _open(port, request)
+        body = await reader.readexactly(length)
+    except (OSError, RuntimeError, asyncio.IncompleteReadError) as e:
+        stats.errors.append(str(e))
+        return
+    writer.close()
+    if b'"finish_reason":"length"' not in body:
+        stats.errors.append("incomplete answer")
+        return
+    stats.request_s.append(time.perf_counter() - start)
+    stats.completed += 1
+
+
+# -- stages ---------------------------------------------------------------------------------------
+
+
+def _cpu_s(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _rss_mib(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def _percentile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+async def run_stream_stage(
+    port: int, pid: int, streams: int, rate: float, hold_s: float
+) -> dict[str, Any]:
+    tokens = max(2, int(rate * (hold_s + 1.0)))
+    body = {"model": MODEL, "prompt": [5] * 32, "max_tokens": tokens, "stream": True,
+            "temperature": 0}  # fmt: skip
+    request = _request(body)
+    stats = StageStats()
+    rss_before, cpu_before = _rss_mib(pid), _cpu_s(pid)
+    start = time.perf_counter()
+    tasks = []
+    batch = max(1, streams // 20)  # the ramp: 20 batches over 1 s
+    for first in range(0, streams, batch):
+        count = min(batch, streams - first)
+        tasks += [asyncio.ensure_future(stream_one(port, request, stats)) for _ in range(count)]
+        await asyncio.sleep(1.0 / 20)
+    await asyncio.sleep(max(0.0, hold_s / 2))
+    rss_peak = _rss_mib(pid)
+    await asyncio.gather(*tasks)
+    elapsed = time.perf_counter() - start
+    cpu = _cpu_s(pid) - cpu_before
+    return {
+        "streams": streams, "rate_per_stream": rate, "streams_held": stats.open_peak,
+        "errors": len(stats.errors), "error_examples": stats.errors[:3],
+        "token_latency_p50_ms": _percentile(stats.latencies_ms, 0.5),
+        "token_latency_p99_ms": _percentile(stats.latencies_ms, 0.99),
+        "tokens": stats.tokens, "tokens_per_s": stats.tokens / elapsed,
+        "router_cpu_ms_per_1k_tokens": 1e6 * cpu / max(1, stats.tokens),
+        "router_cpu_cores": cpu / elapsed,
+        "rss_kib_per_stream": 1024 * (rss_peak - rss_before) / max(1, stats.open_peak),
+    }  # fmt: skip
+
+
+async def run_plain_stage(
+    port: int, pid: int, concurrent: int, tokens: int, rate: float
+) -> dict[str, Any]:
+    body = {"model": MODEL, "prompt": [5] * 32, "max_tokens": tokens, "temperature": 0}
+    request = _request(body)
+    stats = StageStats()
+    cpu_before = _cpu_s(pid)
+    start = time.perf_counter()
+    await asyncio.gather(*(plain_one(port, request, stats) for _ in range(concurrent)))
+    elapsed = time.perf_counter() - start
+    return {
+        "concurrent": concurrent, "completed": stats.completed, "errors": len(stats.errors),
+        "error_examples": stats.errors[:3], "requests_per_s": stats.completed / elapsed,
+        "latency_p50_s": _percentile(stats.request_s, 0.5),
+        "latency_p99_s": _percentile(stats.request_s, 0.99),
+        "router_cpu_ms_per_request": 1e3 * (_cpu_s(pid) - cpu_before) / max(1, stats.completed),
+    }  # fmt: skip
+
+
+def _stages(args: argparse.Namespace) -> list[tuple[int, float]]:
+    text = args.stages or ("100:20,400:20" if args.quick else "100:20,1000:20,4000:2")
+    return [(int(n), float(r)) for n, r in (s.split(":") for s in text.split(","))]
+
+
+def bench(args: argparse.Namespace) -> dict[str, Any]:
+    _raise_fd_limit()
+    hold_s = args.hold_s or (3.0 if args.quick else 8.0)
+    plain = [int(n) for n in (args.plain or ("100" if args.quick else "100,1000")).split(",")]
+    context = multiprocessing.get_context("spawn")
+    secret = new_secret()
+    fakes_conn, fakes_child = context.Pipe()
+    fakes = context.Process(target=fakes_process, args=(fakes_child, secret), daemon=True)
+    fakes.start()
+    prefill_port, decode_port = fakes_conn.recv()
+    router_conn, router_child = context.Pipe()
+    addresses = (f"{HOST}:{prefill_port}", f"{HOST}:{decode_port}")
+    router = context.Process(
+        target=router_process, args=(router_child, secret, *addresses), daemon=True
+    )
+    router.start()
+    try:
+        port, pid = router_conn.recv()
+
+        def at_rate(rate: float) -> None:  # the fake decode's tokens/s per stream
+            fakes_conn.send(rate)
+            fakes_conn.recv()
+
+        streaming = []
+        for n, rate in _stages(args):
+            at_rate(rate)
+            streaming.append(asyncio.run(run_stream_stage(port, pid, n, rate, hold_s)))
+        at_rate(args.plain_rate)
+        plain_rows = [
+            asyncio.run(run_plain_stage(port, pid, n, args.plain_tokens, args.plain_rate))
+            for n in plain
+        ]
+    finally:
+        for conn, process in ((router_conn, router), (fakes_conn, fakes)):
+            conn.send(None)
+            process.join(20)
+            if process.is_alive():
+                process.terminate()
+    return {"streaming": streaming, "plain": plain_rows, "hold_s": hold_s}
+
+
+def report(results: dict[str, Any]) -> dict[str, float]:
+    rows = [
+        [r["streams"], r["rate_per_stream"], r["streams_held"], r["errors"],
+         r["token_latency_p50_ms"], r["token_latency_p99_ms"], r["tokens_per_s"],
+         r["router_cpu_ms_per_1k_tokens"], r["rss_kib_per_stream"]]
+        for r in results["streaming"]
+    ]  # fmt: skip
+    print_table(
+        "streaming through the router (fake instances)",
+        ["streams", "tok/s each", "held", "errors", "lat p50 ms", "lat p99 ms", "tok/s",
+         "router CPU ms/1k tok", "RSS KiB/stream"],
+        rows,
+    )  # fmt: skip
+    print_table(
+        "non-streaming",
+        ["concurrent", "completed", "errors", "req/s", "p50 s", "p99 s", "router CPU ms/req"],
+        [[r["concurrent"], r["completed"], r["errors"], r["requests_per_s"], r["latency_p50_s"],
+          r["latency_p99_s"], r["router_cpu_ms_per_request"]] for r in results["plain"]],
+    )  # fmt: skip
+    metrics: dict[str, float] = {}
+    for r in results["streaming"]:
+        n = r["streams"]
+        metrics[f"held_{n}"] = r["streams_held"]
+        metrics[f"errors_{n}"] = r["errors"]
+        metrics[f"p99_ms_{n}"] = r["token_latency_p99_ms"]
+        metrics[f"tokens_per_s_{n}"] = r["tokens_per_s"]
+    for r in results["plain"]:
+        metrics[f"plain_rps_{r['concurrent']}"] = r["requests_per_s"]
+        metrics[f"plain_errors_{r['concurrent']}"] = r["errors"]
+    return metrics
+
+
+def main() -> None:
+    args = parse_args(__doc__.splitlines()[0], configure)
+    results = bench(args)
+    finish("router_scale", args, results, report(results))
+
+
+if __name__ == "__main__":
+    main()
