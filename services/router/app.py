@@ -162,13 +162,12 @@ def _openapi(app: FastAPI) -> dict[str, Any]:
     return app.openapi_schema
 
 
-async def _openai_finishes(events: AsyncIterator[Event]) -> AsyncGenerator[Event, None]:
-    """Events with OpenAI's finish reasons only: a generation aborted upstream (an operator, an
-    instance shutting down) ends with an error instead of `finish_reason: "abort"`."""
-    async for event in events:
-        if isinstance(event, Finished) and event.finish_reason == "abort":
-            raise RequestAbortedError("the request was aborted before it finished; retry it")
-        yield event
+def _openai(event: Event) -> Event:
+    """`event`, with OpenAI's finish reasons only: a generation aborted upstream (an operator,
+    an instance shutting down) ends with an error instead of `finish_reason: "abort"`."""
+    if isinstance(event, Finished) and event.finish_reason == "abort":
+        raise RequestAbortedError("the request was aborted before it finished; retry it")
+    return event
 
 
 async def _serve(
@@ -187,17 +186,22 @@ async def _serve(
     ranked = count > body.n
     choice_params = [_choice_params(params, i, ranked) for i in range(count)]
 
-    def start(i: int) -> AsyncGenerator[Event, None]:
-        events = router.generate(choice_ids[i], ids, choice_params[i])
-        return _timed(router.metrics, _openai_finishes(events))
+    def start(i: int, first: Event | None = None) -> AsyncGenerator[Event, None]:
+        events = router.generate(choice_ids[i], ids, choice_params[i]) if i else leader
+        return _observed(router.metrics, events, started, first)
 
     def abort_all() -> None:
         for choice_id in choice_ids:
             router.abort(choice_id)
 
-    first_events = start(0)
-    first = await anext(first_events)  # errors before the first token -> an HTTP error
-    streams = [_prepend(first, first_events), *(start(i) for i in range(1, count))]
+    started = time.perf_counter()
+    leader = router.generate(choice_ids[0], ids, choice_params[0])
+    try:
+        first = _openai(await anext(leader))  # errors before the first token -> an HTTP error
+    except BaseException:
+        await leader.aclose()
+        raise
+    streams = [start(0, first), *(start(i) for i in range(1, count))]
     if body.stream:
         state = _StreamState()
         sse = _sse(state, streams, fmt, request_id, body.include_usage, len(ids))
@@ -206,15 +210,6 @@ async def _serve(
     if ranked:
         collected = _best(collected, body.n, keep_logprobs=params.logprobs is not None)
     return JSONResponse(fmt.complete(request_id, collected, len(ids)))
-
-
-async def _prepend(first: Event, rest: AsyncGenerator[Event, None]) -> AsyncGenerator[Event, None]:
-    try:
-        yield first
-        async for event in rest:
-            yield event
-    finally:
-        await rest.aclose()
 
 
 def _choice_params(params: SamplingParams, index: int, ranked: bool) -> SamplingParams:
@@ -264,24 +259,36 @@ async def _collect_events(stream: AsyncGenerator[Event, None]) -> list[Event]:
     return [event async for event in stream]
 
 
-async def _timed(
-    metrics: RouterMetrics, events: AsyncGenerator[Event, None]
+async def _observed(
+    metrics: RouterMetrics,
+    events: AsyncGenerator[Event, None],
+    started: float,
+    first: Event | None = None,
 ) -> AsyncGenerator[Event, None]:
-    """Observe TTFT, inter-token and end-to-end latency as the events pass."""
-    start = last = time.perf_counter()
-    first = True
+    """One generation's events as the client gets them (`first`: already read from `events`),
+    with OpenAI's finish reasons only (`_openai`); TTFT, inter-token and end-to-end latency
+    are observed as they pass. One generator for all of it: every layer costs each token."""
+    last = started
+    tokens = 0
+
+    def observe(event: Event) -> Event:
+        nonlocal last, tokens
+        now = time.perf_counter()
+        if isinstance(event, Finished):
+            metrics.e2e.observe(now - started)
+        elif tokens == 0:
+            metrics.ttft.observe(now - started)
+        else:
+            metrics.inter_token.observe(now - last)
+        tokens += 1
+        last = now
+        return _openai(event)
+
     try:
+        if first is not None:
+            yield observe(first)
         async for event in events:
-            now = time.perf_counter()
-            if isinstance(event, Finished):
-                metrics.e2e.observe(now - start)
-            elif first:
-                metrics.ttft.observe(now - start)
-                first = False
-            else:
-                metrics.inter_token.observe(now - last)
-            last = now
-            yield event
+            yield observe(event)
     finally:
         await events.aclose()
 
@@ -319,18 +326,28 @@ async def _sse(
     num_prompt_tokens: int,
 ) -> AsyncIterator[bytes]:
     """Every choice's events as they come (chunks carry the choice's index), then usage."""
-    items = _indexed(0, streams[0]) if len(streams) == 1 else _merged(streams)
     finals: dict[int, Finished] = {}
+
+    def chunk(index: int, item: Event) -> bytes | None:
+        if isinstance(item, Finished):
+            finals[index] = item
+            return _data(fmt.envelope(request_id, [fmt.choice_finish(index, item)], True))
+        choice = fmt.choice_delta(index, item)
+        return None if choice is None else _data(fmt.envelope(request_id, [choice], True))
+
+    merged = _merged(streams) if len(streams) > 1 else None
     try:
         starts = [c for i in range(len(streams)) if (c := fmt.choice_start(i)) is not None]
         if starts:
             yield _data(fmt.envelope(request_id, starts, chunk=True))
-        async for index, item in items:
-            if isinstance(item, Finished):
-                finals[index] = item
-                yield _data(fmt.envelope(request_id, [fmt.choice_finish(index, item)], True))
-            elif (choice := fmt.choice_delta(index, item)) is not None:
-                yield _data(fmt.envelope(request_id, [choice], True))
+        if merged is None:  # one choice: its events straight, no merging layer
+            async for event in streams[0]:
+                if (data := chunk(0, event)) is not None:
+                    yield data
+        else:
+            async for index, event in merged:
+                if (data := chunk(index, event)) is not None:
+                    yield data
         if len(finals) < len(streams):
             raise PdserveError("the generation ended without a final event")
         state.finished = True
@@ -343,17 +360,7 @@ async def _sse(
         yield _data({"error": _error_body(e)[1]["error"]})
         yield b"data: [DONE]\n\n"
     finally:
-        await items.aclose()
-
-
-async def _indexed(
-    index: int, events: AsyncGenerator[Event, None]
-) -> AsyncGenerator[tuple[int, Event], None]:
-    try:
-        async for event in events:
-            yield index, event
-    finally:
-        await events.aclose()
+        await (merged or streams[0]).aclose()
 
 
 async def _merged(
