@@ -31,6 +31,8 @@ import json
 import multiprocessing
 import os
 import resource
+import socket
+import subprocess
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -67,6 +69,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--plain-tokens", type=int, default=4)
     parser.add_argument("--plain-rate", type=float, default=200.0, help="tokens/s per request")
+    parser.add_argument(
+        "--sglang-router",
+        metavar="PYTHON",
+        help="a Python with sglang-router installed: run the streaming stages through it too",
+    )
 
 
 def _raise_fd_limit() -> None:
@@ -196,6 +203,114 @@ def router_process(conn: Connection, secret: str, prefill: str, decode: str) -> 
     conn.send((running.port, os.getpid()))
     conn.recv()
     running.stop()
+
+
+# -- the peer's stand-in: an OpenAI HTTP worker streaming at the same rate --------------------
+
+
+async def _worker_connection(
+    reader: asyncio.StreamReader, writer: asyncio.StreamWriter, interval: list[float]
+) -> None:
+    """HTTP/1.1 keep-alive: GETs (health, model info) answer `{}`; a POST streams its
+    `max_tokens` SSE chunks (text: send time in ns) at the stage's rate, chunked."""
+    try:
+        while line := await reader.readline():
+            if line.startswith(b"PRI "):  # an HTTP/2 probe: this worker speaks HTTP/1.1
+                return
+            method = line.split(b" ", 1)[0]
+            length = 0
+            while (header := await reader.readline()) not in (b"\r\n", b""):
+                if header.lower().startswith(b"content-length:"):
+                    length = int(header.split(b":", 1)[1])
+            body = await reader.readexactly(length) if length else b""
+            if method != b"POST":
+                writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n{}")
+                continue
+            await _stream_sse(writer, int(json.loads(body).get("max_tokens", 1)), interval[0])
+    except (ConnectionError, asyncio.IncompleteReadError, ValueError):
+        pass
+    finally:
+        writer.close()
+
+
+async def _stream_sse(writer: asyncio.StreamWriter, count: int, interval: float) -> None:
+    writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+                 b"Transfer-Encoding: chunked\r\n\r\n")  # fmt: skip
+    start = time.monotonic()
+    for i in range(count):
+        delay = start + i * interval - time.monotonic()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        data = (b'data: {"object":"text_completion","model":"tiny","choices":[{"index":0,'
+                b'"text":"%d;","finish_reason":null}]}\n\n' % time.time_ns())  # fmt: skip
+        writer.write(b"%x\r\n%s\r\n" % (len(data), data))
+    done = b"data: [DONE]\n\n"
+    writer.write(b"%x\r\n%s\r\n0\r\n\r\n" % (len(done), done))
+    await writer.drain()
+
+
+async def _serve_worker(conn: Connection) -> None:
+    interval = [0.05]
+    server = await asyncio.start_server(
+        lambda r, w: _worker_connection(r, w, interval), HOST, 0, backlog=8192
+    )
+    conn.send(server.sockets[0].getsockname()[1])
+    loop = asyncio.get_running_loop()
+    while (rate := await loop.run_in_executor(None, conn.recv)) is not None:
+        interval[0] = 1.0 / rate
+        conn.send(rate)
+    server.close()
+
+
+def worker_process(conn: Connection) -> None:
+    _raise_fd_limit()
+    asyncio.run(_serve_worker(conn))
+
+
+def bench_sglang(args: argparse.Namespace, hold_s: float) -> list[dict[str, Any]]:
+    """The streaming stages through sglang-router (its Rust binary, round robin, one worker)."""
+    context = multiprocessing.get_context("spawn")
+    conn, child = context.Pipe()
+    worker = context.Process(target=worker_process, args=(child,), daemon=True)
+    worker.start()
+    worker_port = conn.recv()
+    with socket.socket() as probe:
+        probe.bind((HOST, 0))
+        port = probe.getsockname()[1]
+    router = subprocess.Popen(
+        [args.sglang_router, "-m", "sglang_router.launch_router", "--host", HOST,
+         "--port", str(port), "--worker-urls", f"http://{HOST}:{worker_port}",
+         "--policy", "round_robin", "--log-level", "warn", "--prometheus-port", "0"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, preexec_fn=_raise_fd_limit,
+    )  # fmt: skip
+    try:
+        _wait_http(port, router)
+        rows = []
+        for n, rate in _stages(args):
+            conn.send(rate)
+            conn.recv()
+            rows.append(asyncio.run(run_stream_stage(port, router.pid, n, rate, hold_s)))
+        return rows
+    finally:
+        router.terminate()
+        router.wait(20)
+        conn.send(None)
+        worker.join(10)
+
+
+def _wait_http(port: int, process: subprocess.Popen[bytes], timeout_s: float = 60.0) -> None:
+    """Until the router at `port` routes a request (its worker found healthy)."""
+    deadline = time.monotonic() + timeout_s
+    body = {"model": MODEL, "prompt": "x", "max_tokens": 1, "stream": True}
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"sglang-router exited with status {process.returncode}")
+        stats = StageStats()
+        asyncio.run(stream_one(port, _request(body), stats))
+        if not stats.errors:
+            return
+        time.sleep(0.5)
+    raise RuntimeError("sglang-router did not route a request in time")
 
 
 # -- the client: raw HTTP/1.1 on asyncio --------------------------------------------------------
@@ -405,7 +520,10 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
             process.join(20)
             if process.is_alive():
                 process.terminate()
-    return {"streaming": streaming, "plain": plain_rows, "hold_s": hold_s}
+    results: dict[str, Any] = {"streaming": streaming, "plain": plain_rows, "hold_s": hold_s}
+    if args.sglang_router:
+        results["sglang_router"] = bench_sglang(args, hold_s)
+    return results
 
 
 def report(results: dict[str, Any]) -> dict[str, float]:
@@ -437,7 +555,31 @@ def report(results: dict[str, Any]) -> dict[str, float]:
     for r in results["plain"]:
         metrics[f"plain_rps_{r['concurrent']}"] = r["requests_per_s"]
         metrics[f"plain_errors_{r['concurrent']}"] = r["errors"]
+    peer = results.get("sglang_router")
+    if peer:
+        _report_peer(results["streaming"], peer, metrics)
     return metrics
+
+
+def _report_peer(
+    ours: list[dict[str, Any]], peer: list[dict[str, Any]], metrics: dict[str, float]
+) -> None:
+    """sglang-router's stages, and pdserve's as ratios to them (> 1: pdserve better)."""
+    print_table(
+        "the same stages through sglang-router (OpenAI-HTTP stand-in worker)",
+        ["streams", "held", "errors", "lat p50 ms", "lat p99 ms", "tok/s",
+         "router CPU ms/1k tok", "RSS KiB/stream"],
+        [[r["streams"], r["streams_held"], r["errors"], r["token_latency_p50_ms"],
+          r["token_latency_p99_ms"], r["tokens_per_s"], r["router_cpu_ms_per_1k_tokens"],
+          r["rss_kib_per_stream"]] for r in peer],
+    )  # fmt: skip
+    for a, b in zip(ours, peer, strict=True):
+        n = a["streams"]
+        metrics[f"vs_sglang_tokens_per_s_{n}"] = a["tokens_per_s"] / max(b["tokens_per_s"], 1e-9)
+        metrics[f"vs_sglang_p99_{n}"] = b["token_latency_p99_ms"] / a["token_latency_p99_ms"]
+        metrics[f"vs_sglang_cpu_{n}"] = (
+            b["router_cpu_ms_per_1k_tokens"] / a["router_cpu_ms_per_1k_tokens"]
+        )
 
 
 def main() -> None:

@@ -180,6 +180,12 @@ def _add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="instead of the headline: cache_aware with each eviction policy (lru, lrfu)",
     )
+    cluster.add_argument(
+        "--sweep-concurrency",
+        help="instead of the headline: C1,C2,... closed-loop clients against 1 prefill + 1 decode "
+        "(decode's running count from its /metrics, TTFT percentiles)",
+    )
+    cluster.add_argument("--sweep-seconds", type=float, default=20.0, help="per level")
 
 
 # -- workloads -------------------------------------------------------------------------------------
@@ -1011,6 +1017,8 @@ def main() -> None:
 
     if args.url:
         run_against_url(args, workload, described, tokenizer)
+    elif args.sweep_concurrency:
+        run_concurrency_sweep(args, vocab_size)
     elif args.compare_eviction:
         run_eviction_comparison(args, workload, described, tokenizer)
     else:
@@ -1031,6 +1039,78 @@ def run_against_url(
     }
     metrics["output_tok_s"] = float(result["output_tok_s"])
     finish(NAME, args, {"workload": described, "run": result}, metrics)
+
+
+def run_concurrency_sweep(args: argparse.Namespace, vocab_size: int) -> None:
+    """`--sweep-concurrency`: at each level C, C clients send streaming requests back to back
+    (64-token random prompts, `--max-tokens` answers, EOS ignored) for `--sweep-seconds` to a
+    fresh 1 prefill + 1 decode cluster (engine defaults: `max_num_seqs` 64); the decode
+    instance's `pdserve_running_requests` is read from its /metrics every 50 ms."""
+    levels = [int(c) for c in args.sweep_concurrency.split(",")]
+    rows, results = [], []
+    for clients in levels:
+        cluster = start_cluster("cache_aware", 1, 4096, args)
+        try:
+            wait_for_subscriptions(cluster)
+            metrics_url = f"http://{cluster.decode[0][0].runtime.metrics_address}/metrics"
+            result = asyncio.run(
+                sweep_level(cluster.router.url, metrics_url, clients, args, vocab_size)
+            )
+        finally:
+            cluster.stop()
+        results.append(result)
+        rows.append([clients, result["decode_running_peak"], result["requests"],
+                     result["errors"], result["ttft_p50_ms"], result["ttft_p99_ms"],
+                     result["output_tok_s"]])  # fmt: skip
+    print_table(
+        "concurrency sweep (1 prefill + 1 decode, max_num_seqs 64)",
+        ["clients", "decode running peak", "requests", "errors", "TTFT p50 ms", "TTFT p99 ms",
+         "output tok/s"],
+        rows,
+    )  # fmt: skip
+    metrics: dict[str, float] = {}
+    for r in results:
+        metrics[f"running_peak_{r['clients']}"] = r["decode_running_peak"]
+        metrics[f"ttft_p99_ms_{r['clients']}"] = r["ttft_p99_ms"]
+    finish(f"{NAME}_concurrency", args, {"levels": results}, metrics)
+
+
+async def sweep_level(
+    url: str, metrics_url: str, clients: int, args: argparse.Namespace, vocab_size: int
+) -> dict[str, Any]:
+    client = LoadClient(url, MODEL_NAME, "completions", args.request_timeout)
+    lo, hi = token_range(vocab_size)
+    rng = random.Random(args.seed)
+    records: list[Record] = []
+    peak = 0
+    start = time.perf_counter()
+    stop_at = start + args.sweep_seconds
+
+    async def worker(index: int) -> None:
+        while time.perf_counter() < stop_at:
+            body = {"prompt": random_ids(rng, 64, lo, hi), "ignore_eos": True}
+            records.append(await client.send(f"c{index}", body, args.max_tokens))
+
+    async def poll() -> None:
+        nonlocal peak
+        async with httpx.AsyncClient(timeout=10) as http:
+            while time.perf_counter() < stop_at:
+                for line in (await http.get(metrics_url)).text.splitlines():
+                    if line.startswith("pdserve_running_requests"):  # {role="decode"} v
+                        peak = max(peak, int(float(line.split()[1])))
+                await asyncio.sleep(0.05)
+
+    try:
+        await asyncio.gather(poll(), *(worker(i) for i in range(clients)))
+    finally:
+        await client.close()
+    ttfts = [1e3 * r.ttft_s for r in records if r.ttft_s is not None]
+    return {
+        "clients": clients, "decode_running_peak": peak, "requests": len(records),
+        "errors": sum(r.error is not None for r in records),
+        "ttft_p50_ms": percentile(ttfts, 50), "ttft_p99_ms": percentile(ttfts, 99),
+        "output_tok_s": sum(r.output_tokens for r in records) / (time.perf_counter() - start),
+    }  # fmt: skip
 
 
 def run_eviction_comparison(

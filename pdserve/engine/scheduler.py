@@ -69,6 +69,8 @@ class Scheduler:
         self.admission = admission
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # sorted by arrival_order
+        # prompts computed elsewhere (decode's handoffs) waiting for a place in the batch
+        self.prefilled: deque[Request] = deque()
         self.requests: dict[str, Request] = {}
         self.stats = SchedulerStats()
 
@@ -85,11 +87,15 @@ class Scheduler:
         """Requests a step could advance (TRANSFERRING requests and storage reads wait on I/O)."""
         storage = self.admission.storage
         if storage is None or not storage.has_pending:
-            return bool(self.running or self.waiting)
-        return bool(self.running) or any(not storage.is_pending(r.request_id) for r in self.waiting)
+            return bool(self.running or self.waiting or self.prefilled)
+        return bool(self.running or self.prefilled) or any(
+            not storage.is_pending(r.request_id) for r in self.waiting
+        )
 
     def schedule(self) -> SchedulerOutput:
         """Choose this step's chunks and allocate their KV blocks."""
+        while self.prefilled and len(self.running) < self.config.max_num_seqs:
+            self._run(self.prefilled.popleft())
         output = SchedulerOutput()
         budget = self._schedule_running(output, self.config.max_num_batched_tokens)
         if not output.preempted:
@@ -114,16 +120,26 @@ class Scheduler:
 
     def admit_running(self, request: Request) -> None:
         """Add a request whose KV is already in its blocks (received from a prefill instance)
-        straight to the running batch."""
+        to the running batch, or, while it holds `max_num_seqs`, to the queue of prefilled
+        requests that join it as places free up (first come, first served)."""
         if request.request_id in self.requests:
             raise DuplicateRequestError(f"request id {request.request_id!r} is already in flight")
         self.requests[request.request_id] = request
+        if self.prefilled or len(self.running) >= self.config.max_num_seqs:
+            request.status = RequestStatus.WAITING
+            self.prefilled.append(request)
+        else:
+            self._run(request)
+
+    def _run(self, request: Request) -> None:
         request.status = RequestStatus.RUNNING
         bisect.insort(self.running, request, key=lambda r: r.arrival_order)
 
     def _unqueue(self, request: Request) -> None:
         if request.status == RequestStatus.RUNNING:
             self.running.remove(request)
+        elif request in self.prefilled:
+            self.prefilled.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
 

@@ -33,7 +33,13 @@ from pdserve.metrics import InstanceCollector, serve_metrics
 from pdserve.model.runner import BlockIO
 from pdserve.rpc.auth import BearerTokenInterceptor
 from pdserve.rpc.channels import ChannelPool
-from pdserve.rpc.server import advertised_host, create_server, host_port, is_loopback
+from pdserve.rpc.server import (
+    advertised_host,
+    create_server,
+    host_port,
+    instance_workers,
+    is_loopback,
+)
 from pdserve.rpc.tls import TlsFiles
 from pdserve.storage.remote import SERVICE_NAME as STORAGE_SERVICE
 from pdserve.storage.remote import StorageServicer
@@ -199,6 +205,7 @@ class InstanceRuntime:
             services,
             host,
             port,
+            max_workers=instance_workers(self.engine.scheduler.config.max_num_seqs),
             interceptors=[BearerTokenInterceptor(self.secret)],
             credentials=self.tls.server_credentials() if self.tls is not None else None,
         )
@@ -381,7 +388,7 @@ class InstanceRuntime:
                 num_free_blocks=kv.num_free_blocks,
                 num_cached_blocks=kv.num_cached_blocks,
                 num_running=len(scheduler.running),
-                num_waiting=len(scheduler.waiting),
+                num_waiting=len(scheduler.waiting) + len(scheduler.prefilled),
                 num_preemptions=scheduler.stats.num_preemptions,
                 prefix_cache_queries=scheduler.stats.prefix_cache_queries,
                 device_hit_tokens=scheduler.stats.device_hit_tokens,

@@ -50,6 +50,15 @@ def create_server(
     return server, bound
 
 
+def instance_workers(max_num_seqs: int) -> int:
+    """Handler threads of an instance's server. Every open token stream (StreamTokens,
+    Generate) and every Prefill in flight holds one, so the pool is sized from the engine's batch
+    — twice `max_num_seqs` (requests queued behind the running ones keep their streams open
+    too) plus control calls and KV-event subscriptions — so that the engine's limits, not the
+    pool, bound what an instance runs."""
+    return 2 * max_num_seqs + 32
+
+
 def is_loopback(host: str) -> bool:
     """Whether binding `host` keeps a listener on this machine (127.0.0.0/8, ::1, localhost)."""
     if host == "localhost":

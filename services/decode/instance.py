@@ -147,7 +147,8 @@ class DecodeInstance:
         horizon = self.config.reserve_horizon_tokens
         block_size = engine.kv_cache.block_size
         total = 0
-        for request in [*engine.scheduler.running, *self.reservations.requests()]:
+        scheduler = engine.scheduler
+        for request in [*scheduler.running, *scheduler.prefilled, *self.reservations.requests()]:
             remaining = request.sampling_params.max_tokens - request.num_output_tokens
             growth = remaining if horizon is None else min(remaining, horizon)
             target = min(request.num_tokens + growth, engine.max_model_len)

@@ -3,9 +3,12 @@
 is counted), never a silent queue; the generations it runs are unaffected, and once one ends the
 next request is served."""
 
+import asyncio
+import contextlib
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -64,3 +67,76 @@ def test_past_the_limit_requests_get_503_and_the_running_ones_finish(
     assert served.status_code == 200
     metrics = httpx.get(f"{router.url}/metrics").text
     assert "pdserve_router_rejected_requests_total 2.0" in metrics
+
+
+@contextlib.contextmanager
+def pd_cluster(tiny_model_dir: Path, max_num_seqs: int) -> Iterator[tuple[RunningRouter, Any]]:
+    """A router over one prefill and one decode instance of `max_num_seqs`; (router, decode)."""
+    config = EngineConfig(model=str(tiny_model_dir), num_kv_blocks=1024, max_num_seqs=max_num_seqs)
+    p, p_server, p_port = serve_prefill(config, PrefillConfig(), secret=SECRET)
+    d, d_server, d_port = serve_decode(config, DecodeConfig(), secret=SECRET)
+    running = serve_router(
+        RouterConfig(port=0, model_name="tiny"),
+        config, [f"127.0.0.1:{p_port}"], [f"127.0.0.1:{d_port}"], secret=SECRET,
+    )  # fmt: skip
+    try:
+        yield running, d
+    finally:
+        running.stop()
+        for instance, server in ((p, p_server), (d, d_server)):
+            server.stop(0)
+            instance.check_integrity()
+            instance.stop()
+
+
+def concurrently(
+    router: RunningRouter, count: int, max_tokens: int, until: Callable[[], bool], first: int = 0
+) -> list[str]:
+    """`count` greedy completions at once (prompts `go {first}` ...); returns their texts once
+    all are done and `until` held while they ran."""
+    body = {"model": "tiny", "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0}
+
+    async def clients() -> list[str]:
+        async with httpx.AsyncClient(timeout=120) as http:
+            url = f"{router.url}/v1/completions"
+
+            async def one(n: int) -> str:
+                reply = await http.post(url, json={**body, "prompt": f"go {first + n}"})
+                assert reply.status_code == 200, reply.text
+                return str(reply.json()["choices"][0]["text"])
+
+            tasks = [asyncio.ensure_future(one(n)) for n in range(count)]
+            await asyncio.to_thread(wait_for, until, 60)
+            return list(await asyncio.gather(*tasks))
+
+    return asyncio.run(clients())
+
+
+def test_a_decode_instance_runs_max_num_seqs_streams_not_a_thread_pools_worth(
+    tiny_model_dir: Path,
+) -> None:
+    """40 concurrent streams (more than the 32 handler threads servers used to have) all run
+    on the decode engine at once: its `max_num_seqs` (40) is the limit."""
+    with pd_cluster(tiny_model_dir, 40) as (router, decode):
+        texts = concurrently(router, 40, 300, lambda: decode.stats().num_running == 40)
+    assert len(texts) == 40
+
+
+def test_handoffs_beyond_max_num_seqs_wait_their_turn_with_unchanged_output(
+    tiny_model_dir: Path,
+) -> None:
+    """16 requests on a decode of max_num_seqs 8: 8 run, the others' KV waits (counted as
+    waiting) and they join as places free up; every text equals the one it has alone."""
+    with pd_cluster(tiny_model_dir, 8) as (router, decode):
+        peak = 0
+
+        def queued() -> bool:
+            nonlocal peak
+            stats = decode.stats()
+            peak = max(peak, stats.num_running)
+            return stats.num_running == 8 and stats.num_waiting >= 1
+
+        together = concurrently(router, 16, 120, queued)
+        alone = {n: concurrently(router, 1, 120, lambda: True, first=n)[0] for n in (0, 9, 15)}
+    assert peak == 8
+    assert all(together[n] == text for n, text in alone.items()) and len(set(together)) > 1
