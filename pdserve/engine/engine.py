@@ -65,6 +65,7 @@ class RequestOutput:
     error: str | None = None  # set on the final output of a request its engine step failed
     new_logprobs: tuple[TokenLogprob, ...] = ()  # of new_token_ids, when the request asks
     prompt_logprobs: tuple[TokenLogprob, ...] = ()  # prompt tokens 1.., on the first output
+    block_ids: tuple[int, ...] = ()  # kv_ready: the blocks holding the prompt's KV (to send)
 
 
 @dataclass(frozen=True, slots=True)
@@ -412,6 +413,7 @@ class LLMEngine:
             num_cached_tokens=request.num_cached_tokens,
             new_logprobs=_newest_logprob(request),
             prompt_logprobs=_prompt_logprobs_once(request),
+            block_ids=tuple(self.kv_cache.block_table(request.request_id)),
         )
 
     def _finish(self, request: Request, status: RequestStatus) -> None:

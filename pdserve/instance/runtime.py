@@ -267,10 +267,6 @@ class InstanceRuntime:
     def vocab_size(self) -> int:
         return self.engine.loaded.config.vocab_size
 
-    def block_table(self, request_id: str) -> list[int]:
-        """A copy of the request's block table (empty when it holds none)."""
-        return self.loop.call(lambda engine: list(engine.kv_cache.block_table(request_id)))
-
     def flush_device_cache(self) -> int:
         """Unpublish every unreferenced block of the device prefix cache; returns how many."""
         return self.loop.call(lambda engine: engine.kv_cache.evict_cached_blocks())
@@ -298,11 +294,11 @@ class InstanceRuntime:
         prefill_only: bool = False,
     ) -> Request:
         """Validate and build a request (`LLMEngine.make_request`); raises InvalidRequestError
-        and PromptTooLongError (this instance's context window)."""
-        return self.loop.call(
-            lambda engine: engine.make_request(
-                prompt_token_ids, params, request_id, prefill_only=prefill_only
-            )
+        and PromptTooLongError (this instance's context window). On the caller's thread: it
+        reads only what never changes (tokenizer, hasher, limits, the thread-safe grammar
+        cache), so it costs no engine-thread round trip."""
+        return self.engine.make_request(
+            prompt_token_ids, params, request_id, prefill_only=prefill_only
         )
 
     def read_ahead(self, request: Request) -> None:

@@ -13,6 +13,7 @@ Any failure releases the blocks here and the reservation there.
 import logging
 import queue
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from pdserve.config import EngineConfig, PrefillConfig, StorageConfig, TransferConfig
@@ -144,13 +145,13 @@ class PrefillInstance:
             outcome.timings.reserve_s = time.perf_counter() - start
             _check_not_aborted(stream)
             output = self._compute(request, stream, outcome)
-            self._send_kv(request, reservation, decode_address, outcome)
+            self._send_kv(request, output.block_ids, reservation, decode_address, outcome)
             _check_not_aborted(stream)  # aborted while sending: its blocks were kept until now
             self._hand_off(request_id, decode, output, outcome)
             decode_reserved = False
         finally:
             self.runtime.close_stream(request_id, stream=stream)
-            self.runtime.loop.call(lambda engine: engine.release(request_id))
+            self.runtime.loop.submit(lambda engine: engine.release(request_id))  # not awaited
             if decode_reserved:
                 self._abort_on_decode(request_id, decode)
         return outcome
@@ -243,14 +244,15 @@ class PrefillInstance:
     def _send_kv(
         self,
         request: Request,
+        table: Sequence[int],
         reservation: DecodeReservation,
         decode_address: str,
         outcome: PrefillOutcome,
     ) -> None:
+        """Send the prompt's blocks (`table`, from the KV-ready output) that decode lacks."""
         started = time.perf_counter()
         first_block = reservation.num_cached_tokens // self.runtime.block_size
-        table = self.runtime.block_table(request.request_id)
-        block_ids = table[first_block : reservation.num_blocks]
+        block_ids = list(table[first_block : reservation.num_blocks])
         if block_ids:
             target = KVTarget(
                 decode_address,
