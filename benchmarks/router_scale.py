@@ -45,6 +45,7 @@ from _common import finish, parse_args, print_table
 
 from pdserve.config import EngineConfig, RouterConfig
 from pdserve.rpc.auth import AUTHORIZATION, new_secret
+from pdserve.rpc.channels import SERVER_OPTIONS
 from pdserve.v1 import (
     common_pb2,
     common_pb2_grpc,
@@ -56,6 +57,7 @@ from pdserve.v1 import (
 
 MODEL = "tiny"
 FAKE_TOKEN = 65
+PROMPT = "a 32-character prompt, in ASCII."  # text: sglang-router refuses token-id prompts
 HOST = "127.0.0.1"
 
 
@@ -171,7 +173,9 @@ async def _serve_fakes(conn: Connection, secret: str) -> None:
     fakes = _Fakes(secret)
     servers, ports = [], []
     for role in ("prefill", "decode"):
-        server = grpc.aio.server(options=[("grpc.max_concurrent_streams", 100_000)])
+        server = grpc.aio.server(
+            options=[*SERVER_OPTIONS, ("grpc.max_concurrent_streams", 100_000)]
+        )
         if role == "prefill":
             prefill_pb2_grpc.add_PrefillServiceServicer_to_server(FakePrefill(fakes), server)
         else:
@@ -274,13 +278,12 @@ def bench_sglang(args: argparse.Namespace, hold_s: float) -> list[dict[str, Any]
     worker = context.Process(target=worker_process, args=(child,), daemon=True)
     worker.start()
     worker_port = conn.recv()
-    with socket.socket() as probe:
-        probe.bind((HOST, 0))
-        port = probe.getsockname()[1]
+    port, metrics_port = _free_port(), _free_port()
     router = subprocess.Popen(
         [args.sglang_router, "-m", "sglang_router.launch_router", "--host", HOST,
          "--port", str(port), "--worker-urls", f"http://{HOST}:{worker_port}",
-         "--policy", "round_robin", "--log-level", "warn", "--prometheus-port", "0"],
+         "--policy", "round_robin", "--log-level", "warn",
+         "--prometheus-port", str(metrics_port)],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, preexec_fn=_raise_fd_limit,
     )  # fmt: skip
     try:
@@ -296,6 +299,12 @@ def bench_sglang(args: argparse.Namespace, hold_s: float) -> list[dict[str, Any]
         router.wait(20)
         conn.send(None)
         worker.join(10)
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind((HOST, 0))
+        return int(probe.getsockname()[1])
 
 
 def _wait_http(port: int, process: subprocess.Popen[bytes], timeout_s: float = 60.0) -> None:
@@ -429,7 +438,7 @@ async def run_stream_stage(
     port: int, pid: int, streams: int, rate: float, hold_s: float
 ) -> dict[str, Any]:
     tokens = max(2, int(rate * (hold_s + 1.0)))
-    body = {"model": MODEL, "prompt": [5] * 32, "max_tokens": tokens, "stream": True,
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": tokens, "stream": True,
             "temperature": 0}  # fmt: skip
     request = _request(body)
     stats = StageStats()
@@ -461,7 +470,7 @@ async def run_stream_stage(
 async def run_plain_stage(
     port: int, pid: int, concurrent: int, tokens: int, rate: float
 ) -> dict[str, Any]:
-    body = {"model": MODEL, "prompt": [5] * 32, "max_tokens": tokens, "temperature": 0}
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": tokens, "temperature": 0}
     request = _request(body)
     stats = StageStats()
     cpu_before = _cpu_s(pid)
