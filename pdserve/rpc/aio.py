@@ -13,8 +13,8 @@ import grpc
 
 from pdserve.rpc.auth import AUTHORIZATION
 from pdserve.rpc.channels import CHANNEL_OPTIONS
-from pdserve.rpc.clients import DEFAULT_DEADLINES, Deadlines
-from pdserve.rpc.status import error_from_reply, error_from_rpc
+from pdserve.rpc.clients import DEFAULT_DEADLINES, Deadlines, reply_item
+from pdserve.rpc.status import error_from_rpc
 from pdserve.rpc.tls import TlsFiles
 from pdserve.v1 import (
     common_pb2,
@@ -100,14 +100,10 @@ async def token_replies(
     typed exception. Leaving the loop (or closing the iterator) cancels the call."""
     try:
         async for reply in call:
-            kind = reply.WhichOneof("reply")
-            if kind == "chunk":
-                yield reply.chunk
-            elif kind == "final":
-                yield reply.final
+            item = reply_item(reply)
+            yield item
+            if isinstance(item, common_pb2.TokenFinal):
                 return
-            else:
-                raise error_from_reply(reply.error)
     except grpc.RpcError as e:
         raise error_from_rpc(e, peer) from e
     finally:

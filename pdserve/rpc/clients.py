@@ -138,14 +138,10 @@ class TokenStream:
     def __iter__(self) -> Iterator[common_pb2.TokenChunk | common_pb2.TokenFinal]:
         try:
             for reply in self._call:
-                kind = reply.WhichOneof("reply")
-                if kind == "chunk":
-                    yield reply.chunk
-                elif kind == "final":
-                    yield reply.final
+                item = reply_item(reply)
+                yield item
+                if isinstance(item, common_pb2.TokenFinal):
                     return
-                else:
-                    raise error_from_reply(reply.error)
         except grpc.RpcError as e:
             raise error_from_rpc(e, self._peer) from e
         finally:
@@ -153,3 +149,13 @@ class TokenStream:
 
     def cancel(self) -> None:
         self._call.cancel()
+
+
+def reply_item(reply: common_pb2.TokenReply) -> common_pb2.TokenChunk | common_pb2.TokenFinal:
+    """A token stream reply's chunk or final reply; raises the typed error of an error reply."""
+    kind = reply.WhichOneof("reply")
+    if kind == "chunk":
+        return reply.chunk
+    if kind == "final":
+        return reply.final
+    raise error_from_reply(reply.error)

@@ -71,26 +71,7 @@ def create_app(router: Router, config: RouterConfig) -> FastAPI:
     _install_error_handlers(app)
     app.add_middleware(_RequestGate, metrics=router.metrics, max_bytes=config.max_body_bytes)
 
-    @app.get("/health")
-    async def health() -> dict[str, Any]:
-        return {"status": "ok", "prefill": router.num_prefill, "decode": router.num_decode}
-
-    @app.get("/prometheus/targets")
-    async def scrape_targets() -> list[dict[str, Any]]:
-        """Prometheus HTTP service discovery: every endpoint of the cluster to scrape."""
-        return router.scrape_targets
-
-    @app.get("/metrics", include_in_schema=False)  # Prometheus text, not the API
-    async def metrics() -> Response:
-        router.export_load()
-        return Response(generate_latest(router.metrics.registry), media_type=CONTENT_TYPE_LATEST)
-
-    @app.get("/v1/models")
-    async def models() -> dict[str, Any]:
-        card = {"id": router.model_id, "object": "model", "created": 0, "owned_by": "pdserve",
-                "max_model_len": router.model.max_model_len}  # fmt: skip
-        return {"object": "list", "data": [card]}
-
+    _add_info_endpoints(app, router)
     _add_token_endpoints(app, router)
 
     @app.post("/v1/completions", response_model=None, responses=ERROR_RESPONSES)
@@ -115,6 +96,30 @@ def create_app(router: Router, config: RouterConfig) -> FastAPI:
 
     app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
     return app
+
+
+def _add_info_endpoints(app: FastAPI, router: Router) -> None:
+    """Health, Prometheus discovery and metrics, the model list."""
+
+    @app.get("/health")
+    async def health() -> dict[str, Any]:
+        return {"status": "ok", "prefill": router.num_prefill, "decode": router.num_decode}
+
+    @app.get("/prometheus/targets")
+    async def scrape_targets() -> list[dict[str, Any]]:
+        """Prometheus HTTP service discovery: every endpoint of the cluster to scrape."""
+        return router.scrape_targets
+
+    @app.get("/metrics", include_in_schema=False)  # Prometheus text, not the API
+    async def metrics() -> Response:
+        router.export_load()
+        return Response(generate_latest(router.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        card = {"id": router.model_id, "object": "model", "created": 0, "owned_by": "pdserve",
+                "max_model_len": router.model.max_model_len}  # fmt: skip
+        return {"object": "list", "data": [card]}
 
 
 def _tool_parsers(

@@ -115,10 +115,7 @@ class PDClient:
         request_id: str,
     ) -> AsyncGenerator[TokenDelta | Finished, None]:
         """`generate` on the event loop."""
-        message = prefill_pb2.PrefillRequest(
-            request=generate_request(request_id, prompt_token_ids, params),
-            decode_address=decode_address,
-        )
+        message = _prefill_request(decode_address, prompt_token_ids, params, request_id)
         try:
             result = await self.aio.prefill(prefill_address, message)
         except PdserveError:
@@ -154,10 +151,7 @@ class PDClient:
         params: SamplingParams,
         request_id: str,
     ) -> prefill_pb2.PrefillResult:
-        message = prefill_pb2.PrefillRequest(
-            request=generate_request(request_id, prompt_token_ids, params),
-            decode_address=decode_address,
-        )
+        message = _prefill_request(decode_address, prompt_token_ids, params, request_id)
         return PrefillClient(prefill_address, self.channels, self.deadlines).prefill(message)
 
     def abort(self, prefill_address: str, decode_address: str | None, request_id: str) -> None:
@@ -180,6 +174,15 @@ class PDClient:
 
     def close(self) -> None:
         self.channels.close()
+
+
+def _prefill_request(
+    decode_address: str, prompt_token_ids: list[int], params: SamplingParams, request_id: str
+) -> prefill_pb2.PrefillRequest:
+    return prefill_pb2.PrefillRequest(
+        request=generate_request(request_id, prompt_token_ids, params),
+        decode_address=decode_address,
+    )
 
 
 class _Events:

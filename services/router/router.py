@@ -322,7 +322,7 @@ class Router:
         other instances. A failure after it blames the instance that was streaming (added to
         `excluded`) and is raised."""
         hashes = self.model.hasher.hash_tokens(token_ids)
-        backoff = self.config.retry_backoff_s
+        backoff = self.config.retry_backoff_s  # doubles after each failed attempt
         failure: Exception | None = None
         for attempt in range(1, self.config.max_attempts + 1):
             if self._transcripts[request_id].aborted:
@@ -338,8 +338,7 @@ class Router:
                 except PdserveError as e:
                     failure = e
                     excluded |= self._failed_attempt(e, request_id, attempt, prefill, decode)
-                    await asyncio.sleep(backoff)
-                    backoff *= 2
+                    await asyncio.sleep(backoff * 2 ** (attempt - 1))
                     continue
                 if decode is None:
                     leases[0].finish_prefill()  # mixed: the prompt is computed, decoding goes on

@@ -21,21 +21,34 @@ from services.prefill.servicer import serve_prefill
 from services.router.server import RunningRouter, serve_router
 
 
-@pytest.fixture(scope="module")
-def router(tiny_model_dir: Path) -> Iterator[RunningRouter]:
-    config = EngineConfig(model=str(tiny_model_dir), num_kv_blocks=256)
+@contextlib.contextmanager
+def pd_cluster(
+    tiny_model_dir: Path, max_num_seqs: int, max_concurrent_requests: int = 4096
+) -> Iterator[tuple[RunningRouter, Any]]:
+    """A router over one prefill and one decode instance of `max_num_seqs`; (router, decode)."""
+    config = EngineConfig(model=str(tiny_model_dir), num_kv_blocks=1024, max_num_seqs=max_num_seqs)
     p, p_server, p_port = serve_prefill(config, PrefillConfig(), secret=SECRET)
     d, d_server, d_port = serve_decode(config, DecodeConfig(), secret=SECRET)
+    routing = RouterConfig(
+        port=0, model_name="tiny", max_concurrent_requests=max_concurrent_requests
+    )
     running = serve_router(
-        RouterConfig(port=0, model_name="tiny", max_concurrent_requests=2),
-        config, [f"127.0.0.1:{p_port}"], [f"127.0.0.1:{d_port}"], secret=SECRET,
-    )  # fmt: skip
-    yield running
-    running.stop()
-    for instance, server in ((p, p_server), (d, d_server)):
-        server.stop(0)
-        instance.check_integrity()
-        instance.stop()
+        routing, config, [f"127.0.0.1:{p_port}"], [f"127.0.0.1:{d_port}"], secret=SECRET
+    )
+    try:
+        yield running, d
+    finally:
+        running.stop()
+        for instance, server in ((p, p_server), (d, d_server)):
+            server.stop(0)
+            instance.check_integrity()
+            instance.stop()
+
+
+@pytest.fixture(scope="module")
+def router(tiny_model_dir: Path) -> Iterator[RunningRouter]:
+    with pd_cluster(tiny_model_dir, 64, max_concurrent_requests=2) as (running, _):
+        yield running
 
 
 def test_past_the_limit_requests_get_503_and_the_running_ones_finish(
@@ -67,26 +80,6 @@ def test_past_the_limit_requests_get_503_and_the_running_ones_finish(
     assert served.status_code == 200
     metrics = httpx.get(f"{router.url}/metrics").text
     assert "pdserve_router_rejected_requests_total 2.0" in metrics
-
-
-@contextlib.contextmanager
-def pd_cluster(tiny_model_dir: Path, max_num_seqs: int) -> Iterator[tuple[RunningRouter, Any]]:
-    """A router over one prefill and one decode instance of `max_num_seqs`; (router, decode)."""
-    config = EngineConfig(model=str(tiny_model_dir), num_kv_blocks=1024, max_num_seqs=max_num_seqs)
-    p, p_server, p_port = serve_prefill(config, PrefillConfig(), secret=SECRET)
-    d, d_server, d_port = serve_decode(config, DecodeConfig(), secret=SECRET)
-    running = serve_router(
-        RouterConfig(port=0, model_name="tiny"),
-        config, [f"127.0.0.1:{p_port}"], [f"127.0.0.1:{d_port}"], secret=SECRET,
-    )  # fmt: skip
-    try:
-        yield running, d
-    finally:
-        running.stop()
-        for instance, server in ((p, p_server), (d, d_server)):
-            server.stop(0)
-            instance.check_integrity()
-            instance.stop()
 
 
 def concurrently(
