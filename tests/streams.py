@@ -20,7 +20,8 @@ def collect(stream: AsyncGenerator[Any, None], into: list[Any] | None = None) ->
 
 
 class AsyncFace:
-    """`agenerate` / `agenerate_mixed` over the fake's `generate` / `generate_mixed`."""
+    """`agenerate` / `agenerate_mixed` over the fake's `generate` / `generate_mixed` (the
+    prompt's hash chain the router sends along is not the fakes' business)."""
 
     def generate(self, *args: Any) -> Iterator[Any]:
         raise NotImplementedError
@@ -29,9 +30,9 @@ class AsyncFace:
         raise NotImplementedError
 
     async def agenerate(self, *args: Any) -> AsyncIterator[Any]:
-        for event in self.generate(*args):
+        for event in self.generate(*args[:5]):
             yield event
 
     async def agenerate_mixed(self, *args: Any) -> AsyncIterator[Any]:
-        for event in self.generate_mixed(*args):
+        for event in self.generate_mixed(*args[:4]):
             yield event

@@ -24,7 +24,7 @@ from pdserve.errors import (
 )
 from pdserve.kvcache.events import KVEventSink
 from pdserve.kvcache.eviction import make_eviction_policy
-from pdserve.kvcache.hashing import BlockHash, BlockHasher
+from pdserve.kvcache.hashing import BlockHash, BlockHasher, PromptHashes
 from pdserve.kvcache.manager import KVCacheManager
 from pdserve.model.loader import LoadedModel, load_model
 from pdserve.model.runner import ModelRunner, SequenceChunk
@@ -158,9 +158,11 @@ class LLMEngine:
         request_id: str | None = None,
         *,
         prefill_only: bool = False,
+        block_hashes: PromptHashes | None = None,
     ) -> Request:
         """Validate and build a request without queueing it; raises InvalidRequestError /
-        PromptTooLongError for bad input."""
+        PromptTooLongError for bad input. `block_hashes` (the router's chain of the prompt) is
+        taken when it passes `BlockHasher.adopt`'s check, else the chain is computed here."""
         token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         self._validate_prompt(token_ids)
         params = params or SamplingParams()
@@ -171,6 +173,7 @@ class LLMEngine:
             hasher=self.hasher,
             eos_token_ids=() if params.ignore_eos else self.loaded.eos_token_ids,
             prefill_only=prefill_only,
+            block_hashes=self.hasher.adopt(block_hashes, token_ids),
         )
         if params.structured is not None:
             request.grammar = self.grammars.matcher(*params.structured)

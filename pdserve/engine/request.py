@@ -8,7 +8,7 @@ from enum import IntEnum
 from typing import Any
 
 from pdserve.errors import InvalidRequestError
-from pdserve.kvcache.hashing import BlockHash, BlockHasher
+from pdserve.kvcache.hashing import BlockHash, BlockHasher, PromptHashes
 
 
 class RequestStatus(IntEnum):
@@ -179,6 +179,12 @@ class Request:
         self.prompt_token_ids = tuple(self.prompt_token_ids)
         self._all_token_ids = list(self.prompt_token_ids)
         self.hasher.extend(self.block_hashes, self._all_token_ids)
+
+    def prompt_hashes(self) -> PromptHashes:
+        """The prompt's block hash chain, to send with the request to another instance."""
+        full = self.num_prompt_tokens // self.hasher.block_size
+        chain = tuple(self.block_hashes[:full])
+        return PromptHashes(self.hasher.root, self.hasher.block_size, chain)
 
     @property
     def all_token_ids(self) -> Sequence[int]:

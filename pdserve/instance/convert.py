@@ -3,6 +3,7 @@ objects meet generated messages (errors: `pdserve.rpc.status`)."""
 
 from pdserve.engine.engine import RequestOutput
 from pdserve.engine.request import SamplingParams, TokenLogprob
+from pdserve.kvcache.hashing import BlockHash, PromptHashes
 from pdserve.transfer.base import KVEndpoints
 from pdserve.v1 import common_pb2, decode_pb2
 
@@ -68,13 +69,29 @@ def sampling_from_proto(message: common_pb2.SamplingParams) -> SamplingParams:
 
 
 def generate_request(
-    request_id: str, prompt_token_ids: list[int], params: SamplingParams
+    request_id: str,
+    prompt_token_ids: list[int],
+    params: SamplingParams,
+    hashes: PromptHashes | None = None,
 ) -> common_pb2.GenerateRequest:
-    return common_pb2.GenerateRequest(
+    message = common_pb2.GenerateRequest(
         request_id=request_id,
         prompt_token_ids=prompt_token_ids,
         sampling=sampling_to_proto(params),
     )
+    if hashes is not None:
+        message.hash_root = hashes.root
+        message.hash_block_size = hashes.block_size
+        message.block_hashes.extend(hashes.hashes)
+    return message
+
+
+def hashes_from_proto(message: common_pb2.GenerateRequest) -> PromptHashes | None:
+    """The block hash chain a request came with; None when it came without."""
+    if not message.hash_root:
+        return None
+    chain = tuple(BlockHash(h) for h in message.block_hashes)
+    return PromptHashes(BlockHash(message.hash_root), message.hash_block_size, chain)
 
 
 def token_replies(output: RequestOutput) -> list[common_pb2.TokenReply]:

@@ -28,7 +28,7 @@ from pdserve.engine.request import Request, SamplingParams
 from pdserve.errors import DuplicateRequestError, InstanceUnavailableError, RequestNotFoundError
 from pdserve.instance.streams import OutputStream, aborted_output
 from pdserve.kvcache.events import BlockStored, KVEvent, KVEventBroadcaster
-from pdserve.kvcache.hashing import BlockHash
+from pdserve.kvcache.hashing import BlockHash, PromptHashes
 from pdserve.metrics import InstanceCollector, serve_metrics
 from pdserve.model.runner import BlockIO
 from pdserve.rpc.auth import BearerTokenInterceptor
@@ -292,14 +292,17 @@ class InstanceRuntime:
         request_id: str,
         *,
         prefill_only: bool = False,
+        block_hashes: PromptHashes | None = None,
     ) -> Request:
-        """Validate and build a request (`LLMEngine.make_request`); raises InvalidRequestError
+        """Validate and build a request (`LLMEngine.make_request`; `block_hashes`: the chain
+        the request came with, checked there); raises InvalidRequestError
         and PromptTooLongError (this instance's context window). On the caller's thread: it
         reads only what never changes (tokenizer, hasher, limits, the thread-safe grammar
         cache), so it costs no engine-thread round trip."""
         return self.engine.make_request(
-            prompt_token_ids, params, request_id, prefill_only=prefill_only
-        )
+            prompt_token_ids, params, request_id, prefill_only=prefill_only,
+            block_hashes=block_hashes,
+        )  # fmt: skip
 
     def read_ahead(self, request: Request) -> None:
         """Stage from the storage tier the blocks the device prefix cache lacks, before the

@@ -7,10 +7,14 @@ per process. Only full blocks have hashes.
 """
 
 import hashlib
+import logging
+import random
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NewType
+
+logger = logging.getLogger(__name__)
 
 BlockHash = NewType("BlockHash", bytes)
 """A 32-byte SHA-256 digest identifying a full block and its whole prefix."""
@@ -67,3 +71,34 @@ class BlockHasher:
         for offset in range(0, len(payload), stride):
             parent = BlockHash(hashlib.sha256(parent + payload[offset : offset + stride]).digest())
             hashes.append(parent)
+
+    def adopt(self, given: "PromptHashes | None", token_ids: Sequence[int]) -> list[BlockHash]:
+        """The chain of `token_ids`' full blocks that another process computed (the router, a
+        prefill instance), when it used this hasher and passes a sampled check: the first link
+        (anchored at the root), the last and one random link, each one SHA-256 of its block and
+        parent — three hashes however long the prompt; [] otherwise, for the caller to compute.
+        Only authenticated peers send chains; the sample catches a sender's bug (a chain of
+        other tokens, another model) at the ends for sure and in the middle with probability
+        1/n per request, which is the bargain this makes for not hashing every prompt twice."""
+        if given is None or (given.root, given.block_size) != (self.root, self.block_size):
+            return []
+        size = self.block_size
+        chain = list(given.hashes)
+        if not chain or len(chain) != len(token_ids) // size:
+            return []
+        links = {0, len(chain) - 1, random.randrange(len(chain))}
+        for i in links:
+            parent = chain[i - 1] if i else self.root
+            if hash_block(parent, token_ids[i * size : (i + 1) * size]) != chain[i]:
+                logger.warning("a request's block hash %d does not match its tokens: recomputed", i)
+                return []
+        return chain
+
+
+@dataclass(frozen=True, slots=True)
+class PromptHashes:
+    """A prompt's block hash chain as sent with a request, with what computed it."""
+
+    root: BlockHash
+    block_size: int
+    hashes: tuple[BlockHash, ...]

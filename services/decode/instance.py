@@ -22,6 +22,7 @@ from pdserve.errors import (
 )
 from pdserve.instance.runtime import InstanceRuntime
 from pdserve.instance.streams import aborted_output
+from pdserve.kvcache.hashing import PromptHashes
 from pdserve.rpc.tls import TlsFiles
 from pdserve.transfer.base import KVEndpoints, host_id
 from pdserve.v1 import common_pb2
@@ -81,7 +82,11 @@ class DecodeInstance:
     # -- reservation (preallocate_resource_in_d) ------------------------------------------------
 
     def preallocate_resource_in_d(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        hashes: PromptHashes | None = None,
     ) -> ReservationGrant:
         """Reserve blocks for the prompt if the growth headroom of the running requests
         survives it.
@@ -90,7 +95,9 @@ class DecodeInstance:
         InvalidRequestError / PromptTooLongError for a bad request and DuplicateRequestError
         for an id in flight here.
         """
-        request = self.runtime.make_request(prompt_token_ids, params, request_id)
+        request = self.runtime.make_request(
+            prompt_token_ids, params, request_id, block_hashes=hashes
+        )
         stream = self.runtime.open_stream(request_id)
         try:
             self.runtime.read_ahead(request)  # blocks this instance lacks but storage has

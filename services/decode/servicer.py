@@ -12,6 +12,7 @@ from pdserve.config import DecodeConfig, EngineConfig, StorageConfig, TransferCo
 from pdserve.errors import KVTransferError, PdserveError
 from pdserve.instance.convert import (
     endpoints_to_proto,
+    hashes_from_proto,
     logprob_from_proto,
     sampling_from_proto,
     token_replies,
@@ -42,6 +43,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
                 generate.request_id,
                 list(generate.prompt_token_ids),
                 sampling_from_proto(generate.sampling),
+                hashes_from_proto(generate),
             )
         except Exception as e:  # a refusal is RESOURCE_EXHAUSTED with decode's retry-after
             _log_unexpected(e, "Reserve", generate.request_id)

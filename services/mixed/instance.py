@@ -6,6 +6,7 @@ from pdserve.config import EngineConfig, StorageConfig
 from pdserve.engine.engine import RequestOutput
 from pdserve.engine.request import SamplingParams
 from pdserve.instance.runtime import InstanceRuntime
+from pdserve.kvcache.hashing import PromptHashes
 from pdserve.rpc.tls import TlsFiles
 from pdserve.v1 import common_pb2
 
@@ -34,12 +35,18 @@ class MixedInstance:
         self.runtime.stop()
 
     def generate(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        hashes: PromptHashes | None = None,
     ) -> Iterator[RequestOutput]:
         """Every output of the request until it finishes; closing the iterator early aborts it.
         Raises InvalidRequestError / PromptTooLongError before the first output, and the error
         of a failed engine step (StepFailedError)."""
-        request = self.runtime.make_request(prompt_token_ids, params, request_id)
+        request = self.runtime.make_request(
+            prompt_token_ids, params, request_id, block_hashes=hashes
+        )
         stream = self.runtime.open_stream(request_id)
         finished = False
         try:

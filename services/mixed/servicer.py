@@ -7,7 +7,7 @@ import grpc
 
 from pdserve.config import EngineConfig, StorageConfig
 from pdserve.errors import PdserveError
-from pdserve.instance.convert import sampling_from_proto, token_replies
+from pdserve.instance.convert import hashes_from_proto, sampling_from_proto, token_replies
 from pdserve.rpc.status import error_reply
 from pdserve.rpc.tls import TlsFiles
 from pdserve.v1 import common_pb2, mixed_pb2_grpc
@@ -34,8 +34,9 @@ class MixedServicer(mixed_pb2_grpc.MixedServiceServicer):
         try:
             params = sampling_from_proto(request.sampling)
             outputs = self.instance.generate(
-                request.request_id, list(request.prompt_token_ids), params
-            )
+                request.request_id, list(request.prompt_token_ids), params,
+                hashes_from_proto(request),
+            )  # fmt: skip
             for output in outputs:
                 yield from token_replies(output)
         except PdserveError as e:

@@ -33,6 +33,7 @@ from pdserve.errors import (
 from pdserve.instance.convert import endpoints_from_proto, generate_request, logprob_to_proto
 from pdserve.instance.runtime import InstanceRuntime
 from pdserve.instance.streams import OutputStream
+from pdserve.kvcache.hashing import PromptHashes
 from pdserve.rpc.clients import DEFAULT_DEADLINES, Deadlines, DecodeClient, InstanceClient
 from pdserve.rpc.tls import TlsFiles
 from pdserve.transfer.base import KVEndpoints, KVTarget
@@ -121,6 +122,7 @@ class PrefillInstance:
         prompt_token_ids: list[int],
         params: SamplingParams,
         decode_address: str,
+        hashes: PromptHashes | None = None,
     ) -> PrefillOutcome:
         """Run one request's prefill and handoff.
 
@@ -130,7 +132,9 @@ class PrefillInstance:
         """
         outcome = PrefillOutcome(0, len(prompt_token_ids), 0, 0, 0, 0)
         start = time.perf_counter()
-        request = self.runtime.make_request(prompt_token_ids, params, request_id, prefill_only=True)
+        request = self.runtime.make_request(
+            prompt_token_ids, params, request_id, prefill_only=True, block_hashes=hashes
+        )
         stream = self.runtime.open_stream(request_id)
         decode = DecodeClient(decode_address, self.channels, self.deadlines)
         decode_reserved = False
@@ -183,7 +187,10 @@ class PrefillInstance:
         self.runtime.loop.call(lambda engine: engine.preallocate(request))
         message = decode_pb2.ReserveRequest(
             request=generate_request(
-                request.request_id, list(request.prompt_token_ids), request.sampling_params
+                request.request_id,
+                list(request.prompt_token_ids),
+                request.sampling_params,
+                request.prompt_hashes(),  # decode takes them after a check: no second hashing
             )
         )
         attempts = self.config.reserve_max_attempts

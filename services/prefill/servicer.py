@@ -6,7 +6,7 @@ import grpc
 
 from pdserve.config import EngineConfig, PrefillConfig, StorageConfig, TransferConfig
 from pdserve.errors import InvalidRequestError, PdserveError
-from pdserve.instance.convert import logprob_to_proto, sampling_from_proto
+from pdserve.instance.convert import hashes_from_proto, logprob_to_proto, sampling_from_proto
 from pdserve.rpc.status import abort_with
 from pdserve.rpc.tls import TlsFiles
 from pdserve.v1 import prefill_pb2, prefill_pb2_grpc
@@ -37,8 +37,9 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
                 raise InvalidRequestError("decode_address is required")
             params = sampling_from_proto(generate.sampling)
             outcome = self.instance.prefill(
-                generate.request_id, list(generate.prompt_token_ids), params, request.decode_address
-            )
+                generate.request_id, list(generate.prompt_token_ids), params,
+                request.decode_address, hashes_from_proto(generate),
+            )  # fmt: skip
         except PdserveError as e:
             logger.info(
                 "prefill of request %s for %s failed: %s",

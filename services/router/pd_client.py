@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pdserve.engine.request import SamplingParams, TokenLogprob
 from pdserve.errors import DecodeUnavailableError, InstanceUnavailableError, PdserveError
 from pdserve.instance.convert import FINISH_REASON_NAMES, generate_request, logprob_from_proto
+from pdserve.kvcache.hashing import PromptHashes
 from pdserve.rpc.aio import AioChannelPool, AioClients
 from pdserve.rpc.channels import ChannelPool
 from pdserve.rpc.clients import (
@@ -113,9 +114,10 @@ class PDClient:
         prompt_token_ids: list[int],
         params: SamplingParams,
         request_id: str,
+        hashes: PromptHashes | None = None,
     ) -> AsyncGenerator[TokenDelta | Finished, None]:
-        """`generate` on the event loop."""
-        message = _prefill_request(decode_address, prompt_token_ids, params, request_id)
+        """`generate` on the event loop (`hashes`: the prompt's chain, sent along)."""
+        message = _prefill_request(decode_address, prompt_token_ids, params, request_id, hashes)
         try:
             result = await self.aio.prefill(prefill_address, message)
         except PdserveError:
@@ -136,9 +138,10 @@ class PDClient:
         prompt_token_ids: list[int],
         params: SamplingParams,
         request_id: str,
+        hashes: PromptHashes | None = None,
     ) -> AsyncGenerator[TokenDelta | Finished, None]:
         """`generate_mixed` on the event loop."""
-        message = generate_request(request_id, prompt_token_ids, params)
+        message = generate_request(request_id, prompt_token_ids, params, hashes)
         events = _Events(None)
         async for reply in self.aio.generate_mixed(address, message):
             yield events.of(reply)
@@ -177,10 +180,14 @@ class PDClient:
 
 
 def _prefill_request(
-    decode_address: str, prompt_token_ids: list[int], params: SamplingParams, request_id: str
+    decode_address: str,
+    prompt_token_ids: list[int],
+    params: SamplingParams,
+    request_id: str,
+    hashes: PromptHashes | None = None,
 ) -> prefill_pb2.PrefillRequest:
     return prefill_pb2.PrefillRequest(
-        request=generate_request(request_id, prompt_token_ids, params),
+        request=generate_request(request_id, prompt_token_ids, params, hashes),
         decode_address=decode_address,
     )
 

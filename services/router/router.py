@@ -35,7 +35,7 @@ from pdserve.errors import (
     StepFailedError,
 )
 from pdserve.kvcache.events import BlockRemoved, BlockStored
-from pdserve.kvcache.hashing import BlockHash, BlockHasher
+from pdserve.kvcache.hashing import BlockHash, BlockHasher, PromptHashes
 from pdserve.metrics import RouterMetrics
 from pdserve.model.tokenizer import Tokenizer
 from pdserve.v1 import common_pb2
@@ -322,6 +322,7 @@ class Router:
         other instances. A failure after it blames the instance that was streaming (added to
         `excluded`) and is raised."""
         hashes = self.model.hasher.hash_tokens(token_ids)
+        chain = PromptHashes(self.model.hasher.root, self.model.hasher.block_size, tuple(hashes))
         backoff = self.config.retry_backoff_s  # doubles after each failed attempt
         failure: Exception | None = None
         for attempt in range(1, self.config.max_attempts + 1):
@@ -329,7 +330,7 @@ class Router:
                 raise RequestAbortedError(f"request {request_id} was aborted")
             prefill, decode, cached = self._choose(request_id, token_ids, hashes, excluded)
             leases = self._take_leases(request_id, prefill, decode, len(token_ids) - cached)
-            events = self._start(prefill, decode, token_ids, params, request_id)
+            events = self._start(prefill, decode, token_ids, params, request_id, chain)
             try:
                 try:
                     first = await anext(events)
@@ -380,10 +381,13 @@ class Router:
         token_ids: list[int],
         params: SamplingParams,
         request_id: str,
+        hashes: PromptHashes,
     ) -> AsyncGenerator[TokenDelta | Finished, None]:
+        """The instances take the prompt's hash chain after checking three links of it: the
+        prompt is hashed once, here, not on every instance it passes."""
         if decode is None:
-            return self.client.agenerate_mixed(prefill, token_ids, params, request_id)
-        return self.client.agenerate(prefill, decode, token_ids, params, request_id)
+            return self.client.agenerate_mixed(prefill, token_ids, params, request_id, hashes)
+        return self.client.agenerate(prefill, decode, token_ids, params, request_id, hashes)
 
     def active_requests(self) -> set[str]:
         """Ids of the requests the router is serving now."""

@@ -13,6 +13,7 @@ from pdserve.errors import (
     PromptTooLongError,
     RequestNotFoundError,
 )
+from pdserve.kvcache.hashing import BlockHash, PromptHashes
 
 MakeEngine = Callable[..., LLMEngine]
 
@@ -284,3 +285,17 @@ def test_text_prompt_is_tokenized_with_bos(make_engine: MakeEngine) -> None:
     request = engine.scheduler.requests[request_id]
     assert request.prompt_token_ids == (256, 104, 195, 169, 108, 108, 111)
     run_to_completion(engine)
+
+
+def test_a_request_takes_the_hash_chain_it_came_with_after_a_sampled_check(
+    make_engine: MakeEngine,
+) -> None:
+    engine = make_engine()
+    tokens = prompt(64)  # 4 blocks of 16
+    chain = engine.hasher.hash_tokens(tokens)
+    forged = [*chain[:1], BlockHash(bytes(32)), *chain[2:]]  # caught only by the random check
+    sent = PromptHashes(engine.hasher.root, engine.hasher.block_size, tuple(forged))
+    built = [engine.make_request(tokens, greedy(2), block_hashes=sent) for _ in range(40)]
+    assert {tuple(r.block_hashes) for r in built} == {tuple(forged), tuple(chain)}  # taken as sent
+    other = PromptHashes(BlockHash(bytes(32)), engine.hasher.block_size, tuple(forged))
+    assert engine.make_request(tokens, greedy(2), block_hashes=other).block_hashes == chain

@@ -6,7 +6,7 @@ import random
 import subprocess
 import sys
 
-from pdserve.kvcache.hashing import BlockHash, BlockHasher, hash_block, root_hash
+from pdserve.kvcache.hashing import BlockHash, BlockHasher, PromptHashes, hash_block, root_hash
 
 BLOCK_SIZE = 4
 TOKEN_LISTS: list[list[int]] = [
@@ -154,3 +154,40 @@ def test_hash_tokens_leaves_input_unmodified() -> None:
     hasher.extend(hashes, tokens)
     assert tokens == snapshot
     assert hashes == hasher.hash_tokens(snapshot)
+
+
+def _chain(hasher: BlockHasher, tokens: list[int]) -> PromptHashes:
+    return PromptHashes(hasher.root, hasher.block_size, tuple(hasher.hash_tokens(tokens)))
+
+
+def test_a_sent_chain_of_the_same_hasher_is_adopted() -> None:
+    hasher = BlockHasher.for_model(16, "m")
+    tokens = list(range(100, 260))
+    assert hasher.adopt(_chain(hasher, tokens), tokens) == hasher.hash_tokens(tokens)
+
+
+def test_a_chain_of_another_model_block_size_or_prompt_is_not_adopted() -> None:
+    hasher = BlockHasher.for_model(16, "m")
+    tokens = list(range(100, 260))
+    assert hasher.adopt(None, tokens) == []
+    assert hasher.adopt(_chain(BlockHasher.for_model(16, "other"), tokens), tokens) == []
+    assert hasher.adopt(_chain(BlockHasher.for_model(32, "m"), tokens), tokens) == []
+    assert hasher.adopt(_chain(hasher, tokens[:-16]), tokens) == []  # one block short
+    assert hasher.adopt(_chain(hasher, [7, *tokens[1:]]), tokens) == []  # other tokens
+
+
+def test_a_forged_link_is_caught_at_the_ends_always_and_in_the_middle_by_the_sample() -> None:
+    hasher = BlockHasher.for_model(16, "m")
+    tokens = list(range(100, 164))  # 4 blocks
+    good = _chain(hasher, tokens)
+    for index in range(4):
+        forged = list(good.hashes)
+        forged[index] = BlockHash(bytes(32))
+        sent = PromptHashes(good.root, good.block_size, tuple(forged))
+        adopted = [hasher.adopt(sent, tokens) for _ in range(60)]
+        # a link is checked with its parent: the first and the last link (hence the one before
+        # it) always; link 1 when the random check falls on link 1 or 2 (1 in 2 here)
+        if index in (0, 2, 3):
+            assert all(a == [] for a in adopted)
+        else:
+            assert [] in adopted and forged in adopted
