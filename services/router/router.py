@@ -356,8 +356,12 @@ class Router:
             finally:
                 await events.aclose()
                 self._release(request_id)
+        raise self._exhausted(failure)
+
+    def _exhausted(self, failure: Exception | None) -> NoCapacityError:
+        """Every attempt failed: a 503 with the last failure's retry hint."""
         retry_ms = getattr(failure, "retry_after_ms", 0) or 1000  # RetryableError carries one
-        raise NoCapacityError(
+        return NoCapacityError(
             f"the request failed on {self.config.max_attempts} attempts; last error: {failure}; "
             "retry later",
             retry_ms,
