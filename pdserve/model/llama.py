@@ -140,7 +140,7 @@ class CausalLM(nn.Module):
         self.rotary = RotaryEmbedding(config, max_positions)
 
     def tie_weights(self) -> None:
-        """Share the embedding with the LM head when the config says so (again after `to_empty`)."""
+        """Share the embedding with the LM head when the config says so (after loading)."""
         if self.config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 

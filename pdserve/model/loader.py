@@ -52,11 +52,10 @@ def load_model(
     torch_dtype = config.dtype if dtype == "auto" else parse_dtype(dtype)
     context = min(max_model_len or config.max_position_embeddings, config.max_position_embeddings)
     torch_device = torch.device(device)
-    with torch.device("meta"):
+    with torch.device("meta"):  # no memory: each parameter is materialised by its weight
         model = CausalLM(config, context)
-    model.to_empty(device=torch_device)
-    model.tie_weights()
     _load_weights(model, model_dir, torch_dtype, torch_device)
+    model.tie_weights()
     model.rotary = RotaryEmbedding(config, context).to(torch_device)  # meta buffers, rebuilt
     model.eval()
     tag = _model_tag(model_dir, torch_dtype)
@@ -94,10 +93,13 @@ def _weight_files(model_dir: Path) -> list[Path]:
 def _load_weights(
     model: CausalLM, model_dir: Path, dtype: torch.dtype, device: torch.device
 ) -> None:
+    """Replace each (meta) parameter by its checkpoint tensor, read onto `device` (safetensors
+    reads a CUDA target's shards straight to the GPU) and cast there one tensor at a time: no
+    fp32 copy of the model, no full host copy for a GPU."""
     params = dict(model.named_parameters(remove_duplicate=False))
     loaded: set[str] = set()
     for file in _weight_files(model_dir):
-        with safe_open(str(file), framework="pt") as shard:
+        with safe_open(str(file), framework="pt", device=str(device)) as shard:
             for name in shard.keys():  # noqa: SIM118  (safe_open is not a dict)
                 if name not in params or (
                     name == "lm_head.weight" and model.config.tie_word_embeddings
@@ -111,8 +113,9 @@ def _load_weights(
                         f"weight {name!r} has shape {tuple(tensor.shape)}, "
                         f"config.json implies {tuple(params[name].shape)}"
                     )
-                with torch.no_grad():
-                    params[name].data = tensor.to(device=device, dtype=dtype)
+                owner, _, leaf = name.rpartition(".")
+                weight = torch.nn.Parameter(tensor.to(dtype=dtype), requires_grad=False)
+                setattr(model.get_submodule(owner), leaf, weight)
                 loaded.add(name)
     if model.config.tie_word_embeddings:
         loaded.add("lm_head.weight")  # the same Parameter as the embedding

@@ -3,9 +3,12 @@
 import hashlib
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from pdserve.config import ClusterConfig, EngineConfig, load_cluster_config, load_engine_config
 from pdserve.errors import ConfigError, InvalidRequestError, ModelLoadError
@@ -187,3 +190,41 @@ def test_cluster_config_sections_and_environment(tmp_path: Path) -> None:
     path.write_text("routing: {}\n")
     with pytest.raises(ConfigError, match="unknown config section"):
         load_cluster_config(path, env={})
+
+
+class _Allocations(TorchDispatchMode):
+    """Every tensor a torch op returns during loading (dtype, device, bytes)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.made: list[tuple[torch.dtype, torch.device, int, tuple[int, ...]]] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        for tensor in out if isinstance(out, tuple | list) else (out,):
+            if isinstance(tensor, torch.Tensor) and tensor.device.type != "meta":
+                made = (tensor.dtype, tensor.device, tensor.nbytes, tuple(tensor.shape))
+                self.made.append(made)
+        return out
+
+
+def test_weights_load_straight_into_the_target_dtype(tmp_path: Path, tiny_model_dir: Path) -> None:
+    """A bfloat16 checkpoint loads with no tensor the size of a weight in another dtype (the
+    old loader first allocated the whole model in fp32, then cast). safetensors reads bytes and
+    views them as the stored dtype: its uint8 buffers are that read, not a copy; the rotary
+    tables (one row per position of the context) are fp32 on purpose."""
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (tmp_path / name).write_bytes((tiny_model_dir / name).read_bytes())
+    config = json.loads((tiny_model_dir / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "torch_dtype": "bfloat16"}))
+    weights = load_file(str(tiny_model_dir / "model.safetensors"))
+    save_file(
+        {k: v.to(torch.bfloat16) for k, v in weights.items()}, str(tmp_path / "model.safetensors")
+    )
+    with _Allocations() as allocations:
+        loaded = load_model(tmp_path)
+    rotary = tuple(loaded.model.rotary.cos.shape)
+    large = [a for a in allocations.made if a[2] >= 64 * 1024 and a[0] != torch.uint8]
+    weights = [a for a in large if a[3][:1] != rotary[:1]]  # rotary: context-long tables
+    assert weights and all(a[:2] == (torch.bfloat16, torch.device("cpu")) for a in weights)
+    assert all(p.dtype == torch.bfloat16 for p in loaded.model.parameters())
