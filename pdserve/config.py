@@ -297,6 +297,7 @@ class ClusterConfig:
             )
         for role in ROLES:
             engine = self.engine_for(role)
+            self._check_devices(role, engine)
             for name in SHARED_ENGINE_FIELDS:
                 if getattr(engine, name) != getattr(self.engine, name):
                     raise ConfigError(
@@ -304,6 +305,35 @@ class ClusterConfig:
                         f"engine.{name} ({getattr(self.engine, name)!r}): every role shares "
                         f"{', '.join(SHARED_ENGINE_FIELDS)}; set them in the engine: section only"
                     )
+
+    def _check_devices(self, role: str, engine: EngineConfig) -> None:
+        """A role's `engine.device` must match the GPUs Ray gives its actors (`num_gpus`),
+        before Ray starts. Inside an actor the GPU Ray assigns is `cuda` (its first visible
+        device); a fraction of one GPU shares it between actors."""
+        section: PrefillConfig | DecodeConfig | MixedConfig = getattr(self, role)
+        if section.replicas == 0:
+            return
+        gpus, device = section.num_gpus, engine.device
+        if device != "cpu" and gpus == 0:
+            raise ConfigError(
+                f"{role}.engine.device is {device!r} but {role}.num_gpus is 0: Ray would give "
+                f"its actors no GPU; set {role}.num_gpus (1, or a fraction to share one)"
+            )
+        if device == "cpu" and gpus > 0:
+            raise ConfigError(
+                f"{role}.num_gpus is {gpus:g} but {role}.engine.device is cpu: the GPUs would "
+                f"sit unused; set engine.device: cuda (or num_gpus: 0)"
+            )
+        if device.startswith("cuda:") and device != "cuda:0":
+            raise ConfigError(
+                f"{role}.engine.device is {device!r}: inside a Ray actor its GPU is the first "
+                "visible one (Ray sets CUDA_VISIBLE_DEVICES); use device: cuda"
+            )
+        if gpus > 1:
+            raise ConfigError(
+                f"{role}.num_gpus is {gpus:g}: one instance runs on one GPU (several per "
+                "instance is tensor parallelism, not supported yet); add replicas instead"
+            )
 
     def engine_for(self, role: str) -> EngineConfig:
         """The engine settings of `role` instances: the role's resolved `engine` settings, or the

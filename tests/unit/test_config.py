@@ -130,8 +130,9 @@ def test_role_may_not_change_a_shared_engine_setting(name: str, value: str) -> N
 
 
 def test_role_engine_device_may_differ() -> None:
-    config = load_cluster_config(env={"PDSERVE_DECODE_ENGINE_DEVICE": "cuda:1"})
-    assert (config.engine_for("decode").device, config.engine.device) == ("cuda:1", "cpu")
+    env = {"PDSERVE_DECODE_ENGINE_DEVICE": "cuda", "PDSERVE_DECODE_NUM_GPUS": "1"}
+    config = load_cluster_config(env=env)
+    assert (config.engine_for("decode").device, config.engine.device) == ("cuda", "cpu")
 
 
 def test_bad_prefill_policy_is_rejected_with_the_choices(tmp_path: Path) -> None:
@@ -170,6 +171,7 @@ def test_valid_choices_load(tmp_path: Path) -> None:
     path = _yaml(
         tmp_path,
         "engine:\n  device: cuda:0\nrouter:\n  prefill_policy: least_load\n"
+        "prefill:\n  num_gpus: 1\ndecode:\n  num_gpus: 1\n"
         "storage:\n  redis_url: rediss://redis.example:6380/0\n"
         "cluster:\n  placement_strategy: STRICT_SPREAD\n",
     )
@@ -182,3 +184,33 @@ def test_section_name_under_cluster_is_an_unknown_key(tmp_path: Path) -> None:
     path = _yaml(tmp_path, "cluster:\n  decode:\n    replicas: 2\n")
     with pytest.raises(ConfigError, match=r"unknown cluster setting\(s\): cluster\.decode"):
         load_cluster_config(path, env={})
+
+
+@pytest.mark.parametrize(
+    ("yaml_text", "fragment"),
+    [
+        ("engine: {device: cuda}\n", "prefill.num_gpus is 0"),
+        ("engine: {device: cpu}\ndecode: {num_gpus: 1}\n", "GPUs would sit unused"),
+        ("engine: {device: 'cuda:1'}\nprefill: {num_gpus: 1}\ndecode: {num_gpus: 1}\n",
+         "first visible one"),
+        ("engine: {device: cuda}\nprefill: {num_gpus: 2}\ndecode: {num_gpus: 1}\n",
+         "tensor parallelism"),
+    ],
+)  # fmt: skip
+def test_devices_must_match_the_gpus_ray_gives_each_role(
+    tmp_path: Path, yaml_text: str, fragment: str
+) -> None:
+    path = tmp_path / "pdserve.yaml"
+    path.write_text(yaml_text)
+    with pytest.raises(ConfigError, match=fragment):
+        load_cluster_config(path, env={})
+
+
+def test_a_fraction_of_a_gpu_and_roles_without_replicas_are_fine(tmp_path: Path) -> None:
+    path = tmp_path / "pdserve.yaml"
+    path.write_text(
+        "engine: {device: cuda}\nprefill: {num_gpus: 0.5}\ndecode: {num_gpus: 0.5}\n"
+        "mixed: {replicas: 0, num_gpus: 0}\n"
+    )
+    config = load_cluster_config(path, env={})
+    assert (config.prefill.num_gpus, config.engine.device) == (0.5, "cuda")
