@@ -48,6 +48,8 @@ def is_out_of_memory(error: BaseException) -> bool:
     return isinstance(error, torch.OutOfMemoryError | MemoryError)
 
 
+OOM_BUDGET_COOLDOWN_S = 30.0  # how long steps stay smaller after running out of memory
+
 @dataclass(frozen=True, slots=True)
 class RequestOutput:
     """What one step produced for one request (deltas), plus totals for usage reporting."""
@@ -280,9 +282,13 @@ class LLMEngine:
             return [self._fail(chunk.request, error) for chunk in scheduled.chunks]
 
     def _recover(self, scheduled: SchedulerOutput, error: Exception) -> list[RequestOutput]:
-        """After a failed forward pass: out of memory preempts the newer half of the batch and
-        retries the rest once; any other error (or a failed retry) fails the batch's requests
-        with StepFailedError outputs. Their blocks are freed; nothing was published."""
+        """After a failed forward pass: out of memory halves the step token budget for
+        `OOM_BUDGET_COOLDOWN_S`, preempts the newer half of the batch and retries the rest once;
+        any other error (or a failed retry, or a batch of one) fails the batch's requests with
+        StepFailedError outputs. Their blocks are freed; nothing was published."""
+        if is_out_of_memory(error):  # smaller steps for a while: the memory was not there
+            tokens = sum(chunk.num_new_tokens for chunk in scheduled.chunks)
+            self.scheduler.limit_budget(tokens // 2, OOM_BUDGET_COOLDOWN_S)
         if is_out_of_memory(error) and len(scheduled.chunks) > 1:
             keep = len(scheduled.chunks) // 2
             by_age = sorted(scheduled.chunks, key=lambda c: c.request.arrival_order)

@@ -71,6 +71,10 @@ class Scheduler:
         self.running: list[Request] = []  # sorted by arrival_order
         # prompts computed elsewhere (decode's handoffs) waiting for a place in the batch
         self.prefilled: deque[Request] = deque()
+        # after an out-of-memory step: a lower token budget until `_limited_until` (monotonic)
+        self._budget_limit = config.max_num_batched_tokens
+        self._limited_until = 0.0
+        self.clock = time.monotonic
         self.requests: dict[str, Request] = {}
         self.stats = SchedulerStats()
 
@@ -97,10 +101,22 @@ class Scheduler:
         while self.prefilled and len(self.running) < self.config.max_num_seqs:
             self._run(self.prefilled.popleft())
         output = SchedulerOutput()
-        budget = self._schedule_running(output, self.config.max_num_batched_tokens)
+        budget = self._schedule_running(output, self.token_budget())
         if not output.preempted:
             self._schedule_waiting(output, budget)
         return output
+
+    def token_budget(self) -> int:
+        """Tokens a step may schedule: `max_num_batched_tokens`, or less for a while after a
+        step ran out of memory (`limit_budget`)."""
+        if self.clock() < self._limited_until:
+            return self._budget_limit
+        return self.config.max_num_batched_tokens
+
+    def limit_budget(self, tokens: int, for_s: float) -> None:
+        """Schedule at most `tokens` (at least 1) per step for the next `for_s` seconds."""
+        self._budget_limit = max(1, min(tokens, self.config.max_num_batched_tokens))
+        self._limited_until = self.clock() + for_s
 
     def finish(self, request: Request, status: RequestStatus) -> None:
         """Move a request to a finished state and release its blocks. Idempotent."""

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from pdserve.engine import LLMEngine, RequestStatus, SamplingParams
+from pdserve.engine.engine import OOM_BUDGET_COOLDOWN_S
 from pdserve.errors import (
     DecodeUnavailableError,
     DuplicateRequestError,
@@ -105,6 +106,43 @@ def test_out_of_memory_preempts_the_newest_and_retries_the_rest_once(
     outputs = run(engine)
     for i, expected in enumerate(expected_tokens(make_engine, prompts)):
         mine = [o for o in first if o.request_id == f"r{i}"] + outputs[f"r{i}"]
+        assert tuple(t for o in mine for t in o.new_token_ids) == expected  # type: ignore[attr-defined]
+    engine.check_integrity()
+
+
+def test_out_of_memory_halves_the_step_budget_for_a_while(make_engine: MakeEngine) -> None:
+    """After the out-of-memory step (4 prompts of 100 tokens, budget 512: 400 tokens), steps
+    schedule at most half of it (chunked prefill) until the cooldown ends; outputs unchanged."""
+    prompts = [prompt(100, i) for i in range(4)]
+    engine = make_engine(max_num_batched_tokens=512)
+    now = [0.0]
+    engine.scheduler.clock = lambda: now[0]
+    FailingRunner(engine, torch.OutOfMemoryError("CUDA out of memory"))
+    for i, p in enumerate(prompts):
+        engine.add_request(p, GREEDY, request_id=f"r{i}")
+    outputs: dict[str, list[object]] = {}
+    for out in engine.step():
+        outputs.setdefault(out.request_id, []).append(out)
+    assert engine.scheduler.token_budget() == 200
+    scheduled = engine.scheduler.schedule
+    sizes: list[int] = []
+
+    def recording() -> object:
+        step = scheduled()
+        sizes.append(sum(c.num_new_tokens for c in step.chunks))
+        return step
+
+    engine.scheduler.schedule = recording  # type: ignore[method-assign]
+    for _ in range(3):
+        for out in engine.step():
+            outputs.setdefault(out.request_id, []).append(out)
+    assert sizes and max(sizes) <= 200
+    now[0] = OOM_BUDGET_COOLDOWN_S + 1.0
+    assert engine.scheduler.token_budget() == 512
+    for request_id, more in run(engine).items():
+        outputs.setdefault(request_id, []).extend(more)
+    for i, expected in enumerate(expected_tokens(make_engine, prompts)):
+        mine = outputs[f"r{i}"]
         assert tuple(t for o in mine for t in o.new_token_ids) == expected  # type: ignore[attr-defined]
     engine.check_integrity()
 
