@@ -50,6 +50,7 @@ def is_out_of_memory(error: BaseException) -> bool:
 
 OOM_BUDGET_COOLDOWN_S = 30.0  # how long steps stay smaller after running out of memory
 
+
 @dataclass(frozen=True, slots=True)
 class RequestOutput:
     """What one step produced for one request (deltas), plus totals for usage reporting."""
