@@ -20,9 +20,14 @@ stage), RSS per open stream (router RSS at the peak minus before the stage, over
 non-streaming series (`--plain`, concurrent requests of `--plain-tokens` tokens) reports
 requests/s and latency.
 
-`--peer sglang-router` (installed: `pip install sglang-router`) runs the same streaming stages
-through sglang-router in front of an OpenAI-HTTP stand-in that streams at the same rate, and
-reports pdserve's figures as ratios to its.
+`--sglang-router PYTHON` (a Python with `pip install sglang-router`) runs the same streaming
+stages through sglang-router in front of an OpenAI-HTTP stand-in that streams at the same rate,
+and reports pdserve's figures as ratios to its.
+
+Writes `benchmarks/results/router_scale.json` and ends with one line (`_common.finish`):
+`RESULT router_scale held_N=… errors_N=… p99_ms_N=… tokens_per_s_N=… plain_rps_N=…
+plain_errors_N=…` (plus `vs_sglang_tokens_per_s_N=… vs_sglang_p99_N=… vs_sglang_cpu_N=…` with
+the peer), one set per stage N.
 """
 
 import argparse

@@ -222,8 +222,7 @@ class Scheduler:
             self.kv_cache.allocate(request, request.num_computed_tokens + num_new)
             self.waiting.remove(request)
             self._count_first_step(request)
-            request.status = RequestStatus.RUNNING
-            bisect.insort(self.running, request, key=lambda r: r.arrival_order)
+            self._run(request)
             output.chunks.append(ScheduledChunk(request, num_new))
             budget -= num_new
 
