@@ -381,7 +381,8 @@ def verify_blocks(
         def block_table(engine: LLMEngine, request_id: str = request_id) -> list[int]:
             return list(engine.kv_cache.block_table(request_id))
 
-        received += block_digests(runtime.block_io.read(runtime.loop.call(block_table)))
+        with runtime.stager.staged(runtime.loop.call(block_table)) as views:
+            received += block_digests(views)
     if len(received) != len(expected):
         return f"{len(received)} blocks reserved, {len(expected)} sent"
     for index, (got, sent) in enumerate(zip(received, expected, strict=True)):

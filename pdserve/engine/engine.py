@@ -138,7 +138,7 @@ class LLMEngine:
         )
         tier = storage(storage_tag(loaded, config.block_size)) if storage is not None else None
         connector = (
-            StorageConnector(tier, runner.block_io, config.block_size, wake)
+            StorageConnector(tier, runner.stager, config.block_size, wake)
             if tier is not None
             else None
         )

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pdserve.errors import IntegrityError
 from pdserve.kvcache.hashing import BlockHash
 from pdserve.kvcache.manager import CacheRequest
-from pdserve.model.runner import BlockIO
+from pdserve.model.staging import KVStager
 from pdserve.storage.tier import StorageTier
 
 logger = logging.getLogger(__name__)
@@ -44,12 +44,12 @@ class StorageConnector:
     def __init__(
         self,
         tier: StorageTier,
-        block_io: BlockIO,
+        stager: KVStager,
         block_size: int,
         wake: Callable[[], None] = lambda: None,
     ) -> None:
         self.tier = tier
-        self._block_io = block_io
+        self._stager = stager
         self._block_size = block_size
         self._wake = wake
         self._staged: dict[str, StagedBlocks] = {}
@@ -73,12 +73,19 @@ class StorageConnector:
     # -- write-back ---------------------------------------------------------------------------
 
     def write_back(self, blocks: Sequence[tuple[int, BlockHash]]) -> None:
-        """Copy published blocks to host memory now (they may be overwritten next step) and
-        queue them for the storage writer. A copy, not I/O: the engine thread never waits."""
+        """Copy published blocks to host memory (they may be overwritten next step: on a GPU
+        the next forward waits for the copy) and queue them for the storage writer, which
+        waits for the copy before it reads them. The engine thread never waits; with no
+        staging memory free the blocks are not written (counted, as when storage is behind)."""
         fresh = [(b, h) for b, h in blocks if not self.tier.is_known_stored(h)]
-        if fresh:
-            views = self._block_io.read([b for b, _ in fresh])
-            self.tier.write([(h, bytes(v)) for (_, h), v in zip(fresh, views, strict=True)])
+        if not fresh:
+            return
+        copy = self._stager.copy_out([b for b, _ in fresh])
+        if copy is None:
+            self.tier.counters.add(writes_dropped=len(fresh))
+            return
+        items = [(h, v) for (_, h), v in zip(fresh, copy.views, strict=True)]
+        self.tier.write(items, copy.ready, copy.release)
 
     # -- reads ----------------------------------------------------------------------------------
 
@@ -168,10 +175,8 @@ class StorageConnector:
         if count == 0:
             return 0
         start = device_blocks - staged.first_block
-        for block_id, data in zip(
-            block_table[device_blocks:], staged.blocks[start : start + count], strict=False
-        ):
-            self._block_io.write([block_id], memoryview(data))
+        blocks = staged.blocks[start : start + count]
+        self._stager.load(block_table[device_blocks : device_blocks + len(blocks)], blocks)
         self.loaded_tokens += count * self._block_size
         return count
 

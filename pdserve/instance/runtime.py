@@ -30,7 +30,7 @@ from pdserve.instance.streams import OutputStream, aborted_output
 from pdserve.kvcache.events import BlockStored, KVEvent, KVEventBroadcaster
 from pdserve.kvcache.hashing import BlockHash, PromptHashes
 from pdserve.metrics import InstanceCollector, serve_metrics
-from pdserve.model.runner import BlockIO
+from pdserve.model.staging import KVStager
 from pdserve.rpc.auth import BearerTokenInterceptor
 from pdserve.rpc.channels import ChannelPool
 from pdserve.rpc.server import (
@@ -134,7 +134,7 @@ class InstanceRuntime:
         self.channels = channels  # to peers (decode instances, storage peers); carries `secret`
         self.tls = tls  # mutual TLS of its server and channels, when the plane uses it
         self.events = events
-        self.block_io: BlockIO = engine.runner.block_io
+        self.stager: KVStager = engine.runner.stager
         self.counters = TransferCounters()
         self.storage: StorageTier | None = engine.storage.tier if engine.storage else None
         self.mooncake: MooncakeEngine | None = None
@@ -234,15 +234,21 @@ class InstanceRuntime:
                 host,
             )
             return None
-        from pdserve.transfer.mooncake import MooncakeEngine, mooncake_available, sender_engines
+        from pdserve.transfer.mooncake import (
+            MooncakeEngine,
+            check_memory_kind,
+            mooncake_available,
+            sender_engines,
+        )
 
         if not mooncake_available():
             logger.info("Mooncake transfer engine not installed: KV goes over shm or gRPC")
             return None
+        check_memory_kind(self.stager.device.type)
         count = sender_engines(config) if sender else 1
         engine = MooncakeEngine(config, advertised_host(host), count)
         logger.info("Mooncake transfer engines: %d (%s)", count, config.mooncake_protocol)
-        engine.register(self.kv_base_address, self.block_io.total_bytes)
+        engine.register(self.kv_base_address, self.stager.total_bytes)
         self.mooncake = engine
         return engine
 
@@ -255,7 +261,7 @@ class InstanceRuntime:
     @property
     def kv_base_address(self) -> int:
         """Address of the KV cache's first byte (direct-write transports)."""
-        return int(self.engine.runner.kv_cache.data_ptr())
+        return self.stager.base_address
 
     @property
     def shm_name(self) -> str:

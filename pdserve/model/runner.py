@@ -4,8 +4,7 @@ import logging
 import math
 import os
 import uuid
-import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from multiprocessing import shared_memory
 
@@ -13,6 +12,7 @@ import torch
 
 from pdserve.model.attention import AttentionMetadata
 from pdserve.model.llama import CausalLM
+from pdserve.model.staging import DEFAULT_STAGING_BYTES, CudaStreams, KVStager
 
 logger = logging.getLogger(__name__)
 
@@ -71,13 +71,15 @@ class ModelRunner:
         model: CausalLM,
         kv_cache: torch.Tensor,
         segment: shared_memory.SharedMemory | None = None,
+        staging_bytes: int = DEFAULT_STAGING_BYTES,
     ) -> None:
         self.model = model
         self.kv_cache = kv_cache
         self.block_size = kv_cache.shape[3]
         self.device = kv_cache.device
         self.segment = segment  # the KV cache's shared-memory segment, if it lives in one
-        self.block_io = BlockIO(kv_cache)
+        streams = CudaStreams(self.device) if self.device.type == "cuda" else None
+        self.stager = KVStager(kv_cache, streams, staging_bytes)  # every block <-> host copy
 
     @classmethod
     def create(
@@ -87,9 +89,11 @@ class ModelRunner:
         block_size: int,
         dtype: torch.dtype,
         shared: bool = False,
+        staging_bytes: int = DEFAULT_STAGING_BYTES,
     ) -> "ModelRunner":
         """A zeroed KV cache on the model's device; with `shared` (CPU only), in a new
-        shared-memory segment that same-host peers can write into (`ShmKVTransport`)."""
+        shared-memory segment that same-host peers can write into (`ShmKVTransport`);
+        `staging_bytes` of pinned host memory for its transfers (CUDA)."""
         device = next(model.parameters()).device
         shape = kv_cache_shape(model, num_blocks, block_size)
         nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
@@ -100,7 +104,7 @@ class ModelRunner:
             )
             shared = False
         if not shared or device.type != "cpu":
-            return cls(model, torch.zeros(shape, dtype=dtype, device=device))
+            return cls(model, torch.zeros(shape, dtype=dtype, device=device), None, staging_bytes)
         segment = shared_memory.SharedMemory(
             name=f"pdserve-kv-{os.getpid()}-{uuid.uuid4().hex[:8]}", create=True, size=nbytes
         )
@@ -129,7 +133,9 @@ class ModelRunner:
         """`execute`, plus fp32 logits `[len(tokens), vocab]` at every position of each chunk
         with `all_logits` (by chunk index)."""
         input_ids, positions, meta = self._prepare(chunks)
+        self.stager.before_forward()
         hidden = self.model(input_ids, positions, self.kv_cache, meta)
+        self.stager.forward_done()
         ends = torch.tensor(meta.query_lens, device=self.device).cumsum(0) - 1
         wanted = torch.tensor([c.needs_logits for c in chunks], device=self.device)
         every: dict[int, torch.Tensor] = {}
@@ -173,52 +179,3 @@ class ModelRunner:
             decode_only=all(n == 1 for n in query_lens),
         )
         return tensor(token_ids), tensor(positions), meta
-
-
-class BlockIO:
-    """Byte-level access to whole KV blocks, for transfers. A block is one contiguous range.
-
-    Reads return views (CPU) or host copies (GPU). Callers must only touch blocks they own
-    exclusively (reserved for them) or that are pinned and published (immutable).
-
-    Thread-safe for disjoint blocks: handler threads read and write only blocks pinned by or
-    reserved for their request; the engine thread never touches those meanwhile.
-    """
-
-    def __init__(self, kv_cache: torch.Tensor) -> None:
-        self._bytes = kv_cache.view(kv_cache.shape[0], -1).view(torch.uint8)
-        self.block_bytes = int(self._bytes.shape[1])
-        self.total_bytes = int(self._bytes.numel())
-
-    def read(self, block_ids: Sequence[int]) -> list[memoryview]:
-        host = self._bytes if self._bytes.device.type == "cpu" else None
-        views = []
-        for block_id in block_ids:
-            row = host[block_id] if host is not None else self._bytes[block_id].cpu()
-            views.append(memoryview(row.numpy().data))
-        return views
-
-    def write(self, block_ids: Sequence[int], data: memoryview) -> None:
-        """Copy `data` (len(block_ids) whole blocks) into `block_ids`."""
-        if len(data) != len(block_ids) * self.block_bytes:
-            raise ValueError(
-                f"{len(data)} bytes is not {len(block_ids)} blocks of {self.block_bytes}"
-            )
-        with warnings.catch_warnings():  # read-only source buffers are only read
-            warnings.simplefilter("ignore", UserWarning)
-            rows = torch.frombuffer(data, dtype=torch.uint8).view(len(block_ids), self.block_bytes)
-        if self._bytes.device.type != "cpu":
-            rows = rows.to(self._bytes.device)
-        # one copy per run of consecutive block ids (a reservation's blocks mostly are one run);
-        # torch copies without holding the GIL, so gRPC threads keep receiving meanwhile
-        for position, first, count in consecutive_runs(block_ids):
-            self._bytes[first : first + count].copy_(rows[position : position + count])
-
-
-def consecutive_runs(block_ids: Sequence[int]) -> Iterator[tuple[int, int, int]]:
-    """(position in `block_ids`, first block id, length) of each run of consecutive ids."""
-    start = 0
-    for i in range(1, len(block_ids) + 1):
-        if i == len(block_ids) or block_ids[i] != block_ids[i - 1] + 1:
-            yield start, block_ids[start], i - start
-            start = i

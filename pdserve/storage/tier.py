@@ -79,9 +79,18 @@ _COUNTER_FIELDS = (
 )  # fmt: skip
 
 
+BlockData = bytes | memoryview
+
+
+def _nothing() -> None:
+    pass
+
+
 @dataclass(slots=True)
 class _Write:
-    items: list[tuple[BlockHash, bytes]]
+    items: list[tuple[BlockHash, BlockData]]
+    ready: Callable[[], None] = _nothing  # returns once the bytes are there (a device copy)
+    release: Callable[[], None] = _nothing  # the bytes may be reused
 
 
 @dataclass(slots=True)
@@ -178,36 +187,48 @@ class StorageTier:
         with self._lock:
             return block_hash in self._known_stored
 
-    def write(self, items: Sequence[tuple[BlockHash, bytes]]) -> int:
+    def write(
+        self,
+        items: Sequence[tuple[BlockHash, BlockData]],
+        ready: Callable[[], None] = _nothing,
+        release: Callable[[], None] = _nothing,
+    ) -> int:
         """Queue host copies of published blocks for writing. Never blocks: beyond
         `max_pending_bytes`, or while storage is unavailable, blocks are dropped (counted).
-        Returns how many were queued."""
+        Returns how many were queued. A copy still under way (from a GPU) comes with `ready`,
+        which the writer calls before it reads a byte (so nothing is published before), and
+        `release`, called once when the bytes are no longer needed (also when none is queued)."""
         with self._lock:
             fresh = [(h, d) for h, d in items if h not in self._known_stored]
         self.counters.add(writes_skipped=len(items) - len(fresh))
-        if not fresh:
-            return 0
         size = sum(len(d) for _, d in fresh)
         with self._lock:
-            if not self.available or self._pending_bytes + size > self.config.max_pending_bytes:
-                self.counters.add(writes_dropped=len(fresh))
-                return 0
-            self._pending_bytes += size
-        self._jobs.put(_Write(fresh))
+            queued = bool(fresh) and self.available
+            if queued and self._pending_bytes + size > self.config.max_pending_bytes:
+                queued = False
+            if queued:
+                self._pending_bytes += size
+        if not queued:
+            self.counters.add(writes_dropped=len(fresh))
+            release()
+            return 0
+        self._jobs.put(_Write(fresh, ready, release))
         return len(fresh)
 
     def _do_write(self, job: _Write) -> None:
         try:
+            job.ready()
             for block_hash, data in job.items:
                 if not self.available:
                     self.counters.add(writes_dropped=1)
                     continue
                 self._write_one(block_hash, data)
         finally:
+            job.release()
             with self._lock:
                 self._pending_bytes -= sum(len(d) for _, d in job.items)
 
-    def _write_one(self, block_hash: BlockHash, data: bytes) -> None:
+    def _write_one(self, block_hash: BlockHash, data: BlockData) -> None:
         try:
             if not self.index.claim(block_hash):
                 self.counters.add(writes_skipped=1)

@@ -12,12 +12,16 @@ import socket
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from pdserve.errors import KVTransferError
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,12 +72,33 @@ class KVReceiver(Protocol):
         ...
 
 
+class KVSource(Protocol):
+    """The sender's KV cache (`pdserve.model.staging.KVStager`): where its blocks live, and
+    host views of them."""
+
+    block_bytes: int
+    base_address: int  # of block 0; block b is at base_address + b x block_bytes
+    device: "torch.device"
+
+    def staged(self, block_ids: Sequence[int]) -> AbstractContextManager[list[memoryview]]:
+        """Host views of the blocks, valid inside the `with`."""
+        ...
+
+
 class KVTransport(ABC):
     name: str
 
     def can_reach(self, target: KVTarget) -> bool:
         """Whether this transport can write into `target` (gRPC always can)."""
         return True
+
+    def send_blocks(
+        self, target: KVTarget, source: KVSource, block_ids: Sequence[int]
+    ) -> TransferResult:
+        """Write blocks `block_ids` of the sender's cache into `target`: by default from host
+        views of them (on a GPU, staged in pinned memory). Raises KVTransferError."""
+        with source.staged(block_ids) as views:
+            return self.send(target, views)
 
     @abstractmethod
     def send(self, target: KVTarget, blocks: Sequence[memoryview]) -> TransferResult:

@@ -34,14 +34,15 @@ def commit(channels: ChannelPool, target: KVTarget, num_blocks: int) -> None:
         ) from e
 
 
-def check_bounds(target: KVTarget, blocks: Sequence[memoryview]) -> None:
-    if len(target.block_ids) != len(blocks):
+def check_bounds(target: KVTarget, num_blocks: int, block_bytes: Sequence[int]) -> None:
+    """The blocks to send (`num_blocks`, each of its `block_bytes`) fit the reservation."""
+    if len(target.block_ids) != num_blocks:
         raise KVTransferError(
-            f"request {target.request_id}: {len(blocks)} blocks to send, "
+            f"request {target.request_id}: {num_blocks} blocks to send, "
             f"{len(target.block_ids)} reserved"
         )
     size = target.block_bytes
-    if any(len(b) != size for b in blocks):
+    if any(b != size for b in block_bytes):
         raise KVTransferError(f"request {target.request_id}: blocks are not {size} bytes")
     limit = target.endpoints.kv_bytes
     if any((block_id + 1) * size > limit for block_id in target.block_ids):
@@ -54,19 +55,15 @@ def address_of(view: memoryview) -> int:
 
 
 def copy_runs(
-    block_ids: Sequence[int], blocks: Sequence[memoryview]
+    block_ids: Sequence[int], addresses: Sequence[int], size: int
 ) -> Iterator[tuple[int, int, int]]:
-    """(first block id, count, source address) of runs that are
-    consecutive on both sides: the destination ids follow each other and so do the source
-    bytes in memory, so that each run is one copy."""
-    if not blocks:
-        return
-    size = len(blocks[0])
-    addresses = [address_of(b) for b in blocks]
+    """(first block id, count, source address) of runs that are consecutive on both sides:
+    the destination ids follow each other and so do the source blocks (at `addresses`, `size`
+    bytes each) in memory, so that each run is one copy."""
     start = 0
-    for i in range(1, len(blocks) + 1):
+    for i in range(1, len(addresses) + 1):
         if (
-            i == len(blocks)
+            i == len(addresses)
             or block_ids[i] != block_ids[i - 1] + 1
             or addresses[i] != addresses[i - 1] + size
         ):
@@ -106,11 +103,12 @@ class ShmKVTransport(KVTransport):
 
     def send(self, target: KVTarget, blocks: Sequence[memoryview]) -> TransferResult:
         start = time.perf_counter()
-        check_bounds(target, blocks)
+        check_bounds(target, len(blocks), [len(b) for b in blocks])
         target.check_deadline()
         cache = self._attach(target.endpoints.shm_name)
         size = target.block_bytes
-        for block_id, count, source in copy_runs(target.block_ids, blocks):
+        sources = [address_of(b) for b in blocks]
+        for block_id, count, source in copy_runs(target.block_ids, sources, size):
             ctypes.memmove(cache + block_id * size, source, count * size)  # GIL released
         commit(self._channels, target, len(blocks))
         return TransferResult(len(blocks), len(blocks) * size, time.perf_counter() - start)

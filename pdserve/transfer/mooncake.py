@@ -20,19 +20,20 @@ library's own synchronous calls spin on a core until the transfer ends, and on a
 core is the one its I/O thread needs.
 """
 
+import importlib.metadata
 import importlib.util
 import logging
 import os
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from pdserve.config import TransferConfig
-from pdserve.errors import KVTransferError
+from pdserve.errors import ConfigError, KVTransferError
 from pdserve.rpc.channels import ChannelPool
-from pdserve.transfer.base import KVTarget, KVTransport, TransferResult
-from pdserve.transfer.direct import check_bounds, commit, copy_runs
+from pdserve.transfer.base import KVSource, KVTarget, KVTransport, TransferResult
+from pdserve.transfer.direct import address_of, check_bounds, commit, copy_runs
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +62,31 @@ def mooncake_available() -> bool:
         importlib.import_module("mooncake.engine")
     except ImportError as e:
         logger.warning("Mooncake is installed but cannot load (%s): is libibverbs1 there?", e)
+        return False
+    return True
+
+
+NON_CUDA_PACKAGE = "mooncake-transfer-engine-non-cuda"
+CUDA_PACKAGE = "mooncake-transfer-engine"
+
+
+def check_memory_kind(device_type: str, installed: Callable[[str], bool] | None = None) -> None:
+    """Refuse to register a GPU KV cache with the non-CUDA build of Mooncake (it would take a
+    device pointer for host memory). Raises ConfigError naming the package to install."""
+    if device_type != "cuda":
+        return
+    if (installed or _installed)(NON_CUDA_PACKAGE):
+        raise ConfigError(
+            f"the KV cache is on CUDA but the Mooncake package installed is {NON_CUDA_PACKAGE}, "
+            f"which cannot send from GPU memory: install {CUDA_PACKAGE} (its CUDA build) "
+            "instead, or set transfer.mooncake: false (KV then goes over gRPC)"
+        )
+
+
+def _installed(distribution: str) -> bool:
+    try:
+        importlib.metadata.distribution(distribution)
+    except importlib.metadata.PackageNotFoundError:
         return False
     return True
 
@@ -130,15 +156,16 @@ def deal(count: int, engines: int, first: int) -> list[int]:
 
 
 def plan_writes(
-    target: KVTarget, blocks: Sequence[memoryview], max_bytes: int = MAX_RUN_BYTES
+    target: KVTarget, sources: Sequence[int], max_bytes: int = MAX_RUN_BYTES
 ) -> list[tuple[int, int, int]]:
-    """(source address, destination address, bytes) of each transfer: runs of blocks that are
-    consecutive on both sides, cut every `max_bytes` (at least one block each)."""
+    """(source address, destination address, bytes) of each transfer of the blocks at
+    `sources`: runs of blocks that are consecutive on both sides, cut every `max_bytes` (at
+    least one block each)."""
     size, base = target.block_bytes, target.endpoints.mooncake_base
     per_transfer = max(1, max_bytes // size)
     return [
         (source + i * size, base + (block_id + i) * size, min(per_transfer, count - i) * size)
-        for block_id, count, source in copy_runs(target.block_ids, blocks)
+        for block_id, count, source in copy_runs(target.block_ids, sources, size)
         for i in range(0, count, per_transfer)
     ]
 
@@ -159,10 +186,23 @@ class MooncakeKVTransport(KVTransport):
     def can_reach(self, target: KVTarget) -> bool:
         return bool(target.endpoints.mooncake_session)
 
+    def send_blocks(
+        self, target: KVTarget, source: KVSource, block_ids: Sequence[int]
+    ) -> TransferResult:
+        """Straight from the sender's registered KV cache (host or device memory: no staging
+        copy), block b at `base_address + b x block_bytes`."""
+        check_bounds(target, len(block_ids), [source.block_bytes] * len(block_ids))
+        size = source.block_bytes
+        return self._send(target, [source.base_address + b * size for b in block_ids])
+
     def send(self, target: KVTarget, blocks: Sequence[memoryview]) -> TransferResult:
+        """From host memory registered with the engine (`MooncakeEngine.register`)."""
+        check_bounds(target, len(blocks), [len(b) for b in blocks])
+        return self._send(target, [address_of(b) for b in blocks])
+
+    def _send(self, target: KVTarget, sources: Sequence[int]) -> TransferResult:
         start = time.perf_counter()
-        check_bounds(target, blocks)
-        writes = plan_writes(target, blocks)
+        writes = plan_writes(target, sources)
         session, step = target.endpoints.mooncake_session, self._config.max_batch_entries
         for first in range(0, len(writes), step):
             target.check_deadline()
@@ -172,9 +212,9 @@ class MooncakeKVTransport(KVTransport):
                 raise KVTransferError(
                     f"Mooncake write of request {target.request_id} to {session} failed: {failure}"
                 )
-        commit(self._channels, target, len(blocks))
+        commit(self._channels, target, len(sources))
         size = target.block_bytes
-        return TransferResult(len(blocks), len(blocks) * size, time.perf_counter() - start)
+        return TransferResult(len(sources), len(sources) * size, time.perf_counter() - start)
 
     def _write(self, session: str, writes: Sequence[tuple[int, int, int]], deadline: float) -> str:
         """Start every write (dealt over the engines), then wait until none is in flight (a

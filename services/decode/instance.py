@@ -69,7 +69,7 @@ class DecodeInstance:
             shm_name=runtime.shm_name,
             mooncake_session=mooncake.session if mooncake is not None else "",
             mooncake_base=runtime.kv_base_address if mooncake is not None else 0,
-            kv_bytes=runtime.block_io.total_bytes,
+            kv_bytes=runtime.stager.total_bytes,
         )
         self.num_expired = 0  # engine thread only
 
@@ -135,7 +135,7 @@ class DecodeInstance:
         return ReservationGrant(
             admission.num_computed_tokens,
             len(admission.block_ids),
-            self.runtime.block_io.block_bytes,
+            self.runtime.stager.block_bytes,
             admission.block_ids,
         )
 
@@ -168,7 +168,7 @@ class DecodeInstance:
     def receive_blocks(self, request_id: str, first_block: int, data: memoryview) -> int:
         """Write whole blocks into the request's reservation (the KVReceiver contract).
         Raises KVTransferError."""
-        block_bytes = self.runtime.block_io.block_bytes
+        block_bytes = self.runtime.stager.block_bytes
         if len(data) == 0 or len(data) % block_bytes:
             raise KVTransferError(
                 f"{len(data)} bytes is not a whole number of {block_bytes}-byte blocks"
@@ -177,7 +177,7 @@ class DecodeInstance:
         block_ids = self.reservations.begin_write(request_id, first_block, num_blocks)
         ok = False
         try:
-            self.runtime.block_io.write(block_ids, data)
+            self.runtime.stager.write(block_ids, data)
             ok = True
         finally:
             release = self.reservations.end_write(request_id, first_block, num_blocks, ok)
@@ -191,7 +191,7 @@ class DecodeInstance:
         reservation: count them as received. Raises KVTransferError."""
         self.reservations.begin_write(request_id, first_block, num_blocks)
         self.reservations.end_write(request_id, first_block, num_blocks, True)
-        self.runtime.counters.received(num_blocks, num_blocks * self.runtime.block_io.block_bytes)
+        self.runtime.counters.received(num_blocks, num_blocks * self.runtime.stager.block_bytes)
 
     def transfer_failed(self, request_id: str) -> None:
         """The KV stream broke: release the reservation now rather than at lease expiry."""

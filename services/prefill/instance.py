@@ -272,7 +272,7 @@ class PrefillInstance:
             )
             transport = self.transports.choose(target)
             try:
-                result = transport.send(target, self.runtime.block_io.read(block_ids))
+                result = transport.send_blocks(target, self.runtime.stager, block_ids)
             except KVTransferError:
                 self.runtime.counters.failed(transport.name)
                 raise

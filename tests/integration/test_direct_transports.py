@@ -100,7 +100,8 @@ def received(instance: DecodeInstance, request_id: str) -> list[bytes]:
         return list(engine.kv_cache.block_table(request_id))
 
     runtime = instance.runtime
-    return [bytes(block) for block in runtime.block_io.read(runtime.loop.call(block_table))]
+    with runtime.stager.staged(runtime.loop.call(block_table)) as views:
+        return [bytes(view) for view in views]
 
 
 @pytest.mark.parametrize("transport", ["shm", "mooncake"])
@@ -108,11 +109,11 @@ def test_blocks_land_in_reservations_whatever_decode_block_ids_they_get(
     transport: str, decode: tuple[DecodeInstance, str]
 ) -> None:
     instance, address = decode
-    sender = Sender(transport, address, instance.runtime.block_io.block_bytes)
+    sender = Sender(transport, address, instance.runtime.stager.block_bytes)
     try:
         # a fresh pool hands out consecutive ids: one transfer
         ascending = sender.reserve("ascending", 4)
-        assert len(plan_writes(ascending, sender.blocks[:4])) == 1
+        assert len(plan_writes(ascending, [address_of(b) for b in sender.blocks[:4]])) == 1
         check_send(instance, sender, ascending, sender.blocks[:4])
         # holes: the blocks of two aborted reservations and the one block left at the end
         sender.reserve("middle", 4)
@@ -121,7 +122,7 @@ def test_blocks_land_in_reservations_whatever_decode_block_ids_they_get(
         sender.abort("ascending")
         sender.abort("last")
         mixed = sender.reserve("mixed", 8)
-        assert 1 < len(plan_writes(mixed, sender.blocks[20:28])) < 8
+        assert 1 < len(plan_writes(mixed, [address_of(b) for b in sender.blocks[20:28]])) < 8
         check_send(instance, sender, mixed, sender.blocks[20:28])
     finally:
         for request_id in ("ascending", "middle", "last", "fill", "mixed"):
@@ -135,11 +136,11 @@ def test_a_sender_deals_its_writes_over_its_engines(decode: tuple[DecodeInstance
     """Two sending engines (two I/O threads): every run of blocks goes through one of them, in
     turn from send to send, and each lands in decode's reserved blocks."""
     instance, address = decode
-    sender = Sender("mooncake", address, instance.runtime.block_io.block_bytes, engines=2)
+    sender = Sender("mooncake", address, instance.runtime.stager.block_bytes, engines=2)
     assert isinstance(sender.transport, MooncakeKVTransport)
     try:
         one = sender.reserve("one", 4)
-        assert len(plan_writes(one, sender.blocks[:4])) == 1
+        assert len(plan_writes(one, [address_of(b) for b in sender.blocks[:4]])) == 1
         check_send(instance, sender, one, sender.blocks[:4])
         assert sender.transport.writes_per_engine == [1, 0]
         # every other block of the source: 8 runs of one block, four through each engine
@@ -168,7 +169,7 @@ def test_a_write_into_an_aborted_reservation_is_a_typed_error(
     """The Mooncake write lands, but the commit finds no reservation: the sender gets a
     KVTransferError, and decode holds nothing."""
     instance, address = decode
-    sender = Sender("mooncake", address, instance.runtime.block_io.block_bytes)
+    sender = Sender("mooncake", address, instance.runtime.stager.block_bytes)
     try:
         target = sender.reserve("gone", 4)
         sender.abort("gone")

@@ -277,6 +277,30 @@ def test_written_blocks_read_back_verified(
     assert (tier.counters.blocks_written, tier.counters.blocks_read) == (4, 4)
 
 
+def test_a_copy_still_under_way_is_written_and_published_only_once_it_is_ready(
+    redis_url: str, tmp_path: Path, tiers: list[StorageTier]
+) -> None:
+    tier = make_tier(storage_config(redis_url, tmp_path), tiers)
+    items = blocks(2)
+    staging = bytearray(BLOCK * 2)  # where a device copy lands (pinned rows on a GPU)
+    views = [memoryview(staging)[i * BLOCK : (i + 1) * BLOCK] for i in range(2)]
+    events: list[str] = []
+
+    def ready() -> None:  # the copy lands now: before it, the rows hold zeros
+        assert tier.index.lookup([items[0][0]]) == []  # nothing published yet
+        staging[:] = b"".join(d for _, d in items)
+        events.append("ready")
+
+    staged = [(h, v) for (h, _), v in zip(items, views, strict=True)]
+    assert tier.write(staged, ready, lambda: events.append("released")) == 2
+    tier.flush()
+    assert events == ["ready", "released"]
+    assert tier.read_chain([h for h, _ in items]) == [d for _, d in items]
+    dropped: list[str] = []
+    assert tier.write(items, release=lambda: dropped.append("released")) == 0  # known: none
+    assert dropped == ["released"]  # the caller's rows come back even then
+
+
 def test_corrupt_or_missing_bytes_are_detected_dropped_and_recomputed(
     redis_url: str, tmp_path: Path, tiers: list[StorageTier]
 ) -> None:

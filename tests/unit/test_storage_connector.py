@@ -30,8 +30,15 @@ class FakeTier:
     def is_known_stored(self, block_hash: BlockHash) -> bool:
         return block_hash in self.blocks
 
-    def write(self, items: Sequence[tuple[BlockHash, bytes]]) -> int:
-        self.blocks.update(items)
+    def write(
+        self,
+        items: Sequence[tuple[BlockHash, bytes | memoryview]],
+        ready: Callable[[], None] = lambda: None,
+        release: Callable[[], None] = lambda: None,
+    ) -> int:
+        ready()
+        self.blocks.update((h, bytes(d)) for h, d in items)
+        release()
         return len(items)
 
     def read_chain(self, hashes: Sequence[BlockHash]) -> list[bytes]:

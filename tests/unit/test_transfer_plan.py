@@ -10,7 +10,7 @@ from pdserve.config import TransferConfig
 from pdserve.errors import ConfigError
 from pdserve.transfer.base import KVEndpoints, KVTarget
 from pdserve.transfer.direct import address_of
-from pdserve.transfer.mooncake import deal, plan_writes, sender_engines
+from pdserve.transfer.mooncake import check_memory_kind, deal, plan_writes, sender_engines
 
 SIZE = 4096
 BASE = 1 << 40  # decode's KV cache address (never dereferenced: only planned)
@@ -26,10 +26,14 @@ def contiguous(num_blocks: int) -> list[memoryview]:
     return [view[i * SIZE : (i + 1) * SIZE] for i in range(num_blocks)]
 
 
+def addresses(blocks: list[memoryview]) -> list[int]:
+    return [address_of(b) for b in blocks]
+
+
 def test_runs_follow_decode_block_ids() -> None:
     blocks = contiguous(6)
     source = address_of(blocks[0])
-    writes = plan_writes(target([3, 4, 5, 9, 2, 3]), blocks)
+    writes = plan_writes(target([3, 4, 5, 9, 2, 3]), addresses(blocks))
     assert writes == [
         (source, BASE + 3 * SIZE, 3 * SIZE),
         (source + 3 * SIZE, BASE + 9 * SIZE, SIZE),
@@ -39,7 +43,7 @@ def test_runs_follow_decode_block_ids() -> None:
 
 def test_separate_source_buffers_break_runs() -> None:
     blocks = [memoryview(bytearray(SIZE)) for _ in range(3)]
-    writes = plan_writes(target([0, 1, 2]), blocks)
+    writes = plan_writes(target([0, 1, 2]), addresses(blocks))
     assert [w[0] for w in writes] == [address_of(b) for b in blocks]
     assert [w[1] for w in writes] == [BASE, BASE + SIZE, BASE + 2 * SIZE]
 
@@ -47,14 +51,14 @@ def test_separate_source_buffers_break_runs() -> None:
 def test_long_runs_are_cut_at_the_size_limit() -> None:
     blocks = contiguous(10)
     source = address_of(blocks[0])
-    writes = plan_writes(target(list(range(10, 20))), blocks, max_bytes=4 * SIZE)
+    writes = plan_writes(target(list(range(10, 20))), addresses(blocks), max_bytes=4 * SIZE)
     assert [(w[0] - source, w[1] - BASE, w[2]) for w in writes] == [
         (0, 10 * SIZE, 4 * SIZE),
         (4 * SIZE, 14 * SIZE, 4 * SIZE),
         (8 * SIZE, 18 * SIZE, 2 * SIZE),
     ]
     # a limit under one block still writes whole blocks
-    assert len(plan_writes(target(list(range(10, 20))), blocks, max_bytes=1)) == 10
+    assert len(plan_writes(target(list(range(10, 20))), addresses(blocks), max_bytes=1)) == 10
 
 
 def test_transfers_are_dealt_round_robin_from_the_given_engine() -> None:
@@ -77,3 +81,10 @@ def test_auto_runs_one_sending_engine_per_four_cores_up_to_four(
 def test_a_negative_engine_count_is_a_config_error() -> None:
     with pytest.raises(ConfigError, match="mooncake_engines"):
         TransferConfig(mooncake_engines=-1)
+
+
+def test_the_non_cuda_mooncake_build_is_refused_for_a_gpu_kv_cache() -> None:
+    check_memory_kind("cpu")  # host memory: either build
+    check_memory_kind("cuda", installed=lambda name: False)  # the CUDA build
+    with pytest.raises(ConfigError, match=r"install mooncake-transfer-engine \(its CUDA build\)"):
+        check_memory_kind("cuda")  # this machine has the non-CUDA wheel
