@@ -45,7 +45,7 @@ DEVICE_PATTERN = re.compile(r"cpu|cuda(:[0-9]+)?")
 PREFILL_POLICIES = ("round_robin", "least_load", "cache_aware")
 TOOL_PARSERS = ("hermes", "llama3_json")  # services/router/tool_calls.py
 PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")  # Ray's
-TRANSPORTS = ("auto", "grpc", "shm", "mooncake")
+TRANSPORTS = ("auto", "grpc", "shm", "mooncake", "cuda_ipc")
 MOONCAKE_PROTOCOLS = ("tcp", "rdma")
 STORES = ("directory", "memory")
 DEVICE_WRITE_POLICIES = ("on_eviction", "write_through", "off")
@@ -73,8 +73,13 @@ class EngineConfig:
     dtype: str = "auto"  # auto (from config.json) | float32 | bfloat16 | float16
     device: str = "cpu"  # cpu | cuda | cuda:N
     block_size: int = 16  # tokens per KV block
-    kv_cache_bytes: int = 256 * 2**20  # memory for the KV cache, used when num_kv_blocks is unset
-    num_kv_blocks: int | None = None  # exact number of KV blocks (overrides kv_cache_bytes)
+    # the KV cache's size: num_kv_blocks, else kv_cache_bytes, else (CUDA) what remains of
+    # gpu_memory_utilization x the GPU's memory after the weights and a profiling forward's
+    # activation peak, else (CPU) 256 MiB
+    gpu_memory_utilization: float = 0.9
+    kv_cache_bytes: int | None = None
+    num_kv_blocks: int | None = None
+    kv_staging_bytes: int = 256 * 2**20  # pinned host memory for KV copies to and from a GPU
     max_model_len: int | None = None  # context window; None = the model's
     max_num_seqs: int = 64  # running requests per step
     max_num_batched_tokens: int = 512  # token budget per step (chunked prefill splits prompts)
@@ -89,8 +94,9 @@ class EngineConfig:
     seed: int = 0  # seed of the sampler for requests without their own seed
 
     def __post_init__(self) -> None:
-        positive = ("block_size", "kv_cache_bytes", "max_num_seqs", "max_num_batched_tokens")
-        for name in (*positive, "num_kv_blocks", "max_model_len", "torch_threads"):
+        positive = ("block_size", "max_num_seqs", "max_num_batched_tokens", "kv_staging_bytes")
+        optional = ("kv_cache_bytes", "num_kv_blocks", "max_model_len", "torch_threads")
+        for name in (*positive, *optional):
             value = getattr(self, name)
             if value is not None and value <= 0:
                 raise ConfigError(f"engine.{name} must be positive, got {value}")
@@ -99,6 +105,11 @@ class EngineConfig:
         if not self.lrfu_half_life_s > 0 or self.lrfu_score_capacity < 1:
             raise ConfigError(
                 "engine.lrfu_half_life_s must be positive and engine.lrfu_score_capacity >= 1"
+            )
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ConfigError(
+                "engine.gpu_memory_utilization is the fraction of the GPU's memory this "
+                f"instance may use: (0, 1], got {self.gpu_memory_utilization}"
             )
         if not DEVICE_PATTERN.fullmatch(self.device):
             raise ConfigError(f"engine.device must be cpu, cuda or cuda:N, got {self.device!r}")
@@ -187,8 +198,9 @@ class RouterConfig:
 class TransferConfig:
     """How KV blocks move from prefill to decode instances (DESIGN.md §6)."""
 
-    transport: str = "auto"  # auto (shm on the same host, else mooncake, else grpc) | grpc |
-    # shm | mooncake: forced, a request fails if the pair cannot use it
+    # auto (cuda_ipc between GPUs of one host, else shm on the same host, else mooncake, else
+    # grpc) | grpc | shm | mooncake | cuda_ipc: forced, a request fails if the pair cannot use it
+    transport: str = "auto"
     shared_memory: bool = True  # decode instances keep a CPU KV cache in shared memory
     mooncake: bool = True  # start a Mooncake transfer engine when its package is installed
     mooncake_protocol: str = "tcp"  # tcp | rdma
@@ -327,7 +339,8 @@ class ClusterConfig:
         if device.startswith("cuda:") and device != "cuda:0":
             raise ConfigError(
                 f"{role}.engine.device is {device!r}: inside a Ray actor its GPU is the first "
-                "visible one (Ray sets CUDA_VISIBLE_DEVICES); use device: cuda"
+                "visible one (the controller puts it first in CUDA_VISIBLE_DEVICES); use "
+                "device: cuda"
             )
         if gpus > 1:
             raise ConfigError(

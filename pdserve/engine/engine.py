@@ -27,6 +27,15 @@ from pdserve.kvcache.eviction import make_eviction_policy
 from pdserve.kvcache.hashing import BlockHash, BlockHasher, PromptHashes
 from pdserve.kvcache.manager import KVCacheManager
 from pdserve.model.loader import LoadedModel, load_model
+from pdserve.model.memory import (
+    KVPlan,
+    MemoryReport,
+    check_context,
+    cuda_free_at_start,
+    describe,
+    size_kv_cache,
+    weight_bytes,
+)
 from pdserve.model.runner import ModelRunner, SequenceChunk
 from pdserve.model.tiny import default_model_dir
 from pdserve.storage.tier import StorageTier
@@ -105,6 +114,8 @@ class LLMEngine:
         self.storage = storage
         self.hasher = BlockHasher.for_model(kv_cache.block_size, loaded.model_tag)
         self.max_model_len = min(loaded.max_model_len, kv_cache.num_blocks * kv_cache.block_size)
+        self.kv_plan: KVPlan | None = None  # how the KV cache was sized (`from_config`)
+        self.memory: MemoryReport | None = None  # the device's, when it was profiled
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self.grammars = Grammars(
             loaded.tokenizer, loaded.config.vocab_size, loaded.eos_token_ids
@@ -125,16 +136,21 @@ class LLMEngine:
         if config.torch_threads is not None:
             torch.set_num_threads(config.torch_threads)
         model_dir = config.model or default_model_dir()
+        device = torch.device(config.device)
+        device_memory = cuda_free_at_start(device) if device.type == "cuda" else None
         loaded = load_model(
             model_dir, dtype=config.dtype, device=config.device, max_model_len=config.max_model_len
         )
-        num_blocks = config.num_kv_blocks or max(
-            1,
-            config.kv_cache_bytes
-            // (loaded.config.kv_bytes_per_token(loaded.dtype) * config.block_size),
-        )
+        plan, memory = size_kv_cache(config, loaded, device_memory)
+        context = check_context(plan, loaded.max_model_len, config.max_model_len is not None)
+        logger.info("%s", describe(plan, memory, weight_bytes(loaded.model), context))
         runner = ModelRunner.create(
-            loaded.model, num_blocks, config.block_size, loaded.dtype, shared=shared_kv_cache
+            loaded.model,
+            plan.num_blocks,
+            config.block_size,
+            loaded.dtype,
+            shared=shared_kv_cache,
+            staging_bytes=config.kv_staging_bytes,
         )
         tier = storage(storage_tag(loaded, config.block_size)) if storage is not None else None
         connector = (
@@ -142,15 +158,16 @@ class LLMEngine:
             if tier is not None
             else None
         )
-        kv_cache = _kv_cache_manager(config, num_blocks, event_sink, connector)
+        kv_cache = _kv_cache_manager(config, plan.num_blocks, event_sink, connector)
         scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens),
             kv_cache,
             PromptAdmission(kv_cache, connector),
         )
-        logger.info("engine ready: %d KV blocks of %d tokens", num_blocks, config.block_size)
         sampler = Sampler(loaded.device, config.seed)
-        return cls(loaded, kv_cache, scheduler, runner, sampler, connector)
+        engine = cls(loaded, kv_cache, scheduler, runner, sampler, connector)
+        engine.kv_plan, engine.memory = plan, memory
+        return engine
 
     # -- requests -----------------------------------------------------------------------------
 

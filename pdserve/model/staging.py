@@ -171,16 +171,16 @@ class KVStager:
         streams: Streams | None = None,
         staging_bytes: int = DEFAULT_STAGING_BYTES,
     ) -> None:
+        self.cache = kv_cache  # the tensor (a GPU one is shared with same-host peers whole)
         self._bytes = kv_cache.view(kv_cache.shape[0], -1).view(torch.uint8)
         self.block_bytes = int(self._bytes.shape[1])
         self.total_bytes = int(self._bytes.numel())
         self.device = kv_cache.device
         self.base_address = int(kv_cache.data_ptr())
         self.streams = streams
-        self.rows: PinnedRows | None = None
-        if streams is not None:
-            count = max(1, staging_bytes // self.block_bytes)
-            self.rows = PinnedRows(count, self.block_bytes, pin=self.device.type == "cuda")
+        self._staging_rows = max(1, staging_bytes // self.block_bytes)
+        self._rows: PinnedRows | None = None  # pinned on first use (a runner may never send)
+        self._rows_lock = threading.Lock()
         self._forward: Event | None = None  # the newest forward's
         self._copy_out: Event | None = None  # the newest copy-out not yet waited for by compute
         self._copy_in: Event | None = None
@@ -308,10 +308,17 @@ class KVStager:
 
     # -- staging rows ---------------------------------------------------------------------------
 
+    @property
+    def rows(self) -> PinnedRows:
+        with self._rows_lock:
+            if self._rows is None:
+                pin = self.device.type == "cuda"
+                self._rows = PinnedRows(self._staging_rows, self.block_bytes, pin)
+            return self._rows
+
     def _rows_for(self, count: int, wait: bool) -> tuple[int, torch.Tensor | None]:
         """(first row, rows) of `count` staging rows; start -1 for a one-off buffer (more rows
         than the ring has); rows None when not `wait` and none are free."""
-        assert self.rows is not None
         self._reap_loads()
         if count > self.rows.rows:
             if not wait:
@@ -325,7 +332,7 @@ class KVStager:
         return start, self.rows.buffer[start : start + count]
 
     def _give(self, start: int, count: int) -> None:
-        if start >= 0 and self.rows is not None:
+        if start >= 0:
             self.rows.give(start, count)
 
     def _reap_loads(self) -> None:

@@ -44,7 +44,8 @@ def stack(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Ite
     path = tmp_path_factory.mktemp("config") / "cluster.yaml"
     document = {
         "engine": {"model": str(tiny_model_dir), "num_kv_blocks": 64, "max_model_len": 1024},
-        "decode": {"engine": {"num_kv_blocks": DECODE_BLOCKS}},
+        # decode's context is smaller: an explicit max_model_len must fit the KV pool
+        "decode": {"engine": {"num_kv_blocks": DECODE_BLOCKS, "max_model_len": DECODE_BLOCKS * 16}},
     }
     path.write_text(yaml.safe_dump(document))
     config = load_cluster_config(path, env={})

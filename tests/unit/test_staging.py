@@ -105,7 +105,7 @@ def test_a_read_waits_for_the_forward_that_wrote_the_blocks() -> None:
     with stager.staged([3, 5]) as views:
         assert [bytes(v) for v in views] == [fill(7), fill(0)]
         assert address_of(views[0]) != kv.data_ptr() + 3 * BLOCK  # a staged copy
-    assert stager.rows is not None and stager.rows.num_free == 4  # given back
+    assert stager.rows.num_free == 4  # given back
 
 
 def test_the_next_forward_waits_for_a_copy_out_of_blocks_it_may_overwrite() -> None:
@@ -122,7 +122,7 @@ def test_the_next_forward_waits_for_a_copy_out_of_blocks_it_may_overwrite() -> N
     assert bytes(copy.views[0]) == fill(1)
     copy.release()
     copy.release()  # idempotent
-    assert stager.rows is not None and stager.rows.num_free == 4
+    assert stager.rows.num_free == 4
 
 
 def test_a_copy_out_without_free_staging_rows_is_refused_not_waited_for() -> None:
@@ -139,7 +139,7 @@ def test_the_next_forward_waits_for_a_load_and_its_rows_come_back_after() -> Non
     stager, streams = device_stager()
     kv = stager._bytes
     stager.load([4, 6], [fill(5), fill(6)])
-    assert stager.rows is not None and stager.rows.num_free == 2  # held until the copy ran
+    assert stager.rows.num_free == 2  # held until the copy ran
     stager.before_forward()
     seen: list[bytes] = []
     streams.forward(lambda: seen.extend(bytes(kv[b].numpy().data) for b in (4, 6)))
@@ -153,7 +153,7 @@ def test_a_received_write_is_in_the_cache_when_write_returns() -> None:
     stager, _ = device_stager()
     stager.write([1, 2, 7], memoryview(fill(1) + fill(2) + fill(3)))
     assert [bytes(stager._bytes[b].numpy().data) for b in (1, 2, 7)] == [fill(1), fill(2), fill(3)]
-    assert stager.rows is not None and stager.rows.num_free == 4
+    assert stager.rows.num_free == 4
 
 
 def test_more_blocks_than_the_ring_holds_go_through_a_one_off_buffer() -> None:
@@ -161,7 +161,7 @@ def test_more_blocks_than_the_ring_holds_go_through_a_one_off_buffer() -> None:
     stager.write([0, 1, 2], memoryview(fill(1) + fill(2) + fill(3)))
     with stager.staged([2, 1, 0]) as views:
         assert [bytes(v) for v in views] == [fill(3), fill(2), fill(1)]
-    assert stager.rows is not None and stager.rows.num_free == 2
+    assert stager.rows.num_free == 2
 
 
 def test_pinned_rows_are_handed_out_first_fit_and_merged_when_given_back() -> None:
