@@ -127,6 +127,8 @@ def endpoints_to_proto(endpoints: KVEndpoints) -> decode_pb2.KVEndpoints:
         mooncake_session=endpoints.mooncake_session,
         mooncake_base=endpoints.mooncake_base,
         kv_bytes=endpoints.kv_bytes,
+        cuda_ipc_handle=endpoints.cuda_ipc_handle,
+        gpu_uuid=endpoints.gpu_uuid,
     )
 
 
@@ -137,6 +139,8 @@ def endpoints_from_proto(message: decode_pb2.KVEndpoints) -> KVEndpoints:
         message.mooncake_session,
         message.mooncake_base,
         message.kv_bytes,
+        message.cuda_ipc_handle,
+        message.gpu_uuid,
     )
 
 

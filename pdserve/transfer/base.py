@@ -40,6 +40,8 @@ class KVEndpoints:
     mooncake_session: str = ""
     mooncake_base: int = 0
     kv_bytes: int = 0
+    cuda_ipc_handle: bytes = b""  # its GPU KV cache, opened by a peer on the same host
+    gpu_uuid: str = ""  # the GPU holding that cache
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,5 +1,6 @@
-"""Per-pair transport choice: `transfer.transport` names one, or `auto` picks shared memory when
-the decode instance is on this host, else Mooncake when both ends run it, else gRPC."""
+"""Per-pair transport choice: `transfer.transport` names one, or `auto` picks the first that
+reaches the decode instance: CUDA IPC (both KV caches on GPUs of this host, decode's visible
+here), shared memory (decode's CPU cache on this host), Mooncake (both ends run it), else gRPC."""
 
 import logging
 import threading
@@ -17,7 +18,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-AUTO_ORDER = ("shm", "mooncake")
+AUTO_ORDER = ("cuda_ipc", "shm", "mooncake")
 
 
 class TransportSelector:
@@ -29,12 +30,17 @@ class TransportSelector:
         channels: ChannelPool,
         chunk_bytes: int,
         mooncake: "MooncakeEngine | None" = None,
+        cuda_ipc: KVTransport | None = None,
     ) -> None:
+        """`cuda_ipc`: the sender's `CudaIpcKVTransport` (it knows where the sender's KV cache
+        lives, which `can_reach` needs and a target cannot tell); None: not offered."""
         self.config = config
         self.transports: dict[str, KVTransport] = {
             "grpc": GrpcKVTransport(channels, chunk_bytes),
             "shm": ShmKVTransport(channels),
         }
+        if cuda_ipc is not None:
+            self.transports["cuda_ipc"] = cuda_ipc
         if mooncake is not None:
             from pdserve.transfer.mooncake import MooncakeKVTransport
 
@@ -61,7 +67,8 @@ class TransportSelector:
             if forced is None or not forced.can_reach(target):
                 raise KVTransferError(
                     f"transfer.transport is {mode}, which cannot reach decode {target.address} "
-                    "(not on this host, not offered, or not installed): use auto or grpc"
+                    "(not on this host, not offered, its GPU not visible, or not installed; the "
+                    "log says why): use auto or grpc"
                 )
             chosen = forced
         with self._lock:

@@ -96,6 +96,8 @@ class KVEndpoints(_message.Message):
     MOONCAKE_SESSION_FIELD_NUMBER: _builtins.int
     MOONCAKE_BASE_FIELD_NUMBER: _builtins.int
     KV_BYTES_FIELD_NUMBER: _builtins.int
+    CUDA_IPC_HANDLE_FIELD_NUMBER: _builtins.int
+    GPU_UUID_FIELD_NUMBER: _builtins.int
     host_id: _builtins.str
     """the host (shared memory works only on the same one)"""
     shm_name: _builtins.str
@@ -106,6 +108,12 @@ class KVEndpoints(_message.Message):
     """address of its KV cache in that engine"""
     kv_bytes: _builtins.int
     """size of the KV cache (block_id * block_bytes < kv_bytes)"""
+    cuda_ipc_handle: _builtins.bytes
+    """CUDA IPC handle of its GPU KV cache (pdserve.transfer.cuda_ipc"""
+    gpu_uuid: _builtins.str
+    """encodes it); empty: not offered (a CPU cache, or not exportable)
+    UUID of the GPU that holds that cache (a peer opens it only
+    """
     def __init__(
         self,
         *,
@@ -114,10 +122,12 @@ class KVEndpoints(_message.Message):
         mooncake_session: _builtins.str = ...,
         mooncake_base: _builtins.int = ...,
         kv_bytes: _builtins.int = ...,
+        cuda_ipc_handle: _builtins.bytes = ...,
+        gpu_uuid: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["host_id", b"host_id", "kv_bytes", b"kv_bytes", "mooncake_base", b"mooncake_base", "mooncake_session", b"mooncake_session", "shm_name", b"shm_name"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cuda_ipc_handle", b"cuda_ipc_handle", "gpu_uuid", b"gpu_uuid", "host_id", b"host_id", "kv_bytes", b"kv_bytes", "mooncake_base", b"mooncake_base", "mooncake_session", b"mooncake_session", "shm_name", b"shm_name"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -7,6 +7,7 @@ go over the instance's own gRPC server.
 
 import logging
 import os
+from collections.abc import Callable, Sequence
 
 import grpc
 import torch
@@ -24,6 +25,60 @@ from services.prefill.servicer import serve_prefill
 logger = logging.getLogger(__name__)
 
 ROLES = ("prefill", "decode", "mixed")
+# Set by the controller for GPU actors (`Cluster._create_actor`): Ray then leaves the actor's
+# CUDA_VISIBLE_DEVICES alone, and the actor sets it itself (`claim_gpus`).
+NOSET_CUDA_VISIBLE_DEVICES = "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES"
+
+
+def visible_devices(
+    gpu_ids: Callable[[], Sequence[int | str]],
+    inherited: str | None,
+    node_gpus: Callable[[], int],
+) -> str | None:
+    """CUDA_VISIBLE_DEVICES of a GPU actor: the GPU Ray assigned it (`gpu_ids`, i.e.
+    `ray.get_gpu_ids()`) first, so that `cuda` (device 0, in every thread) is its own GPU, as
+    under Ray's isolation; then the node's other GPUs, so that it can map a peer's KV cache
+    over CUDA IPC. The node's GPUs are the entries of the CUDA_VISIBLE_DEVICES the actor
+    inherited from its raylet (Ray's ids are then those entries), else 0..n-1 (`node_gpus`:
+    the node's GPU resource). None when Ray assigned no GPU."""
+    own = [str(gpu) for gpu in gpu_ids()]
+    if not own:
+        return None
+    if inherited is not None:
+        node = [gpu.strip() for gpu in inherited.split(",") if gpu.strip()]
+    else:
+        node = [str(i) for i in range(node_gpus())]
+    return ",".join([*own, *(gpu for gpu in node if gpu not in own)])
+
+
+def _node_gpu_count() -> int:
+    import ray
+
+    node_id = ray.get_runtime_context().get_node_id()
+    nodes = ray.nodes()  # type: ignore[no-untyped-call]
+    node = next((n for n in nodes if n["NodeID"] == node_id), None)
+    return int(node["Resources"].get("GPU", 0)) if node is not None else 0
+
+
+def claim_gpus() -> None:
+    """In a GPU actor the controller asked to (NOSET_CUDA_VISIBLE_DEVICES), before anything
+    starts CUDA: set CUDA_VISIBLE_DEVICES (`visible_devices`). Elsewhere (CPU actors, tests
+    without Ray) nothing happens."""
+    if os.environ.get(NOSET_CUDA_VISIBLE_DEVICES, "").lower() not in ("1", "true"):
+        return
+    import ray
+
+    value = visible_devices(
+        ray.get_gpu_ids, os.environ.get("CUDA_VISIBLE_DEVICES"), _node_gpu_count
+    )
+    if value is None:
+        return
+    # too late once CUDA started: it read the variable then
+    if torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
+        logger.warning("CUDA started before the actor set CUDA_VISIBLE_DEVICES=%s", value)
+        return
+    os.environ["CUDA_VISIBLE_DEVICES"] = value
+    logger.info("CUDA_VISIBLE_DEVICES=%s (its own GPU first)", value)
 
 
 class InstanceActor:
@@ -37,6 +92,7 @@ class InstanceActor:
         logging.basicConfig(
             level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
         )
+        claim_gpus()
         engine = config.engine_for(role)
         tls = tls_files(config)
         if engine.torch_threads is not None:

@@ -26,7 +26,7 @@ from pdserve.errors import ClusterError
 from pdserve.rpc.auth import secret_file
 from pdserve.rpc.server import advertised_host
 from pdserve.storage.redis_server import EmbeddedRedis
-from services.controller.actors import InstanceActor
+from services.controller.actors import NOSET_CUDA_VISIBLE_DEVICES, InstanceActor
 from services.controller.state import state_path
 
 logger = logging.getLogger(__name__)
@@ -184,6 +184,7 @@ class Cluster:
             max_concurrency=8,
             lifetime=None if self._started_ray else "detached",
             scheduling_strategy=strategy,
+            runtime_env=actor_runtime_env(settings.num_gpus),
         ).remote(role, self.config, self.secret)
 
     def add_instance(self, role: str) -> InstanceInfo:
@@ -280,6 +281,16 @@ class Cluster:
         tmp = path.with_suffix(".tmp")
         tmp.write_text(json.dumps(state, indent=2))
         tmp.replace(path)
+
+
+def actor_runtime_env(num_gpus: float) -> dict[str, Any] | None:
+    """A GPU actor's runtime environment: Ray must not narrow its CUDA_VISIBLE_DEVICES to its
+    own GPU (the actor puts that one first itself, then the node's others, so that prefill can
+    map a decode instance's KV cache over CUDA IPC: `actors.claim_gpus`). CPU actors: none
+    (Ray's default; env_vars of a job's runtime environment are merged into this one)."""
+    if num_gpus <= 0:
+        return None
+    return {"env_vars": {NOSET_CUDA_VISIBLE_DEVICES: "1"}}
 
 
 def _stop(name: str, actor: Any) -> None:

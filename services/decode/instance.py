@@ -25,6 +25,7 @@ from pdserve.instance.streams import aborted_output
 from pdserve.kvcache.hashing import PromptHashes
 from pdserve.rpc.tls import TlsFiles
 from pdserve.transfer.base import KVEndpoints, host_id
+from pdserve.transfer.cuda_ipc import export_kv_cache
 from pdserve.v1 import common_pb2
 from services.decode.reservations import Reservation, ReservationTable
 
@@ -64,12 +65,18 @@ class DecodeInstance:
         )
         runtime = self.runtime
         mooncake = runtime.start_mooncake(transfer, host) if transfer is not None else None
+        stager = runtime.stager
+        # a GPU cache is shared over CUDA IPC (prefill instances of this host copy into it);
+        # the export holds the shared view for the instance's lifetime
+        self.cuda_ipc = export_kv_cache(stager.cache) if transfer is not None else None
         self.endpoints = KVEndpoints(
             host_id=host_id(),
             shm_name=runtime.shm_name,
             mooncake_session=mooncake.session if mooncake is not None else "",
             mooncake_base=runtime.kv_base_address if mooncake is not None else 0,
-            kv_bytes=runtime.stager.total_bytes,
+            kv_bytes=stager.total_bytes,
+            cuda_ipc_handle=self.cuda_ipc.handle if self.cuda_ipc is not None else b"",
+            gpu_uuid=self.cuda_ipc.gpu_uuid if self.cuda_ipc is not None else "",
         )
         self.num_expired = 0  # engine thread only
 

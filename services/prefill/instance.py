@@ -37,6 +37,7 @@ from pdserve.kvcache.hashing import PromptHashes
 from pdserve.rpc.clients import DEFAULT_DEADLINES, Deadlines, DecodeClient, InstanceClient
 from pdserve.rpc.tls import TlsFiles
 from pdserve.transfer.base import KVEndpoints, KVTarget
+from pdserve.transfer.cuda_ipc import CudaIpcKVTransport
 from pdserve.transfer.select import TransportSelector
 from pdserve.v1 import common_pb2, decode_pb2
 
@@ -107,6 +108,7 @@ class PrefillInstance:
             self.runtime.start_mooncake(self.transfer, host, sender=True)
             if transfer is not None
             else None,
+            cuda_ipc=CudaIpcKVTransport(self.channels, self.runtime.stager.device),
         )
 
     def start(self) -> None:
