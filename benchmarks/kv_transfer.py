@@ -69,6 +69,7 @@ from pdserve.engine.engine import LLMEngine
 from pdserve.engine.request import SamplingParams
 from pdserve.instance.convert import endpoints_from_proto, generate_request
 from pdserve.model.config import ModelConfig
+from pdserve.model.staging import KVStager
 from pdserve.model.tiny import default_model_dir
 from pdserve.rpc.auth import new_secret
 from pdserve.rpc.channels import CHANNEL_OPTIONS, ChannelPool
@@ -452,6 +453,9 @@ class Senders:
         view = memoryview(self.source)
         size = plan.block_bytes
         self.blocks = [view[i * size : (i + 1) * size] for i in range(plan.num_blocks)]
+        # the sender's KV cache, as a prefill instance sends from it (`send_blocks`)
+        rows = torch.frombuffer(self.source, dtype=torch.uint8).view(plan.num_blocks, size)
+        self.cache = KVStager(rows)
         self.rounds = 0
         self.names = set(names)
         self.transports: dict[str, KVTransport] = {}
@@ -552,7 +556,7 @@ class Senders:
             span = Span(self.receiver)
             first = 0
             for target, count in zip(targets, self.plan.blocks_per_request, strict=True):
-                transport.send(target, self.blocks[first : first + count])
+                transport.send_blocks(target, self.cache, range(first, first + count))
                 first += count
             reading = span.stop()
             if verify:

@@ -1,0 +1,1170 @@
+"""GPU check: pdserve's correctness, decode speed, KV staging and memory sizing on one GPU.
+
+    python3 benchmarks/gpu_check.py [--out PATH | --out-dir DIR]  # GPU host: ~2-3 min (estimate)
+    python benchmarks/gpu_check.py --smoke [--out PATH]            # tiny sizes on CPU: ~6 s
+
+benchmarks/README.md ("GPU check") has the wheels to carry to a GPU host and the command to run.
+
+One run of a few minutes, made for a short GPU lease: each section runs under its own time limit
+(and the whole run under `--budget-s`), and a section that fails is recorded as
+`{"error": ...}` while the others still run. The JSON is rewritten after every section.
+
+- environment: Python, torch and CUDA, the GPU (torch and nvidia-smi), pdserve's commit and source
+  digest, the versions of the packages pdserve imports;
+- correctness: a random Llama-3-8B-shaped model (hidden 4096, 32 heads and 8 KV heads of 128, MLP
+  14336, vocab 128,256, rope theta 500,000; `--layers` decoder layers, 4 by default) made by
+  `transformers` (fixed seed) and saved as bfloat16 safetensors, then loaded by pdserve: peak
+  device memory of the load ÷ weight bytes; prefill logits against `transformers` (eager attention,
+  same dtype and device); greedy tokens of `LLMEngine` against `generate(do_sample=False)`; one
+  prompt's logits alone against in a batch of 4 (`ModelRunner`, prefill and one decode step);
+- decode: ms per engine step at batch 1/32/64/128 (512-token prompts, ignore_eos, warm-up first,
+  synchronised timing) against a bare `ModelRunner` loop on the same weights and batch, and against
+  the HBM roofline: (weight bytes + KV bytes read per step) ÷ HBM_BYTES_PER_S;
+- staging: Llama-3-8B KV blocks (2 MiB: 32 layers x K,V x 16 tokens x 8 heads x 128 x 2 bytes)
+  gathered by index_select and copied device -> pinned host on a copy stream (and back), runs of
+  1/16/128 blocks, against a pageable `.cpu()` per block; GPU -> GPU copies (and between two
+  devices when two are visible); `pdserve.model.staging.KVStager` when it exists;
+- memory: an engine started with the default KV sizing: its `kv_plan` and `memory` when it has
+  them, KV blocks, context window, `torch.cuda.mem_get_info`.
+
+`--smoke` runs every section at tiny sizes (hidden 256, 2 layers, vocab 32,000, float32, batches
+1/4) so that CPU-only machines can check that the script works; what needs CUDA is recorded as
+`{"skipped": "no CUDA"}`. It writes only where `--out` / `--out-dir` say, else to a temporary
+file: `benchmarks/results/gpu_check.json` holds GPU runs only. The last stdout line is
+`RESULT gpu_check key=value ...` (`na` for a figure this run did not measure).
+"""
+
+import argparse
+import contextlib
+import dataclasses
+import gc
+import hashlib
+import importlib
+import importlib.metadata
+import importlib.util
+import json
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+import torch
+from _common import RESULTS_DIR, format_value, machine_info, median, print_table
+
+NAME = "gpu_check"
+ROOT = Path(__file__).resolve().parent.parent
+HBM_BYTES_PER_S = 4.8e12  # H200 HBM3e, the vendor's datasheet
+HBM_SOURCE = "NVIDIA H200 HBM3e, 4.8 TB/s (datasheet)"
+LOAD_PEAK_TARGET = 1.1  # issue 16: a load's peak device memory <= 1.1 x the weights
+BLOCK_SIZE = 16
+SEED = 1234
+BOS, EOS = 1, 2
+ENGINE_SLACK_TOKENS = 64  # max_tokens beyond the timed steps: decoding during others' prefill
+MIN_SECTION_S = 10.0  # a section is skipped when less of the budget is left
+NO_CUDA = {"skipped": "no CUDA"}
+
+LLAMA3_8B = {
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "vocab_size": 128256,
+    "rope_theta": 500000.0,
+    "max_position_embeddings": 8192,
+    "rms_norm_eps": 1e-5,
+}
+LLAMA3_8B_LAYERS = 32
+SMOKE_ARCH = {
+    "hidden_size": 256,
+    "intermediate_size": 512,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 64,
+    "vocab_size": 32000,
+    "rope_theta": 500000.0,
+    "max_position_embeddings": 2048,
+    "rms_norm_eps": 1e-5,
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Sizes:
+    arch: Mapping[str, Any]
+    layers: int
+    dtype: str
+    prompts: int  # correctness prompts (also the batch of the batch-variance check)
+    prompt_len: int
+    greedy_tokens: int
+    batches: tuple[int, ...]
+    decode_prompt_len: int
+    warmup: int
+    steps: int
+    prefill_budget: int  # max_num_batched_tokens of the engines
+    stage_block: tuple[int, ...]  # one block's shape: layers, K/V, tokens, kv heads, head dim
+    stage_cache_blocks: int
+    stage_runs: tuple[int, ...]
+    repeat: int
+    d2d_bytes: int
+
+
+FULL = Sizes(
+    arch=LLAMA3_8B,
+    layers=4,
+    dtype="bfloat16",
+    prompts=4,
+    prompt_len=128,
+    greedy_tokens=64,
+    batches=(1, 32, 64, 128),
+    decode_prompt_len=512,
+    warmup=3,
+    steps=20,
+    prefill_budget=8192,
+    stage_block=(LLAMA3_8B_LAYERS, 2, BLOCK_SIZE, 8, 128),  # 2 MiB in bf16
+    stage_cache_blocks=512,
+    stage_runs=(1, 16, 128),
+    repeat=10,
+    d2d_bytes=2 * 2**30,
+)
+SMOKE = Sizes(
+    arch=SMOKE_ARCH,
+    layers=2,
+    dtype="float32",  # pdserve and transformers then agree on every greedy token
+    prompts=4,
+    prompt_len=16,
+    greedy_tokens=8,
+    batches=(1, 4),
+    decode_prompt_len=16,
+    warmup=1,
+    steps=4,
+    prefill_budget=512,
+    stage_block=(2, 2, BLOCK_SIZE, 2, 64),
+    stage_cache_blocks=32,
+    stage_runs=(1, 4, 16),
+    repeat=3,
+    d2d_bytes=16 * 2**20,
+)
+
+
+@dataclass(slots=True)
+class Context:
+    args: argparse.Namespace
+    sizes: Sizes
+    device: torch.device
+    work: Path
+    started: float
+    deadline: float
+    model_dir: Path | None = None
+
+    @property
+    def cuda(self) -> bool:
+        return self.device.type == "cuda"
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return {"float32": torch.float32, "bfloat16": torch.bfloat16}[self.sizes.dtype]
+
+    def sync(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+
+
+def log(ctx: Context, message: str) -> None:
+    print(f"[{time.perf_counter() - ctx.started:6.1f} s] {message}", flush=True)
+
+
+def release(ctx: Context) -> None:
+    gc.collect()
+    if ctx.cuda:
+        torch.cuda.empty_cache()
+
+
+def blocks_for(tokens: int) -> int:
+    return -(-tokens // BLOCK_SIZE)
+
+
+def gbps(nbytes: float, seconds: float) -> float:
+    return nbytes / seconds / 1e9
+
+
+def attempt(work: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    """One part of a section: its failure is recorded there and the section goes on."""
+    try:
+        return work()
+    except Exception as error:
+        return {"error": f"{type(error).__name__}: {error}"}
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def random_prompts(count: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(seed)
+    prompts: list[list[int]] = torch.randint(
+        3, vocab, (count, length), generator=generator
+    ).tolist()
+    return prompts
+
+
+# -- 1. environment ---------------------------------------------------------------------------
+
+
+def environment(ctx: Context) -> dict[str, Any]:
+    info: dict[str, Any] = {
+        "python": sys.version.split()[0],
+        "torch": torch.__version__,
+        "torch_cuda": torch.version.cuda,
+        "cuda_available": torch.cuda.is_available(),
+        "device": str(ctx.device),
+        "dtype": ctx.sizes.dtype,
+        "smoke": ctx.args.smoke,
+        "pdserve_commit": ctx.args.commit or git_commit(),
+        "pdserve_source_sha256": source_digest(),
+        "packages": package_versions(),
+    }
+    if ctx.cuda:
+        props = torch.cuda.get_device_properties(ctx.device)
+        info |= {
+            "gpu_name": props.name,
+            "gpu_memory_bytes": props.total_memory,
+            "multiprocessors": props.multi_processor_count,
+            "capability": f"{props.major}.{props.minor}",
+            "device_count": torch.cuda.device_count(),
+        }
+    info["nvidia_smi"] = nvidia_smi()
+    return info
+
+
+def nvidia_smi() -> dict[str, Any]:
+    if shutil.which("nvidia-smi") is None:
+        return {"skipped": "no nvidia-smi"}
+    fields = "name,memory.total,driver_version,clocks.sm,clocks.max.sm,clocks.mem,power.draw"
+    query = ["nvidia-smi", f"--query-gpu={fields}", "--format=csv,noheader"]
+    done = subprocess.run(query, capture_output=True, text=True, timeout=15, check=False)
+    if done.returncode != 0:
+        return {"error": f"nvidia-smi exited {done.returncode}: {done.stderr.strip()[:200]}"}
+    rows = [line.split(", ") for line in done.stdout.strip().splitlines()]
+    return {"gpus": [dict(zip(fields.split(","), row, strict=False)) for row in rows]}
+
+
+def git_commit() -> str | None:
+    with contextlib.suppress(OSError, subprocess.SubprocessError):
+        done = subprocess.run(
+            ["git", "-C", str(ROOT), "rev-parse", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=False,
+        )
+        if done.returncode == 0:
+            return done.stdout.strip()
+    return None  # a copied working tree without .git: the source digest still names the code
+
+
+def source_digest() -> str:
+    """sha256 over pdserve's Python files (path and bytes): the code, with or without git."""
+    digest = hashlib.sha256()
+    for path in sorted((ROOT / "pdserve").rglob("*.py")):
+        digest.update(str(path.relative_to(ROOT)).encode())
+        digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
+def package_versions() -> dict[str, str | None]:
+    names = {
+        "transformers": "transformers",
+        "tokenizers": "tokenizers",
+        "safetensors": "safetensors",
+        "numpy": "numpy",
+        "grpcio": "grpc",
+        "protobuf": "google.protobuf",
+        "redis": "redis",
+        "platformdirs": "platformdirs",
+        "pyyaml": "yaml",
+        "jinja2": "jinja2",
+    }
+    versions: dict[str, str | None] = {}
+    for dist, module in names.items():
+        try:  # the imported module's own version: the one that runs (PYTHONPATH wins)
+            versions[dist] = str(getattr(importlib.import_module(module), "__version__", None))
+        except Exception as error:
+            note = f"not importable: {type(error).__name__}"
+            with contextlib.suppress(importlib.metadata.PackageNotFoundError):
+                note += f" (installed {importlib.metadata.version(dist)})"
+            versions[dist] = note
+    return versions
+
+
+# -- 2. correctness ---------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def write_model(ctx: Context) -> tuple[Path, torch.nn.Module]:
+    """A random Llama directory written by `transformers` (safetensors in the run's dtype, a
+    word-level tokenizer covering the whole vocabulary) and the `transformers` model itself."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # "Writing model shards" bars would bury the output
+    arch = dict(ctx.sizes.arch)
+    theta = arch.pop("rope_theta")
+    config = LlamaConfig(
+        **arch,
+        num_hidden_layers=ctx.sizes.layers,
+        rope_parameters={"rope_type": "default", "rope_theta": theta},
+        tie_word_embeddings=False,
+        attn_implementation="eager",
+        bos_token_id=BOS,
+        eos_token_id=EOS,
+    )
+    torch.manual_seed(SEED)
+    with default_dtype(ctx.dtype), ctx.device:
+        reference = LlamaForCausalLM(config).eval()
+    path = ctx.work / "model"
+    reference.save_pretrained(path)
+    write_tokenizer(path, int(arch["vocab_size"]))
+    reference.generation_config.eos_token_id = None  # generate exactly max_new_tokens
+    ctx.model_dir = path
+    return path, reference
+
+
+def write_tokenizer(path: Path, vocab_size: int) -> None:
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {"<unk>": 0, "<s>": BOS, "</s>": EOS} | {f"t{i}": i for i in range(3, vocab_size)}
+    tokenizer = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer.add_special_tokens(["<unk>", "<s>", "</s>"])
+    tokenizer.save(str(path / "tokenizer.json"))
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>"}
+    (path / "tokenizer_config.json").write_text(json.dumps(config))
+
+
+def model_path(ctx: Context) -> Path:
+    """The run's model directory, written on first use (by whichever section needs it first)."""
+    if ctx.model_dir is None:
+        path, reference = write_model(ctx)
+        del reference
+        release(ctx)
+        return path
+    return ctx.model_dir
+
+
+def correctness(ctx: Context) -> dict[str, Any]:
+    s = ctx.sizes
+    model_dir, reference = write_model(ctx)
+    log(ctx, f"correctness: model written ({weight_bytes(reference) / 2**30:.2f} GiB)")
+    prompts = random_prompts(s.prompts, s.prompt_len, int(s.arch["vocab_size"]), SEED)
+    result: dict[str, Any] = {
+        "model": {
+            "layers": s.layers,
+            "params": sum(p.numel() for p in reference.parameters()),
+            "weight_bytes": weight_bytes(reference),
+            "arch": dict(s.arch),
+            "dtype": s.dtype,
+            "reference_attention": getattr(reference.config, "_attn_implementation", None),
+        }
+    }
+    loaded, result["load"] = load_figures(ctx, model_dir)
+    result |= runner_checks(ctx, loaded.model, reference, prompts)
+    del loaded  # the engine of the greedy check loads its own copy
+    release(ctx)
+    result["greedy"] = attempt(lambda: greedy_agreement(ctx, reference, model_dir, prompts))
+    return result
+
+
+def runner_checks(
+    ctx: Context, model: Any, reference: torch.nn.Module, prompts: list[list[int]]
+) -> dict[str, Any]:
+    from pdserve.model.runner import ModelRunner
+
+    per_seq = blocks_for(len(prompts[0]) + 1)
+    slots = 2 * len(prompts) + 1  # this batch, then one prompt alone, then the batch again
+    runner = ModelRunner.create(model, slots * per_seq, BLOCK_SIZE, ctx.dtype)
+    return {
+        "prefill": attempt(lambda: prefill_agreement(ctx, runner, reference, prompts)),
+        "batch_variance": attempt(lambda: batch_variance(runner, prompts, per_seq)),
+    }
+
+
+def load_figures(ctx: Context, model_dir: Path) -> tuple[Any, dict[str, Any]]:
+    from pdserve.model.loader import load_model
+
+    before = 0
+    if ctx.cuda:
+        ctx.sync()
+        torch.cuda.reset_peak_memory_stats(ctx.device)
+        before = torch.cuda.memory_allocated(ctx.device)
+    start = time.perf_counter()
+    loaded = load_model(model_dir, dtype=ctx.sizes.dtype, device=str(ctx.device))
+    ctx.sync()
+    weights = weight_bytes(loaded.model)
+    figures: dict[str, Any] = {
+        "load_s": time.perf_counter() - start,
+        "weight_bytes": weights,
+        "file_bytes": sum(f.stat().st_size for f in model_dir.glob("*.safetensors")),
+        "peak": dict(NO_CUDA),
+    }
+    if ctx.cuda:
+        peak = torch.cuda.max_memory_allocated(ctx.device) - before
+        figures["peak"] = {
+            "load_peak_bytes": peak,
+            "resident_bytes": torch.cuda.memory_allocated(ctx.device) - before,
+            "load_peak_ratio": peak / weights,
+            "target": LOAD_PEAK_TARGET,
+            "verdict": "PASS" if peak / weights <= LOAD_PEAK_TARGET else "FAIL",
+        }
+    return loaded, figures
+
+
+def prefill_agreement(
+    ctx: Context, runner: Any, reference: torch.nn.Module, prompts: list[list[int]]
+) -> dict[str, Any]:
+    """Every position's logits of each prompt (one batch), pdserve against `transformers`."""
+    from pdserve.model.runner import SequenceChunk
+
+    per_seq = blocks_for(len(prompts[0]) + 1)
+    chunks = [
+        SequenceChunk(p, 0, range(i * per_seq, (i + 1) * per_seq), True, all_logits=True)
+        for i, p in enumerate(prompts)
+    ]
+    _, every = runner.execute_all(chunks)
+    ours = torch.stack([every[i] for i in range(len(prompts))])
+    with torch.inference_mode():
+        theirs = reference(input_ids=torch.tensor(prompts, device=ctx.device)).logits.float()
+    diff = (ours - theirs).abs()
+    return {
+        "logit_maxdiff": float(diff.max()),
+        "logit_meandiff": float(diff.mean()),
+        "logit_absmax": float(theirs.abs().max()),
+        "top1_agree": float((ours.argmax(-1) == theirs.argmax(-1)).float().mean()),
+        "prompts": len(prompts),
+        "prompt_len": len(prompts[0]),
+    }
+
+
+def batch_variance(runner: Any, prompts: list[list[int]], per_seq: int) -> dict[str, Any]:
+    """Prompt 0's last-position logits, then one decode step's, alone and in a batch of all."""
+    from pdserve.model.runner import SequenceChunk
+
+    def table(slot: int) -> range:
+        return range(slot * per_seq, (slot + 1) * per_seq)
+
+    first = len(prompts)  # slots 0.. hold prefill_agreement's KV: use fresh ones
+    alone = runner.execute([SequenceChunk(prompts[0], 0, table(first), True)])[0]
+    token = int(alone.argmax())
+    step = SequenceChunk([token], len(prompts[0]), table(first), True)
+    alone_step = runner.execute([step])[0]
+    tables = [table(first + 1 + i) for i in range(len(prompts))]
+    batch = runner.execute(
+        [SequenceChunk(p, 0, t, True) for p, t in zip(prompts, tables, strict=True)]
+    )
+    steps = [SequenceChunk([token], len(prompts[0]), t, True) for t in tables]
+    batch_step = runner.execute(steps)
+    return {
+        "prefill_maxdiff": float((alone - batch[0]).abs().max()),
+        "decode_maxdiff": float((alone_step - batch_step[0]).abs().max()),
+        "batch": len(prompts),
+    }
+
+
+def greedy_agreement(
+    ctx: Context, reference: Any, model_dir: Path, prompts: list[list[int]]
+) -> dict[str, Any]:
+    from pdserve.config import EngineConfig
+    from pdserve.engine.engine import LLMEngine
+    from pdserve.engine.request import SamplingParams
+
+    n = ctx.sizes.greedy_tokens
+    config = EngineConfig(
+        model=str(model_dir),
+        device=str(ctx.device),
+        dtype=ctx.sizes.dtype,
+        num_kv_blocks=len(prompts) * blocks_for(len(prompts[0]) + n) + 4,
+        max_num_batched_tokens=max(512, len(prompts) * len(prompts[0])),
+    )
+    engine = LLMEngine.from_config(config)
+    done = engine.generate(prompts, SamplingParams(max_tokens=n, ignore_eos=True))
+    ours = [list(c.token_ids) for c in done]
+    del engine
+    release(ctx)
+    ids = torch.tensor(prompts, device=ctx.device)
+    with torch.inference_mode():
+        out = reference.generate(
+            input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
+            do_sample=False, pad_token_id=0, output_scores=True, return_dict_in_generate=True,
+        )  # fmt: skip
+    theirs = out.sequences[:, ids.shape[1] :].tolist()
+    firsts = [first_difference(x, y) for x, y in zip(ours, theirs, strict=True)]
+    margins = []  # transformers' top-1 minus top-2 logit where they first differ: a near tie?
+    for row, position in enumerate(firsts):
+        if position < n:
+            top = out.scores[position][row].float().topk(2).values
+            margins.append(float(top[0] - top[1]))
+    return {
+        "greedy_agree": sum(firsts) / (n * len(prompts)),
+        "first_divergence": firsts,
+        "margins_at_divergence": margins,
+        "tokens": n,
+        "exact": all(f == n for f in firsts),
+    }
+
+
+def first_difference(ours: Sequence[int], theirs: Sequence[int]) -> int:
+    for position, (a, b) in enumerate(zip(ours, theirs, strict=False)):
+        if a != b:
+            return position
+    return min(len(ours), len(theirs))
+
+
+# -- 3. decode --------------------------------------------------------------------------------
+
+
+def decode(ctx: Context) -> dict[str, Any]:
+    from pdserve.config import EngineConfig
+    from pdserve.engine.engine import LLMEngine
+    from pdserve.model.runner import ModelRunner
+
+    s = ctx.sizes
+    biggest = max(s.batches)
+    per_seq = blocks_for(s.decode_prompt_len + s.warmup + s.steps + ENGINE_SLACK_TOKENS)
+    config = EngineConfig(
+        model=str(model_path(ctx)),
+        device=str(ctx.device),
+        dtype=s.dtype,
+        block_size=BLOCK_SIZE,
+        num_kv_blocks=biggest * per_seq + 16,
+        max_num_seqs=biggest,
+        max_num_batched_tokens=s.prefill_budget,
+    )
+    engine = LLMEngine.from_config(config)
+    loaded = engine.loaded
+    runner = ModelRunner.create(loaded.model, biggest * per_seq, BLOCK_SIZE, loaded.dtype)
+    kv_per_token = loaded.config.kv_bytes_per_token(loaded.dtype)
+    context = s.decode_prompt_len + 1 + s.warmup + s.steps / 2  # mean over the timed steps
+    batches: dict[str, Any] = {}
+    for batch in s.batches:
+        prompts = random_prompts(batch, s.decode_prompt_len, int(s.arch["vocab_size"]), batch)
+        ours = engine_decode_ms(ctx, engine, prompts)
+        bare = bare_decode_ms(ctx, runner, prompts, per_seq)
+        figures: dict[str, Any] = {
+            "engine_ms": median(ours),
+            "bare_ms": median(bare),
+            "overhead_ms": median(ours) - median(bare),
+            "engine_samples_ms": ours,
+            "bare_samples_ms": bare,
+        }
+        reads = weight_bytes_read(loaded.model, batch) + batch * context * kv_per_token
+        figures["roofline"] = roofline(ctx, reads, median(ours), median(bare))
+        batches[str(batch)] = figures
+        log(ctx, f"decode: batch {batch}: engine {median(ours):.2f} ms, bare {median(bare):.2f} ms")
+    return {
+        "hbm_bytes_per_s": HBM_BYTES_PER_S,
+        "hbm_source": HBM_SOURCE,
+        "prompt_len": s.decode_prompt_len,
+        "warmup_steps": s.warmup,
+        "timed_steps": s.steps,
+        "mean_context": context,
+        "kv_bytes_per_token": kv_per_token,
+        "batches": batches,
+    }
+
+
+def weight_bytes_read(model: Any, batch: int) -> int:
+    """Weight bytes one decode step reads: every matrix but the embedding table (only the
+    batch's rows of it), unless the LM head is the embedding."""
+    total = weight_bytes(model)
+    embedding = model.model.embed_tokens.weight
+    row = embedding.shape[1] * embedding.element_size()
+    if not model.config.tie_word_embeddings:
+        total -= embedding.numel() * embedding.element_size()
+    return int(total + batch * row)
+
+
+def roofline(ctx: Context, reads: float, engine_ms: float, bare_ms: float) -> dict[str, Any]:
+    if not ctx.cuda:
+        return dict(NO_CUDA)
+    floor_ms = 1e3 * reads / HBM_BYTES_PER_S
+    return {
+        "bytes_per_step": reads,
+        "floor_ms": floor_ms,
+        "engine_frac": floor_ms / engine_ms,
+        "bare_frac": floor_ms / bare_ms,
+    }
+
+
+def engine_decode_ms(ctx: Context, engine: Any, prompts: list[list[int]]) -> list[float]:
+    """ms of each timed engine step once every request is past its prefill (then aborted)."""
+    from pdserve.engine.request import SamplingParams
+
+    s = ctx.sizes
+    params = SamplingParams(max_tokens=s.warmup + s.steps + ENGINE_SLACK_TOKENS, ignore_eos=True)
+    ids = [engine.add_request(p, params) for p in prompts]
+    started: set[str] = set()
+    while len(started) < len(ids):  # chunked prefill: each request samples its first token
+        started.update(out.request_id for out in engine.step())
+    samples = []
+    for step in range(s.warmup + s.steps):
+        ctx.sync()
+        start = time.perf_counter()
+        outputs = engine.step()
+        ctx.sync()
+        if step >= s.warmup:
+            samples.append(1e3 * (time.perf_counter() - start))
+        if len(outputs) != len(ids):
+            raise RuntimeError(f"a decode step gave {len(outputs)} tokens for {len(ids)} requests")
+    for request_id in ids:
+        engine.abort_request(request_id)
+    return samples
+
+
+def bare_decode_ms(
+    ctx: Context, runner: Any, prompts: list[list[int]], per_seq: int
+) -> list[float]:
+    """The same batch through `ModelRunner.execute` + argmax, fixed block tables, no engine."""
+    from pdserve.model.runner import SequenceChunk
+
+    s = ctx.sizes
+    tables = [range(i * per_seq, (i + 1) * per_seq) for i in range(len(prompts))]
+    group = max(1, s.prefill_budget // len(prompts[0]))
+    tokens: list[int] = []
+    for first in range(0, len(prompts), group):
+        pairs = zip(prompts[first : first + group], tables[first : first + group], strict=True)
+        logits = runner.execute([SequenceChunk(p, 0, t, True) for p, t in pairs])
+        tokens += torch.argmax(logits, dim=-1).tolist()
+    position = len(prompts[0])
+    samples = []
+    for step in range(s.warmup + s.steps):
+        ctx.sync()
+        start = time.perf_counter()
+        chunks = [
+            SequenceChunk((t,), position, table, True)
+            for t, table in zip(tokens, tables, strict=True)
+        ]
+        tokens = torch.argmax(runner.execute(chunks), dim=-1).tolist()
+        ctx.sync()
+        if step >= s.warmup:
+            samples.append(1e3 * (time.perf_counter() - start))
+        position += 1
+    return samples
+
+
+# -- 4. staging -------------------------------------------------------------------------------
+
+
+def staging(ctx: Context) -> dict[str, Any]:
+    s = ctx.sizes
+    rows = torch.randint(0, 256, (s.stage_cache_blocks, stage_block_bytes(ctx)), dtype=torch.uint8)
+    rows = rows.to(ctx.device)  # random bytes: never time copies of zeros
+    kv = rows.view(ctx.dtype).view(s.stage_cache_blocks, *s.stage_block)
+    result: dict[str, Any] = {
+        "block_bytes": rows.shape[1],
+        "block_shape": list(s.stage_block),
+        "cache_blocks": rows.shape[0],
+        "runs": list(s.stage_runs),
+    }
+    parts: dict[str, Callable[[], dict[str, Any]]] = {
+        "pinned": lambda: pinned_copies(ctx, rows),
+        "pageable": lambda: pageable_copies(ctx, rows),
+        "d2d": lambda: device_copies(ctx, rows),
+        "peer": lambda: peer_copies(ctx),
+    }
+    for name, work in parts.items():
+        result[name] = attempt(work) if ctx.cuda else dict(NO_CUDA)
+    result["kv_stager"] = attempt(lambda: stager_copies(ctx, kv, rows))
+    return result
+
+
+def stage_block_bytes(ctx: Context) -> int:
+    count = 1
+    for dim in ctx.sizes.stage_block:
+        count *= dim
+    return count * torch.empty((), dtype=ctx.dtype).element_size()
+
+
+def run_ids(ctx: Context, count: int) -> list[int]:
+    """`count` distinct block ids, shuffled (blocks of a real request are rarely one run)."""
+    generator = torch.Generator().manual_seed(SEED + count)
+    ids: list[int] = torch.randperm(ctx.sizes.stage_cache_blocks, generator=generator).tolist()
+    return ids[:count]
+
+
+def event_seconds(ctx: Context, stream: Any, work: Callable[[], object]) -> float:
+    """Median seconds of `work` on `stream`, by CUDA events, after one warm-up."""
+    ctx.sync()  # the stream sees everything issued before (ids, buffers)
+    samples = []
+    with torch.cuda.stream(stream):
+        work()
+        for _ in range(ctx.sizes.repeat):
+            start = torch.cuda.Event(enable_timing=True)
+            end = torch.cuda.Event(enable_timing=True)
+            start.record(stream)
+            work()
+            end.record(stream)
+            end.synchronize()
+            samples.append(start.elapsed_time(end) / 1e3)
+    return median(samples)
+
+
+def wall_seconds(ctx: Context, work: Callable[[], object]) -> float:
+    """Median wall seconds of `work`, device synchronised, after one warm-up."""
+    work()
+    samples = []
+    for _ in range(ctx.sizes.repeat):
+        ctx.sync()
+        start = time.perf_counter()
+        work()
+        ctx.sync()
+        samples.append(time.perf_counter() - start)
+    return median(samples)
+
+
+def pinned_copies(ctx: Context, rows: torch.Tensor) -> dict[str, Any]:
+    """index_select into a device buffer, then one async copy to pinned host rows on a copy
+    stream (and back: pinned -> device buffer -> index_copy_), timed by events on that stream."""
+    stream = torch.cuda.Stream(ctx.device)
+    biggest = max(ctx.sizes.stage_runs)
+    host = torch.empty((biggest, rows.shape[1]), dtype=torch.uint8, pin_memory=True)
+    buffer = torch.empty((biggest, rows.shape[1]), dtype=torch.uint8, device=ctx.device)
+    figures: dict[str, Any] = {}
+    for count in ctx.sizes.stage_runs:
+        ids = torch.tensor(run_ids(ctx, count), device=ctx.device)
+        out, pinned = buffer[:count], host[:count]
+
+        def to_host(ids: torch.Tensor = ids, out: torch.Tensor = out, pinned: Any = pinned) -> None:
+            torch.index_select(rows, 0, ids, out=out)
+            pinned.copy_(out, non_blocking=True)
+
+        def to_device(
+            ids: torch.Tensor = ids, out: torch.Tensor = out, pinned: Any = pinned
+        ) -> None:
+            out.copy_(pinned, non_blocking=True)
+            rows.index_copy_(0, ids, out)
+
+        d2h = event_seconds(ctx, stream, to_host)
+        match = bool(torch.equal(host[count - 1], rows[ids[count - 1]].cpu()))
+        h2d = event_seconds(ctx, stream, to_device)
+        nbytes = count * rows.shape[1]
+        figures[str(count)] = {
+            "d2h_gbps": gbps(nbytes, d2h),
+            "h2d_gbps": gbps(nbytes, h2d),
+            "bytes_match": match,
+        }
+    return figures
+
+
+def pageable_copies(ctx: Context, rows: torch.Tensor) -> dict[str, Any]:
+    """The baseline: one synchronous `.cpu()` per block (and a pageable row copied back)."""
+    figures: dict[str, Any] = {}
+    for count in ctx.sizes.stage_runs:
+        ids = run_ids(ctx, count)
+        host = [torch.randint(0, 256, (rows.shape[1],), dtype=torch.uint8) for _ in ids]
+
+        def to_host(ids: list[int] = ids) -> None:
+            for block in ids:
+                rows[block].cpu()
+
+        def to_device(ids: list[int] = ids, host: list[torch.Tensor] = host) -> None:
+            for block, source in zip(ids, host, strict=True):
+                rows[block].copy_(source)
+
+        nbytes = count * rows.shape[1]
+        d2h, h2d = wall_seconds(ctx, to_host), wall_seconds(ctx, to_device)
+        figures[str(count)] = {"d2h_gbps": gbps(nbytes, d2h), "h2d_gbps": gbps(nbytes, h2d)}
+    return figures
+
+
+def device_copies(ctx: Context, rows: torch.Tensor) -> dict[str, Any]:
+    """One large copy on the device, and the biggest run of blocks gathered and scattered
+    inside the KV cache (index_select + index_copy_)."""
+    nbytes = ctx.sizes.d2d_bytes
+    source = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device=ctx.device)
+    target = torch.empty_like(source)
+    stream = torch.cuda.current_stream(ctx.device)
+    seconds = event_seconds(ctx, stream, lambda: target.copy_(source))
+    count = max(ctx.sizes.stage_runs)
+    ids = run_ids(ctx, 2 * count) if 2 * count <= rows.shape[0] else run_ids(ctx, count) * 2
+    src = torch.tensor(ids[:count], device=ctx.device)
+    dst = torch.tensor(ids[count:], device=ctx.device)
+    blocks = event_seconds(ctx, stream, lambda: rows.index_copy_(0, dst, rows.index_select(0, src)))
+    return {
+        "bytes": nbytes,
+        "copy_gbps": gbps(nbytes, seconds),
+        "read_write_gbps": gbps(2 * nbytes, seconds),
+        "read_write_vs_hbm": 2 * nbytes / seconds / HBM_BYTES_PER_S,
+        "blocks": count,
+        "blocks_gbps": gbps(count * rows.shape[1], blocks),
+    }
+
+
+def peer_copies(ctx: Context) -> dict[str, Any]:
+    if torch.cuda.device_count() < 2:
+        return {"skipped": "one visible device"}
+    nbytes = ctx.sizes.d2d_bytes // 2
+    source = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device="cuda:0")
+    target = torch.empty(nbytes, dtype=torch.uint8, device="cuda:1")
+
+    def copy() -> None:
+        target.copy_(source, non_blocking=True)
+        torch.cuda.synchronize("cuda:0")
+        torch.cuda.synchronize("cuda:1")
+
+    return {"bytes": nbytes, "gbps": gbps(nbytes, wall_seconds(ctx, copy))}
+
+
+def stager_copies(ctx: Context, kv: torch.Tensor, rows: torch.Tensor) -> dict[str, Any]:
+    """`KVStager.staged(block_ids)` (a context manager yielding host memoryviews) and, where it
+    has one, `KVStager.write(block_ids, data)`, when pdserve.model.staging provides them."""
+    try:
+        module = importlib.import_module("pdserve.model.staging")
+    except ImportError as error:
+        return {"skipped": f"no pdserve.model.staging ({error})"}
+    if not hasattr(module, "KVStager"):
+        return {"skipped": "pdserve.model.staging has no KVStager"}
+    streams = (
+        module.CudaStreams(ctx.device) if ctx.cuda and hasattr(module, "CudaStreams") else None
+    )
+    try:  # (kv_cache, streams, staging_bytes) as of this writing; else the plain form
+        stager = module.KVStager(kv, streams, max(ctx.sizes.stage_runs) * rows.shape[1])
+    except TypeError:
+        stager = module.KVStager(kv)
+    figures: dict[str, Any] = {"copy_stream": streams is not None}
+    for count in ctx.sizes.stage_runs:
+        figures[str(count)] = stager_run(ctx, stager, rows, run_ids(ctx, count))
+    block = run_ids(ctx, 1)[0]
+    with stager.staged([block]) as views:
+        figures["bytes_match"] = bytes(views[0]) == bytes(rows[block].cpu().numpy().data)
+    return figures
+
+
+def stager_run(ctx: Context, stager: Any, rows: torch.Tensor, ids: list[int]) -> dict[str, Any]:
+    nbytes = len(ids) * rows.shape[1]
+
+    def read() -> None:
+        with stager.staged(ids) as views:
+            if sum(view.nbytes for view in views) != nbytes:
+                raise RuntimeError("the staged views do not cover the blocks")
+
+    entry = {"staged_gbps": gbps(nbytes, wall_seconds(ctx, read))}
+    if hasattr(stager, "write"):
+        data = rows[torch.tensor(ids, device=ctx.device)].cpu().numpy().data.cast("B")
+
+        def write() -> None:
+            stager.write(ids, data)
+
+        entry["write_gbps"] = gbps(nbytes, wall_seconds(ctx, write))
+    return entry
+
+
+# -- 5. memory --------------------------------------------------------------------------------
+
+
+def memory(ctx: Context) -> dict[str, Any]:
+    from pdserve.config import EngineConfig
+    from pdserve.engine.engine import LLMEngine
+
+    model_dir = model_path(ctx)
+    before = cuda_memory(ctx)
+    start = time.perf_counter()
+    config = EngineConfig(
+        model=str(model_dir),
+        device=str(ctx.device),
+        dtype=ctx.sizes.dtype,
+        max_num_batched_tokens=ctx.sizes.prefill_budget,
+    )
+    engine = LLMEngine.from_config(config)
+    ctx.sync()
+    cache = engine.runner.kv_cache
+    result: dict[str, Any] = {
+        "start_s": time.perf_counter() - start,
+        "max_model_len": engine.max_model_len,
+        "num_kv_blocks": engine.kv_cache.num_blocks,
+        "block_size": engine.kv_cache.block_size,
+        "kv_cache_bytes": cache.numel() * cache.element_size(),
+        "kv_bytes_per_token": engine.loaded.config.kv_bytes_per_token(engine.loaded.dtype),
+        "weight_bytes": weight_bytes(engine.loaded.model),
+        "kv_plan": describe(engine, "kv_plan"),
+        "memory": describe(engine, "memory"),
+        "cuda_before": before,
+        "cuda_after": cuda_memory(ctx),
+    }
+    result["llama3_8b_arithmetic"] = llama3_8b_arithmetic(ctx)
+    return result
+
+
+def describe(engine: Any, name: str) -> Any:
+    if not hasattr(engine, name):
+        return {"skipped": f"the engine has no {name}"}
+    value = getattr(engine, name)
+    if value is None:
+        return {"skipped": f"engine.{name} is None"}
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return dataclasses.asdict(value)
+    return repr(value)
+
+
+def cuda_memory(ctx: Context) -> dict[str, Any]:
+    if not ctx.cuda:
+        return dict(NO_CUDA)
+    free, total = torch.cuda.mem_get_info(ctx.device)
+    return {
+        "free_bytes": free,
+        "total_bytes": total,
+        "allocated_bytes": torch.cuda.memory_allocated(ctx.device),
+        "reserved_bytes": torch.cuda.memory_reserved(ctx.device),
+        "max_allocated_bytes": torch.cuda.max_memory_allocated(ctx.device),
+    }
+
+
+def llama3_8b_arithmetic(ctx: Context) -> dict[str, Any]:
+    """Arithmetic, not a measurement: full Llama-3-8B bf16 weights and the KV tokens that 90%
+    of this device's memory would hold beside them."""
+    if not ctx.cuda:
+        return dict(NO_CUDA)
+    a = LLAMA3_8B
+    hidden, kv_dim = a["hidden_size"], a["num_key_value_heads"] * a["head_dim"]
+    layer = 2 * hidden * hidden + 2 * hidden * kv_dim + 3 * hidden * a["intermediate_size"]
+    params = LLAMA3_8B_LAYERS * (layer + 2 * hidden) + 2 * a["vocab_size"] * hidden + hidden
+    kv_per_token = LLAMA3_8B_LAYERS * 2 * kv_dim * 2
+    _, total = torch.cuda.mem_get_info(ctx.device)
+    return {
+        "params": params,
+        "weight_bytes": 2 * params,
+        "kv_bytes_per_token": kv_per_token,
+        "kv_tokens_in_90pct": int((0.9 * total - 2 * params) // kv_per_token),
+    }
+
+
+# -- driver -----------------------------------------------------------------------------------
+
+
+def cuda_ipc(ctx: Context) -> dict[str, Any]:
+    """`CudaIpcKVTransport` between two processes (one GPU, and two when visible): a child
+    exports a KV cache as a decode instance does, this process maps it and copies blocks in
+    (`benchmarks/_cuda_ipc_check.py`), bytes verified by the child."""
+    if not ctx.cuda:
+        return dict(NO_CUDA)
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from _cuda_ipc_check import exercise_cuda_ipc
+
+    return exercise_cuda_ipc(timeout_s=80.0)
+
+
+SECTIONS: tuple[tuple[str, Callable[[Context], dict[str, Any]], float], ...] = (
+    ("environment", environment, 30.0),
+    ("correctness", correctness, 150.0),
+    ("decode", decode, 150.0),
+    ("staging", staging, 60.0),
+    ("cuda_ipc", cuda_ipc, 90.0),
+    ("memory", memory, 60.0),
+)
+
+
+class SectionTimeout(BaseException):
+    """Raised by SIGALRM in a section that outran its limit (not an Exception: `attempt` lets
+    it through)."""
+
+
+@contextlib.contextmanager
+def time_limit(seconds: float) -> Iterator[None]:
+    if not hasattr(signal, "SIGALRM"):
+        yield
+        return
+
+    def fire(signum: int, frame: FrameType | None) -> None:
+        raise SectionTimeout(f"over its {seconds:.0f} s limit")
+
+    previous = signal.signal(signal.SIGALRM, fire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def run_section(
+    ctx: Context, name: str, work: Callable[[Context], dict[str, Any]], limit: float
+) -> dict[str, Any]:
+    left = ctx.deadline - time.perf_counter()
+    if left < MIN_SECTION_S:
+        return {"skipped": f"time budget spent ({left:.0f} s left)"}
+    limit = min(limit * ctx.args.limit_scale, left)
+    log(ctx, f"{name}: start (limit {limit:.0f} s)")
+    start = time.perf_counter()
+    try:
+        with time_limit(limit):
+            result = work(ctx)
+    except (Exception, SectionTimeout) as error:
+        result = {
+            "error": f"{type(error).__name__}: {error}",
+            "traceback": traceback.format_exc()[-3000:],
+        }
+    result["seconds"] = time.perf_counter() - start
+    release(ctx)
+    state = "error: " + result["error"] if "error" in result else "done"
+    log(ctx, f"{name}: {state} ({result['seconds']:.1f} s)")
+    return result
+
+
+def dig(results: Mapping[str, Any], *path: str) -> Any:
+    value: Any = results
+    for key in path:
+        if not isinstance(value, Mapping) or key not in value:
+            return None
+        value = value[key]
+    return value if isinstance(value, int | float) and not isinstance(value, bool) else None
+
+
+def headline(ctx: Context, results: Mapping[str, Any]) -> dict[str, float | None]:
+    s = ctx.sizes
+    low, high, run = str(min(s.batches)), str(max(s.batches)), str(max(s.stage_runs))
+    variance = [
+        dig(results, "correctness", "batch_variance", k)
+        for k in ("prefill_maxdiff", "decode_maxdiff")
+    ]
+    pinned, pageable = (
+        dig(results, "staging", "pinned", run, "d2h_gbps"),
+        dig(results, "staging", "pageable", run, "d2h_gbps"),
+    )
+    return {
+        "load_peak_ratio": dig(results, "correctness", "load", "peak", "load_peak_ratio"),
+        "logit_maxdiff": dig(results, "correctness", "prefill", "logit_maxdiff"),
+        "greedy_agree": dig(results, "correctness", "greedy", "greedy_agree"),
+        "batch_maxdiff": None if None in variance else max(v for v in variance if v is not None),
+        f"decode_ms_b{low}": dig(results, "decode", "batches", low, "engine_ms"),
+        f"decode_ms_b{high}": dig(results, "decode", "batches", high, "engine_ms"),
+        f"bare_ms_b{high}": dig(results, "decode", "batches", high, "bare_ms"),
+        f"roofline_frac_b{high}": dig(
+            results, "decode", "batches", high, "roofline", "engine_frac"
+        ),
+        "stage_d2h_gbps": pinned,
+        "stage_h2d_gbps": dig(results, "staging", "pinned", run, "h2d_gbps"),
+        "stage_vs_pageable": pinned / pageable if pinned and pageable else None,
+        "stager_gbps": dig(results, "staging", "kv_stager", run, "staged_gbps"),
+        "d2d_gbps": dig(results, "staging", "d2d", "copy_gbps"),
+        "kv_blocks": dig(results, "memory", "num_kv_blocks"),
+        **ipc_headline(results.get("cuda_ipc")),
+    }
+
+
+def ipc_headline(ipc: object) -> dict[str, float | None]:
+    """`cuda_ipc_ok` (1/0) and the same-GPU pair's GB/s of its one-run copy."""
+    if not isinstance(ipc, Mapping) or "ok" not in ipc:
+        return {"cuda_ipc_ok": None, "cuda_ipc_gbps": None}
+    pairs = ipc.get("pairs") or [{}]
+    rounds = pairs[0].get("rounds", {})
+    first = next(iter(rounds.values()), {}) if isinstance(rounds, Mapping) else {}
+    return {"cuda_ipc_ok": float(bool(ipc["ok"])), "cuda_ipc_gbps": first.get("gbps_median")}
+
+
+def write_document(
+    path: Path, ctx: Context, results: Mapping[str, Any], metrics: Mapping[str, float | None]
+) -> None:
+    document = {
+        "benchmark": NAME,
+        "metrics": dict(metrics),
+        "results": dict(results),
+        "args": vars(ctx.args),
+        "machine": machine_info(),
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(document, indent=2, default=str) + "\n")
+
+
+def print_summary(
+    ctx: Context, results: Mapping[str, Any], metrics: Mapping[str, float | None]
+) -> None:
+    def status(result: Mapping[str, Any]) -> str:
+        return "error" if "error" in result else ("skipped" if "skipped" in result else "ok")
+
+    sections = [[n, status(r), float(r.get("seconds", 0.0))] for n, r in results.items()]
+    print_table("sections", ["section", "status", "seconds"], sections)
+    rows: list[list[str | int | float]] = []
+    for batch in ctx.sizes.batches:
+        figures = results.get("decode", {}).get("batches", {}).get(str(batch))
+        if figures is not None:
+            frac = dig(figures, "roofline", "engine_frac")
+            rows.append([batch, figures["engine_ms"], figures["bare_ms"], figures["overhead_ms"]])
+            rows[-1].append("na" if frac is None else frac)
+    if rows:
+        headers = ["batch", "engine ms", "bare ms", "overhead ms", "roofline frac"]
+        print_table("decode step", headers, rows)
+    values = [[key, "na" if value is None else value] for key, value in metrics.items()]
+    print_table("headline", ["key", "value"], values)
+
+
+def output_path(args: argparse.Namespace) -> Path:
+    name = f"{NAME}_smoke.json" if args.smoke else f"{NAME}.json"
+    if args.out is not None:
+        return Path(args.out)
+    if args.out_dir is not None:
+        return Path(args.out_dir) / name
+    if args.smoke:  # committed results are GPU runs only
+        return Path(tempfile.gettempdir()) / name
+    return RESULTS_DIR / name
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=(__doc__ or NAME).split("\n\n")[0])
+    parser.add_argument("--smoke", action="store_true", help="tiny sizes (CPU): does it run?")
+    parser.add_argument("--out", default=None, help="JSON path (default: see the docstring)")
+    parser.add_argument("--out-dir", default=None, help=f"write {NAME}.json into this folder")
+    parser.add_argument("--device", default=None, help="default: cuda if available, else cpu")
+    parser.add_argument("--layers", type=int, default=None, help="decoder layers (4; smoke 2)")
+    parser.add_argument("--budget-s", type=float, default=360.0, help="the whole run's budget")
+    parser.add_argument("--limit-scale", type=float, default=1.0, help="x each section's limit")
+    parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
+    parser.add_argument("--commit", default=None, help="pdserve commit (default: git rev-parse)")
+    return parser.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = parse_args(argv)
+    if importlib.util.find_spec("pdserve") is None:  # run from a checkout without installing
+        sys.path.insert(0, str(ROOT))
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    sizes = SMOKE if args.smoke else FULL
+    if args.layers is not None:
+        sizes = dataclasses.replace(sizes, layers=args.layers)
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    out = output_path(args)
+    started = time.perf_counter()
+    results: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory(prefix="pdserve-gpu-check-") as work:
+        ctx = Context(args, sizes, device, Path(work), started, started + args.budget_s)
+        log(ctx, f"gpu_check on {device} ({sizes.dtype}, {sizes.layers} layers), writing {out}")
+        for name, section, limit in SECTIONS:
+            results[name] = run_section(ctx, name, section, limit)
+            write_document(out, ctx, results, headline(ctx, results))
+    metrics = headline(ctx, results)
+    print_summary(ctx, results, metrics)
+    write_document(out, ctx, results, metrics)
+    print(f"\nwrote {out}")
+    values = " ".join(f"{k}={'na' if v is None else format_value(v)}" for k, v in metrics.items())
+    print(f"RESULT {NAME} {values}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
