@@ -45,6 +45,7 @@ DEVICE_PATTERN = re.compile(r"cpu|cuda(:[0-9]+)?")
 PREFILL_POLICIES = ("round_robin", "least_load", "cache_aware")
 TOOL_PARSERS = ("hermes", "llama3_json")  # services/router/tool_calls.py
 PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")  # Ray's
+ATTENTION_BACKENDS = ("auto", "reference", "cpu")
 TRANSPORTS = ("auto", "grpc", "shm", "mooncake", "cuda_ipc")
 MOONCAKE_PROTOCOLS = ("tcp", "rdma")
 STORES = ("directory", "memory")
@@ -83,6 +84,8 @@ class EngineConfig:
     max_model_len: int | None = None  # context window; None = the model's
     max_num_seqs: int = 64  # running requests per step
     max_num_batched_tokens: int = 512  # token budget per step (chunked prefill splits prompts)
+    # auto (the C++ kernel on CPU where it builds, else reference) | reference | cpu
+    attention_backend: str = "auto"
     enable_prefix_caching: bool = True
     # which cached block a full pool reuses: lrfu (frequency and recency over the prefix tree;
     # its scores halve every lrfu_half_life_s and outlive eviction, at most lrfu_score_capacity
@@ -102,6 +105,7 @@ class EngineConfig:
                 raise ConfigError(f"engine.{name} must be positive, got {value}")
         _check_choice("engine.dtype", self.dtype, DTYPES)
         _check_choice("engine.eviction_policy", self.eviction_policy, EVICTION_POLICIES)
+        _check_choice("engine.attention_backend", self.attention_backend, ATTENTION_BACKENDS)
         if not self.lrfu_half_life_s > 0 or self.lrfu_score_capacity < 1:
             raise ConfigError(
                 "engine.lrfu_half_life_s must be positive and engine.lrfu_score_capacity >= 1"

@@ -26,6 +26,7 @@ from pdserve.kvcache.events import KVEventSink
 from pdserve.kvcache.eviction import make_eviction_policy
 from pdserve.kvcache.hashing import BlockHash, BlockHasher, PromptHashes
 from pdserve.kvcache.manager import KVCacheManager
+from pdserve.model.attention import make_backend
 from pdserve.model.loader import LoadedModel, load_model
 from pdserve.model.memory import (
     KVPlan,
@@ -141,6 +142,7 @@ class LLMEngine:
         loaded = load_model(
             model_dir, dtype=config.dtype, device=config.device, max_model_len=config.max_model_len
         )
+        loaded.model.attention = make_backend(config.attention_backend, loaded.device)
         plan, memory = size_kv_cache(config, loaded, device_memory)
         context = check_context(plan, loaded.max_model_len, config.max_model_len is not None)
         logger.info("%s", describe(plan, memory, weight_bytes(loaded.model), context))

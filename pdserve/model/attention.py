@@ -1,14 +1,26 @@
-"""Attention over a paged KV cache.
+"""Attention over a paged KV cache, behind one interface: a backend plans once per step from the
+batch's metadata (`AttentionBackend.plan`), and each layer calls the plan's `write_kv` and
+`attend`.
 
 Cache layout: one tensor ``[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]`` so that
 each block (all layers, K and V) is one contiguous byte range: moving a block to another instance
 or to storage is a single copy. A layer sees the view ``kv_cache[:, layer]``.
+
+Backends: `reference` (gathers each sequence's K/V and runs SDPA: simple, the test oracle) and
+`cpu` (decode rows through pdserve's C++ kernel, which reads K/V in place from the blocks;
+prefill chunks as the reference does). `auto` takes `cpu` where its kernel builds.
 """
 
+import logging
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from pdserve.errors import ConfigError
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,3 +102,107 @@ def _decode_attention(
         q[:, :, None, :], k, v, attn_mask=mask, scale=scale, enable_gqa=True
     )
     return out[:, :, 0, :]
+
+
+class AttentionStep(ABC):
+    """One step's plan: what every layer's attention needs, computed once."""
+
+    def __init__(self, meta: AttentionMetadata) -> None:
+        self.meta = meta
+
+    def write_kv(self, kv_layer: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        write_kv(kv_layer, k, v, self.meta)
+
+    @abstractmethod
+    def attend(self, q: torch.Tensor, kv_layer: torch.Tensor, scale: float) -> torch.Tensor:
+        """Causal attention of `q` (`[num_tokens, heads, head_dim]`) over each sequence's
+        cache (its new tokens' K/V already written)."""
+
+
+class AttentionBackend(ABC):
+    name: str
+
+    @abstractmethod
+    def plan(self, meta: AttentionMetadata) -> AttentionStep: ...
+
+
+class _ReferenceStep(AttentionStep):
+    def attend(self, q: torch.Tensor, kv_layer: torch.Tensor, scale: float) -> torch.Tensor:
+        return paged_attention(q, kv_layer, self.meta, scale)
+
+
+class ReferenceBackend(AttentionBackend):
+    name = "reference"
+
+    def plan(self, meta: AttentionMetadata) -> AttentionStep:
+        return _ReferenceStep(meta)
+
+
+class _CpuStep(AttentionStep):
+    """Decode rows (one new token) through the kernel in one call; prefill chunks one by one."""
+
+    def __init__(self, meta: AttentionMetadata, ops: object) -> None:
+        super().__init__(meta)
+        self._ops = ops
+        starts, start = [], 0
+        for length in meta.query_lens:
+            starts.append(start)
+            start += length
+        decode = [i for i, n in enumerate(meta.query_lens) if n == 1]
+        self._prefill = [
+            (seq, starts[seq], n, c)
+            for seq, (n, c) in enumerate(zip(meta.query_lens, meta.context_lens, strict=True))
+            if n != 1
+        ]
+        self._decode_rows: torch.Tensor | None = None
+        self._tables, self._lens = meta.block_tables, meta.context_lens_tensor
+        if self._prefill and decode:
+            seqs = torch.tensor(decode, device=meta.block_tables.device)
+            self._decode_rows = torch.tensor([starts[i] for i in decode], device=seqs.device)
+            self._tables, self._lens = meta.block_tables[seqs], meta.context_lens_tensor[seqs]
+        self._has_decode = bool(decode)
+
+    def attend(self, q: torch.Tensor, kv_layer: torch.Tensor, scale: float) -> torch.Tensor:
+        decode_ops = self._ops.paged_decode  # type: ignore[attr-defined]
+        if not self._prefill:
+            return decode_ops(q, kv_layer, self._tables, self._lens, scale)  # type: ignore[no-any-return]
+        out = torch.empty_like(q)
+        for seq, start, length, context in self._prefill:
+            blocks = -(-context // kv_layer.shape[2])
+            table = self.meta.block_tables[seq, :blocks]
+            out[start : start + length] = _sequence_attention(
+                q[start : start + length], kv_layer, table, context, scale
+            )
+        if self._has_decode:
+            rows = self._decode_rows
+            assert rows is not None
+            out[rows] = decode_ops(q[rows], kv_layer, self._tables, self._lens, scale)
+        return out
+
+
+class CpuBackend(AttentionBackend):
+    name = "cpu"
+
+    def __init__(self, ops: object) -> None:
+        self._ops = ops
+
+    def plan(self, meta: AttentionMetadata) -> AttentionStep:
+        return _CpuStep(meta, self._ops)
+
+
+def make_backend(name: str, device: torch.device) -> AttentionBackend:
+    """The backend `engine.attention_backend` names; `auto`: `cpu` on CPU when its kernel builds
+    (else the reference, logged), the reference elsewhere."""
+    if name == "reference" or (name == "auto" and device.type != "cpu"):
+        return ReferenceBackend()
+    from pdserve.model.cpu_kernels import paged_ops
+
+    ops = paged_ops() if device.type == "cpu" else None
+    if ops is None:
+        if name == "cpu":
+            raise ConfigError(
+                f"engine.attention_backend is cpu but its kernel is not available on {device} "
+                "(no C++ compiler, or not a CPU device): use auto or reference"
+            )
+        return ReferenceBackend()
+    return CpuBackend(ops)

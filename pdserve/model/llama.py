@@ -7,7 +7,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pdserve.model.attention import AttentionMetadata, paged_attention, write_kv
+from pdserve.model.attention import (
+    AttentionBackend,
+    AttentionMetadata,
+    AttentionStep,
+    ReferenceBackend,
+)
 from pdserve.model.config import ModelConfig
 
 
@@ -18,9 +23,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.to(torch.float32)
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+        normed = F.rms_norm(x.to(torch.float32), (x.shape[-1],), eps=self.eps)
+        return self.weight * normed.to(x.dtype)
 
 
 class RotaryEmbedding(nn.Module):
@@ -37,12 +41,21 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", angles.cos(), persistent=False)
         self.register_buffer("sin", angles.sin(), persistent=False)
 
-    def forward(
-        self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        cos = self.cos[positions].to(q.dtype)[:, None, :]
-        sin = self.sin[positions].to(q.dtype)[:, None, :]
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+    def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> "Rotation":
+        """cos/sin of the batch's positions, once per step for every layer."""
+        cos = self.cos[positions].to(dtype)[:, None, :]
+        sin = self.sin[positions].to(dtype)[:, None, :]
+        return Rotation(cos, sin)
+
+
+class Rotation:
+    """One step's rotary tables (`[num_tokens, 1, head_dim]`)."""
+
+    def __init__(self, cos: torch.Tensor, sin: torch.Tensor) -> None:
+        self.cos, self.sin = cos, sin
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.cos + _rotate_half(x) * self.sin
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -59,26 +72,35 @@ class Attention(nn.Module):
         self.scale = config.head_dim**-0.5
         q_size = config.num_heads * config.head_dim
         kv_size = config.num_kv_heads * config.head_dim
+        self.sizes = (q_size, kv_size, kv_size)
         self.q_proj = nn.Linear(config.hidden_size, q_size, bias=config.qkv_bias)
         self.k_proj = nn.Linear(config.hidden_size, kv_size, bias=config.qkv_bias)
         self.v_proj = nn.Linear(config.hidden_size, kv_size, bias=config.qkv_bias)
         self.o_proj = nn.Linear(q_size, config.hidden_size, bias=config.o_bias)
+        self.qkv_proj: nn.Linear | None = None  # q, k and v in one multiply (`fuse`)
+
+    def fuse(self) -> None:
+        """One weight for q, k and v (after loading, which fills the checkpoint's three)."""
+        self.qkv_proj = _fused(self.q_proj, self.k_proj, self.v_proj)
+        del self.q_proj, self.k_proj, self.v_proj
 
     def forward(
         self,
         x: torch.Tensor,
-        positions: torch.Tensor,
-        rotary: RotaryEmbedding,
+        rotation: Rotation,
         kv_layer: torch.Tensor,
-        meta: AttentionMetadata,
+        step: AttentionStep,
     ) -> torch.Tensor:
         num_tokens = x.shape[0]
-        q = self.q_proj(x).view(num_tokens, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
-        q, k = rotary(q, k, positions)
-        write_kv(kv_layer, k, v, meta)
-        out = paged_attention(q, kv_layer, meta, self.scale)
+        if self.qkv_proj is not None:
+            q, k, v = self.qkv_proj(x).split(self.sizes, dim=-1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = rotation(q.view(num_tokens, self.num_heads, self.head_dim))
+        k = rotation(k.view(num_tokens, self.num_kv_heads, self.head_dim))
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        step.write_kv(kv_layer, k, v)
+        out = step.attend(q, kv_layer, self.scale)
         projected: torch.Tensor = self.o_proj(out.reshape(num_tokens, -1))
         return projected
 
@@ -90,10 +112,31 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=bias)
         self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=bias)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
+        self.gate_up_proj: nn.Linear | None = None  # gate and up in one multiply (`fuse`)
+
+    def fuse(self) -> None:
+        self.gate_up_proj = _fused(self.gate_proj, self.up_proj)
+        del self.gate_proj, self.up_proj
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out: torch.Tensor = self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.gate_up_proj is not None:
+            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        out: torch.Tensor = self.down_proj(F.silu(gate) * up)
         return out
+
+
+def _fused(*parts: nn.Linear) -> nn.Linear:
+    """One Linear computing `parts` side by side (their outputs concatenated, in order)."""
+    weight = torch.cat([p.weight for p in parts])
+    with torch.device("meta"):  # its own parameters are replaced: no allocation
+        fused = nn.Linear(weight.shape[1], weight.shape[0], bias=parts[0].bias is not None)
+    fused.weight = nn.Parameter(weight, requires_grad=False)
+    if parts[0].bias is not None:
+        bias = torch.cat([p.bias for p in parts if p.bias is not None])
+        fused.bias = nn.Parameter(bias, requires_grad=False)
+    return fused
 
 
 class DecoderLayer(nn.Module):
@@ -107,14 +150,11 @@ class DecoderLayer(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
-        positions: torch.Tensor,
-        rotary: RotaryEmbedding,
+        rotation: Rotation,
         kv_layer: torch.Tensor,
-        meta: AttentionMetadata,
+        step: AttentionStep,
     ) -> torch.Tensor:
-        attn: torch.Tensor = self.self_attn(
-            self.input_layernorm(x), positions, rotary, kv_layer, meta
-        )
+        attn: torch.Tensor = self.self_attn(self.input_layernorm(x), rotation, kv_layer, step)
         x = x + attn
         mlp: torch.Tensor = self.mlp(self.post_attention_layernorm(x))
         return x + mlp
@@ -138,6 +178,14 @@ class CausalLM(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.tie_weights()
         self.rotary = RotaryEmbedding(config, max_positions)
+        self.attention: AttentionBackend = ReferenceBackend()  # the engine sets its own
+
+    def fuse(self) -> None:
+        """Fuse every layer's q/k/v and gate/up weights (after loading the checkpoint's)."""
+        for layer in self.model.layers:
+            assert isinstance(layer, DecoderLayer)
+            layer.self_attn.fuse()
+            layer.mlp.fuse()
 
     def tie_weights(self) -> None:
         """Share the embedding with the LM head when the config says so (after loading)."""
@@ -152,8 +200,10 @@ class CausalLM(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         x = self.model.embed_tokens(input_ids)
+        step = self.attention.plan(meta)
+        rotation = self.rotary.tables(positions, x.dtype)
         for index, layer in enumerate(self.model.layers):
-            x = layer(x, positions, self.rotary, kv_cache[:, index], meta)
+            x = layer(x, rotation, kv_cache[:, index], step)
         return self.model.norm(x)  # type: ignore[no-any-return]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

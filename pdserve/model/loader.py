@@ -56,6 +56,7 @@ def load_model(
         model = CausalLM(config, context)
     _load_weights(model, model_dir, torch_dtype, torch_device)
     model.tie_weights()
+    model.fuse()
     model.rotary = RotaryEmbedding(config, context).to(torch_device)  # meta buffers, rebuilt
     model.eval()
     tag = _model_tag(model_dir, torch_dtype)

@@ -1,0 +1,119 @@
+// Paged decode attention on CPU: one new token per sequence attends to its cached K/V, read in
+// place from the paged cache (no gather of every sequence padded to the longest).
+//
+// kv_layer: [num_blocks, 2, block_size, kv_heads, head_dim] (a strided view of the cache: one
+// layer), q: [num_seqs, heads, head_dim], block_tables: [num_seqs, max_blocks] int64,
+// context_lens: [num_seqs] int64. Work is split over sequences; a sequence's cached tokens are
+// read once each (K, then V: every kv head of a token is one contiguous range). Scores and the
+// softmax are in float32 whatever the cache's dtype.
+
+#include <torch/extension.h>
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+namespace {
+
+template <typename T>
+inline float to_float(T value) {
+  return static_cast<float>(value);
+}
+
+// One sequence, every head: for each cached token its K row (all kv heads, one contiguous range)
+// is read once, scored against every query head, then V likewise.
+template <typename scalar_t>
+void decode_sequence(const scalar_t* q, int64_t q_head_stride, const scalar_t* kv,
+                     const int64_t* table, int64_t context, int64_t heads, int64_t group,
+                     int64_t head_dim, int64_t block_size, int64_t block_stride,
+                     int64_t kv_stride, int64_t token_stride, int64_t head_stride, float scale,
+                     scalar_t* out, std::vector<float>& scores, std::vector<float>& acc,
+                     std::vector<float>& query) {
+  scores.resize(static_cast<size_t>(heads * context));
+  acc.assign(static_cast<size_t>(heads * head_dim), 0.0f);
+  query.resize(static_cast<size_t>(heads * head_dim));
+  for (int64_t h = 0; h < heads; ++h) {
+    for (int64_t d = 0; d < head_dim; ++d) {
+      query[h * head_dim + d] = to_float(q[h * q_head_stride + d]) * scale;
+    }
+  }
+  for (int64_t pos = 0; pos < context; ++pos) {
+    const scalar_t* k_row =
+        kv + table[pos / block_size] * block_stride + (pos % block_size) * token_stride;
+    for (int64_t h = 0; h < heads; ++h) {
+      const scalar_t* k = k_row + (h / group) * head_stride;
+      const float* qh = query.data() + h * head_dim;
+      float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+      for (int64_t d = 0; d < head_dim; ++d) dot += qh[d] * to_float(k[d]);
+      scores[h * context + pos] = dot;
+    }
+  }
+  for (int64_t h = 0; h < heads; ++h) {
+    float* row = scores.data() + h * context;
+    float maximum = -std::numeric_limits<float>::infinity();
+    for (int64_t pos = 0; pos < context; ++pos) maximum = std::max(maximum, row[pos]);
+    float sum = 0.0f;
+    for (int64_t pos = 0; pos < context; ++pos) {
+      row[pos] = std::exp(row[pos] - maximum);
+      sum += row[pos];
+    }
+    const float inverse = 1.0f / sum;
+    for (int64_t pos = 0; pos < context; ++pos) row[pos] *= inverse;
+  }
+  for (int64_t pos = 0; pos < context; ++pos) {
+    const scalar_t* v_row = kv + table[pos / block_size] * block_stride + kv_stride +
+                            (pos % block_size) * token_stride;
+    for (int64_t h = 0; h < heads; ++h) {
+      const scalar_t* v = v_row + (h / group) * head_stride;
+      const float weight = scores[h * context + pos];
+      float* a = acc.data() + h * head_dim;
+#pragma omp simd
+      for (int64_t d = 0; d < head_dim; ++d) a[d] += weight * to_float(v[d]);
+    }
+  }
+  for (int64_t i = 0; i < heads * head_dim; ++i) out[i] = static_cast<scalar_t>(acc[i]);
+}
+
+}  // namespace
+
+torch::Tensor paged_decode(torch::Tensor q, torch::Tensor kv_layer, torch::Tensor block_tables,
+                           torch::Tensor context_lens, double scale) {
+  TORCH_CHECK(q.dim() == 3 && kv_layer.dim() == 5, "q [seqs, heads, dim], kv [blocks, 2, ...]");
+  TORCH_CHECK(q.scalar_type() == kv_layer.scalar_type(), "q and the cache differ in dtype");
+  TORCH_CHECK(kv_layer.stride(4) == 1 && q.stride(2) == 1, "head_dim must be contiguous");
+  auto tables = block_tables.to(torch::kLong).contiguous();
+  auto lens = context_lens.to(torch::kLong).contiguous();
+  const int64_t seqs = q.size(0), heads = q.size(1), head_dim = q.size(2);
+  const int64_t kv_heads = kv_layer.size(3), block_size = kv_layer.size(2);
+  TORCH_CHECK(heads % kv_heads == 0, "heads must be a multiple of kv heads");
+  const int64_t group = heads / kv_heads;
+  auto out = torch::empty_like(q, q.options().memory_format(torch::MemoryFormat::Contiguous));
+  AT_DISPATCH_FLOATING_TYPES_AND2(
+      at::ScalarType::BFloat16, at::ScalarType::Half, q.scalar_type(), "paged_decode", [&] {
+        const scalar_t* q_data = q.data_ptr<scalar_t>();
+        const scalar_t* kv = kv_layer.data_ptr<scalar_t>();
+        scalar_t* out_data = out.data_ptr<scalar_t>();
+        const int64_t* table_data = tables.data_ptr<int64_t>();
+        const int64_t* len_data = lens.data_ptr<int64_t>();
+        const int64_t max_blocks = tables.size(1);
+        at::parallel_for(0, seqs, 1, [&](int64_t begin, int64_t end) {
+          std::vector<float> scores, acc, query;
+          for (int64_t seq = begin; seq < end; ++seq) {
+            decode_sequence<scalar_t>(
+                q_data + seq * q.stride(0), q.stride(1), kv, table_data + seq * max_blocks,
+                len_data[seq], heads, group, head_dim, block_size, kv_layer.stride(0),
+                kv_layer.stride(1), kv_layer.stride(2), kv_layer.stride(3),
+                static_cast<float>(scale), out_data + seq * heads * head_dim, scores, acc, query);
+          }
+        });
+      });
+  return out;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_decode", &paged_decode, "paged decode attention (CPU)");
+}
