@@ -1,4 +1,5 @@
-"""Sampler: greedy, temperature, top-k and top-p, with a reproducible per-request seed."""
+"""Sampler: greedy, temperature, min-p, top-k and top-p for a whole batch in one pass, with a
+reproducible per-request seed."""
 
 from collections.abc import Sequence
 
@@ -10,7 +11,9 @@ from pdserve.engine.request import SamplingParams, TokenLogprob
 
 
 class Sampler:
-    """Pick one token per row of logits. Greedy rows are batched.
+    """Pick one token per row of logits: greedy rows by one argmax, the others by one filtering
+    pass (`filtered_probs`) and the exponential race (`argmax(p / noise)`, noise Exponential(1)),
+    which draws from `p` with no sort-and-cumsum per row.
 
     A seeded request draws its n-th output token from a generator seeded by (seed, n): the same
     tokens whatever shares its batch, on whichever instance (prefill samples the first token,
@@ -44,34 +47,62 @@ class Sampler:
         self, logits: torch.Tensor, params: Sequence[SamplingParams], output_indices: Sequence[int]
     ) -> list[int]:
         """`logits` is fp32 `[len(params), vocab]`; `output_indices[i]` is how many tokens row
-        i's request has generated so far. Returns the chosen token id per row."""
+        i's request has generated so far. Returns the chosen token id per row (one copy)."""
         tokens = torch.argmax(logits, dim=-1)
-        for row, (p, index) in enumerate(zip(params, output_indices, strict=True)):
-            if not p.greedy:
-                tokens[row] = self._sample_row(logits[row], p, self._generator(p, index))
+        rows = [i for i, p in enumerate(params) if not p.greedy]
+        if rows:
+            index = torch.tensor(rows, device=logits.device)
+            chosen = [params[i] for i in rows]
+            probs = filtered_probs(logits[index], chosen)
+            noise = self._noise(probs, chosen, [output_indices[i] for i in rows])
+            tokens[index] = (probs / noise).argmax(dim=-1)  # the exponential race
         return [int(t) for t in tokens.tolist()]
 
-    def _generator(self, params: SamplingParams, output_index: int) -> torch.Generator:
-        if params.seed is None:
-            return self._default_generator
+    def _noise(
+        self, probs: torch.Tensor, params: Sequence[SamplingParams], output_indices: Sequence[int]
+    ) -> torch.Tensor:
+        """Exponential(1) noise per row: `argmax(p / noise)` draws from `p`. Unseeded rows in
+        one draw from the engine's generator; a seeded row from its own (seed, index)
+        generator, so its token depends on nothing else in the batch."""
+        noise = torch.empty_like(probs)
+        unseeded = [r for r, p in enumerate(params) if p.seed is None]
+        if unseeded:
+            draw = torch.empty(len(unseeded), probs.shape[1], device=probs.device)
+            draw.exponential_(generator=self._default_generator)
+            noise[torch.tensor(unseeded, device=probs.device)] = draw
+        for row, (p, index) in enumerate(zip(params, output_indices, strict=True)):
+            if p.seed is not None:
+                noise[row].exponential_(generator=self._seeded(p, index))
+        return noise
+
+    def _seeded(self, params: SamplingParams, output_index: int) -> torch.Generator:
+        assert params.seed is not None
         seed = (params.seed * 1_000_003 + params.output_offset + output_index) % 2**63
         return torch.Generator(device=self.device).manual_seed(seed)
 
-    @staticmethod
-    def _sample_row(
-        logits: torch.Tensor, params: SamplingParams, generator: torch.Generator
-    ) -> int:
-        scores = logits / params.temperature
-        if params.min_p > 0.0:
-            probs = torch.softmax(scores, dim=-1)
-            scores = scores.masked_fill(probs < params.min_p * probs.max(), float("-inf"))
-        if params.top_k is not None and params.top_k < scores.shape[-1]:
-            kth = torch.topk(scores, params.top_k).values[-1]
-            scores = scores.masked_fill(scores < kth, float("-inf"))
-        if params.top_p < 1.0:
-            scores = _top_p_filter(scores, params.top_p)
+
+def filtered_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """Probabilities of the rows after temperature, min-p, top-k and top-p, for every row in
+    one pass (one sort, only when a row needs it)."""
+    vocab = logits.shape[-1]
+    column = torch.tensor
+    scores = logits / column([p.temperature for p in params], device=logits.device)[:, None]
+    if any(p.min_p > 0.0 for p in params):
         probs = torch.softmax(scores, dim=-1)
-        return int(torch.multinomial(probs, 1, generator=generator).item())
+        floor = column([p.min_p for p in params], device=logits.device)[:, None]
+        scores = scores.masked_fill(probs < floor * probs.amax(-1, keepdim=True), float("-inf"))
+    top_k = [p.top_k if p.top_k is not None and p.top_k < vocab else vocab for p in params]
+    if any(k < vocab for k in top_k) or any(p.top_p < 1.0 for p in params):
+        ranked, order = torch.sort(scores, dim=-1, descending=True)
+        ks = column(top_k, device=logits.device)[:, None]
+        ranked = ranked.masked_fill(torch.arange(vocab, device=logits.device) >= ks, float("-inf"))
+        ranked_probs = torch.softmax(ranked, dim=-1)
+        mass_before = torch.cumsum(ranked_probs, dim=-1) - ranked_probs
+        top_p = [p.top_p if p.top_p < 1.0 else float("inf") for p in params]
+        limit = column(top_p, device=logits.device)[:, None]
+        ranked = ranked.masked_fill(mass_before >= limit, float("-inf"))
+        scores = torch.empty_like(scores).scatter_(-1, order, ranked)
+    return torch.softmax(scores, dim=-1)
 
 
 def token_logprob(table: torch.Tensor, token: int, top: int) -> TokenLogprob:
@@ -81,13 +112,3 @@ def token_logprob(table: torch.Tensor, token: int, top: int) -> TokenLogprob:
         values, ids = torch.topk(table, top)
         best = tuple(zip(ids.tolist(), values.tolist(), strict=True))
     return TokenLogprob(token, float(table[token]), best)
-
-
-def _top_p_filter(scores: torch.Tensor, top_p: float) -> torch.Tensor:
-    """Keep the smallest set of top tokens whose probability reaches `top_p` (at least one)."""
-    sorted_scores, order = torch.sort(scores, descending=True)
-    probs = torch.softmax(sorted_scores, dim=-1)
-    mass_before = torch.cumsum(probs, dim=-1) - probs
-    drop_sorted = mass_before >= top_p
-    drop = torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted)
-    return scores.masked_fill(drop, float("-inf"))

@@ -170,14 +170,39 @@ class _CpuStep(AttentionStep):
         for seq, start, length, context in self._prefill:
             blocks = -(-context // kv_layer.shape[2])
             table = self.meta.block_tables[seq, :blocks]
-            out[start : start + length] = _sequence_attention(
-                q[start : start + length], kv_layer, table, context, scale
-            )
+            k = _gather(kv_layer[:, 0], table)[:context]
+            v = _gather(kv_layer[:, 1], table)[:context]
+            out[start : start + length] = flash_prefill(q[start : start + length], k, v, scale)
         if self._has_decode:
             rows = self._decode_rows
             assert rows is not None
             out[rows] = decode_ops(q[rows], kv_layer, self._tables, self._lens, scale)
         return out
+
+
+def flash_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal attention of a chunk `q` (`[n, heads, dim]`, the last n positions) over `k`/`v`
+    (`[context, kv_heads, dim]`) with torch's CPU flash kernel, which takes no offset causal
+    mask: the cached prefix (no mask) and the chunk itself (causal) are two flash calls whose
+    outputs are merged by their log-sum-exps."""
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    count, prefix = q.shape[0], k.shape[0] - q.shape[0]
+    groups = q.shape[1] // k.shape[1]
+    query = q.transpose(0, 1)[None]
+    keys = k.transpose(0, 1).repeat_interleave(groups, 0)[None]
+    values = v.transpose(0, 1).repeat_interleave(groups, 0)[None]
+    new, new_lse = flash(
+        query, keys[:, :, prefix:], values[:, :, prefix:], is_causal=True, scale=scale
+    )
+    if prefix == 0:
+        chunk: torch.Tensor = new[0].transpose(0, 1)
+        return chunk
+    old, old_lse = flash(query, keys[:, :, :prefix], values[:, :, :prefix], scale=scale)
+    top = torch.maximum(old_lse, new_lse)
+    old_weight, new_weight = (old_lse - top).exp()[..., None], (new_lse - top).exp()[..., None]
+    merged = (old.float() * old_weight + new.float() * new_weight) / (old_weight + new_weight)
+    result: torch.Tensor = merged.to(q.dtype)[0].transpose(0, 1)
+    return result.reshape(count, *q.shape[1:])
 
 
 class CpuBackend(AttentionBackend):

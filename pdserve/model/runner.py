@@ -136,15 +136,17 @@ class ModelRunner:
         self.stager.before_forward()
         hidden = self.model(input_ids, positions, self.kv_cache, meta)
         self.stager.forward_done()
-        ends = torch.tensor(meta.query_lens, device=self.device).cumsum(0) - 1
-        wanted = torch.tensor([c.needs_logits for c in chunks], device=self.device)
+        rows: list[int] = []  # the last token of each chunk that wants logits
         every: dict[int, torch.Tensor] = {}
         start = 0
         for index, (chunk, length) in enumerate(zip(chunks, meta.query_lens, strict=True)):
             if chunk.all_logits:
                 every[index] = self.model.compute_logits(hidden[start : start + length])
             start += length
-        return self.model.compute_logits(hidden[ends[wanted]]), every
+            if chunk.needs_logits:
+                rows.append(start - 1)
+        selected = hidden[torch.tensor(rows, dtype=torch.long, device=self.device)]
+        return self.model.compute_logits(selected), every
 
     def _prepare(
         self, chunks: Sequence[SequenceChunk]

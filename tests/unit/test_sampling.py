@@ -7,7 +7,7 @@ import torch
 
 from pdserve.engine.detokenizer import IncrementalDetokenizer
 from pdserve.engine.request import SamplingParams
-from pdserve.engine.sampler import Sampler, _top_p_filter
+from pdserve.engine.sampler import Sampler, filtered_probs
 from pdserve.errors import InvalidRequestError
 from pdserve.model.tokenizer import Tokenizer
 
@@ -32,12 +32,44 @@ def test_top_k_never_samples_outside_the_k_best() -> None:
 
 
 def test_top_p_keeps_the_smallest_set_reaching_the_mass() -> None:
-    probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
-    kept = _top_p_filter(probs.log(), 0.8).isfinite()
-    assert kept.tolist() == [True, True, False, False]
-    kept = _top_p_filter(probs.log(), 0.81).isfinite()
-    assert kept.tolist() == [True, True, True, False]
-    assert _top_p_filter(probs.log(), 1e-9).isfinite().tolist() == [True, False, False, False]
+    logits = torch.tensor([0.5, 0.3, 0.15, 0.05]).log()[None].repeat(3, 1)
+    params = [SamplingParams(temperature=1.0, top_p=p) for p in (0.8, 0.81, 1e-9)]
+    kept = (filtered_probs(logits, params) > 0).tolist()  # every row in one pass
+    assert kept == [
+        [True, True, False, False],
+        [True, True, True, False],
+        [True, False, False, False],
+    ]
+
+
+def test_each_row_gets_its_own_filters_in_one_batch() -> None:
+    logits = torch.tensor([[2.0, 1.9, 0.0, -1.0, 1.0]]).repeat(4, 1)
+    params = [
+        SamplingParams(temperature=1.0, top_k=2),
+        SamplingParams(temperature=1.0, min_p=0.3),
+        SamplingParams(temperature=1.0),
+        SamplingParams(temperature=0.5, top_k=3, top_p=0.9),
+    ]
+    probs = filtered_probs(logits, params)
+    assert (probs > 0).tolist() == [
+        [True, True, False, False, False],
+        [True, True, False, False, True],
+        [True] * 5,
+        [True, True, False, False, False],  # top 3 at T=0.5: .49 .44 .07 -> 0.9 keeps two
+    ]
+    torch.testing.assert_close(probs[2], torch.softmax(logits[2], -1))
+    torch.testing.assert_close(probs.sum(-1), torch.ones(4))
+
+
+def test_draws_follow_the_filtered_distribution() -> None:
+    logits = torch.tensor([[1.0, 0.0, -1.0, 0.5]])
+    sampler = Sampler(torch.device("cpu"), seed=5)
+    params = SamplingParams(temperature=1.0)
+    counts = torch.zeros(4)
+    for _ in range(4000):
+        counts[sampler.sample(logits, [params], [0])[0]] += 1
+    expected = torch.softmax(logits[0], -1) * 4000
+    assert ((counts - expected).abs() < 5 * expected.sqrt()).all()  # within 5 sigma
 
 
 def test_seeded_request_draws_the_same_tokens_in_any_company() -> None:
