@@ -45,7 +45,7 @@ DEVICE_PATTERN = re.compile(r"cpu|cuda(:[0-9]+)?")
 PREFILL_POLICIES = ("round_robin", "least_load", "cache_aware")
 TOOL_PARSERS = ("hermes", "llama3_json")  # services/router/tool_calls.py
 PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")  # Ray's
-ATTENTION_BACKENDS = ("auto", "reference", "cpu")
+ATTENTION_BACKENDS = ("auto", "reference", "cpu", "triton")
 TRANSPORTS = ("auto", "grpc", "shm", "mooncake", "cuda_ipc")
 MOONCAKE_PROTOCOLS = ("tcp", "rdma")
 STORES = ("directory", "memory")
@@ -84,7 +84,7 @@ class EngineConfig:
     max_model_len: int | None = None  # context window; None = the model's
     max_num_seqs: int = 64  # running requests per step
     max_num_batched_tokens: int = 512  # token budget per step (chunked prefill splits prompts)
-    # auto (the C++ kernel on CPU where it builds, else reference) | reference | cpu
+    # auto (CPU: the C++ kernel where it builds; CUDA: triton) | reference | cpu | triton
     attention_backend: str = "auto"
     enable_prefix_caching: bool = True
     # which cached block a full pool reuses: lrfu (frequency and recency over the prefix tree;

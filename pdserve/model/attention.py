@@ -6,9 +6,11 @@ Cache layout: one tensor ``[num_blocks, num_layers, 2, block_size, num_kv_heads,
 each block (all layers, K and V) is one contiguous byte range: moving a block to another instance
 or to storage is a single copy. A layer sees the view ``kv_cache[:, layer]``.
 
-Backends: `reference` (gathers each sequence's K/V and runs SDPA: simple, the test oracle) and
+Backends: `reference` (gathers each sequence's K/V and runs SDPA: simple, the test oracle),
 `cpu` (decode rows through pdserve's C++ kernel, which reads K/V in place from the blocks;
-prefill chunks as the reference does). `auto` takes `cpu` where its kernel builds.
+prefill chunks through torch's CPU flash kernel) and `triton` (paged decode and varlen prefill
+kernels for CUDA: `triton_attention.py`). `auto` takes `cpu` on CPU where its kernel builds and
+`triton` on CUDA where triton imports.
 """
 
 import logging
@@ -216,9 +218,13 @@ class CpuBackend(AttentionBackend):
 
 
 def make_backend(name: str, device: torch.device) -> AttentionBackend:
-    """The backend `engine.attention_backend` names; `auto`: `cpu` on CPU when its kernel builds
-    (else the reference, logged), the reference elsewhere."""
-    if name == "reference" or (name == "auto" and device.type != "cpu"):
+    """The backend `engine.attention_backend` names; `auto`: `cpu` on CPU when its kernel builds,
+    `triton` on CUDA when triton imports, else the reference (logged)."""
+    if name == "reference":
+        return ReferenceBackend()
+    if name == "triton" or (name == "auto" and device.type == "cuda"):
+        return _triton_backend(name, device)
+    if name == "auto" and device.type != "cpu":
         return ReferenceBackend()
     from pdserve.model.cpu_kernels import paged_ops
 
@@ -231,3 +237,17 @@ def make_backend(name: str, device: torch.device) -> AttentionBackend:
             )
         return ReferenceBackend()
     return CpuBackend(ops)
+
+
+def _triton_backend(name: str, device: torch.device) -> AttentionBackend:
+    from pdserve.model.triton_attention import TritonBackend, triton_available
+
+    if device.type == "cuda" and triton_available():
+        return TritonBackend()
+    if name == "triton":
+        raise ConfigError(
+            f"engine.attention_backend is triton but triton is not installed or {device} is not "
+            "a CUDA device: use auto or reference"
+        )
+    logger.warning("triton is not installed: attention on %s uses the reference backend", device)
+    return ReferenceBackend()

@@ -1,0 +1,184 @@
+"""The `triton` attention backend: paged decode and varlen causal prefill as Triton kernels
+(`triton_kernels`) that read K/V in place from pdserve's cache layout (a layer's strided view).
+
+`TritonBackend.plan` turns the batch into what the kernels index, once per step and in one
+asynchronous host-to-device copy: the decode rows (sequences with one new token) and the prefill
+tiles (up to `prefill_block_m` consecutive new tokens of one sequence each, with their first
+position). Each layer's `attend` then launches at most three kernels (prefill; decode; the merge
+of a decode's context splits) and never waits on the device. Sequences with more than one new
+token go through the prefill kernel, whose causal mask is by absolute position: prefix hits and
+later chunks of a prompt need nothing else. `write_kv` is the shared index_put.
+
+Importing this module does not import triton: the kernels are imported (and compiled, or set up
+for triton's interpreter under ``TRITON_INTERPRET=1``) when a `TritonBackend` is made.
+"""
+
+import importlib
+import itertools
+import math
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any
+
+import torch
+
+from pdserve.model.attention import AttentionBackend, AttentionMetadata, AttentionStep
+
+LOG2E = math.log2(math.e)
+
+
+def triton_available() -> bool:
+    """Whether triton imports here. Its kernels need a CUDA GPU (or ``TRITON_INTERPRET=1``)."""
+    try:
+        importlib.import_module("triton.language")
+    except Exception:  # not installed (ImportError), or an install that fails to load
+        return False
+    return True
+
+
+@dataclass(frozen=True, slots=True)
+class TritonConfig:
+    """Tile sizes and the decode split policy; the defaults are for a GPU and 16-bit caches
+    (see `tiles`). Tile sizes are powers of two, at least 16."""
+
+    prefill_block_m: int = 64  # new tokens per prefill tile
+    block_n: int = 64  # cached tokens per step of the kernels' inner loop
+    split_tokens: int = 512  # the shortest context span worth a decode split of its own
+    max_splits: int = 16
+    target_programs: int = 512  # decode programs that fill the GPU: fewer, split the contexts
+    num_warps: int = 4
+    num_stages: int = 2
+
+    def tiles(self, dtype: torch.dtype, prefill: bool, head_dim: int) -> tuple[int, int]:
+        """(block_n, num_warps) that keep a kernel's tiles in registers (ptxas for sm_80 and
+        sm_90, head sizes 64 and 128: no spills in 16 bits, a few bytes in float32): a prefill
+        tile of 128-wide heads takes 8 warps; float32, whose dots run on FMA units at IEEE
+        precision (the reference's tolerance), also takes fewer cached tokens per step."""
+        block_n, warps = self.block_n, self.num_warps
+        if prefill and (head_dim > 64 or dtype == torch.float32):
+            warps = max(warps, 8)
+        if dtype == torch.float32:
+            block_n = min(block_n, 16 if prefill else 32)
+        return block_n, warps
+
+
+def _pow2(value: int) -> int:
+    return max(16, 1 << (value - 1).bit_length())
+
+
+class _TritonStep(AttentionStep):
+    def __init__(self, meta: AttentionMetadata, kernels: ModuleType, config: TritonConfig) -> None:
+        super().__init__(meta)
+        self._kernels, self._config = kernels, config
+        decode_seqs, decode_rows, tiles = [], [], []
+        starts = itertools.accumulate(meta.query_lens, initial=0)
+        for seq, (start, count, context) in enumerate(
+            zip(starts, meta.query_lens, meta.context_lens, strict=False)
+        ):
+            if count == 1:
+                decode_seqs.append(seq)
+                decode_rows.append(start)
+                continue
+            for first in range(0, count, config.prefill_block_m):
+                rows = min(config.prefill_block_m, count - first)
+                tiles += [seq, start + first, rows, context - count + first]
+        self._decode = len(decode_seqs)
+        self._tiles = len(tiles) // 4
+        self._longest_decode = max((meta.context_lens[s] for s in decode_seqs), default=0)
+        packed = torch.tensor(decode_seqs + decode_rows + tiles, dtype=torch.int32)
+        device = meta.block_tables.device
+        if device.type == "cuda":  # a pinned copy does not wait for the device
+            packed = packed.pin_memory().to(device, non_blocking=True)
+        else:
+            packed = packed.to(device)
+        self._decode_seqs = packed[: self._decode]
+        self._decode_rows = packed[self._decode : 2 * self._decode]
+        self._tile_table = packed[2 * self._decode :]
+        self._partials: torch.Tensor | None = None
+
+    def attend(self, q: torch.Tensor, kv_layer: torch.Tensor, scale: float) -> torch.Tensor:
+        heads, head_dim = q.shape[1], q.shape[2]
+        kv_heads, page = kv_layer.shape[3], kv_layer.shape[2]
+        if heads % kv_heads:
+            raise ValueError(f"{heads} query heads do not share {kv_heads} kv heads evenly")
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        common: dict[str, Any] = {
+            "GROUP": heads // kv_heads,
+            "HEAD_DIM": head_dim,
+            "PAGE": page,
+            "BLOCK_D": _pow2(head_dim),
+            "UPCAST": bool(self._kernels.INTERPRET),
+            "num_stages": self._config.num_stages,
+        }
+        tables = self.meta.block_tables
+        if self._tiles:
+            block_n, warps = self._config.tiles(q.dtype, True, head_dim)
+            self._kernels.varlen_prefill[(self._tiles, heads)](
+                q, out, kv_layer, tables, self._tile_table, scale * LOG2E,
+                q.stride(), out.stride(), kv_layer.stride(), tables.stride(),
+                BLOCK_M=self._config.prefill_block_m, BLOCK_N=block_n, num_warps=warps, **common,
+            )  # fmt: skip
+        if self._decode:
+            self._launch_decode(q, kv_layer, out, scale, common)
+        return out
+
+    def _launch_decode(
+        self,
+        q: torch.Tensor,
+        kv_layer: torch.Tensor,
+        out: torch.Tensor,
+        scale: float,
+        common: dict[str, Any],
+    ) -> None:
+        heads, kv_heads = q.shape[1], kv_layer.shape[3]
+        block_n, warps = self._config.tiles(q.dtype, False, q.shape[2])
+        splits, split_tokens = self._splits(kv_heads, block_n)
+        partials = out
+        if splits > 1:
+            shape = (self._decode, heads, splits, common["BLOCK_D"] + 2)
+            if self._partials is None or self._partials.shape != shape:
+                self._partials = torch.empty(shape, dtype=torch.float32, device=q.device)
+            partials = self._partials
+        tables = self.meta.block_tables
+        self._kernels.paged_decode[(self._decode, kv_heads, splits)](
+            q, out, kv_layer, tables, self.meta.context_lens_tensor, self._decode_seqs,
+            self._decode_rows, partials, scale * LOG2E, split_tokens,
+            q.stride(), out.stride(), kv_layer.stride(), tables.stride(),
+            BLOCK_H=_pow2(common["GROUP"]), BLOCK_N=block_n, SPLITS=splits, num_warps=warps,
+            **common,
+        )  # fmt: skip
+        if splits > 1:
+            self._kernels.decode_reduce[(self._decode, heads)](
+                out, self._decode_rows, partials, out.stride(),
+                HEAD_DIM=common["HEAD_DIM"], BLOCK_D=common["BLOCK_D"], SPLITS=splits,
+                num_warps=4,
+            )  # fmt: skip
+
+    def _splits(self, kv_heads: int, block_n: int) -> tuple[int, int]:
+        """(splits, tokens per split) of the decode rows' contexts: a power of two (the merge's
+        arange), enough for `target_programs` programs, none shorter than `split_tokens`."""
+        config = self._config
+        wanted = min(
+            config.max_splits,
+            -(-config.target_programs // (self._decode * kv_heads)),
+            -(-self._longest_decode // config.split_tokens),
+        )
+        splits = 1 << (max(wanted, 1).bit_length() - 1)
+        tokens = -(-self._longest_decode // splits)
+        return splits, -(-tokens // block_n) * block_n
+
+
+class TritonBackend(AttentionBackend):
+    """Triton kernels on CUDA tensors (or on CPU tensors in triton's interpreter)."""
+
+    name = "triton"
+
+    def __init__(self, config: TritonConfig | None = None) -> None:
+        self._config = config or TritonConfig()
+        for size in (self._config.prefill_block_m, self._config.block_n):
+            if size < 16 or size & (size - 1):
+                raise ValueError(f"triton attention tiles are powers of two >= 16, not {size}")
+        self._kernels = importlib.import_module("pdserve.model.triton_kernels")
+
+    def plan(self, meta: AttentionMetadata) -> AttentionStep:
+        return _TritonStep(meta, self._kernels, self._config)

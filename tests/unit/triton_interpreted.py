@@ -1,0 +1,121 @@
+"""The triton backend's kernels against the reference (fp32 tolerance) in triton's interpreter:
+run only by tests/unit/test_triton_attention.py, in a fresh process with TRITON_INTERPRET=1 (this
+file is not named test_*, so the session never collects it: triton must not be imported there
+in interpreter mode). Decode rows of ragged lengths (one context split or several), prefill
+chunks after a prefix hit (block-aligned or not), a prompt prefilled in two chunks, prefill and
+decode mixed, GQA and MHA, head sizes 32, 64 and 48 (padded), strided queries, bfloat16 and
+float16."""
+
+import os
+import random
+
+import pytest
+import torch
+from test_attention_backends import BLOCK, metadata
+
+from pdserve.model.attention import AttentionMetadata, ReferenceBackend
+from pdserve.model.triton_attention import TritonBackend, TritonConfig
+
+assert os.environ.get("TRITON_INTERPRET") == "1", "run by tests/unit/test_triton_attention.py"
+
+# Small tiles for the interpreter (it runs every program in Python); contexts above 32 tokens are
+# split into up to 4 when there are few decode rows, which `ONE_SPLIT` turns off.
+SMALL = TritonConfig(prefill_block_m=16, block_n=16, split_tokens=32, target_programs=64)
+ONE_SPLIT = TritonConfig(prefill_block_m=16, block_n=32, split_tokens=4096)
+TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 2e-3}
+
+
+def test_the_kernels_run_in_the_interpreter() -> None:
+    assert TritonBackend()._kernels.INTERPRET
+
+
+def cache(blocks: int, kv_heads: int, head_dim: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    """A random 2-layer cache's second layer: the strided view attention gets."""
+    generator = torch.Generator().manual_seed(seed)
+    full = torch.randn(blocks, 2, 2, BLOCK, kv_heads, head_dim, generator=generator)
+    return full.to(dtype)[:, 1]
+
+
+def tables_for(chunks: list[tuple[int, int]], seed: int) -> list[list[int]]:
+    """Shuffled, disjoint block tables (block 0 left out: it pads the tables)."""
+    needed = [-(-(start + count) // BLOCK) for start, count in chunks]
+    ids = list(range(1, sum(needed) + 4))
+    random.Random(seed).shuffle(ids)
+    starts = [sum(needed[:i]) for i in range(len(needed))]
+    return [ids[s : s + n] for s, n in zip(starts, needed, strict=True)]
+
+
+def check(
+    q: torch.Tensor,
+    kv_layer: torch.Tensor,
+    meta: AttentionMetadata,
+    config: TritonConfig = SMALL,
+) -> None:
+    scale = q.shape[-1] ** -0.5
+    expected = ReferenceBackend().plan(meta).attend(q.float(), kv_layer.float(), scale)
+    got = TritonBackend(config).plan(meta).attend(q, kv_layer, scale)
+    assert got.shape == q.shape and got.dtype == q.dtype
+    tolerance = TOLERANCE[q.dtype]
+    torch.testing.assert_close(got.float(), expected, rtol=tolerance, atol=tolerance)
+
+
+def run_case(
+    chunks: list[tuple[int, int]],
+    heads: int,
+    kv_heads: int,
+    head_dim: int = 32,
+    dtype: torch.dtype = torch.float32,
+    config: TritonConfig = SMALL,
+    q_head_stride: int = 1,
+) -> None:
+    """`q_head_stride` > 1: the queries are every so many heads of a wider tensor (strided)."""
+    seed = heads * 7 + head_dim + len(chunks)
+    tables = tables_for(chunks, seed)
+    kv_layer = cache(max(max(t) for t in tables) + 1, kv_heads, head_dim, dtype, seed)
+    generator = torch.Generator().manual_seed(seed + 1)
+    tokens = sum(n for _, n in chunks)
+    q = torch.randn(tokens, heads * q_head_stride, head_dim, generator=generator)
+    check(q.to(dtype)[:, ::q_head_stride], kv_layer, metadata(chunks, tables), config)
+
+
+CASES = {
+    "decode_ragged": [(0, 1), (37, 1), (15, 1), (200, 1), (64, 1)],
+    "prefill_after_aligned_hit": [(32, 40)],
+    "prefill_after_unaligned_hit": [(37, 29)],
+    "prefill_and_decode": [(0, 23), (90, 1), (16, 17), (5, 1), (47, 1), (0, 1)],
+}
+HEADS = [(8, 2), (4, 4)]
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize(("heads", "kv_heads"), HEADS)
+def test_the_kernels_equal_the_reference(case: str, heads: int, kv_heads: int) -> None:
+    run_case(CASES[case], heads, kv_heads)
+
+
+@pytest.mark.parametrize("case", ["decode_ragged", "prefill_and_decode"])
+def test_head_size_64_and_one_decode_split(case: str) -> None:
+    run_case(CASES[case], 8, 2, head_dim=64, config=ONE_SPLIT)
+
+
+def test_a_head_size_below_a_power_of_two_and_strided_queries() -> None:
+    """Head size 48 (the kernels pad it to 64 and mask) and q with a head stride of 2 heads."""
+    run_case(CASES["prefill_and_decode"], 4, 2, head_dim=48, q_head_stride=2)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_16_bit_caches(dtype: torch.dtype) -> None:
+    run_case([(0, 20), (70, 1), (33, 1), (9, 12)], 8, 2, dtype=dtype)
+
+
+def test_a_prompt_prefilled_in_two_chunks_then_decoded() -> None:
+    """Each step writes its new tokens' K/V with the step's write_kv, then attends to them."""
+    heads, kv_heads, dim, prompt = 8, 2, 32, 45
+    table = tables_for([(0, prompt + 1)], seed=5)
+    kv_layer = cache(max(table[0]) + 1, kv_heads, dim, torch.float32, seed=5).zero_()
+    generator = torch.Generator().manual_seed(6)
+    for start, count in [(0, 19), (19, prompt - 19), (prompt, 1)]:
+        meta = metadata([(start, count)], table)
+        k, v = (torch.randn(count, kv_heads, dim, generator=generator) for _ in range(2))
+        TritonBackend(SMALL).plan(meta).write_kv(kv_layer, k, v)
+        check(torch.randn(count, heads, dim, generator=generator), kv_layer, meta)
