@@ -127,6 +127,36 @@ class MLP(nn.Module):
         return out
 
 
+class PackedLinear(nn.Module):
+    """A Linear whose weight oneDNN packed for this CPU's matrix kernels once, at load: 2-4x
+    faster here than `F.linear` (MKL) from one row to a 512-token chunk (measured). The packed
+    weight is an opaque oneDNN tensor, used only through `_linear_pointwise`."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        weight = linear.weight.detach()
+        self.shape = tuple(weight.shape)
+        self.packed: torch.Tensor
+        self.register_buffer("packed", _pack(weight), persistent=False)
+        self.bias = linear.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(
+            x, self.packed, self.bias, "none", [], ""
+        )
+        return out
+
+
+def _pack(weight: torch.Tensor) -> torch.Tensor:
+    packed: torch.Tensor = torch.ops.mkldnn._reorder_linear_weight(weight)
+    return packed
+
+
+def can_pack(device: torch.device) -> bool:
+    """oneDNN's packed linear is there: a CPU torch built with it."""
+    return device.type == "cpu" and bool(torch.backends.mkldnn.is_available())  # type: ignore[no-untyped-call]
+
+
 def _fused(*parts: nn.Linear) -> nn.Linear:
     """One Linear computing `parts` side by side (their outputs concatenated, in order)."""
     weight = torch.cat([p.weight for p in parts])
@@ -186,6 +216,17 @@ class CausalLM(nn.Module):
             assert isinstance(layer, DecoderLayer)
             layer.self_attn.fuse()
             layer.mlp.fuse()
+
+    def pack(self) -> None:
+        """Pack every projection (and an untied LM head) for oneDNN (`PackedLinear`); CPU."""
+        for layer in self.model.layers:
+            assert isinstance(layer, DecoderLayer)
+            for module in (layer.self_attn, layer.mlp):
+                for name, child in list(module.named_children()):
+                    if isinstance(child, nn.Linear):
+                        setattr(module, name, PackedLinear(child))
+        if not self.config.tie_word_embeddings:
+            self.lm_head = PackedLinear(self.lm_head)  # type: ignore[assignment]
 
     def tie_weights(self) -> None:
         """Share the embedding with the LM head when the config says so (after loading)."""

@@ -11,7 +11,7 @@ from safetensors import safe_open
 
 from pdserve.errors import ModelLoadError
 from pdserve.model.config import ModelConfig, parse_dtype
-from pdserve.model.llama import CausalLM, RotaryEmbedding
+from pdserve.model.llama import CausalLM, RotaryEmbedding, can_pack
 from pdserve.model.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -57,6 +57,8 @@ def load_model(
     _load_weights(model, model_dir, torch_dtype, torch_device)
     model.tie_weights()
     model.fuse()
+    if can_pack(torch_device):
+        model.pack()
     model.rotary = RotaryEmbedding(config, context).to(torch_device)  # meta buffers, rebuilt
     model.eval()
     tag = _model_tag(model_dir, torch_dtype)

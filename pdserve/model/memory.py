@@ -124,8 +124,9 @@ def weight_bytes(model: CausalLM) -> int:
     seen: set[int] = set()
     total = 0
     for tensor in (*model.parameters(), *model.buffers()):
-        if tensor.data_ptr() not in seen:  # tied embeddings count once
-            seen.add(tensor.data_ptr())
+        key = id(tensor) if tensor.is_mkldnn else tensor.data_ptr()  # oneDNN-packed: no pointer
+        if key not in seen:  # tied embeddings count once
+            seen.add(key)
             total += tensor.numel() * tensor.element_size()
     return total
 
