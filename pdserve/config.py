@@ -57,8 +57,9 @@ REDIS_SCHEMES = ("redis", "rediss", "unix")
 SHARED_ENGINE_FIELDS = ("model", "block_size", "dtype")
 # PDSERVE_* variables read outside this module, so known even though no setting is loaded from
 # them: services/controller/admin_cli.py reads PDSERVE_ADMIN_TOKEN without loading a config, and
-# services/controller/admin.py falls back to it when admin.token is unset.
-EXTERNAL_VARIABLES = frozenset({"PDSERVE_ADMIN_TOKEN"})
+# services/controller/admin.py falls back to it when admin.token is unset;
+# pdserve/model/cpu_kernels.py reads PDSERVE_KERNEL_CACHE (where compiled kernels are cached).
+EXTERNAL_VARIABLES = frozenset({"PDSERVE_ADMIN_TOKEN", "PDSERVE_KERNEL_CACHE"})
 
 
 def _check_choice(where: str, value: str, choices: tuple[str, ...]) -> None:
