@@ -93,12 +93,15 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         num_tokens = x.shape[0]
         if self.qkv_proj is not None:
-            q, k, v = self.qkv_proj(x).split(self.sizes, dim=-1)
+            qkv = self.qkv_proj(x)
         else:
-            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        q = rotation(q.view(num_tokens, self.num_heads, self.head_dim))
-        k = rotation(k.view(num_tokens, self.num_kv_heads, self.head_dim))
-        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+            qkv = torch.cat((self.q_proj(x), self.k_proj(x), self.v_proj(x)), dim=-1)
+        qk_size = self.sizes[0] + self.sizes[1]
+        # q and k side by side are rotated together (one rotation's ops for both)
+        heads = (self.num_heads, self.num_kv_heads)
+        qk = rotation(qkv[:, :qk_size].view(num_tokens, sum(heads), self.head_dim))
+        q, k = torch.split(qk, list(heads), dim=1)
+        v = qkv[:, qk_size:].view(num_tokens, self.num_kv_heads, self.head_dim)
         step.write_kv(kv_layer, k, v)
         out = step.attend(q, kv_layer, self.scale)
         projected: torch.Tensor = self.o_proj(out.reshape(num_tokens, -1))

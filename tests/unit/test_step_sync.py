@@ -60,3 +60,21 @@ def test_a_decode_step_never_waits_for_the_device(tiny_model_dir: Path, backend:
     assert len(ops.names) > 50  # the whole forward was seen
     assert SYNCING.isdisjoint(ops.names), sorted(SYNCING & set(ops.names))
     assert ops.to_host == []
+
+
+OPS_PER_LAYER = 43  # aten ops (views included) of one decoder layer in a decode step, at most
+
+
+def test_a_decode_step_runs_few_ops_per_layer(tiny_model_dir: Path) -> None:
+    """Fused q/k/v and gate/up, one rotation for q and k, rotary tables once per step: the
+    count is pinned so that a change that adds ops per layer shows up (52 before the fusion)."""
+    loaded = load_model(tiny_model_dir)
+    loaded.model.attention = make_backend("cpu", torch.device("cpu"))
+    runner = ModelRunner.create(loaded.model, 32, 16, loaded.dtype)
+    runner.execute([SequenceChunk(list(range(5, 40)), 0, [1, 2, 3], True)])
+    decode = [SequenceChunk([7], 35, [1, 2, 3], True), SequenceChunk([8], 0, [9], True)]
+    input_ids, positions, meta = runner._prepare(decode)
+    with Ops() as ops:
+        loaded.model(input_ids, positions, runner.kv_cache, meta)
+    layers = loaded.config.num_layers
+    assert len(ops.names) <= OPS_PER_LAYER * layers + 8, len(ops.names) / layers
