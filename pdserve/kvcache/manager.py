@@ -201,11 +201,12 @@ class KVCacheManager:
             raise IntegrityError(
                 f"request {request.request_id} has {len(hashes)} block hashes, needs {num_full}"
             )
-        stored = []
+        stored: list[tuple[int, BlockHash]] = []
+        if start and hashes[start - 1] not in self.prefix_cache:
+            stored += self._republish(hashes, table, start)
         for i in range(start, num_full):
-            if self.prefix_cache.insert(hashes[i], table[i]):
+            if self._publish(hashes, table, i):
                 stored.append((table[i], hashes[i]))
-                self.eviction.published(table[i], hashes[i], hashes[i - 1] if i else None, i)
         self._num_published[request.request_id] = num_full
         if stored and self._event_sink is not None:
             self._event_sink(BlockStored(tuple(h for _, h in stored)))
@@ -268,6 +269,27 @@ class KVCacheManager:
         self._tables[request.request_id] = table
         self._num_published[request.request_id] = len(table)
         return table
+
+    def _publish(self, hashes: Sequence[BlockHash], table: Sequence[int], index: int) -> bool:
+        """Publish block `index` of a table; False when another block holds its hash."""
+        if not self.prefix_cache.insert(hashes[index], table[index]):
+            return False
+        parent = hashes[index - 1] if index else None
+        self.eviction.published(table[index], hashes[index], parent, index)
+        return True
+
+    def _republish(
+        self, hashes: Sequence[BlockHash], table: Sequence[int], end: int
+    ) -> list[tuple[int, BlockHash]]:
+        """Publish the request's own copies of its blocks before `end` whose hashes are no
+        longer published. They were duplicates when computed (another block held the hash, and
+        has been evicted since); without them the blocks published next would hang under an
+        unpublished parent, unreachable by any lookup. The request holds them, so their bytes
+        are intact."""
+        first = end
+        while first > 0 and hashes[first - 1] not in self.prefix_cache:
+            first -= 1
+        return [(table[i], hashes[i]) for i in range(first, end) if self._publish(hashes, table, i)]
 
     def _unpublish(self, block_ids: Sequence[int]) -> None:
         if self._write_back is not None and self._write_back.write_on_evict:

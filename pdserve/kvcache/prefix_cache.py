@@ -39,6 +39,9 @@ class PrefixCache:
     def hash_of(self, block_id: int) -> BlockHash | None:
         return self._hash_of.get(block_id)
 
+    def __contains__(self, block_hash: BlockHash) -> bool:
+        return block_hash in self._block_of
+
     def insert(self, block_hash: BlockHash, block_id: int) -> bool:
         """Publish `block_id` under `block_hash`.
 

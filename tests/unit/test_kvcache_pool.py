@@ -449,6 +449,28 @@ def test_match_prefix_misses_when_prefill_not_completed(make_manager: ManagerFac
     manager.check_integrity()
 
 
+def test_a_duplicate_computed_while_its_twin_was_evicted_is_published_before_its_children(
+    make_manager: ManagerFactory,
+) -> None:
+    """Two requests compute the same blocks; the second's copies lose to the first's. The first
+    is freed and its blocks evicted; when the second publishes its next block, its own copies
+    of the earlier ones are published first, so the whole chain stays reachable (found by the
+    stateful test: a published block under an unpublished parent)."""
+    manager = make_manager(num_blocks=8)
+    prompt = tokens(3 * BLOCK_SIZE)
+    first, second = FakeRequest("a", list(prompt)), FakeRequest("b", list(prompt))
+    manager.allocate(first, first.num_tokens)
+    manager.allocate(second, second.num_tokens)
+    assert manager.update_cache_blocks(first, 2 * BLOCK_SIZE) == 2
+    assert manager.update_cache_blocks(second, 2 * BLOCK_SIZE) == 0  # both duplicates
+    manager.free("a")
+    assert manager.evict_cached_blocks() == 2
+    assert manager.update_cache_blocks(second, 3 * BLOCK_SIZE) == 3  # two republished
+    probe = FakeRequest("probe", [*prompt, 7])
+    assert manager.match_prefix(probe).block_ids == tuple(manager.block_table("b"))
+    manager.check_integrity()
+
+
 def test_update_cache_blocks_emits_block_stored_in_chain_order(
     make_manager: ManagerFactory, events: list[KVEvent]
 ) -> None:
