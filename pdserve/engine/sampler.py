@@ -72,12 +72,12 @@ class Sampler:
             noise[torch.tensor(unseeded, device=probs.device)] = draw
         for row, (p, index) in enumerate(zip(params, output_indices, strict=True)):
             if p.seed is not None:
-                noise[row].exponential_(generator=self._seeded(p, index))
+                noise[row].exponential_(generator=self._seeded(p.seed, p.output_offset, index))
         return noise
 
-    def _seeded(self, params: SamplingParams, output_index: int) -> torch.Generator:
-        assert params.seed is not None
-        seed = (params.seed * 1_000_003 + params.output_offset + output_index) % 2**63
+    def _seeded(self, seed: int, output_offset: int, output_index: int) -> torch.Generator:
+        """The generator of a seeded request's token number `output_offset + output_index`."""
+        seed = (seed * 1_000_003 + output_offset + output_index) % 2**63
         return torch.Generator(device=self.device).manual_seed(seed)
 
 

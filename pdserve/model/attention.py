@@ -162,7 +162,6 @@ class _CpuStep(AttentionStep):
             seqs = torch.tensor(decode, device=meta.block_tables.device)
             self._decode_rows = torch.tensor([starts[i] for i in decode], device=seqs.device)
             self._tables, self._lens = meta.block_tables[seqs], meta.context_lens_tensor[seqs]
-        self._has_decode = bool(decode)
 
     def attend(self, q: torch.Tensor, kv_layer: torch.Tensor, scale: float) -> torch.Tensor:
         decode_ops = self._ops.paged_decode  # type: ignore[attr-defined]
@@ -175,9 +174,8 @@ class _CpuStep(AttentionStep):
             k = _gather(kv_layer[:, 0], table)[:context]
             v = _gather(kv_layer[:, 1], table)[:context]
             out[start : start + length] = flash_prefill(q[start : start + length], k, v, scale)
-        if self._has_decode:
+        if self._decode_rows is not None:
             rows = self._decode_rows
-            assert rows is not None
             out[rows] = decode_ops(q[rows], kv_layer, self._tables, self._lens, scale)
         return out
 

@@ -3,6 +3,8 @@
 Module and parameter names mirror Hugging Face's so a checkpoint's state dict loads unchanged.
 """
 
+from typing import cast
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -200,6 +202,9 @@ class DecoderModel(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
+    def decoder_layers(self) -> list[DecoderLayer]:
+        return [cast(DecoderLayer, layer) for layer in self.layers]
+
 
 class CausalLM(nn.Module):
     """The decoder plus its LM head; `forward` returns final hidden states of the new tokens."""
@@ -215,15 +220,13 @@ class CausalLM(nn.Module):
 
     def fuse(self) -> None:
         """Fuse every layer's q/k/v and gate/up weights (after loading the checkpoint's)."""
-        for layer in self.model.layers:
-            assert isinstance(layer, DecoderLayer)
+        for layer in self.model.decoder_layers():
             layer.self_attn.fuse()
             layer.mlp.fuse()
 
     def pack(self) -> None:
         """Pack every projection (and an untied LM head) for oneDNN (`PackedLinear`); CPU."""
-        for layer in self.model.layers:
-            assert isinstance(layer, DecoderLayer)
+        for layer in self.model.decoder_layers():
             for module in (layer.self_attn, layer.mlp):
                 for name, child in list(module.named_children()):
                     if isinstance(child, nn.Linear):

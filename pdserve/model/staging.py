@@ -214,10 +214,9 @@ class KVStager:
         if self.streams is None or not block_ids:
             yield [memoryview(self._bytes[b].numpy().data) for b in block_ids]
             return
-        start, rows = self._rows_for(len(block_ids), wait=True)
-        assert rows is not None  # waited for
+        start, rows = self._rows_waiting(len(block_ids))
         try:
-            event = self._gather(block_ids, rows)
+            event = self._gather(self.streams, block_ids, rows)
             event.synchronize()
             yield [memoryview(row.numpy().data) for row in rows]
         finally:
@@ -229,17 +228,17 @@ class KVStager:
         if self.streams is None:  # the blocks may be overwritten next step: copy them now
             copies = [memoryview(bytes(self._bytes[b].numpy().data)) for b in block_ids]
             return StagedCopy(copies, None, lambda: None)
-        start, rows = self._rows_for(len(block_ids), wait=False)
-        if rows is None:
+        free = self._rows_free(len(block_ids))
+        if free is None:
             return None
-        event = self._gather(block_ids, rows)
+        start, rows = free
+        event = self._gather(self.streams, block_ids, rows)
         self._copy_out = event
         views = [memoryview(row.numpy().data) for row in rows]
         return StagedCopy(views, event, lambda: self._give(start, len(block_ids)))
 
-    def _gather(self, block_ids: Sequence[int], rows: torch.Tensor) -> Event:
-        assert self.streams is not None
-        streams, forward = self.streams, self._forward
+    def _gather(self, streams: Streams, block_ids: Sequence[int], rows: torch.Tensor) -> Event:
+        forward = self._forward
 
         def copy() -> None:
             ids = torch.tensor(block_ids, dtype=torch.long).to(self.device, non_blocking=True)
@@ -286,8 +285,7 @@ class KVStager:
                 for block_id, part in zip(block_ids, parts, strict=True):
                     self._bytes[block_id].copy_(part[0])
             return None
-        start, rows = self._rows_for(len(block_ids), wait=True)
-        assert rows is not None
+        start, rows = self._rows_waiting(len(block_ids))
         position = 0
         for part in parts:  # host memcpy into pinned memory: the DMA source
             rows[position : position + len(part)].copy_(part)
@@ -316,19 +314,23 @@ class KVStager:
                 self._rows = PinnedRows(self._staging_rows, self.block_bytes, pin)
             return self._rows
 
-    def _rows_for(self, count: int, wait: bool) -> tuple[int, torch.Tensor | None]:
-        """(first row, rows) of `count` staging rows; start -1 for a one-off buffer (more rows
-        than the ring has); rows None when not `wait` and none are free."""
+    def _rows_waiting(self, count: int) -> tuple[int, torch.Tensor]:
+        """(first row, rows) of `count` staging rows, waiting for them; start -1 for a one-off
+        buffer (more rows than the ring has)."""
         self._reap_loads()
-        if count > self.rows.rows:
-            if not wait:
-                return -1, None
+        start = self.rows.take(count, wait=True) if count <= self.rows.rows else None
+        if start is None:
             logger.debug("staging %d blocks through a one-off buffer", count)
             pin = self.device.type == "cuda"
             return -1, torch.empty((count, self.block_bytes), dtype=torch.uint8, pin_memory=pin)
-        start = self.rows.take(count, wait)
+        return start, self.rows.buffer[start : start + count]
+
+    def _rows_free(self, count: int) -> tuple[int, torch.Tensor] | None:
+        """`_rows_waiting` without waiting: None when the ring has no `count` free rows."""
+        self._reap_loads()
+        start = self.rows.take(count, wait=False)
         if start is None:
-            return -1, None
+            return None
         return start, self.rows.buffer[start : start + count]
 
     def _give(self, start: int, count: int) -> None:
