@@ -160,7 +160,9 @@ class LLMEngine:
             if tier is not None
             else None
         )
-        kv_cache = _kv_cache_manager(config, plan.num_blocks, event_sink, connector)
+        kv_cache = _kv_cache_manager(
+            config, plan.num_blocks, event_sink, connector, runner.block_tables.forget
+        )
         scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens),
             kv_cache,
@@ -357,6 +359,7 @@ class LLMEngine:
                 block_table=self.kv_cache.block_table(c.request.request_id),
                 needs_logits=c.completes_known_tokens,
                 all_logits=_wants_prompt_logprobs(c.request),
+                seq_id=c.request.request_id,
             )
             for c in scheduled.chunks
         ]
@@ -498,12 +501,15 @@ class LLMEngine:
         request between admission steps on another thread). Every block table must belong to a
         live request or to one of the `reserved` ids (a decode instance's reservations); a
         running or transferring request's table covers its computed tokens; a preempted one
-        holds none."""
+        holds none; the model runner keeps block-table rows of live allocations only."""
         self.kv_cache.check_integrity()
         owners = set(self.scheduler.requests) | set(reserved)
         orphans = sorted(set(self.kv_cache.request_ids()) - owners)
         if orphans:
             raise IntegrityError(f"block tables without a live request: {', '.join(orphans)}")
+        stale = sorted(set(self.runner.block_tables.seq_ids()) - set(self.kv_cache.request_ids()))
+        if stale:
+            raise IntegrityError(f"block-table rows of freed allocations: {', '.join(stale)}")
         if self.storage is not None:
             self.storage.check_integrity(owners)
         for request_id, request in self.scheduler.requests.items():
@@ -537,6 +543,7 @@ def _kv_cache_manager(
     num_blocks: int,
     event_sink: KVEventSink | None,
     connector: StorageConnector | None,
+    on_free: Callable[[str], None],
 ) -> KVCacheManager:
     eviction = make_eviction_policy(
         config.eviction_policy,
@@ -551,6 +558,7 @@ def _kv_cache_manager(
         event_sink=event_sink,
         write_back=connector,
         eviction=eviction,
+        on_free=on_free,
     )
 
 

@@ -12,7 +12,7 @@ logits are needed. Not thread-safe: the owner (the scheduler) serialises calls.
 
 import logging
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -89,7 +89,10 @@ class KVCacheManager:
         event_sink: KVEventSink | None = None,
         write_back: WriteBack | None = None,
         eviction: EvictionPolicy | None = None,
+        on_free: Callable[[str], None] | None = None,
     ) -> None:
+        """`on_free(request_id)` is called when a request's block table is freed (the model
+        runner drops the table's persistent row)."""
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
         self.block_size = block_size
@@ -101,6 +104,7 @@ class KVCacheManager:
         self._tables: dict[str, list[int]] = {}
         self._num_published: dict[str, int] = {}
         self._write_back = write_back
+        self._on_free = on_free
 
     # -- queries (no side effects) ------------------------------------------------------------
 
@@ -222,6 +226,8 @@ class KVCacheManager:
         num_published = self._num_published.pop(request_id, 0)
         if table is None:
             return
+        if self._on_free is not None:
+            self._on_free(request_id)
         sink = self._write_back
         if preempted and sink is not None and sink.write_on_preempt:
             published = [(b, self.prefix_cache.hash_of(b)) for b in table[:num_published]]

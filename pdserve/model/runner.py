@@ -1,5 +1,6 @@
 """ModelRunner: owns the paged KV cache and runs one forward pass over a batch of chunks."""
 
+import itertools
 import logging
 import math
 import os
@@ -11,6 +12,7 @@ from multiprocessing import shared_memory
 import torch
 
 from pdserve.model.attention import AttentionMetadata
+from pdserve.model.batch import BlockTables, token_index
 from pdserve.model.llama import CausalLM
 from pdserve.model.staging import DEFAULT_STAGING_BYTES, CudaStreams, KVStager
 
@@ -26,6 +28,7 @@ class SequenceChunk:
     block_table: Sequence[int]  # covers at least start_pos + len(token_ids) tokens
     needs_logits: bool  # compute logits for the last token (end of prefill, or decode)
     all_logits: bool = False  # also every position's (prompt logprobs)
+    seq_id: str | None = None  # keeps the sequence's block-table row across steps (`BlockTables`)
 
 
 def kv_cache_shape(model: CausalLM, num_blocks: int, block_size: int) -> tuple[int, ...]:
@@ -80,6 +83,7 @@ class ModelRunner:
         self.segment = segment  # the KV cache's shared-memory segment, if it lives in one
         streams = CudaStreams(self.device) if self.device.type == "cuda" else None
         self.stager = KVStager(kv_cache, streams, staging_bytes)  # every block <-> host copy
+        self.block_tables = BlockTables(self.device)  # rows by sequence id, across steps
 
     @classmethod
     def create(
@@ -151,33 +155,42 @@ class ModelRunner:
     def _prepare(
         self, chunks: Sequence[SequenceChunk]
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        token_ids: list[int] = []
-        positions: list[int] = []
-        slot_blocks: list[int] = []
-        slot_offsets: list[int] = []
+        """The step's inputs from per-sequence values: one host tensor of starts, new-token
+        counts and context lengths, the token ids and the sequences' block-table rows go to the
+        device (asynchronously on CUDA); positions and slots are computed there."""
         size = self.block_size
-        for chunk in chunks:
-            token_ids.extend(chunk.token_ids)
-            chunk_positions = range(chunk.start_pos, chunk.start_pos + len(chunk.token_ids))
-            positions.extend(chunk_positions)
-            slot_blocks.extend(chunk.block_table[p // size] for p in chunk_positions)
-            slot_offsets.extend(p % size for p in chunk_positions)
-        context_lens = [c.start_pos + len(c.token_ids) for c in chunks]
-        max_blocks = max(-(-n // size) for n in context_lens)
-        tables = [list(c.block_table[:max_blocks]) for c in chunks]
-        padded = [t + [0] * (max_blocks - len(t)) for t in tables]
         query_lens = [len(c.token_ids) for c in chunks]
-
-        def tensor(values: list[int] | list[list[int]]) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.long, device=self.device)
-
+        context_lens = [c.start_pos + n for c, n in zip(chunks, query_lens, strict=True)]
+        blocks = [-(-n // size) for n in context_lens]
+        rows = [
+            self.block_tables.row(c.seq_id, c.block_table, n)
+            if c.seq_id
+            else self.block_tables.scratch(c.block_table, n)
+            for c, n in zip(chunks, blocks, strict=True)
+        ]
+        block_tables = self.block_tables.gather(rows, max(blocks))
+        for chunk, row in zip(chunks, rows, strict=True):
+            if not chunk.seq_id:
+                self.block_tables.release_scratch(row)
+        per_seq = self._to_device([[c.start_pos for c in chunks], query_lens, context_lens])
+        token_ids = self._to_device(
+            list(itertools.chain.from_iterable(c.token_ids for c in chunks))
+        )
+        decode_only = all(n == 1 for n in query_lens)
+        index = token_index(per_seq[0], per_seq[1], block_tables, len(token_ids), size, decode_only)
         meta = AttentionMetadata(
-            slot_blocks=tensor(slot_blocks),
-            slot_offsets=tensor(slot_offsets),
+            slot_blocks=index.slot_blocks,
+            slot_offsets=index.slot_offsets,
             query_lens=query_lens,
             context_lens=context_lens,
-            block_tables=tensor(padded),
-            context_lens_tensor=tensor(context_lens),
-            decode_only=all(n == 1 for n in query_lens),
+            block_tables=block_tables,
+            context_lens_tensor=per_seq[2],
+            decode_only=decode_only,
         )
-        return tensor(token_ids), tensor(positions), meta
+        return token_ids, index.positions, meta
+
+    def _to_device(self, values: list[int] | list[list[int]]) -> torch.Tensor:
+        host = torch.tensor(values, dtype=torch.long)
+        if self.device.type == "cuda":
+            return host.pin_memory().to(self.device, non_blocking=True)
+        return host

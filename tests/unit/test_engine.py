@@ -90,6 +90,7 @@ def test_preemption_keeps_output_identical_and_counts_once(make_engine: MakeEngi
     assert engine.scheduler.stats.num_preemptions > 0
     assert sum(preempted_per_step) == engine.scheduler.stats.num_preemptions
     assert engine.kv_cache.num_free_blocks == 12
+    assert len(engine.runner.block_tables) == 0  # every row went with its allocation
 
 
 def test_preemption_victim_is_the_newest_request(make_engine: MakeEngine) -> None:

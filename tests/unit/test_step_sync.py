@@ -1,6 +1,7 @@
-"""A decode step's forward (the model and the logits selection) issues no host synchronisation:
-no `.item()`, no data-dependent shapes (`nonzero`, boolean masks), no copy to the host. Recorded
-with a TorchDispatchMode over every aten op the step runs (also those the C++ kernel calls)."""
+"""A decode step (its inputs built from the persistent block-table rows, the model and the
+logits selection) issues no host synchronisation: no `.item()`, no data-dependent shapes
+(`nonzero`, boolean masks), no copy to the host. Recorded with a TorchDispatchMode over every
+aten op the step runs (also those the C++ kernel calls)."""
 
 from pathlib import Path
 
@@ -30,8 +31,9 @@ class Ops(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         name = func._schema.name
         self.names.append(name)
-        if name.startswith("aten::index") and any(
-            i is not None and i.dtype == torch.bool for i in args[1]
+        indices = args[1] if name.startswith("aten::index") else None
+        if isinstance(indices, list | tuple) and any(
+            i is not None and i.dtype == torch.bool for i in indices
         ):
             self.names.append("boolean mask")  # a data-dependent shape: nonzero inside
         result = func(*args, **(kwargs or {}))
