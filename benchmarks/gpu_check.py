@@ -17,9 +17,12 @@ One run of a few minutes, made for a short GPU lease: each section runs under it
   device memory of the load ÷ weight bytes; prefill logits against `transformers` (eager attention,
   same dtype and device); greedy tokens of `LLMEngine` against `generate(do_sample=False)`; one
   prompt's logits alone against in a batch of 4 (`ModelRunner`, prefill and one decode step);
-- decode: ms per engine step at batch 1/32/64/128 (512-token prompts, ignore_eos, warm-up first,
-  synchronised timing) against a bare `ModelRunner` loop on the same weights and batch, and against
-  the HBM roofline: (weight bytes + KV bytes read per step) ÷ HBM_BYTES_PER_S;
+- decode: ms per engine step (CUDA graphs on, the default) at batch 1/32/64/128 (512-token
+  prompts, ignore_eos, warm-up first, synchronised timing) against a bare `ModelRunner` loop on
+  the same weights and batch, and against the HBM roofline: (weight bytes + KV bytes read per
+  step) ÷ HBM_BYTES_PER_S;
+- cuda_graphs: the same decode steps with `engine.cuda_graphs` off and on (the decode section
+  runs with the default, on), and the greedy tokens of 8 prompts both ways;
 - staging: Llama-3-8B KV blocks (2 MiB: 32 layers x K,V x 16 tokens x 8 heads x 128 x 2 bytes)
   gathered by index_select and copied device -> pinned host on a copy stream (and back), runs of
   1/16/128 blocks, against a pageable `.cpu()` per block; GPU -> GPU copies (and between two
@@ -538,24 +541,39 @@ def first_difference(ours: Sequence[int], theirs: Sequence[int]) -> int:
 # -- 3. decode --------------------------------------------------------------------------------
 
 
-def decode(ctx: Context) -> dict[str, Any]:
+def decode_blocks_per_seq(ctx: Context) -> int:
+    s = ctx.sizes
+    return blocks_for(s.decode_prompt_len + s.warmup + s.steps + ENGINE_SLACK_TOKENS)
+
+
+def decode_engine(ctx: Context, capture: Any = None, **settings: Any) -> Any:
+    """An engine for the decode batches (CUDA graphs as the default, unless `settings` say;
+    `capture`: `LLMEngine.from_config`'s graph_capture)."""
     from pdserve.config import EngineConfig
     from pdserve.engine.engine import LLMEngine
-    from pdserve.model.runner import ModelRunner
 
     s = ctx.sizes
     biggest = max(s.batches)
-    per_seq = blocks_for(s.decode_prompt_len + s.warmup + s.steps + ENGINE_SLACK_TOKENS)
     config = EngineConfig(
         model=str(model_path(ctx)),
         device=str(ctx.device),
         dtype=s.dtype,
         block_size=BLOCK_SIZE,
-        num_kv_blocks=biggest * per_seq + 16,
+        num_kv_blocks=biggest * decode_blocks_per_seq(ctx) + 16,
         max_num_seqs=biggest,
         max_num_batched_tokens=s.prefill_budget,
+        **settings,
     )
-    engine = LLMEngine.from_config(config)
+    return LLMEngine.from_config(config, graph_capture=capture)
+
+
+def decode(ctx: Context) -> dict[str, Any]:
+    from pdserve.model.runner import ModelRunner
+
+    s = ctx.sizes
+    biggest = max(s.batches)
+    per_seq = decode_blocks_per_seq(ctx)
+    engine = decode_engine(ctx)
     loaded = engine.loaded
     runner = ModelRunner.create(loaded.model, biggest * per_seq, BLOCK_SIZE, loaded.dtype)
     kv_per_token = loaded.config.kv_bytes_per_token(loaded.dtype)
@@ -586,6 +604,49 @@ def decode(ctx: Context) -> dict[str, Any]:
         "kv_bytes_per_token": kv_per_token,
         "batches": batches,
     }
+
+
+def cuda_graphs(ctx: Context) -> dict[str, Any]:
+    """The decode step with `engine.cuda_graphs` off and on (the default on CUDA): ms per step at
+    the smallest and largest batch, the engine's start time (capture included), and whether 8
+    prompts decode to the same greedy tokens both ways. Without CUDA (`--smoke`) the "graphs"
+    engine replays its static buffers eagerly (`eager_capture`): the script's path, not a
+    graph."""
+    from pdserve.engine.request import SamplingParams
+    from pdserve.model.graphs import eager_capture
+
+    s = ctx.sizes
+    vocab = int(s.arch["vocab_size"])
+    result: dict[str, Any] = {}
+    tokens: dict[str, list[list[int]]] = {}
+    for graphs in (False, True):
+        name = "graphs" if graphs else "eager"
+        start = time.perf_counter()
+        if ctx.cuda:
+            engine = decode_engine(ctx, cuda_graphs=graphs)
+        else:  # --smoke on CPU: the same steps with the graphs' buffers, replayed eagerly
+            engine = decode_engine(ctx, capture=eager_capture if graphs else None)
+        ctx.sync()
+        figures: dict[str, Any] = {"start_s": time.perf_counter() - start, "decode_ms": {}}
+        for batch in (min(s.batches), max(s.batches)):
+            prompts = random_prompts(batch, s.decode_prompt_len, vocab, batch)
+            figures["decode_ms"][str(batch)] = median(engine_decode_ms(ctx, engine, prompts))
+        params = SamplingParams(max_tokens=s.greedy_tokens, ignore_eos=True)
+        done = engine.generate(random_prompts(8, 64, vocab, seed=7), params)
+        tokens[name] = [list(c.token_ids) for c in done]
+        result[name] = figures
+        log(ctx, f"cuda_graphs: {name}: {figures['decode_ms']} ms per step")
+        del engine
+        release(ctx)
+    same = sum(
+        first_difference(a, b) for a, b in zip(tokens["eager"], tokens["graphs"], strict=True)
+    )
+    result["greedy_agree"] = same / sum(len(t) for t in tokens["eager"])
+    result["captured"] = ctx.cuda  # False: eager replays (--smoke), not graphs
+    for batch in result["eager"]["decode_ms"]:
+        eager, graphed = result["eager"]["decode_ms"][batch], result["graphs"]["decode_ms"][batch]
+        result[f"speedup_b{batch}"] = eager / graphed
+    return result
 
 
 def weight_bytes_read(model: Any, batch: int) -> int:
@@ -972,6 +1033,7 @@ SECTIONS: tuple[tuple[str, Callable[[Context], dict[str, Any]], float], ...] = (
     ("environment", environment, 30.0),
     ("correctness", correctness, 150.0),
     ("decode", decode, 150.0),
+    ("cuda_graphs", cuda_graphs, 120.0),
     ("staging", staging, 60.0),
     ("cuda_ipc", cuda_ipc, 90.0),
     ("memory", memory, 60.0),
@@ -1056,6 +1118,9 @@ def headline(ctx: Context, results: Mapping[str, Any]) -> dict[str, float | None
         f"roofline_frac_b{high}": dig(
             results, "decode", "batches", high, "roofline", "engine_frac"
         ),
+        "graphs_agree": dig(results, "cuda_graphs", "greedy_agree"),
+        f"graphs_speedup_b{low}": dig(results, "cuda_graphs", f"speedup_b{low}"),
+        f"graphs_speedup_b{high}": dig(results, "cuda_graphs", f"speedup_b{high}"),
         "stage_d2h_gbps": pinned,
         "stage_h2d_gbps": dig(results, "staging", "pinned", run, "h2d_gbps"),
         "stage_vs_pageable": pinned / pageable if pinned and pageable else None,

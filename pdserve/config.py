@@ -87,6 +87,9 @@ class EngineConfig:
     max_num_batched_tokens: int = 512  # token budget per step (chunked prefill splits prompts)
     # auto (CPU: the C++ kernel where it builds; CUDA: triton) | reference | cpu | triton
     attention_backend: str = "auto"
+    # CUDA graphs of the decode forward at batch sizes 1, 2, 4, 8, 16, 32, ... max_num_seqs
+    # (a batch is padded up to the next size); None = on for CUDA devices, off on CPU
+    cuda_graphs: bool | None = None
     enable_prefix_caching: bool = True
     # which cached block a full pool reuses: lrfu (frequency and recency over the prefix tree;
     # its scores halve every lrfu_half_life_s and outlive eviction, at most lrfu_score_capacity
@@ -118,6 +121,11 @@ class EngineConfig:
             )
         if not DEVICE_PATTERN.fullmatch(self.device):
             raise ConfigError(f"engine.device must be cpu, cuda or cuda:N, got {self.device!r}")
+        if self.cuda_graphs and self.device == "cpu":
+            raise ConfigError(
+                "engine.cuda_graphs needs a CUDA device (engine.device is cpu): leave it unset "
+                "or set it to false"
+            )
 
 
 @dataclass(frozen=True, slots=True)

@@ -17,6 +17,7 @@ from pdserve.engine.sampler import Sampler, token_logprob
 from pdserve.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from pdserve.engine.storage_connector import StorageConnector
 from pdserve.errors import (
+    ConfigError,
     IntegrityError,
     InvalidRequestError,
     PromptTooLongError,
@@ -27,6 +28,7 @@ from pdserve.kvcache.eviction import make_eviction_policy
 from pdserve.kvcache.hashing import BlockHash, BlockHasher, PromptHashes
 from pdserve.kvcache.manager import KVCacheManager
 from pdserve.model.attention import make_backend
+from pdserve.model.graphs import Capture, capture_sizes
 from pdserve.model.loader import LoadedModel, load_model
 from pdserve.model.memory import (
     KVPlan,
@@ -130,10 +132,13 @@ class LLMEngine:
         shared_kv_cache: bool = False,
         storage: StorageTierFactory | None = None,
         wake: Callable[[], None] = lambda: None,
+        graph_capture: Capture | None = None,
     ) -> "LLMEngine":
         """An engine for `config`; `shared_kv_cache` puts a CPU KV cache in shared memory;
         `storage(tag)` builds the storage tier for the engine's KV layout tag (None: no tier);
-        `wake` is called from other threads when a storage read finished (must not block)."""
+        `wake` is called from other threads when a storage read finished (must not block);
+        `graph_capture` records the decode graphs (default: CUDA graphs, when
+        `engine.cuda_graphs` resolves on; tests pass `eager_capture`)."""
         if config.torch_threads is not None:
             torch.set_num_threads(config.torch_threads)
         model_dir = config.model or default_model_dir()
@@ -146,6 +151,10 @@ class LLMEngine:
         plan, memory = size_kv_cache(config, loaded, device_memory)
         context = check_context(plan, loaded.max_model_len, config.max_model_len is not None)
         logger.info("%s", describe(plan, memory, weight_bytes(loaded.model), context))
+        graphs = graph_capture is not None or _cuda_graphs(config, device)
+        pool_blocks = plan.num_blocks - 1 if graphs else plan.num_blocks  # the last: padding
+        if pool_blocks < 1:
+            raise ConfigError("the KV cache holds one block: CUDA graphs need a second one")
         runner = ModelRunner.create(
             loaded.model,
             plan.num_blocks,
@@ -161,7 +170,7 @@ class LLMEngine:
             else None
         )
         kv_cache = _kv_cache_manager(
-            config, plan.num_blocks, event_sink, connector, runner.block_tables.forget
+            config, pool_blocks, event_sink, connector, runner.block_tables.forget
         )
         scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens),
@@ -171,6 +180,9 @@ class LLMEngine:
         sampler = Sampler(loaded.device, config.seed)
         engine = cls(loaded, kv_cache, scheduler, runner, sampler, connector)
         engine.kv_plan, engine.memory = plan, memory
+        if graphs:
+            max_blocks = -(-engine.max_model_len // config.block_size)
+            runner.capture_graphs(capture_sizes(config.max_num_seqs), max_blocks, graph_capture)
         return engine
 
     # -- requests -----------------------------------------------------------------------------
@@ -532,6 +544,12 @@ class LLMEngine:
                 f"the prompt has {len(token_ids)} tokens but the context window is "
                 f"{self.max_model_len} tokens (at least one is needed for output); shorten it"
             )
+
+
+def _cuda_graphs(config: EngineConfig, device: torch.device) -> bool:
+    """`engine.cuda_graphs`, resolved: unset means on for CUDA devices (a CPU device with it on
+    is refused by `EngineConfig`)."""
+    return device.type == "cuda" if config.cuda_graphs is None else config.cuda_graphs
 
 
 def _newest_logprob(request: Request) -> tuple[TokenLogprob, ...]:

@@ -85,6 +85,11 @@ class BlockTables:
         return self._free.pop()
 
     def _write(self, row: _Row, num_blocks: int) -> None:
+        if len(row.table) < num_blocks:
+            raise ValueError(
+                f"a block table of {len(row.table)} blocks cannot hold a step that needs "
+                f"{num_blocks}"
+            )
         if num_blocks > self._host.shape[1]:
             self._grow(self._host.shape[0], width=max(num_blocks, 2 * self._host.shape[1]))
         new = row.table[row.written : num_blocks]

@@ -244,10 +244,17 @@ class CausalLM(nn.Module):
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         kv_cache: torch.Tensor,
-        meta: AttentionMetadata,
+        meta: AttentionMetadata | None = None,
+        *,
+        step: AttentionStep | None = None,
     ) -> torch.Tensor:
+        """Final hidden states of the new tokens; attention by `step`, else planned from
+        `meta` (one of them is given)."""
         x = self.model.embed_tokens(input_ids)
-        step = self.attention.plan(meta)
+        if step is None:
+            if meta is None:
+                raise ValueError("the forward needs the batch's attention metadata or plan")
+            step = self.attention.plan(meta)
         rotation = self.rotary.tables(positions, x.dtype)
         for index, layer in enumerate(self.model.layers):
             x = layer(x, rotation, kv_cache[:, index], step)

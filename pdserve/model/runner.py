@@ -4,6 +4,7 @@ import itertools
 import logging
 import math
 import os
+import time
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -13,6 +14,7 @@ import torch
 
 from pdserve.model.attention import AttentionMetadata
 from pdserve.model.batch import BlockTables, token_index
+from pdserve.model.graphs import Capture, DecodeGraphs, cuda_capture
 from pdserve.model.llama import CausalLM
 from pdserve.model.staging import DEFAULT_STAGING_BYTES, CudaStreams, KVStager
 
@@ -84,6 +86,7 @@ class ModelRunner:
         streams = CudaStreams(self.device) if self.device.type == "cuda" else None
         self.stager = KVStager(kv_cache, streams, staging_bytes)  # every block <-> host copy
         self.block_tables = BlockTables(self.device)  # rows by sequence id, across steps
+        self.graphs: DecodeGraphs | None = None  # `capture_graphs`
 
     @classmethod
     def create(
@@ -125,6 +128,24 @@ class ModelRunner:
             self.segment.unlink()
             self.segment = None
 
+    def capture_graphs(
+        self, sizes: Sequence[int], max_blocks: int, capture: Capture | None = None
+    ) -> None:
+        """Capture the decode forward at `sizes` (`DecodeGraphs`) for contexts of up to
+        `max_blocks` blocks. The cache's last block is the padding rows' scratch: it must be
+        outside the block pool. `capture`: CUDA graphs unless given (tests pass eager)."""
+        start = time.perf_counter()
+        if capture is None:
+            capture = cuda_capture(torch.cuda.graph_pool_handle())
+        with torch.inference_mode():
+            self.graphs = DecodeGraphs(
+                self.model, self.kv_cache, sizes, max_blocks, self.kv_cache.shape[0] - 1, capture
+            )
+        logger.info(
+            "captured the decode forward at %d batch sizes (up to %d) in %.1f s",
+            len(sizes), max(sizes), time.perf_counter() - start,
+        )  # fmt: skip
+
     def execute(self, chunks: Sequence[SequenceChunk]) -> torch.Tensor:
         """Write the chunks' KV into their slots and return fp32 logits `[n, vocab]` for the
         chunks with `needs_logits`, in order. Mutates the KV cache slots of the new tokens only."""
@@ -138,7 +159,11 @@ class ModelRunner:
         with `all_logits` (by chunk index)."""
         input_ids, positions, meta = self._prepare(chunks)
         self.stager.before_forward()
-        hidden = self.model(input_ids, positions, self.kv_cache, meta)
+        hidden = None
+        if self.graphs is not None and not any(c.all_logits for c in chunks):
+            hidden = self.graphs.run(input_ids, positions, meta)
+        if hidden is None:
+            hidden = self.model(input_ids, positions, self.kv_cache, meta)
         self.stager.forward_done()
         rows: list[int] = []  # the last token of each chunk that wants logits
         every: dict[int, torch.Tensor] = {}

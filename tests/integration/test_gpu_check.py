@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu_check.py"
-SECTIONS = ("environment", "correctness", "decode", "staging", "cuda_ipc", "memory")
+SECTIONS = ("environment", "correctness", "decode", "cuda_graphs", "staging", "cuda_ipc", "memory")
 CUDA_ONLY = ("cuda_ipc",)
 NO_CUDA = {"skipped": "no CUDA"}
 
@@ -82,6 +82,9 @@ def test_decode_and_memory_figures_are_there(smoke: tuple[dict[str, Any], str]) 
         figures = results["decode"]["batches"][batch]
         assert figures["engine_ms"] > 0 and figures["bare_ms"] > 0
     assert results["memory"]["num_kv_blocks"] > 0 and results["memory"]["max_model_len"] > 0
+    graphs = results["cuda_graphs"]  # on CPU the graphs' buffers are replayed eagerly
+    assert graphs["captured"] is False and graphs["greedy_agree"] == 1.0
+    assert graphs["graphs"]["decode_ms"]["4"] > 0 and graphs["eager"]["decode_ms"]["4"] > 0
 
 
 def test_last_line_is_the_result_line(smoke: tuple[dict[str, Any], str]) -> None:

@@ -6,6 +6,7 @@ chunks after a prefix hit (block-aligned or not), a prompt prefilled in two chun
 decode mixed, GQA and MHA, head sizes 32, 64 and 48 (padded), strided queries, bfloat16 and
 float16."""
 
+import dataclasses
 import os
 import random
 
@@ -119,3 +120,24 @@ def test_a_prompt_prefilled_in_two_chunks_then_decoded() -> None:
         k, v = (torch.randn(count, kv_heads, dim, generator=generator) for _ in range(2))
         TritonBackend(SMALL).plan(meta).write_kv(kv_layer, k, v)
         check(torch.randn(count, heads, dim, generator=generator), kv_layer, meta)
+
+
+def test_a_decode_plan_for_the_longest_context_attends_each_rows_own_length() -> None:
+    """A decode graph's plan (`DecodeGraphs`) is made once for the longest context, over tables
+    as wide as that context; the kernels read each row's length from `context_lens_tensor`."""
+    chunks = CASES["decode_ragged"]
+    heads, kv_heads, dim = 8, 2, 32
+    tables = tables_for(chunks, seed=9)
+    kv_layer = cache(max(max(t) for t in tables) + 1, kv_heads, dim, torch.float32, seed=9)
+    q = torch.randn(len(chunks), heads, dim, generator=torch.Generator().manual_seed(10))
+    meta = metadata(chunks, tables)
+    width = 24  # blocks: a context of 384 tokens
+    wide = torch.zeros(len(chunks), width, dtype=torch.long)
+    wide[:, : meta.block_tables.shape[1]] = meta.block_tables
+    planned = dataclasses.replace(
+        meta, context_lens=[width * BLOCK] * len(chunks), block_tables=wide
+    )
+    scale = dim**-0.5
+    expected = ReferenceBackend().plan(meta).attend(q, kv_layer, scale)
+    got = TritonBackend(SMALL).plan(planned).attend(q, kv_layer, scale)
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
