@@ -10,9 +10,15 @@ import torch
 
 from pdserve.config import EngineConfig
 from pdserve.engine.admission import Admission, PromptAdmission
-from pdserve.engine.detokenizer import IncrementalDetokenizer
 from pdserve.engine.grammar import Grammars
-from pdserve.engine.request import Request, RequestStatus, SamplingParams, TokenLogprob
+from pdserve.engine.output import OutputProcessor
+from pdserve.engine.request import (
+    Request,
+    RequestOutput,
+    RequestStatus,
+    SamplingParams,
+    TokenLogprob,
+)
 from pdserve.engine.sampler import Sampler, token_logprob
 from pdserve.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from pdserve.engine.storage_connector import StorageConnector
@@ -64,26 +70,6 @@ OOM_BUDGET_COOLDOWN_S = 30.0  # how long steps stay smaller after running out of
 
 
 @dataclass(frozen=True, slots=True)
-class RequestOutput:
-    """What one step produced for one request (deltas), plus totals for usage reporting."""
-
-    request_id: str
-    new_token_ids: tuple[int, ...]
-    new_text: str
-    finished: bool
-    kv_ready: bool  # prefill-only request: KV computed and pinned, first token sampled
-    finish_reason: str | None  # stop | length | abort
-    stop_reason: str | int | None  # the stop string or stop token that ended it
-    num_prompt_tokens: int
-    num_output_tokens: int
-    num_cached_tokens: int  # prompt tokens not computed here: device + storage hits
-    error: str | None = None  # set on the final output of a request its engine step failed
-    new_logprobs: tuple[TokenLogprob, ...] = ()  # of new_token_ids, when the request asks
-    prompt_logprobs: tuple[TokenLogprob, ...] = ()  # prompt tokens 1.., on the first output
-    block_ids: tuple[int, ...] = ()  # kv_ready: the blocks holding the prompt's KV (to send)
-
-
-@dataclass(frozen=True, slots=True)
 class Completion:
     """A finished request, as `LLMEngine.generate` returns it."""
 
@@ -119,7 +105,10 @@ class LLMEngine:
         self.max_model_len = min(loaded.max_model_len, kv_cache.num_blocks * kv_cache.block_size)
         self.kv_plan: KVPlan | None = None  # how the KV cache was sized (`from_config`)
         self.memory: MemoryReport | None = None  # the device's, when it was profiled
-        self._detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self.outputs = OutputProcessor(loaded.tokenizer)  # the text of every output
+        # `step` adds the text itself; an EngineLoop turns this off and adds it on its thread
+        self.inline_text = True
+        self._ended: list[str] = []  # finished without a final output, for `outputs` (text)
         self.grammars = Grammars(
             loaded.tokenizer, loaded.config.vocab_size, loaded.eos_token_ids
         )  # compiled on first use (xgrammar is imported only then)
@@ -231,9 +220,8 @@ class LLMEngine:
     def submit(self, request: Request) -> None:
         """Queue a request built by `make_request` (its blocks may be preallocated)."""
         self.scheduler.add_request(request)
-        self._detokenizers[request.request_id] = IncrementalDetokenizer(
-            self.tokenizer, request.sampling_params.stop
-        )
+        if not request.prefill_only:  # a prefill-only request's outputs carry no text
+            self.outputs.register(request.request_id, request.sampling_params.stop)
 
     def preallocate(self, request: Request, growth_headroom_blocks: int = 0) -> Admission | None:
         """Admit a request that is not queued (`PromptAdmission.admit`: device hit, the blocks
@@ -252,17 +240,17 @@ class LLMEngine:
         """Start decoding a request whose prompt KV is already in its (allocated) blocks.
 
         Publishes the prompt's full blocks, appends the first token (sampled by the prefill
-        instance), applies the stop conditions to it and returns its output.
+        instance), applies the stop conditions to it and returns its output (without its text
+        when `inline_text` is off: the caller hands it to the loop's output thread).
         """
         request.num_computed_tokens = request.num_prompt_tokens
         request.first_scheduled_at = time.perf_counter()  # not counted as a routing hit here
         self.kv_cache.update_cache_blocks(request, request.num_prompt_tokens)
         self.scheduler.admit_running(request)
-        self._detokenizers[request.request_id] = IncrementalDetokenizer(
-            self.tokenizer, request.sampling_params.stop
-        )
+        self.outputs.register(request.request_id, request.sampling_params.stop)
         request.append_output_token(first_token_id, first_logprob)
-        return self._emit(request, self._check_stop(request))
+        output = self._emit(request, self._check_stop(request))
+        return self.add_text([output])[0] if self.inline_text else output
 
     def release(self, request_id: str) -> None:
         """Free a TRANSFERRING request after its KV was handed over (or the handoff failed),
@@ -299,9 +287,34 @@ class LLMEngine:
     # -- the loop -----------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Run one batch: schedule -> run -> update. Returns the outputs of this step.
+        """Run one batch: schedule -> run -> update. Returns the outputs of this step, with
+        their text when `inline_text` is on (else `add_text` is the caller's, in order).
 
         A forward pass that raises fails only its batch (`_recover`); the engine goes on."""
+        outputs = self._step()
+        return self.add_text(outputs) if self.inline_text else outputs
+
+    def add_text(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
+        """`OutputProcessor.process` on this thread; finishes the requests a stop string
+        ended."""
+        delivered, stopped = self.outputs.process(outputs, self.take_ended())
+        self.stop_requests(stopped)
+        return delivered
+
+    def take_ended(self) -> list[str]:
+        """The requests finished without a final output since the last call (for the
+        OutputProcessor, in order with the outputs)."""
+        ended, self._ended = self._ended, []
+        return ended
+
+    def stop_requests(self, request_ids: Sequence[str]) -> None:
+        """Finish requests whose text reached a stop string (their final output is out)."""
+        for request_id in request_ids:
+            request = self.scheduler.requests.get(request_id)
+            if request is not None:
+                self._finish(request, RequestStatus.FINISHED_STOPPED)
+
+    def _step(self) -> list[RequestOutput]:
         if self.storage is not None:
             self.storage.apply_fetched(wait=not self.scheduler.has_schedulable_requests())
         scheduled = self.scheduler.schedule()
@@ -418,20 +431,16 @@ class LLMEngine:
         return None
 
     def _emit(self, request: Request, status: RequestStatus | None) -> RequestOutput:
-        detokenizer = self._detokenizers[request.request_id]
-        token_ids = request.output_token_ids
-        stop_reason: str | int | None = None
-        if status == RequestStatus.FINISHED_STOPPED:
-            stop_reason, token_ids = token_ids[-1], token_ids[:-1]
-        new_text = detokenizer.update(token_ids, finished=status is not None)
-        if detokenizer.stop_reason is not None:
-            status, stop_reason = RequestStatus.FINISHED_STOPPED, detokenizer.stop_reason
+        """The request's newest token as an output, without text (`add_text`); a stop token
+        is its `stop_reason`."""
+        stopped = status == RequestStatus.FINISHED_STOPPED
+        stop_reason = request.output_token_ids[-1] if stopped else None
         if status is not None:
-            self._finish(request, status)
+            self._finish(request, status, final_output=True)
         return RequestOutput(
             request_id=request.request_id,
             new_token_ids=(request.output_token_ids[-1],),
-            new_text=new_text,
+            new_text="",
             finished=status is not None,
             kv_ready=False,
             finish_reason=status.finish_reason if status is not None else None,
@@ -460,9 +469,11 @@ class LLMEngine:
             block_ids=tuple(self.kv_cache.block_table(request.request_id)),
         )
 
-    def _finish(self, request: Request, status: RequestStatus) -> None:
+    def _finish(self, request: Request, status: RequestStatus, final_output: bool = False) -> None:
+        """`final_output`: this step's output tells the OutputProcessor (else `take_ended`)."""
         self.scheduler.finish(request, status)
-        self._detokenizers.pop(request.request_id, None)
+        if not final_output:
+            self._ended.append(request.request_id)
 
     # -- conveniences -------------------------------------------------------------------------
 

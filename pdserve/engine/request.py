@@ -224,3 +224,23 @@ class Request:
         self._all_token_ids.append(token_id)
         if len(self._all_token_ids) % self.hasher.block_size == 0:
             self.hasher.extend(self.block_hashes, self._all_token_ids)
+
+
+@dataclass(frozen=True, slots=True)
+class RequestOutput:
+    """What one step produced for one request (deltas), plus totals for usage reporting."""
+
+    request_id: str
+    new_token_ids: tuple[int, ...]
+    new_text: str
+    finished: bool
+    kv_ready: bool  # prefill-only request: KV computed and pinned, first token sampled
+    finish_reason: str | None  # stop | length | abort
+    stop_reason: str | int | None  # the stop string or stop token that ended it
+    num_prompt_tokens: int
+    num_output_tokens: int
+    num_cached_tokens: int  # prompt tokens not computed here: device + storage hits
+    error: str | None = None  # set on the final output of a request its engine step failed
+    new_logprobs: tuple[TokenLogprob, ...] = ()  # of new_token_ids, when the request asks
+    prompt_logprobs: tuple[TokenLogprob, ...] = ()  # prompt tokens 1.., on the first output
+    block_ids: tuple[int, ...] = ()  # kv_ready: the blocks holding the prompt's KV (to send)

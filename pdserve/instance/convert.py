@@ -1,8 +1,7 @@
 """Proto <-> dataclass conversion for the instance services: the one place where pdserve's typed
 objects meet generated messages (errors: `pdserve.rpc.status`)."""
 
-from pdserve.engine.engine import RequestOutput
-from pdserve.engine.request import SamplingParams, TokenLogprob
+from pdserve.engine.request import RequestOutput, SamplingParams, TokenLogprob
 from pdserve.kvcache.hashing import BlockHash, PromptHashes
 from pdserve.transfer.base import KVEndpoints
 from pdserve.v1 import common_pb2, decode_pb2

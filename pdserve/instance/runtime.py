@@ -22,9 +22,9 @@ import platformdirs
 import redis
 
 from pdserve.config import EngineConfig, StorageConfig, TransferConfig
-from pdserve.engine.engine import LLMEngine, RequestOutput, StorageTierFactory
+from pdserve.engine.engine import LLMEngine, StorageTierFactory
 from pdserve.engine.loop import EngineLoop, Mailbox
-from pdserve.engine.request import Request, SamplingParams
+from pdserve.engine.request import Request, RequestOutput, SamplingParams
 from pdserve.errors import DuplicateRequestError, InstanceUnavailableError, RequestNotFoundError
 from pdserve.instance.streams import OutputStream, aborted_output
 from pdserve.kvcache.events import BlockStored, KVEvent, KVEventBroadcaster

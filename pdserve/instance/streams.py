@@ -10,7 +10,7 @@ import queue
 import threading
 from collections.abc import Iterator
 
-from pdserve.engine.engine import RequestOutput
+from pdserve.engine.request import RequestOutput
 from pdserve.errors import PdserveError, StepFailedError
 
 

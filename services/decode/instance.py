@@ -10,8 +10,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from pdserve.config import DecodeConfig, EngineConfig, StorageConfig, TransferConfig
-from pdserve.engine.engine import LLMEngine, RequestOutput
-from pdserve.engine.request import Request, SamplingParams, TokenLogprob
+from pdserve.engine.engine import LLMEngine
+from pdserve.engine.request import Request, RequestOutput, SamplingParams, TokenLogprob
 from pdserve.errors import (
     DuplicateRequestError,
     InvalidRequestError,
@@ -238,7 +238,7 @@ class DecodeInstance:
             self._end(engine, request_id)
             raise InvalidRequestError(f"first token id {first_token_id} is outside the vocabulary")
         output = engine.admit_prefilled(reservation.request, first_token_id, first_logprob)
-        self.runtime.deliver([output])
+        self.runtime.loop.emit([output])  # its text is added on the loop's output thread
 
     def stream_outputs(self, request_id: str) -> Iterator[RequestOutput]:
         """Every output of the request from its first token on; ends when it finishes.

@@ -3,8 +3,7 @@
 from collections.abc import Iterator
 
 from pdserve.config import EngineConfig, StorageConfig
-from pdserve.engine.engine import RequestOutput
-from pdserve.engine.request import SamplingParams
+from pdserve.engine.request import RequestOutput, SamplingParams
 from pdserve.instance.runtime import InstanceRuntime
 from pdserve.kvcache.hashing import PromptHashes
 from pdserve.rpc.tls import TlsFiles

@@ -17,8 +17,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from pdserve.config import EngineConfig, PrefillConfig, StorageConfig, TransferConfig
-from pdserve.engine.engine import LLMEngine, RequestOutput
-from pdserve.engine.request import Request, RequestStatus, SamplingParams, TokenLogprob
+from pdserve.engine.engine import LLMEngine
+from pdserve.engine.request import (
+    Request,
+    RequestOutput,
+    RequestStatus,
+    SamplingParams,
+    TokenLogprob,
+)
 from pdserve.errors import (
     DecodeUnavailableError,
     InstanceUnavailableError,
