@@ -13,7 +13,6 @@ dropped. The engine tells the processor of every request it finished without a f
 (aborted, failed, released, stopped) through `ended`, in order with the outputs.
 """
 
-import dataclasses
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -90,12 +89,4 @@ def _with_text(output: RequestOutput, text: _Text) -> RequestOutput:
         token_ids = token_ids[:-1]
     detokenizer = text.detokenizer
     delta = detokenizer.update(token_ids, finished=output.finished)
-    if detokenizer.stop_reason is None:
-        return dataclasses.replace(output, new_text=delta)
-    return dataclasses.replace(
-        output,
-        new_text=delta,
-        finished=True,
-        finish_reason="stop",
-        stop_reason=detokenizer.stop_reason,
-    )
+    return output.with_text(delta, detokenizer.stop_reason)

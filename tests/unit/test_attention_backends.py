@@ -50,7 +50,12 @@ def metadata(chunks: list[tuple[int, int]], tables: list[list[int]]) -> Attentio
 
 
 def batch(
-    chunks: list[tuple[int, int]], heads: int, kv_heads: int, dtype: torch.dtype, seed: int
+    chunks: list[tuple[int, int]],
+    heads: int,
+    kv_heads: int,
+    dtype: torch.dtype,
+    seed: int,
+    head_dim: int = 32,
 ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
     """A random cache (one layer's view of a 2-layer cache), queries and shuffled block tables."""
     generator = torch.Generator().manual_seed(seed)
@@ -61,8 +66,8 @@ def batch(
     for count in needed:
         tables.append(ids[used : used + count])
         used += count
-    cache = torch.randn(len(ids) + 1, 2, 2, BLOCK, kv_heads, 32, generator=generator)
-    q = torch.randn(sum(n for _, n in chunks), heads, 32, generator=generator)
+    cache = torch.randn(len(ids) + 1, 2, 2, BLOCK, kv_heads, head_dim, generator=generator)
+    q = torch.randn(sum(n for _, n in chunks), heads, head_dim, generator=generator)
     return q.to(dtype), cache.to(dtype)[:, 1], metadata(chunks, tables)
 
 
@@ -73,12 +78,19 @@ CASES = {
 }
 
 
+# (heads, kv heads, head size): the kernel's register-resident value pass takes groups of 1, 2
+# and 4 at 32 and 64; a group of 8 at 128 (64 accumulators) and of 3 at 48 take the general loop
+SHAPES = [(4, 4, 32), (8, 2, 32), (16, 4, 64), (8, 1, 128), (6, 2, 48)]
+
+
 @pytest.mark.parametrize("case", list(CASES))
-@pytest.mark.parametrize(("heads", "kv_heads"), [(4, 4), (8, 2)])
-def test_the_cpu_backend_equals_the_reference(case: str, heads: int, kv_heads: int) -> None:
-    q, kv_layer, meta = batch(CASES[case], heads, kv_heads, torch.float32, seed=heads)
-    expected = ReferenceBackend().plan(meta).attend(q, kv_layer, 32**-0.5)
-    got = cpu_backend().plan(meta).attend(q, kv_layer, 32**-0.5)
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), SHAPES)
+def test_the_cpu_backend_equals_the_reference(
+    case: str, heads: int, kv_heads: int, head_dim: int
+) -> None:
+    q, kv_layer, meta = batch(CASES[case], heads, kv_heads, torch.float32, heads, head_dim)
+    expected = ReferenceBackend().plan(meta).attend(q, kv_layer, head_dim**-0.5)
+    got = cpu_backend().plan(meta).attend(q, kv_layer, head_dim**-0.5)
     assert got.shape == expected.shape
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 

@@ -85,6 +85,112 @@ inline bool score16<float>(const float* query, const float* kv, const int64_t* t
   }
   return true;
 }
+
+// exp of 16 floats: 2^n * p(r), x = n ln2 + r, |r| <= ln2 / 2, p the degree-6 Taylor polynomial
+// (relative error ~2e-7, below float32's rounding of the scores themselves).
+inline __m512 exp16(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));  // below: 0 (exp underflows float32 anyway)
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);  // ln2, high bits
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);     // and the rest
+  __m512 p = _mm512_set1_ps(1.0f / 720);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, n);
+}
+
+// row[0..count) = softmax(row): max, exp and sum 16 at a time, the tail masked.
+inline void softmax16(float* row, int64_t count) {
+  __m512 top = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int64_t i = 0; i < count; i += 16) {
+    const __mmask16 mask = count - i >= 16 ? 0xFFFF : (__mmask16)((1u << (count - i)) - 1);
+    top = _mm512_mask_max_ps(top, mask, top, _mm512_maskz_loadu_ps(mask, row + i));
+  }
+  const __m512 maximum = _mm512_set1_ps(_mm512_reduce_max_ps(top));
+  __m512 total = _mm512_setzero_ps();
+  for (int64_t i = 0; i < count; i += 16) {
+    const __mmask16 mask = count - i >= 16 ? 0xFFFF : (__mmask16)((1u << (count - i)) - 1);
+    const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(mask, row + i), maximum));
+    total = _mm512_mask_add_ps(total, mask, total, e);
+    _mm512_mask_storeu_ps(row + i, mask, e);
+  }
+  const __m512 inverse = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(total));
+  for (int64_t i = 0; i < count; i += 16) {
+    const __mmask16 mask = count - i >= 16 ? 0xFFFF : (__mmask16)((1u << (count - i)) - 1);
+    _mm512_mask_storeu_ps(row + i, mask, _mm512_mul_ps(_mm512_maskz_loadu_ps(mask, row + i), inverse));
+  }
+}
+
+// out[h] = sum over positions of weights[h][pos] * V[pos] for the GROUP query heads of one kv
+// head, whose accumulators (GROUP x DV vectors of 16) stay in registers over the whole context.
+template <int GROUP, int DV>
+inline void values16(const float* kv, const int64_t* table, int64_t context, int64_t block_size,
+                     int64_t block_stride, int64_t kv_stride, int64_t token_stride,
+                     const float* weights, float* out) {
+  __m512 acc[GROUP][DV];
+  for (int g = 0; g < GROUP; ++g)
+    for (int d = 0; d < DV; ++d) acc[g][d] = _mm512_setzero_ps();
+  for (int64_t first = 0; first < context; first += block_size) {
+    const float* block = kv + table[first / block_size] * block_stride + kv_stride;
+    const int64_t last = std::min(context, first + block_size);
+    for (int64_t pos = first; pos < last; ++pos) {
+      const float* v = block + (pos - first) * token_stride;
+      __m512 row[DV];
+      for (int d = 0; d < DV; ++d) row[d] = _mm512_loadu_ps(v + 16 * d);
+      for (int g = 0; g < GROUP; ++g) {
+        const __m512 w = _mm512_set1_ps(weights[g * context + pos]);
+        for (int d = 0; d < DV; ++d) acc[g][d] = _mm512_fmadd_ps(w, row[d], acc[g][d]);
+      }
+    }
+  }
+  for (int g = 0; g < GROUP; ++g)
+    for (int d = 0; d < DV; ++d) _mm512_storeu_ps(out + g * DV * 16 + 16 * d, acc[g][d]);
+}
+
+using Values = void (*)(const float*, const int64_t*, int64_t, int64_t, int64_t, int64_t, int64_t,
+                        const float*, float*);
+
+// The register-resident value pass for (group, head_dim), or nullptr (more than 16
+// accumulators, or a head size that is not 32, 64 or 128).
+inline Values values_for(int64_t group, int64_t head_dim) {
+#define PDSERVE_VALUES(G, D) \
+  if (group == G && head_dim == 16 * D) return &values16<G, D>;
+  PDSERVE_VALUES(1, 2) PDSERVE_VALUES(2, 2) PDSERVE_VALUES(4, 2) PDSERVE_VALUES(8, 2)
+  PDSERVE_VALUES(1, 4) PDSERVE_VALUES(2, 4) PDSERVE_VALUES(4, 4)
+  PDSERVE_VALUES(1, 8) PDSERVE_VALUES(2, 8)
+#undef PDSERVE_VALUES
+  return nullptr;
+}
+#endif
+
+// The softmax and value pass of a float cache on AVX-512, given every head's scores (scaled);
+// false when this build, dtype or shape has no such path.
+template <typename scalar_t>
+inline bool softmax_values16(float*, const scalar_t*, const int64_t*, int64_t, int64_t, int64_t,
+                             int64_t, int64_t, int64_t, int64_t, int64_t, scalar_t*) {
+  return false;
+}
+
+#if defined(__AVX512F__)
+template <>
+inline bool softmax_values16<float>(float* scores, const float* kv, const int64_t* table,
+                                    int64_t context, int64_t heads, int64_t group,
+                                    int64_t head_dim, int64_t block_size, int64_t block_stride,
+                                    int64_t kv_stride, int64_t token_stride, float* out) {
+  const Values values = values_for(group, head_dim);
+  if (values == nullptr) return false;
+  for (int64_t h = 0; h < heads; ++h) softmax16(scores + h * context, context);
+  for (int64_t kv_head = 0; kv_head < heads / group; ++kv_head) {
+    values(kv + kv_head * head_dim, table, context, block_size, block_stride, kv_stride,
+           token_stride, scores + kv_head * group * context, out + kv_head * group * head_dim);
+  }
+  return true;
+}
 #endif
 
 template <typename T>
@@ -128,6 +234,11 @@ void decode_sequence(const scalar_t* q, int64_t q_head_stride, const scalar_t* k
       for (int64_t d = 0; d < head_dim; ++d) dot += qh[d] * to_float(k[d]);
       scores[h * context + pos] = dot;
     }
+  }
+  if (head_stride == head_dim &&
+      softmax_values16<scalar_t>(scores.data(), kv, table, context, heads, group, head_dim,
+                                 block_size, block_stride, kv_stride, token_stride, out)) {
+    return;
   }
   for (int64_t h = 0; h < heads; ++h) {
     float* row = scores.data() + h * context;
