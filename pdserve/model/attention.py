@@ -141,7 +141,9 @@ class ReferenceBackend(AttentionBackend):
 
 
 class _CpuStep(AttentionStep):
-    """Decode rows (one new token) through the kernel in one call; prefill chunks one by one."""
+    """Decode rows (one new token) through the decode kernel in one call, and every prefill
+    chunk through the prefill kernel in another (where it has a path for the dtype and head
+    size; else chunk by chunk through torch's flash kernel)."""
 
     def __init__(self, meta: AttentionMetadata, ops: object) -> None:
         super().__init__(meta)
@@ -158,6 +160,11 @@ class _CpuStep(AttentionStep):
         ]
         self._decode_rows: torch.Tensor | None = None
         self._tables, self._lens = meta.block_tables, meta.context_lens_tensor
+        self._prefill_args: tuple[torch.Tensor, ...] = ()  # tables, first rows, counts, contexts
+        if self._prefill:
+            columns = zip(*self._prefill, strict=True)
+            seqs, *rest = (torch.tensor(c, dtype=torch.long) for c in columns)
+            self._prefill_args = (meta.block_tables[seqs], *rest)
         if self._prefill and decode:
             seqs = torch.tensor(decode, device=meta.block_tables.device)
             self._decode_rows = torch.tensor([starts[i] for i in decode], device=seqs.device)
@@ -168,16 +175,23 @@ class _CpuStep(AttentionStep):
         if not self._prefill:
             return decode_ops(q, kv_layer, self._tables, self._lens, scale)  # type: ignore[no-any-return]
         out = torch.empty_like(q)
+        prefill = self._ops.paged_prefill  # type: ignore[attr-defined]
+        if not prefill(q, kv_layer, *self._prefill_args, scale, out):
+            self._flash_prefill(q, kv_layer, scale, out)
+        if self._decode_rows is not None:
+            rows = self._decode_rows
+            out[rows] = decode_ops(q[rows], kv_layer, self._tables, self._lens, scale)
+        return out
+
+    def _flash_prefill(
+        self, q: torch.Tensor, kv_layer: torch.Tensor, scale: float, out: torch.Tensor
+    ) -> None:
         for seq, start, length, context in self._prefill:
             blocks = -(-context // kv_layer.shape[2])
             table = self.meta.block_tables[seq, :blocks]
             k = _gather(kv_layer[:, 0], table)[:context]
             v = _gather(kv_layer[:, 1], table)[:context]
             out[start : start + length] = flash_prefill(q[start : start + length], k, v, scale)
-        if self._decode_rows is not None:
-            rows = self._decode_rows
-            out[rows] = decode_ops(q[rows], kv_layer, self._tables, self._lens, scale)
-        return out
 
 
 def flash_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:

@@ -104,8 +104,8 @@ inline __m512 exp16(__m512 x) {
   return _mm512_scalef_ps(p, n);
 }
 
-// row[0..count) = softmax(row): max, exp and sum 16 at a time, the tail masked.
-inline void softmax16(float* row, int64_t count) {
+// row[0..count) = exp(row - max(row)), 16 at a time (the tail masked); returns their sum.
+inline float exp_row16(float* row, int64_t count) {
   __m512 top = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   for (int64_t i = 0; i < count; i += 16) {
     const __mmask16 mask = count - i >= 16 ? 0xFFFF : (__mmask16)((1u << (count - i)) - 1);
@@ -119,7 +119,12 @@ inline void softmax16(float* row, int64_t count) {
     total = _mm512_mask_add_ps(total, mask, total, e);
     _mm512_mask_storeu_ps(row + i, mask, e);
   }
-  const __m512 inverse = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(total));
+  return _mm512_reduce_add_ps(total);
+}
+
+// row[0..count) = softmax(row).
+inline void softmax16(float* row, int64_t count) {
+  const __m512 inverse = _mm512_set1_ps(1.0f / exp_row16(row, count));
   for (int64_t i = 0; i < count; i += 16) {
     const __mmask16 mask = count - i >= 16 ? 0xFFFF : (__mmask16)((1u << (count - i)) - 1);
     _mm512_mask_storeu_ps(row + i, mask, _mm512_mul_ps(_mm512_maskz_loadu_ps(mask, row + i), inverse));
@@ -302,6 +307,184 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor kv_layer, torch::Tenso
   return out;
 }
 
+
+#if defined(__AVX512F__)
+namespace {
+
+// K of one kv head of one sequence, transposed per 16 positions: kt[tile][d][16] (zero past
+// the context), so that a query scores 16 keys with head_dim broadcast FMAs.
+void transpose_keys(const float* keys, const int64_t* table, int64_t context, int64_t head_dim,
+                    int64_t block_size, int64_t block_stride, int64_t token_stride, float* kt) {
+  const int64_t tiles = (context + 15) / 16;
+  std::fill(kt, kt + tiles * head_dim * 16, 0.0f);
+  for (int64_t start = 0; start < context; start += block_size) {
+    const float* block = keys + table[start / block_size] * block_stride;
+    for (int64_t pos = start; pos < std::min(context, start + block_size); ++pos) {
+      const float* k = block + (pos - start) * token_stride;
+      float* column = kt + (pos / 16) * head_dim * 16 + pos % 16;
+      for (int64_t d = 0; d < head_dim; ++d) column[d * 16] = k[d];
+    }
+  }
+}
+
+// scores[line][0..width) = query[line] . K for 8 lines (query rows x heads) at once.
+inline void score_lines(const float* query, const float* kt, int64_t tiles, int64_t head_dim,
+                        int64_t lines, int64_t width, float* scores) {
+  for (int64_t first = 0; first < lines; first += 8) {
+    const int64_t count = std::min<int64_t>(8, lines - first);
+    for (int64_t t = 0; t < tiles; ++t) {
+      const float* tile = kt + t * head_dim * 16;
+      __m512 acc[8];
+      for (int i = 0; i < 8; ++i) acc[i] = _mm512_setzero_ps();
+      for (int64_t d = 0; d < head_dim; ++d) {
+        const __m512 k = _mm512_loadu_ps(tile + d * 16);
+        for (int64_t i = 0; i < count; ++i) {
+          acc[i] = _mm512_fmadd_ps(_mm512_set1_ps(query[(first + i) * head_dim + d]), k, acc[i]);
+        }
+      }
+      for (int64_t i = 0; i < count; ++i) _mm512_storeu_ps(scores + (first + i) * width + t * 16, acc[i]);
+    }
+  }
+}
+
+// out[line] = weights[line] . V over the first `keys` positions, LINES lines of DV x 16 at once.
+template <int DV>
+void value_lines(const float* weights, const float* values, const int64_t* table, int64_t keys,
+                 int64_t lines, int64_t width, int64_t block_size, int64_t block_stride,
+                 int64_t token_stride, float* out) {
+  constexpr int LINES = 16 / DV;
+  for (int64_t first = 0; first < lines; first += LINES) {
+    const int64_t count = std::min<int64_t>(LINES, lines - first);
+    __m512 acc[LINES][DV];
+    for (int i = 0; i < LINES; ++i)
+      for (int d = 0; d < DV; ++d) acc[i][d] = _mm512_setzero_ps();
+    for (int64_t start = 0; start < keys; start += block_size) {  // block by block: no division
+      const float* block = values + table[start / block_size] * block_stride;
+      const int64_t stop = std::min(keys, start + block_size);
+      for (int64_t pos = start; pos < stop; ++pos) {
+        const float* v = block + (pos - start) * token_stride;
+        __m512 row[DV];
+        for (int d = 0; d < DV; ++d) row[d] = _mm512_loadu_ps(v + 16 * d);
+        for (int64_t i = 0; i < count; ++i) {
+          const __m512 w = _mm512_set1_ps(weights[(first + i) * width + pos]);
+          for (int d = 0; d < DV; ++d) acc[i][d] = _mm512_fmadd_ps(w, row[d], acc[i][d]);
+        }
+      }
+    }
+    for (int64_t i = 0; i < count; ++i)
+      for (int d = 0; d < DV; ++d) _mm512_storeu_ps(out + (first + i) * DV * 16 + 16 * d, acc[i][d]);
+  }
+}
+
+struct PrefillTile {
+  int64_t seq, kv_head, row;  // the tile's first query row, counted in its sequence's chunk
+};
+
+constexpr int64_t kPrefillRows = 16;  // query rows per tile
+
+}  // namespace
+#endif
+
+// Causal attention of the new tokens of several sequences (a chunk each, after `context -
+// count` cached tokens) over their paged K/V in place, in one call: float caches, head sizes 32,
+// 64 or 128, AVX-512. Writes rows first_rows[s] .. + query_lens[s] of `out` (`[tokens, heads,
+// dim]`); returns false (nothing written) when this build, dtype or shape has no such path.
+bool paged_prefill(torch::Tensor q, torch::Tensor kv_layer, torch::Tensor block_tables,
+                   torch::Tensor first_rows, torch::Tensor query_lens, torch::Tensor context_lens,
+                   double scale, torch::Tensor out) {
+#if defined(__AVX512F__)
+  const int64_t heads = q.size(1), head_dim = q.size(2), kv_heads = kv_layer.size(3);
+  if (q.scalar_type() != torch::kFloat || kv_layer.scalar_type() != torch::kFloat ||
+      !(head_dim == 32 || head_dim == 64 || head_dim == 128) || kv_layer.stride(4) != 1 ||
+      kv_layer.stride(3) != head_dim || q.stride(2) != 1 || out.stride(2) != 1 ||
+      heads % kv_heads != 0) {
+    return false;
+  }
+  auto tables = block_tables.to(torch::kLong).contiguous();
+  auto starts = first_rows.to(torch::kLong).contiguous();
+  auto counts = query_lens.to(torch::kLong).contiguous();
+  auto lens = context_lens.to(torch::kLong).contiguous();
+  const int64_t seqs = tables.size(0), max_blocks = tables.size(1), group = heads / kv_heads;
+  const int64_t block_size = kv_layer.size(2), block_stride = kv_layer.stride(0);
+  const int64_t token_stride = kv_layer.stride(2);
+  const float* kv = kv_layer.data_ptr<float>();
+  const float* q_data = q.data_ptr<float>();
+  float* out_data = out.data_ptr<float>();
+  const int64_t* table_data = tables.data_ptr<int64_t>();
+  const int64_t *start_data = starts.data_ptr<int64_t>(), *count_data = counts.data_ptr<int64_t>();
+  const int64_t* len_data = lens.data_ptr<int64_t>();
+  std::vector<int64_t> kt_offsets(seqs * kv_heads + 1, 0);  // transposed keys, by (seq, head)
+  std::vector<PrefillTile> tiles;
+  for (int64_t s = 0; s < seqs; ++s) {
+    for (int64_t h = 0; h < kv_heads; ++h) {
+      kt_offsets[s * kv_heads + h + 1] =
+          kt_offsets[s * kv_heads + h] + (len_data[s] + 15) / 16 * 16 * head_dim;
+      for (int64_t row = 0; row < count_data[s]; row += kPrefillRows) tiles.push_back({s, h, row});
+    }
+  }
+  std::vector<float> kt(kt_offsets.back());
+  at::parallel_for(0, seqs * kv_heads, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t s = item / kv_heads, h = item % kv_heads;
+      transpose_keys(kv + h * head_dim, table_data + s * max_blocks, len_data[s], head_dim,
+                     block_size, block_stride, token_stride, kt.data() + kt_offsets[item]);
+    }
+  });
+  const float fscale = static_cast<float>(scale);
+  at::parallel_for(0, static_cast<int64_t>(tiles.size()), 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> query, scores, result, sums;
+    for (int64_t index = begin; index < end; ++index) {
+      const PrefillTile tile = tiles[index];
+      const int64_t s = tile.seq, h = tile.kv_head;
+      const int64_t rows = std::min(kPrefillRows, count_data[s] - tile.row);
+      const int64_t first_pos = len_data[s] - count_data[s] + tile.row;
+      const int64_t keys = first_pos + rows, width = (keys + 15) / 16 * 16;
+      const int64_t lines = rows * group;  // line = row * group + head in the group
+      query.resize(lines * head_dim);
+      scores.resize(lines * width);
+      result.resize(lines * head_dim);
+      for (int64_t r = 0; r < rows; ++r) {
+        const float* qrow = q_data + (start_data[s] + tile.row + r) * q.stride(0);
+        for (int64_t g = 0; g < group; ++g) {
+          const float* qh = qrow + (h * group + g) * q.stride(1);
+          for (int64_t d = 0; d < head_dim; ++d) query[(r * group + g) * head_dim + d] = qh[d] * fscale;
+        }
+      }
+      score_lines(query.data(), kt.data() + kt_offsets[s * kv_heads + h], width / 16, head_dim,
+                  lines, width, scores.data());
+      sums.resize(lines);
+      for (int64_t line = 0; line < lines; ++line) {
+        const int64_t attended = first_pos + line / group + 1;  // causal: up to its own position
+        sums[line] = 1.0f / exp_row16(scores.data() + line * width, attended);
+        std::fill(scores.data() + line * width + attended, scores.data() + (line + 1) * width, 0.0f);
+      }
+      const float* values = kv + kv_layer.stride(1) + h * head_dim;
+      const int64_t* table = table_data + s * max_blocks;
+      if (head_dim == 32) {
+        value_lines<2>(scores.data(), values, table, keys, lines, width, block_size, block_stride, token_stride, result.data());
+      } else if (head_dim == 64) {
+        value_lines<4>(scores.data(), values, table, keys, lines, width, block_size, block_stride, token_stride, result.data());
+      } else {
+        value_lines<8>(scores.data(), values, table, keys, lines, width, block_size, block_stride, token_stride, result.data());
+      }
+      for (int64_t r = 0; r < rows; ++r) {
+        float* orow = out_data + (start_data[s] + tile.row + r) * out.stride(0);
+        for (int64_t g = 0; g < group; ++g) {
+          const float* line = result.data() + (r * group + g) * head_dim;
+          const float inverse = sums[r * group + g];  // the softmax's normalisation, last
+          float* target = orow + (h * group + g) * out.stride(1);
+          for (int64_t d = 0; d < head_dim; ++d) target[d] = line[d] * inverse;
+        }
+      }
+    }
+  });
+  return true;
+#else
+  return false;
+#endif
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode, "paged decode attention (CPU)");
+  m.def("paged_prefill", &paged_prefill, "paged causal prefill attention, every chunk (CPU)");
 }
