@@ -3,7 +3,7 @@
 Module and parameter names mirror Hugging Face's so a checkpoint's state dict loads unchanged.
 """
 
-from typing import cast
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -16,6 +16,7 @@ from pdserve.model.attention import (
     ReferenceBackend,
 )
 from pdserve.model.config import ModelConfig
+from pdserve.model.cpu_kernels import paged_ops
 
 
 class RMSNorm(nn.Module):
@@ -51,13 +52,39 @@ class RotaryEmbedding(nn.Module):
 
 
 class Rotation:
-    """One step's rotary tables (`[num_tokens, 1, head_dim]`)."""
+    """One step's rotary tables (`[num_tokens, 1, head_dim]`). On CPU in float32, pdserve's
+    kernel rotates in one pass, rounding as the three torch ops do (bit for bit)."""
 
     def __init__(self, cos: torch.Tensor, sin: torch.Tensor) -> None:
         self.cos, self.sin = cos, sin
+        self._kernel = _cpu_kernels(cos)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self._kernel is not None:
+            rotated: torch.Tensor | None = self._kernel.rotate(x, self.cos[:, 0], self.sin[:, 0])
+            if rotated is not None:
+                return rotated
         return x * self.cos + _rotate_half(x) * self.sin
+
+
+def _cpu_kernels(like: torch.Tensor) -> Any:
+    """pdserve's compiled CPU kernels for float32 CPU tensors like `like` (None elsewhere, or
+    where they cannot be built)."""
+    if like.device.type != "cpu" or like.dtype != torch.float32:
+        return None
+    return paged_ops()
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up of a fused gate/up output `[..., 2 x width]`: one pass of pdserve's CPU
+    kernel where it has a path (float32, AVX-512), else torch's ops."""
+    kernel = _cpu_kernels(gate_up)
+    if kernel is not None and gate_up.dim() == 2:
+        fused: torch.Tensor | None = kernel.silu_and_mul(gate_up)
+        if fused is not None:
+            return fused
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -125,10 +152,10 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up_proj is not None:
-            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+            hidden = silu_and_mul(self.gate_up_proj(x))
         else:
-            gate, up = self.gate_proj(x), self.up_proj(x)
-        out: torch.Tensor = self.down_proj(F.silu(gate) * up)
+            hidden = F.silu(self.gate_proj(x)) * self.up_proj(x)
+        out: torch.Tensor = self.down_proj(hidden)
         return out
 
 

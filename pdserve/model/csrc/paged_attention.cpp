@@ -484,7 +484,85 @@ bool paged_prefill(torch::Tensor q, torch::Tensor kv_layer, torch::Tensor block_
 #endif
 }
 
+// silu(gate) * up of a fused gate/up projection `[rows, 2 x width]` (gate first): one pass,
+// float32 on AVX-512 (silu by the same polynomial exp as attention's softmax); an empty
+// tensor when this build or dtype has no such path.
+torch::Tensor silu_and_mul(torch::Tensor gate_up) {
+#if defined(__AVX512F__)
+  if (gate_up.scalar_type() != torch::kFloat || gate_up.dim() != 2 || gate_up.stride(1) != 1 ||
+      gate_up.size(1) % 32 != 0) {
+    return torch::Tensor();
+  }
+  const int64_t rows = gate_up.size(0), width = gate_up.size(1) / 2;
+  auto out = torch::empty({rows, width}, gate_up.options());
+  const float* in = gate_up.data_ptr<float>();
+  float* result = out.data_ptr<float>();
+  const int64_t stride = gate_up.stride(0);
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    const __m512 one = _mm512_set1_ps(1.0f);
+    for (int64_t r = begin; r < end; ++r) {
+      const float* gate = in + r * stride;
+      const float* up = gate + width;
+      for (int64_t i = 0; i < width; i += 16) {
+        const __m512 g = _mm512_loadu_ps(gate + i);
+        const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), g));
+        const __m512 silu = _mm512_div_ps(g, _mm512_add_ps(one, e));
+        _mm512_storeu_ps(result + r * width + i, _mm512_mul_ps(silu, _mm512_loadu_ps(up + i)));
+      }
+    }
+  });
+  return out;
+#else
+  return torch::Tensor();
+#endif
+}
+
+// Half-split rotary embedding of `x` `[tokens, heads, dim]` (any strides but a contiguous last
+// dim) by `cos`/`sin` `[tokens, dim]`: x * cos + rotate_half(x) * sin, each product and sum
+// rounded as torch rounds them (no fused multiply-add), into a new contiguous tensor; float32
+// on AVX-512 with dim a multiple of 32, else an empty tensor.
+torch::Tensor rotate(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
+#if defined(__AVX512F__)
+  if (x.scalar_type() != torch::kFloat || cos.scalar_type() != torch::kFloat ||
+      sin.scalar_type() != torch::kFloat || x.dim() != 3 || x.stride(2) != 1 ||
+      x.size(2) % 32 != 0 || !cos.is_contiguous() || !sin.is_contiguous()) {
+    return torch::Tensor();
+  }
+  const int64_t tokens = x.size(0), heads = x.size(1), dim = x.size(2), half = dim / 2;
+  auto out = torch::empty({tokens, heads, dim}, x.options());
+  const float* in = x.data_ptr<float>();
+  const float *c = cos.data_ptr<float>(), *s = sin.data_ptr<float>();
+  float* result = out.data_ptr<float>();
+  at::parallel_for(0, tokens, 8, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      for (int64_t h = 0; h < heads; ++h) {
+        const float* row = in + t * x.stride(0) + h * x.stride(1);
+        float* target = result + (t * heads + h) * dim;
+        for (int64_t i = 0; i < half; i += 16) {
+          const __m512 lo = _mm512_loadu_ps(row + i), hi = _mm512_loadu_ps(row + half + i);
+          const __m512 c_lo = _mm512_loadu_ps(c + t * dim + i);
+          const __m512 c_hi = _mm512_loadu_ps(c + t * dim + half + i);
+          const __m512 s_lo = _mm512_loadu_ps(s + t * dim + i);
+          const __m512 s_hi = _mm512_loadu_ps(s + t * dim + half + i);
+          const __m512 minus_hi = _mm512_castsi512_ps(  // -hi exactly: the sign bit flipped
+              _mm512_xor_si512(_mm512_castps_si512(hi), _mm512_set1_epi32(0x80000000)));
+          _mm512_storeu_ps(target + i,
+                           _mm512_add_ps(_mm512_mul_ps(lo, c_lo), _mm512_mul_ps(minus_hi, s_lo)));
+          _mm512_storeu_ps(target + half + i,
+                           _mm512_add_ps(_mm512_mul_ps(hi, c_hi), _mm512_mul_ps(lo, s_hi)));
+        }
+      }
+    }
+  });
+  return out;
+#else
+  return torch::Tensor();
+#endif
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode, "paged decode attention (CPU)");
   m.def("paged_prefill", &paged_prefill, "paged causal prefill attention, every chunk (CPU)");
+  m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up of a fused gate/up projection (CPU)");
+  m.def("rotate", &rotate, "half-split rotary embedding (CPU)");
 }
