@@ -12,6 +12,8 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <array>
+#include <utility>
 #include <cmath>
 #include <limits>
 #include <vector>
@@ -327,52 +329,97 @@ void transpose_keys(const float* keys, const int64_t* table, int64_t context, in
   }
 }
 
-// scores[line][0..width) = query[line] . K for 8 lines (query rows x heads) at once.
+// scores of N query lines (rows x heads) against T tiles of 16 keys, from tile `tile` on: N x T
+// accumulators in registers (compile-time counts), one broadcast FMA each per head dimension.
+template <int N, int T>
+inline void score_block(const float* query, const float* kt, int64_t tile, int64_t head_dim,
+                        int64_t width, float* scores) {
+  __m512 acc[N][T];
+  for (int i = 0; i < N; ++i)
+    for (int t = 0; t < T; ++t) acc[i][t] = _mm512_setzero_ps();
+  const float* keys = kt + tile * head_dim * 16;
+  for (int64_t d = 0; d < head_dim; ++d) {
+    __m512 k[T];
+    for (int t = 0; t < T; ++t) k[t] = _mm512_loadu_ps(keys + (t * head_dim + d) * 16);
+    for (int i = 0; i < N; ++i) {
+      const __m512 q = _mm512_set1_ps(query[i * head_dim + d]);
+      for (int t = 0; t < T; ++t) acc[i][t] = _mm512_fmadd_ps(q, k[t], acc[i][t]);
+    }
+  }
+  for (int i = 0; i < N; ++i)
+    for (int t = 0; t < T; ++t) _mm512_storeu_ps(scores + i * width + (tile + t) * 16, acc[i][t]);
+}
+
+template <int N>
+inline void score_rows(const float* query, const float* kt, int64_t tiles, int64_t head_dim,
+                       int64_t width, float* scores) {
+  int64_t tile = 0;
+  for (; tile + 2 <= tiles; tile += 2) score_block<N, 2>(query, kt, tile, head_dim, width, scores);
+  if (tile < tiles) score_block<N, 1>(query, kt, tile, head_dim, width, scores);
+}
+
+// scores[line][0..width) = query[line] . K, 8 lines at a time (then the rest).
 inline void score_lines(const float* query, const float* kt, int64_t tiles, int64_t head_dim,
                         int64_t lines, int64_t width, float* scores) {
-  for (int64_t first = 0; first < lines; first += 8) {
-    const int64_t count = std::min<int64_t>(8, lines - first);
-    for (int64_t t = 0; t < tiles; ++t) {
-      const float* tile = kt + t * head_dim * 16;
-      __m512 acc[8];
-      for (int i = 0; i < 8; ++i) acc[i] = _mm512_setzero_ps();
-      for (int64_t d = 0; d < head_dim; ++d) {
-        const __m512 k = _mm512_loadu_ps(tile + d * 16);
-        for (int64_t i = 0; i < count; ++i) {
-          acc[i] = _mm512_fmadd_ps(_mm512_set1_ps(query[(first + i) * head_dim + d]), k, acc[i]);
-        }
-      }
-      for (int64_t i = 0; i < count; ++i) _mm512_storeu_ps(scores + (first + i) * width + t * 16, acc[i]);
-    }
+  using Rows = void (*)(const float*, const float*, int64_t, int64_t, int64_t, float*);
+  static constexpr Rows kRows[8] = {nullptr,        &score_rows<1>, &score_rows<2>, &score_rows<3>,
+                                    &score_rows<4>, &score_rows<5>, &score_rows<6>, &score_rows<7>};
+  int64_t first = 0;
+  for (; first + 8 <= lines; first += 8) {
+    score_rows<8>(query + first * head_dim, kt, tiles, head_dim, width, scores + first * width);
+  }
+  if (first < lines) {
+    kRows[lines - first](query + first * head_dim, kt, tiles, head_dim, width,
+                         scores + first * width);
   }
 }
 
-// out[line] = weights[line] . V over the first `keys` positions, LINES lines of DV x 16 at once.
+// out[line] = weights[line] . V over the first `keys` positions for N lines of DV x 16: N x DV
+// accumulators in registers, the cache read block by block.
+template <int DV, int N>
+void value_block(const float* weights, const float* values, const int64_t* table, int64_t keys,
+                 int64_t width, int64_t block_size, int64_t block_stride, int64_t token_stride,
+                 float* out) {
+  __m512 acc[N][DV];
+  for (int i = 0; i < N; ++i)
+    for (int d = 0; d < DV; ++d) acc[i][d] = _mm512_setzero_ps();
+  for (int64_t start = 0; start < keys; start += block_size) {  // block by block: no division
+    const float* block = values + table[start / block_size] * block_stride;
+    const int64_t stop = std::min(keys, start + block_size);
+    for (int64_t pos = start; pos < stop; ++pos) {
+      const float* v = block + (pos - start) * token_stride;
+      __m512 row[DV];
+      for (int d = 0; d < DV; ++d) row[d] = _mm512_loadu_ps(v + 16 * d);
+      for (int i = 0; i < N; ++i) {
+        const __m512 w = _mm512_set1_ps(weights[i * width + pos]);
+        for (int d = 0; d < DV; ++d) acc[i][d] = _mm512_fmadd_ps(w, row[d], acc[i][d]);
+      }
+    }
+  }
+  for (int i = 0; i < N; ++i)
+    for (int d = 0; d < DV; ++d) _mm512_storeu_ps(out + i * DV * 16 + 16 * d, acc[i][d]);
+}
+
+using ValueBlock = void (*)(const float*, const float*, const int64_t*, int64_t, int64_t, int64_t,
+                           int64_t, int64_t, float*);
+
+template <int DV, std::size_t... N>
+constexpr std::array<ValueBlock, sizeof...(N)> value_blocks(std::index_sequence<N...>) {
+  return {&value_block<DV, static_cast<int>(N) + 1>...};
+}
+
+// `value_block` over every line, 24 / DV lines at a time (24 accumulators and DV for the row:
+// within 32 registers), then the rest in one block.
 template <int DV>
 void value_lines(const float* weights, const float* values, const int64_t* table, int64_t keys,
                  int64_t lines, int64_t width, int64_t block_size, int64_t block_stride,
                  int64_t token_stride, float* out) {
-  constexpr int LINES = 16 / DV;
+  constexpr int LINES = 24 / DV;
+  static constexpr auto kBlocks = value_blocks<DV>(std::make_index_sequence<LINES>());
   for (int64_t first = 0; first < lines; first += LINES) {
     const int64_t count = std::min<int64_t>(LINES, lines - first);
-    __m512 acc[LINES][DV];
-    for (int i = 0; i < LINES; ++i)
-      for (int d = 0; d < DV; ++d) acc[i][d] = _mm512_setzero_ps();
-    for (int64_t start = 0; start < keys; start += block_size) {  // block by block: no division
-      const float* block = values + table[start / block_size] * block_stride;
-      const int64_t stop = std::min(keys, start + block_size);
-      for (int64_t pos = start; pos < stop; ++pos) {
-        const float* v = block + (pos - start) * token_stride;
-        __m512 row[DV];
-        for (int d = 0; d < DV; ++d) row[d] = _mm512_loadu_ps(v + 16 * d);
-        for (int64_t i = 0; i < count; ++i) {
-          const __m512 w = _mm512_set1_ps(weights[(first + i) * width + pos]);
-          for (int d = 0; d < DV; ++d) acc[i][d] = _mm512_fmadd_ps(w, row[d], acc[i][d]);
-        }
-      }
-    }
-    for (int64_t i = 0; i < count; ++i)
-      for (int d = 0; d < DV; ++d) _mm512_storeu_ps(out + (first + i) * DV * 16 + 16 * d, acc[i][d]);
+    kBlocks[count - 1](weights + first * width, values, table, keys, width, block_size,
+                       block_stride, token_stride, out + first * DV * 16);
   }
 }
 
