@@ -28,13 +28,15 @@ def cpu_backend() -> AttentionBackend:
     return backend
 
 
-def metadata(chunks: list[tuple[int, int]], tables: list[list[int]]) -> AttentionMetadata:
+def metadata(
+    chunks: list[tuple[int, int]], tables: list[list[int]], block: int = BLOCK
+) -> AttentionMetadata:
     """(start position, new tokens) per sequence, and its block table."""
     blocks, offsets = [], []
     for (start, count), table in zip(chunks, tables, strict=True):
         for position in range(start, start + count):
-            blocks.append(table[position // BLOCK])
-            offsets.append(position % BLOCK)
+            blocks.append(table[position // block])
+            offsets.append(position % block)
     width = max(len(t) for t in tables)
     padded = [t + [0] * (width - len(t)) for t in tables]
     contexts = [start + count for start, count in chunks]
@@ -56,19 +58,20 @@ def batch(
     dtype: torch.dtype,
     seed: int,
     head_dim: int = 32,
+    block: int = BLOCK,
 ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
     """A random cache (one layer's view of a 2-layer cache), queries and shuffled block tables."""
     generator = torch.Generator().manual_seed(seed)
-    needed = [-(-(s + n) // BLOCK) for s, n in chunks]
+    needed = [-(-(s + n) // block) for s, n in chunks]
     ids = list(range(1, sum(needed) + 8))
     random.Random(seed).shuffle(ids)
     tables, used = [], 0
     for count in needed:
         tables.append(ids[used : used + count])
         used += count
-    cache = torch.randn(len(ids) + 1, 2, 2, BLOCK, kv_heads, head_dim, generator=generator)
+    cache = torch.randn(len(ids) + 1, 2, 2, block, kv_heads, head_dim, generator=generator)
     q = torch.randn(sum(n for _, n in chunks), heads, head_dim, generator=generator)
-    return q.to(dtype), cache.to(dtype)[:, 1], metadata(chunks, tables)
+    return q.to(dtype), cache.to(dtype)[:, 1], metadata(chunks, tables, block)
 
 
 CASES = {
@@ -92,6 +95,16 @@ def test_the_cpu_backend_equals_the_reference(
     expected = ReferenceBackend().plan(meta).attend(q, kv_layer, head_dim**-0.5)
     got = cpu_backend().plan(meta).attend(q, kv_layer, head_dim**-0.5)
     assert got.shape == expected.shape
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("block", [8, 24])
+def test_blocks_that_do_not_hold_whole_groups_of_16_positions(block: int) -> None:
+    """The kernels score 16 positions at a time: with 8- or 24-token blocks a group spans two
+    blocks (each position's block is looked up)."""
+    q, kv_layer, meta = batch(CASES["prefill_and_decode"], 8, 2, torch.float32, 5, block=block)
+    expected = ReferenceBackend().plan(meta).attend(q, kv_layer, 32**-0.5)
+    got = cpu_backend().plan(meta).attend(q, kv_layer, 32**-0.5)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 

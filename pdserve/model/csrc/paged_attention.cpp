@@ -74,14 +74,27 @@ inline bool score16<float>(const float* query, const float* kv, const int64_t* t
                            int64_t token_stride, float* scores) {
   if (head_dim % 16 != 0) return false;
   const int64_t head_stride = head_dim;  // kv heads of a token are adjacent (checked by caller)
+  const float* tokens[16];  // the 16 positions' K rows (kv head 0)
+  if (block_size % 16 == 0) {  // one block holds them: one table lookup, no division per row
+    const float* base =
+        kv + table[first / block_size] * block_stride + (first % block_size) * token_stride;
+    for (int i = 0; i < 16; ++i) tokens[i] = base + i * token_stride;
+    if (first % block_size == 0 && first + block_size < context) {  // the next block's K
+      const char* next = reinterpret_cast<const char*>(
+          kv + table[first / block_size + 1] * block_stride);
+      const int64_t bytes = block_size * token_stride * static_cast<int64_t>(sizeof(float));
+      for (int64_t offset = 0; offset < bytes; offset += 64) _mm_prefetch(next + offset, _MM_HINT_T0);
+    }
+  } else {
+    for (int i = 0; i < 16; ++i) {
+      const int64_t pos = first + i;
+      tokens[i] = kv + table[pos / block_size] * block_stride + (pos % block_size) * token_stride;
+    }
+  }
   const float* rows[16];
   for (int64_t h = 0; h < heads; ++h) {
     if (h % group == 0) {
-      for (int i = 0; i < 16; ++i) {
-        const int64_t pos = first + i;
-        rows[i] = kv + table[pos / block_size] * block_stride + (pos % block_size) * token_stride +
-                  (h / group) * head_stride;
-      }
+      for (int i = 0; i < 16; ++i) rows[i] = tokens[i] + (h / group) * head_stride;
     }
     dot16(query + h * head_dim, rows, head_dim, scores + h * context + first);
   }
