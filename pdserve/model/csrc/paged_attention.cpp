@@ -146,40 +146,41 @@ inline void softmax16(float* row, int64_t count) {
   }
 }
 
-// out[h] = sum over positions of weights[h][pos] * V[pos] for the GROUP query heads of one kv
-// head, whose accumulators (GROUP x DV vectors of 16) stay in registers over the whole context.
-template <int GROUP, int DV>
-inline void values16(const float* kv, const int64_t* table, int64_t context, int64_t block_size,
-                     int64_t block_stride, int64_t kv_stride, int64_t token_stride,
-                     const float* weights, float* out) {
-  __m512 acc[GROUP][DV];
-  for (int g = 0; g < GROUP; ++g)
-    for (int d = 0; d < DV; ++d) acc[g][d] = _mm512_setzero_ps();
-  for (int64_t first = 0; first < context; first += block_size) {
-    const float* block = kv + table[first / block_size] * block_stride + kv_stride;
-    const int64_t last = std::min(context, first + block_size);
-    for (int64_t pos = first; pos < last; ++pos) {
-      const float* v = block + (pos - first) * token_stride;
+// out[line] = weights[line] . V over the first `keys` positions for N lines (query heads of one
+// kv head; prefill: rows x heads) of DV x 16: N x DV accumulators in registers over the whole
+// context, the cache read block by block. `weights` rows are `width` apart.
+template <int DV, int N>
+void value_block(const float* weights, const float* values, const int64_t* table, int64_t keys,
+                 int64_t width, int64_t block_size, int64_t block_stride, int64_t token_stride,
+                 float* out) {
+  __m512 acc[N][DV];
+  for (int i = 0; i < N; ++i)
+    for (int d = 0; d < DV; ++d) acc[i][d] = _mm512_setzero_ps();
+  for (int64_t start = 0; start < keys; start += block_size) {  // block by block: no division
+    const float* block = values + table[start / block_size] * block_stride;
+    const int64_t stop = std::min(keys, start + block_size);
+    for (int64_t pos = start; pos < stop; ++pos) {
+      const float* v = block + (pos - start) * token_stride;
       __m512 row[DV];
       for (int d = 0; d < DV; ++d) row[d] = _mm512_loadu_ps(v + 16 * d);
-      for (int g = 0; g < GROUP; ++g) {
-        const __m512 w = _mm512_set1_ps(weights[g * context + pos]);
-        for (int d = 0; d < DV; ++d) acc[g][d] = _mm512_fmadd_ps(w, row[d], acc[g][d]);
+      for (int i = 0; i < N; ++i) {
+        const __m512 w = _mm512_set1_ps(weights[i * width + pos]);
+        for (int d = 0; d < DV; ++d) acc[i][d] = _mm512_fmadd_ps(w, row[d], acc[i][d]);
       }
     }
   }
-  for (int g = 0; g < GROUP; ++g)
-    for (int d = 0; d < DV; ++d) _mm512_storeu_ps(out + g * DV * 16 + 16 * d, acc[g][d]);
+  for (int i = 0; i < N; ++i)
+    for (int d = 0; d < DV; ++d) _mm512_storeu_ps(out + i * DV * 16 + 16 * d, acc[i][d]);
 }
 
-using Values = void (*)(const float*, const int64_t*, int64_t, int64_t, int64_t, int64_t, int64_t,
-                        const float*, float*);
+using ValueBlock = void (*)(const float*, const float*, const int64_t*, int64_t, int64_t, int64_t,
+                           int64_t, int64_t, float*);
 
-// The register-resident value pass for (group, head_dim), or nullptr (more than 16
-// accumulators, or a head size that is not 32, 64 or 128).
-inline Values values_for(int64_t group, int64_t head_dim) {
+// The decode value pass for (group, head_dim): `value_block` with one line per query head of the
+// group, or nullptr (more than 16 accumulators, or a head size that is not 32, 64 or 128).
+inline ValueBlock values_for(int64_t group, int64_t head_dim) {
 #define PDSERVE_VALUES(G, D) \
-  if (group == G && head_dim == 16 * D) return &values16<G, D>;
+  if (group == G && head_dim == 16 * D) return &value_block<D, G>;
   PDSERVE_VALUES(1, 2) PDSERVE_VALUES(2, 2) PDSERVE_VALUES(4, 2) PDSERVE_VALUES(8, 2)
   PDSERVE_VALUES(1, 4) PDSERVE_VALUES(2, 4) PDSERVE_VALUES(4, 4)
   PDSERVE_VALUES(1, 8) PDSERVE_VALUES(2, 8)
@@ -202,12 +203,13 @@ inline bool softmax_values16<float>(float* scores, const float* kv, const int64_
                                     int64_t context, int64_t heads, int64_t group,
                                     int64_t head_dim, int64_t block_size, int64_t block_stride,
                                     int64_t kv_stride, int64_t token_stride, float* out) {
-  const Values values = values_for(group, head_dim);
+  const ValueBlock values = values_for(group, head_dim);
   if (values == nullptr) return false;
   for (int64_t h = 0; h < heads; ++h) softmax16(scores + h * context, context);
   for (int64_t kv_head = 0; kv_head < heads / group; ++kv_head) {
-    values(kv + kv_head * head_dim, table, context, block_size, block_stride, kv_stride,
-           token_stride, scores + kv_head * group * context, out + kv_head * group * head_dim);
+    values(scores + kv_head * group * context, kv + kv_stride + kv_head * head_dim, table,
+           context, context, block_size, block_stride, token_stride,
+           out + kv_head * group * head_dim);
   }
   return true;
 }
@@ -387,35 +389,6 @@ inline void score_lines(const float* query, const float* kt, int64_t tiles, int6
   }
 }
 
-// out[line] = weights[line] . V over the first `keys` positions for N lines of DV x 16: N x DV
-// accumulators in registers, the cache read block by block.
-template <int DV, int N>
-void value_block(const float* weights, const float* values, const int64_t* table, int64_t keys,
-                 int64_t width, int64_t block_size, int64_t block_stride, int64_t token_stride,
-                 float* out) {
-  __m512 acc[N][DV];
-  for (int i = 0; i < N; ++i)
-    for (int d = 0; d < DV; ++d) acc[i][d] = _mm512_setzero_ps();
-  for (int64_t start = 0; start < keys; start += block_size) {  // block by block: no division
-    const float* block = values + table[start / block_size] * block_stride;
-    const int64_t stop = std::min(keys, start + block_size);
-    for (int64_t pos = start; pos < stop; ++pos) {
-      const float* v = block + (pos - start) * token_stride;
-      __m512 row[DV];
-      for (int d = 0; d < DV; ++d) row[d] = _mm512_loadu_ps(v + 16 * d);
-      for (int i = 0; i < N; ++i) {
-        const __m512 w = _mm512_set1_ps(weights[i * width + pos]);
-        for (int d = 0; d < DV; ++d) acc[i][d] = _mm512_fmadd_ps(w, row[d], acc[i][d]);
-      }
-    }
-  }
-  for (int i = 0; i < N; ++i)
-    for (int d = 0; d < DV; ++d) _mm512_storeu_ps(out + i * DV * 16 + 16 * d, acc[i][d]);
-}
-
-using ValueBlock = void (*)(const float*, const float*, const int64_t*, int64_t, int64_t, int64_t,
-                           int64_t, int64_t, float*);
-
 template <int DV, std::size_t... N>
 constexpr std::array<ValueBlock, sizeof...(N)> value_blocks(std::index_sequence<N...>) {
   return {&value_block<DV, static_cast<int>(N) + 1>...};
@@ -440,7 +413,59 @@ struct PrefillTile {
   int64_t seq, kv_head, row;  // the tile's first query row, counted in its sequence's chunk
 };
 
+// What every tile of a `paged_prefill` call reads and writes (float32 views of its tensors).
+struct PrefillBatch {
+  const float *q, *kv;
+  float* out;
+  const int64_t *tables, *first_rows, *counts, *contexts;
+  int64_t max_blocks, group, head_dim, block_size, block_stride, kv_stride, token_stride;
+  int64_t q_token_stride, q_head_stride, out_token_stride, out_head_stride;
+  float scale;
+};
+
+struct PrefillScratch {
+  std::vector<float> query, scores, result, inverse;
+};
+
 constexpr int64_t kPrefillRows = 16;  // query rows per tile
+
+// One tile: up to 16 query rows x the kv head's group of heads ("lines"), against the
+// sequence's keys up to the tile's last position (`kt`: its K, transposed).
+void attend_tile(const PrefillBatch& b, PrefillTile tile, const float* kt, PrefillScratch& work) {
+  const int64_t s = tile.seq, h = tile.kv_head, group = b.group, dim = b.head_dim;
+  const int64_t rows = std::min(kPrefillRows, b.counts[s] - tile.row);
+  const int64_t first_pos = b.contexts[s] - b.counts[s] + tile.row;
+  const int64_t keys = first_pos + rows, width = (keys + 15) / 16 * 16;
+  const int64_t lines = rows * group;  // line = row * group + head in the group
+  work.query.resize(lines * dim);
+  work.scores.resize(lines * width);
+  work.result.resize(lines * dim);
+  work.inverse.resize(lines);
+  const int64_t first_row = b.first_rows[s] + tile.row;
+  for (int64_t line = 0; line < lines; ++line) {
+    const float* qh = b.q + (first_row + line / group) * b.q_token_stride +
+                      (h * group + line % group) * b.q_head_stride;
+    for (int64_t d = 0; d < dim; ++d) work.query[line * dim + d] = qh[d] * b.scale;
+  }
+  float* scores = work.scores.data();
+  score_lines(work.query.data(), kt, width / 16, dim, lines, width, scores);
+  for (int64_t line = 0; line < lines; ++line) {
+    const int64_t attended = first_pos + line / group + 1;  // causal: up to its own position
+    work.inverse[line] = 1.0f / exp_row16(scores + line * width, attended);
+    std::fill(scores + line * width + attended, scores + (line + 1) * width, 0.0f);
+  }
+  const float* values = b.kv + b.kv_stride + h * dim;
+  const int64_t* table = b.tables + s * b.max_blocks;
+  const auto lines_of = dim == 32 ? &value_lines<2> : dim == 64 ? &value_lines<4> : &value_lines<8>;
+  lines_of(scores, values, table, keys, lines, width, b.block_size, b.block_stride,
+           b.token_stride, work.result.data());
+  for (int64_t line = 0; line < lines; ++line) {  // the softmax's normalisation, last
+    const float* result = work.result.data() + line * dim;
+    float* target = b.out + (first_row + line / group) * b.out_token_stride +
+                    (h * group + line % group) * b.out_head_stride;
+    for (int64_t d = 0; d < dim; ++d) target[d] = result[d] * work.inverse[line];
+  }
+}
 
 }  // namespace
 #endif
@@ -464,78 +489,36 @@ bool paged_prefill(torch::Tensor q, torch::Tensor kv_layer, torch::Tensor block_
   auto starts = first_rows.to(torch::kLong).contiguous();
   auto counts = query_lens.to(torch::kLong).contiguous();
   auto lens = context_lens.to(torch::kLong).contiguous();
-  const int64_t seqs = tables.size(0), max_blocks = tables.size(1), group = heads / kv_heads;
-  const int64_t block_size = kv_layer.size(2), block_stride = kv_layer.stride(0);
-  const int64_t token_stride = kv_layer.stride(2);
-  const float* kv = kv_layer.data_ptr<float>();
-  const float* q_data = q.data_ptr<float>();
-  float* out_data = out.data_ptr<float>();
-  const int64_t* table_data = tables.data_ptr<int64_t>();
-  const int64_t *start_data = starts.data_ptr<int64_t>(), *count_data = counts.data_ptr<int64_t>();
-  const int64_t* len_data = lens.data_ptr<int64_t>();
+  const PrefillBatch batch{
+      q.data_ptr<float>(), kv_layer.data_ptr<float>(), out.data_ptr<float>(),
+      tables.data_ptr<int64_t>(), starts.data_ptr<int64_t>(), counts.data_ptr<int64_t>(),
+      lens.data_ptr<int64_t>(), tables.size(1), heads / kv_heads, head_dim, kv_layer.size(2),
+      kv_layer.stride(0), kv_layer.stride(1), kv_layer.stride(2), q.stride(0), q.stride(1),
+      out.stride(0), out.stride(1), static_cast<float>(scale)};
+  const int64_t seqs = tables.size(0);
   std::vector<int64_t> kt_offsets(seqs * kv_heads + 1, 0);  // transposed keys, by (seq, head)
   std::vector<PrefillTile> tiles;
   for (int64_t s = 0; s < seqs; ++s) {
     for (int64_t h = 0; h < kv_heads; ++h) {
       kt_offsets[s * kv_heads + h + 1] =
-          kt_offsets[s * kv_heads + h] + (len_data[s] + 15) / 16 * 16 * head_dim;
-      for (int64_t row = 0; row < count_data[s]; row += kPrefillRows) tiles.push_back({s, h, row});
+          kt_offsets[s * kv_heads + h] + (batch.contexts[s] + 15) / 16 * 16 * head_dim;
+      for (int64_t row = 0; row < batch.counts[s]; row += kPrefillRows) tiles.push_back({s, h, row});
     }
   }
   std::vector<float> kt(kt_offsets.back());
   at::parallel_for(0, seqs * kv_heads, 1, [&](int64_t begin, int64_t end) {
     for (int64_t item = begin; item < end; ++item) {
       const int64_t s = item / kv_heads, h = item % kv_heads;
-      transpose_keys(kv + h * head_dim, table_data + s * max_blocks, len_data[s], head_dim,
-                     block_size, block_stride, token_stride, kt.data() + kt_offsets[item]);
+      transpose_keys(batch.kv + h * head_dim, batch.tables + s * batch.max_blocks,
+                     batch.contexts[s], head_dim, batch.block_size, batch.block_stride,
+                     batch.token_stride, kt.data() + kt_offsets[item]);
     }
   });
-  const float fscale = static_cast<float>(scale);
   at::parallel_for(0, static_cast<int64_t>(tiles.size()), 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> query, scores, result, sums;
+    PrefillScratch work;
     for (int64_t index = begin; index < end; ++index) {
       const PrefillTile tile = tiles[index];
-      const int64_t s = tile.seq, h = tile.kv_head;
-      const int64_t rows = std::min(kPrefillRows, count_data[s] - tile.row);
-      const int64_t first_pos = len_data[s] - count_data[s] + tile.row;
-      const int64_t keys = first_pos + rows, width = (keys + 15) / 16 * 16;
-      const int64_t lines = rows * group;  // line = row * group + head in the group
-      query.resize(lines * head_dim);
-      scores.resize(lines * width);
-      result.resize(lines * head_dim);
-      for (int64_t r = 0; r < rows; ++r) {
-        const float* qrow = q_data + (start_data[s] + tile.row + r) * q.stride(0);
-        for (int64_t g = 0; g < group; ++g) {
-          const float* qh = qrow + (h * group + g) * q.stride(1);
-          for (int64_t d = 0; d < head_dim; ++d) query[(r * group + g) * head_dim + d] = qh[d] * fscale;
-        }
-      }
-      score_lines(query.data(), kt.data() + kt_offsets[s * kv_heads + h], width / 16, head_dim,
-                  lines, width, scores.data());
-      sums.resize(lines);
-      for (int64_t line = 0; line < lines; ++line) {
-        const int64_t attended = first_pos + line / group + 1;  // causal: up to its own position
-        sums[line] = 1.0f / exp_row16(scores.data() + line * width, attended);
-        std::fill(scores.data() + line * width + attended, scores.data() + (line + 1) * width, 0.0f);
-      }
-      const float* values = kv + kv_layer.stride(1) + h * head_dim;
-      const int64_t* table = table_data + s * max_blocks;
-      if (head_dim == 32) {
-        value_lines<2>(scores.data(), values, table, keys, lines, width, block_size, block_stride, token_stride, result.data());
-      } else if (head_dim == 64) {
-        value_lines<4>(scores.data(), values, table, keys, lines, width, block_size, block_stride, token_stride, result.data());
-      } else {
-        value_lines<8>(scores.data(), values, table, keys, lines, width, block_size, block_stride, token_stride, result.data());
-      }
-      for (int64_t r = 0; r < rows; ++r) {
-        float* orow = out_data + (start_data[s] + tile.row + r) * out.stride(0);
-        for (int64_t g = 0; g < group; ++g) {
-          const float* line = result.data() + (r * group + g) * head_dim;
-          const float inverse = sums[r * group + g];  // the softmax's normalisation, last
-          float* target = orow + (h * group + g) * out.stride(1);
-          for (int64_t d = 0; d < head_dim; ++d) target[d] = line[d] * inverse;
-        }
-      }
+      attend_tile(batch, tile, kt.data() + kt_offsets[tile.seq * kv_heads + tile.kv_head], work);
     }
   });
   return true;
