@@ -26,6 +26,10 @@ written once with `transformers` (`--big-layers` layers of hidden 1024, 16 heads
 MLP 2816, vocab 32000, float32, ~156M parameters at 8 layers: compute-bound) that reuses the
 tiny model's tokenizer files. Ratios: pdserve ÷ vLLM for throughput, vLLM ÷ pdserve for times,
 so > 1 means pdserve wins; each is the median of the per-repetition ratios. Targets: >= 1.0.
+
+Writes benchmarks/results/vs_vllm.json and ends with the line (`_common.finish`)
+``RESULT vs_vllm ratio_offline_tiny=… ratio_prefix_tiny=… ratio_ttft_tiny=… ratio_itl_tiny=…
+ratio_offline_big=… … agree_tiny=… agree_big=…``.
 """
 
 import argparse

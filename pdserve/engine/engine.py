@@ -128,19 +128,8 @@ class LLMEngine:
         `wake` is called from other threads when a storage read finished (must not block);
         `graph_capture` records the decode graphs (default: CUDA graphs, when
         `engine.cuda_graphs` resolves on; tests pass `eager_capture`)."""
-        if config.torch_threads is not None:
-            torch.set_num_threads(config.torch_threads)
-        model_dir = config.model or default_model_dir()
-        device = torch.device(config.device)
-        device_memory = cuda_free_at_start(device) if device.type == "cuda" else None
-        loaded = load_model(
-            model_dir, dtype=config.dtype, device=config.device, max_model_len=config.max_model_len
-        )
-        loaded.model.attention = make_backend(config.attention_backend, loaded.device)
-        plan, memory = size_kv_cache(config, loaded, device_memory)
-        context = check_context(plan, loaded.max_model_len, config.max_model_len is not None)
-        logger.info("%s", describe(plan, memory, weight_bytes(loaded.model), context))
-        graphs = graph_capture is not None or _cuda_graphs(config, device)
+        loaded, plan, memory = _load_and_size(config)
+        graphs = graph_capture is not None or _cuda_graphs(config, loaded.device)
         pool_blocks = plan.num_blocks - 1 if graphs else plan.num_blocks  # the last: padding
         if pool_blocks < 1:
             raise ConfigError("the KV cache holds one block: CUDA graphs need a second one")
@@ -555,6 +544,25 @@ class LLMEngine:
                 f"the prompt has {len(token_ids)} tokens but the context window is "
                 f"{self.max_model_len} tokens (at least one is needed for output); shorten it"
             )
+
+
+def _load_and_size(config: EngineConfig) -> tuple[LoadedModel, KVPlan, MemoryReport | None]:
+    """The model loaded with its attention backend, and the KV cache's size (logged)."""
+    if config.torch_threads is not None:
+        torch.set_num_threads(config.torch_threads)
+    device = torch.device(config.device)
+    device_memory = cuda_free_at_start(device) if device.type == "cuda" else None
+    loaded = load_model(
+        config.model or default_model_dir(),
+        dtype=config.dtype,
+        device=config.device,
+        max_model_len=config.max_model_len,
+    )
+    loaded.model.attention = make_backend(config.attention_backend, loaded.device)
+    plan, memory = size_kv_cache(config, loaded, device_memory)
+    context = check_context(plan, loaded.max_model_len, config.max_model_len is not None)
+    logger.info("%s", describe(plan, memory, weight_bytes(loaded.model), context))
+    return loaded, plan, memory
 
 
 def _cuda_graphs(config: EngineConfig, device: torch.device) -> bool:
