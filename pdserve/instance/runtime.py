@@ -5,14 +5,15 @@ events), stats snapshots, the gRPC server (the role's service plus InstanceServi
 narrow operations callers need (KV endpoints, a request's block table, cache flushes). Roles
 compose it and add their own RPCs; they never reach into the engine's collaborators.
 
-Threads: the engine loop thread owns the engine; gRPC handler threads call `loop.call` for engine
-work and read OutputStreams; `_dispatch` runs on the engine thread and only puts into streams.
+Threads: the engine loop thread owns the engine; the gRPC server's executor threads call
+`loop.call` for engine work; its event loop reads OutputStreams (token streams hold no thread);
+`deliver` runs on the engine thread and only puts into streams.
 """
 
 import logging
 import queue
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -31,11 +32,13 @@ from pdserve.kvcache.events import BlockStored, KVEvent, KVEventBroadcaster
 from pdserve.kvcache.hashing import BlockHash, PromptHashes
 from pdserve.metrics import InstanceCollector, serve_metrics
 from pdserve.model.staging import KVStager
-from pdserve.rpc.auth import BearerTokenInterceptor
+from pdserve.rpc.auth import AioBearerTokenInterceptor
 from pdserve.rpc.channels import ChannelPool
 from pdserve.rpc.server import (
+    AioServer,
     advertised_host,
-    create_server,
+    blocking,
+    create_aio_server,
     host_port,
     instance_workers,
     is_loopback,
@@ -176,21 +179,22 @@ class InstanceRuntime:
 
     def serve(
         self,
-        register: Callable[[grpc.Server], None],
+        register: Callable[[grpc.aio.Server], None],
         service_name: str,
         role: InstanceRole,
         host: str,
         port: int,
-    ) -> tuple[grpc.Server, int]:
+    ) -> tuple[AioServer, int]:
         """Start the instance's gRPC server with its role's service (`register`) and
-        InstanceService (answered by `role`), plus the storage service when its storage tier
-        keeps blocks in host memory (then named after the server's address), and its
+        InstanceService (answered by `role`) on an asyncio server (`AioServer`), plus the
+        storage service when its storage tier keeps blocks in host memory (then named after
+        the server's address), and its
         Prometheus endpoint (`/metrics` on a port of its own). Returns (server, bound port)."""
         store = self.storage.store if self.storage is not None else None
         memory = store if isinstance(store, HostMemoryStore) else None
         services = [service_name, INSTANCE_SERVICE] + ([STORAGE_SERVICE] if memory else [])
 
-        def register_all(server: grpc.Server) -> None:
+        def register_all(server: grpc.aio.Server) -> None:
             register(server)
             common_pb2_grpc.add_InstanceServiceServicer_to_server(
                 InstanceServicer(role, self), server
@@ -200,13 +204,13 @@ class InstanceRuntime:
                     StorageServicer(memory), server
                 )
 
-        server, bound = create_server(
+        server, bound = create_aio_server(
             register_all,
             services,
             host,
             port,
             max_workers=instance_workers(self.engine.scheduler.config.max_num_seqs),
-            interceptors=[BearerTokenInterceptor(self.secret)],
+            interceptors=[AioBearerTokenInterceptor(self.secret)],
             credentials=self.tls.server_credentials() if self.tls is not None else None,
         )
         if memory is not None:
@@ -443,19 +447,19 @@ class InstanceRuntime:
 
         return self.loop.call(subscribe)
 
-    def kv_event_stream(self, context: grpc.ServicerContext) -> Iterator[common_pb2.KVEvent]:
+    async def kv_event_stream(self) -> AsyncIterator[common_pb2.KVEvent]:
         """A snapshot of the published blocks, then every KV event, until the client goes away
-        (or falls too far behind)."""
-        snapshot, subscriber = self.subscribe_kv_events()
+        (its call is cancelled) or the instance stops. Each wait for the next event holds an
+        executor thread for at most `KV_EVENT_POLL_S` (subscribers are few: the routers)."""
+        snapshot, subscriber = await blocking(self.subscribe_kv_events)
         try:
             yield common_pb2.KVEvent(snapshot=common_pb2.BlocksStored(block_hashes=snapshot))
-            while context.is_active():
-                try:
-                    event = subscriber.get(timeout=0.5)
-                except queue.Empty:  # poll the context again
-                    continue
-                if event is None:
+            while True:
+                event = await blocking(_next_event, subscriber)
+                if event is None:  # disconnected: the instance stops (or it fell behind)
                     return
+                if event is _NO_EVENT:
+                    continue
                 hashes = list(event.block_hashes)
                 if isinstance(event, BlockStored):
                     yield common_pb2.KVEvent(stored=common_pb2.BlocksStored(block_hashes=hashes))
@@ -491,6 +495,19 @@ class InstanceRuntime:
         self.engine.runner.close()
 
 
+KV_EVENT_POLL_S = 0.5
+_NO_EVENT: Any = object()  # no event within KV_EVENT_POLL_S
+
+
+def _next_event(subscriber: "queue.Queue[KVEvent | None]") -> Any:
+    """The subscriber's next event, None when it was disconnected, or _NO_EVENT after
+    KV_EVENT_POLL_S (so that a cancelled stream frees its thread soon)."""
+    try:
+        return subscriber.get(timeout=KV_EVENT_POLL_S)
+    except queue.Empty:
+        return _NO_EVENT
+
+
 def _tier_factory(
     config: StorageConfig | None, channels: ChannelPool, secret: str
 ) -> StorageTierFactory | None:
@@ -521,7 +538,8 @@ class InstanceServicer(common_pb2_grpc.InstanceServiceServicer):
     ) -> common_pb2.InstanceStats:
         return self.role.stats()
 
-    def SubscribeKVEvents(
-        self, request: common_pb2.KVEventsRequest, context: grpc.ServicerContext
-    ) -> Iterator[common_pb2.KVEvent]:
-        return self.runtime.kv_event_stream(context)
+    async def SubscribeKVEvents(
+        self, request: common_pb2.KVEventsRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> AsyncIterator[common_pb2.KVEvent]:
+        async for event in self.runtime.kv_event_stream():  # an async generator, for grpc.aio
+            yield event

@@ -1,11 +1,12 @@
 """Bearer-token authentication for every pdserve gRPC server (instances and admin).
 
-Servers install `BearerTokenInterceptor(secret)`: a call whose `authorization` metadata is not
-`Bearer <secret>` (compared in constant time) ends with UNAUTHENTICATED before its handler runs,
-so it changes nothing. Only health answers without it (load balancers, probes).
-Clients add the header to every call of a channel (`authenticated_channel`; `ChannelPool` does it
-for every peer when given the secret). Secrets are generated with `secrets`, kept in 0600 files
-(`secret_file`) and never logged or echoed in an error.
+Servers install `BearerTokenInterceptor(secret)` (`AioBearerTokenInterceptor` on asyncio
+servers): a call whose `authorization` metadata is not `Bearer <secret>` (compared in constant
+time) ends with UNAUTHENTICATED before its handler runs, so it changes nothing. Only health
+answers without it (load balancers, probes). Clients add the header to every call of a channel
+(`authenticated_channel`; `ChannelPool` does it for every peer when given the secret). Secrets
+are generated with `secrets`, kept in 0600 files (`secret_file`) and never logged or echoed in
+an error.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from __future__ import annotations
 import hmac
 import os
 import secrets
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeAlias
 
@@ -82,16 +83,28 @@ def _create_secret(path: Path) -> str:
     return secret
 
 
-class BearerTokenInterceptor(grpc.ServerInterceptor):
-    """Rejects calls whose `authorization` metadata is not `Bearer <token>`.
-
-    Stateless after construction: safe on every handler thread.
-    """
+class _TokenCheck:
+    """The check both interceptors make: stateless after construction, safe on any thread."""
 
     def __init__(self, token: str) -> None:
         if not token:
             raise ValueError("an empty token would authenticate nobody")
         self._expected = f"Bearer {token}".encode()
+
+    def admits(self, details: grpc.HandlerCallDetails) -> bool:
+        """Whether the call may reach its handler: an unguarded method, or the right token."""
+        if details.method.startswith(UNGUARDED):
+            return True
+        sent = dict(details.invocation_metadata or ()).get(AUTHORIZATION, "")
+        sent_bytes = sent.encode() if isinstance(sent, str) else sent
+        return hmac.compare_digest(sent_bytes, self._expected)
+
+
+class BearerTokenInterceptor(grpc.ServerInterceptor):
+    """Rejects calls whose `authorization` metadata is not `Bearer <token>` (thread servers)."""
+
+    def __init__(self, token: str) -> None:
+        self._check = _TokenCheck(token)
 
     def intercept_service(
         self,
@@ -99,22 +112,39 @@ class BearerTokenInterceptor(grpc.ServerInterceptor):
         details: grpc.HandlerCallDetails,
     ) -> Handler | None:
         handler = continuation(details)
-        if details.method.startswith(UNGUARDED) or handler is None:
+        if handler is None or self._check.admits(details):
             return handler
-        sent = dict(details.invocation_metadata or ()).get(AUTHORIZATION, "")
-        sent_bytes = sent.encode() if isinstance(sent, str) else sent
-        if hmac.compare_digest(sent_bytes, self._expected):
-            return handler
-        return _denial(handler)
+        return _denial(handler, _deny)
 
 
-def _denial(handler: Handler) -> Handler:
+class AioBearerTokenInterceptor(grpc.aio.ServerInterceptor):
+    """`BearerTokenInterceptor` for `grpc.aio` servers (instances)."""
+
+    def __init__(self, token: str) -> None:
+        self._check = _TokenCheck(token)
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[Handler | None]],
+        details: grpc.HandlerCallDetails,
+    ) -> Handler | None:
+        handler = await continuation(details)
+        if handler is None or self._check.admits(details):
+            return handler
+        return _denial(handler, _deny_async)
+
+
+def _deny(request: object, context: grpc.ServicerContext) -> Any:
+    context.abort(grpc.StatusCode.UNAUTHENTICATED, DENIED)
+
+
+async def _deny_async(request: object, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
+    await context.abort(grpc.StatusCode.UNAUTHENTICATED, DENIED)
+
+
+def _denial(handler: Handler, deny: Callable[..., Any]) -> Handler:
     """A handler of the same kind as `handler` that only answers UNAUTHENTICATED (it reads no
     request: nothing of the call reaches the service)."""
-
-    def deny(request: object, context: grpc.ServicerContext) -> Any:
-        context.abort(grpc.StatusCode.UNAUTHENTICATED, DENIED)
-
     if handler.request_streaming and handler.response_streaming:
         return grpc.stream_stream_rpc_method_handler(deny)
     if handler.request_streaming:

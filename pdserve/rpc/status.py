@@ -1,13 +1,13 @@
 """The one table between pdserve's exceptions and the wire: gRPC status + `ErrorCode`.
 
-Servers call `abort_with` (unary RPCs) or `error_reply` (an `Error` message inside a stream);
-clients call `error_from_rpc` / `error_from_reply`, which rebuild the same exception class with
-its message and retry-after. An error raised on decode therefore reaches the router as itself.
-A failure with no pdserve code (the peer is gone, a deadline passed) becomes
-InstanceUnavailableError.
+Servers call `abort_with` / `abort_with_async` (unary RPCs) or `error_reply` (an `Error` message
+inside a stream); clients call `error_from_rpc` / `error_from_reply`, which rebuild the same
+exception class with its message and retry-after. An error raised on decode therefore reaches
+the router as itself. A failure with no pdserve code (the peer is gone, a deadline passed)
+becomes InstanceUnavailableError.
 """
 
-from typing import NoReturn, TypeAlias
+from typing import Any, NoReturn, TypeAlias
 
 import grpc
 
@@ -88,12 +88,29 @@ def classify(error: BaseException) -> tuple[Code, grpc.StatusCode, str, int]:
 
 def abort_with(context: grpc.ServicerContext, error: BaseException) -> NoReturn:
     """End a unary RPC with `error`'s status; its code and retry-after go in trailing metadata."""
+    status, message = _trailers(context, error)
+    context.abort(status, message)
+    raise AssertionError("context.abort returned")  # it always raises
+
+
+async def abort_with_async(
+    context: "grpc.aio.ServicerContext[Any, Any]", error: BaseException
+) -> NoReturn:
+    """`abort_with` in an async handler (asyncio servers)."""
+    status, message = _trailers(context, error)
+    await context.abort(status, message)
+    raise AssertionError("context.abort returned")  # it always raises
+
+
+def _trailers(
+    context: "grpc.ServicerContext | grpc.aio.ServicerContext[Any, Any]", error: BaseException
+) -> tuple[grpc.StatusCode, str]:
+    """Set `error`'s code and retry-after as trailing metadata; returns (status, message)."""
     code, status, message, retry_after_ms = classify(error)
     context.set_trailing_metadata(
         ((ERROR_CODE_KEY, str(int(code))), (RETRY_AFTER_KEY, str(retry_after_ms)))
     )
-    context.abort(status, message)
-    raise AssertionError("context.abort returned")  # it always raises
+    return status, message
 
 
 def error_reply(error: BaseException) -> common_pb2.Error:

@@ -9,11 +9,10 @@ import logging
 import os
 from collections.abc import Callable, Sequence
 
-import grpc
 import torch
 
 from pdserve.config import ClusterConfig
-from pdserve.rpc.server import advertised_host, host_port
+from pdserve.rpc.server import AioServer, advertised_host, host_port
 from services.controller.state import tls_files
 from services.decode.instance import DecodeInstance
 from services.decode.servicer import serve_decode
@@ -99,7 +98,7 @@ class InstanceActor:
             torch.set_num_threads(engine.torch_threads)
         self.role = role
         self.instance: PrefillInstance | DecodeInstance | MixedInstance
-        self.server: grpc.Server
+        self.server: AioServer
         if role == "prefill":
             self.instance, self.server, port = serve_prefill(
                 engine,

@@ -1,12 +1,13 @@
 """DecodeInstance: reserves blocks for incoming prompts, receives their KV and generates.
 
-Threads: gRPC handlers validate, reserve (on the engine thread), write KV bytes (on their own
-thread, into blocks the reservation owns exclusively) and read OutputStreams; the engine thread
-decodes, expires leases and frees blocks. The reservation table is thread-safe.
+Threads: gRPC handlers validate, reserve (on the engine thread) and write KV bytes (on the
+server's executor, into blocks the reservation owns exclusively); token streams are read on the
+server's event loop; the engine thread decodes, expires leases and frees blocks. The
+reservation table is thread-safe.
 """
 
 import logging
-from collections.abc import Iterator
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from pdserve.config import DecodeConfig, EngineConfig, StorageConfig, TransferConfig
@@ -240,12 +241,14 @@ class DecodeInstance:
         output = engine.admit_prefilled(reservation.request, first_token_id, first_logprob)
         self.runtime.loop.emit([output])  # its text is added on the loop's output thread
 
-    def stream_outputs(self, request_id: str) -> Iterator[RequestOutput]:
-        """Every output of the request from its first token on; ends when it finishes.
-        Raises RequestNotFoundError (no such request) or the error that ended it."""
+    async def stream_outputs(self, request_id: str) -> AsyncIterator[RequestOutput]:
+        """Every output of the request from its first token on, awaited on the caller's event
+        loop; ends when it finishes. Raises RequestNotFoundError (no such request) or the error
+        that ended it."""
         stream = self.runtime.stream(request_id)
         try:
-            yield from stream
+            async for output in stream:
+                yield output
         finally:
             self.runtime.close_stream(request_id, stream=stream)
 

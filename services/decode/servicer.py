@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
@@ -17,7 +17,8 @@ from pdserve.instance.convert import (
     sampling_from_proto,
     token_replies,
 )
-from pdserve.rpc.status import abort_with, error_reply
+from pdserve.rpc.server import AioServer, blocking, post
+from pdserve.rpc.status import abort_with, abort_with_async, error_reply
 from pdserve.rpc.tls import TlsFiles
 from pdserve.transfer.wire import KVChunkView, parse_kv_chunk
 from pdserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc
@@ -29,7 +30,9 @@ SERVICE_NAME = "pdserve.v1.DecodeService"
 
 
 class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
-    """Thin: runs on gRPC handler threads, delegates to the thread-safe DecodeInstance."""
+    """Thin: delegates to the thread-safe DecodeInstance. Reserve, CommitKV and StartDecode
+    are plain functions (the server runs them on its executor); PushKV and StreamTokens are
+    coroutines on the server's event loop, which must see a broken stream at once."""
 
     def __init__(self, instance: DecodeInstance) -> None:
         self.instance = instance
@@ -67,36 +70,37 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
             abort_with(context, e)
         return decode_pb2.CommitKVReply()
 
-    def PushKV(
+    async def PushKV(
         self,
-        request_iterator: Iterator[decode_pb2.KVChunk | KVChunkView],
-        context: grpc.ServicerContext,
+        request_iterator: AsyncIterator[decode_pb2.KVChunk | KVChunkView],
+        context: grpc.aio.ServicerContext[Any, Any],
     ) -> decode_pb2.PushKVReply:
+        """Write each chunk into its reservation (on the executor: a copy into the KV cache).
+        A stream that breaks — the sender cancels, its deadline passes, it ends without its
+        `last` chunk, a write fails — releases its reservations at once, not at lease expiry
+        (a write still running when the handler is cancelled defers the release to its end)."""
         blocks = received = 0
         request_ids: set[str] = set()
         completed = saw_last = False
 
-        def settle_if_broken() -> None:  # idempotent: the handler and the RPC's end both call it
+        def settle_if_broken() -> None:  # idempotent
             if not completed:
                 for request_id in request_ids:
                     self.instance.transfer_failed(request_id)
 
-        # A stream can break while this handler reads it: the request iterator raises, or (when
-        # the end of the stream is processed before its cancellation) simply ends without the
-        # sender's `last` chunk; both are settled in `finally`. It can also break after the
-        # handler returned, before the reply reached the sender: the RPC-termination callback.
-        context.add_callback(settle_if_broken)
         try:
-            for chunk in request_iterator:
+            async for chunk in request_iterator:
                 request_ids.add(chunk.request_id)
                 saw_last = saw_last or chunk.last
                 data = memoryview(chunk.data)  # a view when parsed by parse_kv_chunk
-                blocks += self.instance.receive_blocks(chunk.request_id, chunk.first_block, data)
+                blocks += await blocking(
+                    self.instance.receive_blocks, chunk.request_id, chunk.first_block, data
+                )
                 received += len(data)
-            completed = saw_last and context.is_active()
+            completed = saw_last
         except KVTransferError as e:
-            settle_if_broken()  # settle now, before the sender sees the error
-            abort_with(context, e)
+            settle_if_broken()  # before the sender sees the error (`abort` sends it)
+            await abort_with_async(context, e)
         finally:
             settle_if_broken()
         return decode_pb2.PushKVReply(blocks_received=blocks, bytes_received=received)
@@ -116,24 +120,24 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
             abort_with(context, e)
         return decode_pb2.StartDecodeReply()
 
-    def StreamTokens(
-        self, request: decode_pb2.StreamTokensRequest, context: grpc.ServicerContext
-    ) -> Iterator[common_pb2.TokenReply]:
+    async def StreamTokens(
+        self, request: decode_pb2.StreamTokensRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> AsyncIterator[common_pb2.TokenReply]:
+        """Every output of the request from its first token on, read on the event loop (an
+        open stream holds no thread). A client that goes away aborts the request."""
         request_id = request.request_id
-
-        def on_disconnect() -> None:
-            if not finished:
-                self.instance.abort(request_id)
-
         finished = False
-        context.add_callback(on_disconnect)
         try:
-            for output in self.instance.stream_outputs(request_id):
+            async for output in self.instance.stream_outputs(request_id):
                 finished = output.finished
-                yield from token_replies(output)
+                for reply in token_replies(output):
+                    yield reply
         except PdserveError as e:
             finished = True
             yield common_pb2.TokenReply(error=error_reply(e))
+        finally:
+            if not finished:  # cancelled: the client disconnected or its deadline passed
+                post(self.instance.abort, request_id)
 
 
 def _log_unexpected(error: Exception, method: str, request_id: str) -> None:
@@ -156,7 +160,7 @@ class _HandlerRecorder:
         self.handlers = dict(handlers)
 
 
-def add_decode_servicer(servicer: DecodeServicer, server: grpc.Server) -> None:
+def add_decode_servicer(servicer: DecodeServicer, server: grpc.aio.Server) -> None:
     """Register the generated DecodeService handlers, with PushKV parsing KV chunks without
     copying their data (`parse_kv_chunk`)."""
     recorder = _HandlerRecorder()
@@ -176,7 +180,7 @@ def serve_decode(
     *,
     secret: str,
     tls: TlsFiles | None = None,
-) -> tuple[DecodeInstance, grpc.Server, int]:
+) -> tuple[DecodeInstance, AioServer, int]:
     """Start a decode instance and its gRPC server (every call must carry `secret`); returns
     (instance, server, port)."""
     instance = DecodeInstance(

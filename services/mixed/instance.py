@@ -5,14 +5,15 @@ from collections.abc import Iterator
 from pdserve.config import EngineConfig, StorageConfig
 from pdserve.engine.request import RequestOutput, SamplingParams
 from pdserve.instance.runtime import InstanceRuntime
+from pdserve.instance.streams import OutputStream
 from pdserve.kvcache.hashing import PromptHashes
 from pdserve.rpc.tls import TlsFiles
 from pdserve.v1 import common_pb2
 
 
 class MixedInstance:
-    """Threads: one gRPC handler thread per request reads its OutputStream; the runtime's engine
-    thread generates.
+    """Threads: the server's executor builds and queues requests, its event loop reads their
+    OutputStreams; the runtime's engine thread generates.
     """
 
     def __init__(
@@ -33,6 +34,28 @@ class MixedInstance:
     def stop(self) -> None:
         self.runtime.stop()
 
+    def submit(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        hashes: PromptHashes | None = None,
+    ) -> None:
+        """Build the request and queue it; its outputs go to the stream opened for it
+        (`runtime.open_stream`). Raises InvalidRequestError / PromptTooLongError. Blocking:
+        one engine-thread round trip."""
+        request = self.runtime.make_request(
+            prompt_token_ids, params, request_id, block_hashes=hashes
+        )
+        self.runtime.loop.call(lambda engine: engine.submit(request))
+
+    def end(self, request_id: str, stream: OutputStream, finished: bool) -> None:
+        """The reader is done with the request's stream: abort the request unless it finished,
+        and unregister the stream. Blocking."""
+        if not finished:
+            self.runtime.abort(request_id)
+        self.runtime.close_stream(request_id, stream=stream)
+
     def generate(
         self,
         request_id: str,
@@ -40,23 +63,18 @@ class MixedInstance:
         params: SamplingParams,
         hashes: PromptHashes | None = None,
     ) -> Iterator[RequestOutput]:
-        """Every output of the request until it finishes; closing the iterator early aborts it.
-        Raises InvalidRequestError / PromptTooLongError before the first output, and the error
-        of a failed engine step (StepFailedError)."""
-        request = self.runtime.make_request(
-            prompt_token_ids, params, request_id, block_hashes=hashes
-        )
+        """Every output of the request until it finishes (blocking); closing the iterator early
+        aborts it. Raises InvalidRequestError / PromptTooLongError before the first output, and
+        the error of a failed engine step (StepFailedError)."""
         stream = self.runtime.open_stream(request_id)
         finished = False
         try:
-            self.runtime.loop.call(lambda engine: engine.submit(request))
+            self.submit(request_id, prompt_token_ids, params, hashes)
             for output in stream:
                 finished = output.finished
                 yield output
         finally:
-            if not finished:
-                self.runtime.abort(request_id)
-            self.runtime.close_stream(request_id, stream=stream)
+            self.end(request_id, stream, finished)
 
     def abort(self, request_id: str) -> bool:
         return self.runtime.abort(request_id)

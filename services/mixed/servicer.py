@@ -1,13 +1,17 @@
 """MixedService servicer: convert -> delegate to MixedInstance -> convert."""
 
+import asyncio
 import logging
-from collections.abc import Iterator
+from collections.abc import AsyncIterator
+from typing import Any
 
 import grpc
 
 from pdserve.config import EngineConfig, StorageConfig
 from pdserve.errors import PdserveError
 from pdserve.instance.convert import hashes_from_proto, sampling_from_proto, token_replies
+from pdserve.instance.streams import OutputStream
+from pdserve.rpc.server import AioServer, post
 from pdserve.rpc.status import error_reply
 from pdserve.rpc.tls import TlsFiles
 from pdserve.v1 import common_pb2, mixed_pb2_grpc
@@ -19,28 +23,36 @@ SERVICE_NAME = "pdserve.v1.MixedService"
 
 
 class MixedServicer(mixed_pb2_grpc.MixedServiceServicer):
-    """Thin: runs on gRPC handler threads, delegates to the thread-safe MixedInstance."""
+    """Thin: a coroutine on the server's event loop; the request is built and queued on the
+    server's executor, its outputs are read on the loop (an open stream holds no thread)."""
 
     def __init__(self, instance: MixedInstance) -> None:
         self.instance = instance
 
-    def Generate(
-        self, request: common_pb2.GenerateRequest, context: grpc.ServicerContext
-    ) -> Iterator[common_pb2.TokenReply]:
-        def abort_on_exit() -> None:  # runs when the RPC ends; a no-op once finished
-            self.instance.abort(request.request_id)
-
-        context.add_callback(abort_on_exit)
+    async def Generate(
+        self, request: common_pb2.GenerateRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> AsyncIterator[common_pb2.TokenReply]:
+        request_id = request.request_id
+        stream: OutputStream | None = None
+        submitted: asyncio.Future[None] | None = None
+        finished = False
         try:
             params = sampling_from_proto(request.sampling)
-            outputs = self.instance.generate(
-                request.request_id, list(request.prompt_token_ids), params,
+            stream = self.instance.runtime.open_stream(request_id)
+            submitted = asyncio.get_running_loop().run_in_executor(
+                None, self.instance.submit, request_id, list(request.prompt_token_ids), params,
                 hashes_from_proto(request),
             )  # fmt: skip
-            for output in outputs:
-                yield from token_replies(output)
+            await asyncio.shield(submitted)  # cancelled, the clean-up waits for it to be queued
+            async for output in stream:
+                finished = output.finished
+                for reply in token_replies(output):
+                    yield reply
         except PdserveError as e:
             yield common_pb2.TokenReply(error=error_reply(e))
+        finally:
+            if stream is not None:  # aborted unless finished, once it was queued (or refused)
+                post(self.instance.end, request_id, stream, finished, after=submitted)
 
 
 def serve_mixed(
@@ -51,7 +63,7 @@ def serve_mixed(
     *,
     secret: str,
     tls: TlsFiles | None = None,
-) -> tuple[MixedInstance, grpc.Server, int]:
+) -> tuple[MixedInstance, AioServer, int]:
     """Start a mixed instance and its gRPC server (every call must carry `secret`); returns
     (instance, server, port)."""
     instance = MixedInstance(engine_config, storage, secret=secret, tls=tls)

@@ -1,13 +1,15 @@
 """PrefillService servicer: convert -> delegate to PrefillInstance -> convert."""
 
 import logging
+from typing import Any
 
 import grpc
 
 from pdserve.config import EngineConfig, PrefillConfig, StorageConfig, TransferConfig
 from pdserve.errors import InvalidRequestError, PdserveError
 from pdserve.instance.convert import hashes_from_proto, logprob_to_proto, sampling_from_proto
-from pdserve.rpc.status import abort_with
+from pdserve.rpc.server import AioServer, blocking, post
+from pdserve.rpc.status import abort_with_async
 from pdserve.rpc.tls import TlsFiles
 from pdserve.v1 import prefill_pb2, prefill_pb2_grpc
 from services.prefill.instance import PrefillInstance, PrefillOutcome
@@ -18,37 +20,37 @@ SERVICE_NAME = "pdserve.v1.PrefillService"
 
 
 class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
-    """Thin: runs on gRPC handler threads, delegates to the thread-safe PrefillInstance."""
+    """Thin: a coroutine on the server's event loop that runs the blocking PrefillInstance
+    (thread-safe) on the server's executor."""
 
     def __init__(self, instance: PrefillInstance) -> None:
         self.instance = instance
 
-    def Prefill(
-        self, request: prefill_pb2.PrefillRequest, context: grpc.ServicerContext
+    async def Prefill(
+        self, request: prefill_pb2.PrefillRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> prefill_pb2.PrefillResult:
         generate = request.request
-
-        def abort_on_exit() -> None:  # runs when the RPC ends; a no-op after a handoff
-            self.instance.abort(generate.request_id)
-
-        context.add_callback(abort_on_exit)
         try:
             if not request.decode_address:
                 raise InvalidRequestError("decode_address is required")
             params = sampling_from_proto(generate.sampling)
-            outcome = self.instance.prefill(
-                generate.request_id, list(generate.prompt_token_ids), params,
-                request.decode_address, hashes_from_proto(generate),
+            outcome = await blocking(
+                self.instance.prefill, generate.request_id, list(generate.prompt_token_ids),
+                params, request.decode_address, hashes_from_proto(generate),
             )  # fmt: skip
         except PdserveError as e:
             logger.info(
                 "prefill of request %s for %s failed: %s",
                 generate.request_id, request.decode_address, e,
             )  # fmt: skip
-            abort_with(context, e)
+            await abort_with_async(context, e)
         except Exception as e:
             logger.exception("prefill of request %s failed", generate.request_id)
-            abort_with(context, e)
+            await abort_with_async(context, e)
+        finally:
+            # at once, also when the caller went away mid-prefill (its wait for the KV then
+            # ends); a no-op after a handoff
+            post(self.instance.abort, generate.request_id)
         return _result(outcome)
 
 
@@ -83,7 +85,7 @@ def serve_prefill(
     *,
     secret: str,
     tls: TlsFiles | None = None,
-) -> tuple[PrefillInstance, grpc.Server, int]:
+) -> tuple[PrefillInstance, AioServer, int]:
     """Start a prefill instance and its gRPC server (every call must carry `secret`); returns
     (instance, server, port)."""
     instance = PrefillInstance(

@@ -17,8 +17,8 @@ from waiting import wait_for
 
 from pdserve.config import DecodeConfig, EngineConfig, PrefillConfig, RouterConfig
 from pdserve.instance.runtime import INSTANCE_SERVICE, InstanceServicer
-from pdserve.rpc.auth import BearerTokenInterceptor
-from pdserve.rpc.server import create_server
+from pdserve.rpc.auth import AioBearerTokenInterceptor
+from pdserve.rpc.server import create_aio_server
 from pdserve.v1 import common_pb2_grpc, prefill_pb2_grpc
 from services.decode.servicer import serve_decode
 from services.prefill.servicer import SERVICE_NAME, PrefillServicer, serve_prefill
@@ -87,17 +87,17 @@ def test_dead_prefill_is_routed_around_and_rejoins_when_it_returns(stack: Stack)
     finally:
         servicer = PrefillServicer(instance)
 
-        def register(s: grpc.Server) -> None:
+        def register(s: grpc.aio.Server) -> None:
             prefill_pb2_grpc.add_PrefillServiceServicer_to_server(servicer, s)
             common_pb2_grpc.add_InstanceServiceServicer_to_server(
                 InstanceServicer(instance, instance.runtime), s
             )
 
-        revived, _ = create_server(
+        revived, _ = create_aio_server(
             register,
             [SERVICE_NAME, INSTANCE_SERVICE],
             port=port,
-            interceptors=[BearerTokenInterceptor(SECRET)],
+            interceptors=[AioBearerTokenInterceptor(SECRET)],
         )
         stack.prefill[0] = (instance, revived, port)
     # Its KV events flow again: a prompt prefilled there shows up in the router's index.
