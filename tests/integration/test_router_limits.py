@@ -16,7 +16,12 @@ from credentials import SECRET
 from waiting import wait_for
 
 from pdserve.config import DecodeConfig, EngineConfig, PrefillConfig, RouterConfig
+from pdserve.engine.request import SamplingParams
+from pdserve.instance.convert import generate_request
+from pdserve.rpc.aio import AioChannelPool, AioClients
+from pdserve.rpc.server import instance_workers
 from services.decode.servicer import serve_decode
+from services.mixed.servicer import serve_mixed
 from services.prefill.servicer import serve_prefill
 from services.router.server import RunningRouter, serve_router
 
@@ -133,3 +138,41 @@ def test_handoffs_beyond_max_num_seqs_wait_their_turn_with_unchanged_output(
         alone = {n: concurrently(router, 1, 120, lambda: True, first=n)[0] for n in (0, 9, 15)}
     assert peak == 8
     assert all(together[n] == text for n, text in alone.items()) and len(set(together)) > 1
+
+
+def test_open_streams_hold_no_thread_of_the_instance_server(tiny_model_dir: Path) -> None:
+    """More open Generate streams than the instance server has threads all reach the engine at
+    once (a thread-per-stream server tops out at its pool), other calls are still answered
+    meanwhile, and streams whose clients go away are aborted and unregistered."""
+    config = EngineConfig(model=str(tiny_model_dir), num_kv_blocks=1024, max_num_seqs=2)
+    streams = instance_workers(config.max_num_seqs) + 12
+    instance, server, port = serve_mixed(config, secret=SECRET)
+    clients = AioClients(AioChannelPool(SECRET))
+    params = SamplingParams(max_tokens=900, ignore_eos=True)
+
+    def in_engine() -> int:
+        stats = instance.stats()
+        return stats.num_running + stats.num_waiting
+
+    async def hold_then_leave() -> None:
+        async def one(n: int) -> None:
+            message = generate_request(f"held-{n}", [1, 2, 3 + n], params)
+            async for _ in clients.generate_mixed(f"127.0.0.1:{port}", message):
+                pass
+
+        tasks = [asyncio.ensure_future(one(n)) for n in range(streams)]
+        try:
+            await asyncio.to_thread(wait_for, lambda: in_engine() == streams, 60)
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            await clients.channels.close()
+
+    try:
+        asyncio.run(hold_then_leave())
+        wait_for(lambda: in_engine() == 0 and not instance.runtime._streams, 30)
+    finally:
+        server.stop(0)
+        instance.check_integrity()
+        instance.stop()
