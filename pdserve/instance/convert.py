@@ -72,11 +72,13 @@ def generate_request(
     prompt_token_ids: list[int],
     params: SamplingParams,
     hashes: PromptHashes | None = None,
+    attempt: str = "",
 ) -> common_pb2.GenerateRequest:
     message = common_pb2.GenerateRequest(
         request_id=request_id,
         prompt_token_ids=prompt_token_ids,
         sampling=sampling_to_proto(params),
+        attempt=attempt,
     )
     if hashes is not None:
         message.hash_root = hashes.root

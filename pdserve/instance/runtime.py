@@ -10,6 +10,7 @@ Threads: the engine loop thread owns the engine; the gRPC server's executor thre
 `deliver` runs on the engine thread and only puts into streams.
 """
 
+import asyncio
 import logging
 import queue
 import threading
@@ -27,7 +28,7 @@ from pdserve.engine.engine import LLMEngine, StorageTierFactory
 from pdserve.engine.loop import EngineLoop, Mailbox
 from pdserve.engine.request import Request, RequestOutput, SamplingParams
 from pdserve.errors import DuplicateRequestError, InstanceUnavailableError, RequestNotFoundError
-from pdserve.instance.streams import OutputStream, aborted_output
+from pdserve.instance.streams import OutputStream, aborted_output, wake
 from pdserve.kvcache.events import BlockStored, KVEvent, KVEventBroadcaster
 from pdserve.kvcache.hashing import BlockHash, PromptHashes
 from pdserve.metrics import InstanceCollector, serve_metrics
@@ -144,6 +145,7 @@ class InstanceRuntime:
         self.metrics_address = ""  # host:port of /metrics once `serve` started it
         self._metrics_server: Any = None
         self._streams: dict[str, OutputStream] = {}
+        self._awaiting: dict[str, list[asyncio.Future[None]]] = {}  # `attach` waits, by id
         self._streams_lock = threading.Lock()
         self.loop = EngineLoop(engine, self.deliver, mailbox, on_tick=on_tick)
 
@@ -326,14 +328,40 @@ class InstanceRuntime:
 
     # -- output streams ---------------------------------------------------------------------------
 
-    def open_stream(self, request_id: str) -> OutputStream:
-        """Register the stream that will carry the request's outputs. Raises
-        DuplicateRequestError when one is open."""
+    def open_stream(self, request_id: str, attempt: str = "") -> OutputStream:
+        """Register the stream that will carry the request's outputs (for the router's
+        `attempt`, which readers waiting in `attach` match). Raises DuplicateRequestError when
+        one is open."""
         with self._streams_lock:
             if request_id in self._streams:
                 raise DuplicateRequestError(f"request id {request_id!r} is already in flight")
-            stream = self._streams[request_id] = OutputStream(request_id)
-            return stream
+            stream = self._streams[request_id] = OutputStream(request_id, attempt)
+            waiting = self._awaiting.pop(request_id, [])
+        for future in waiting:
+            wake(future)
+        return stream
+
+    async def attach(self, request_id: str, attempt: str) -> OutputStream:
+        """The stream of the request's `attempt`, awaited on the caller's loop until it is
+        opened (a reader may come before the reservation it reads). Waits until cancelled:
+        callers bound it with their call's deadline."""
+        loop = asyncio.get_running_loop()
+        while True:
+            future = loop.create_future()
+            with self._streams_lock:
+                stream = self._streams.get(request_id)
+                if stream is not None and stream.attempt == attempt:
+                    return stream
+                self._awaiting.setdefault(request_id, []).append(future)
+            try:
+                await future
+            finally:
+                with self._streams_lock:
+                    waiting = self._awaiting.get(request_id, [])
+                    if future in waiting:
+                        waiting.remove(future)
+                    if not waiting:
+                        self._awaiting.pop(request_id, None)
 
     def stream(self, request_id: str) -> OutputStream:
         """The open stream of a request; raises RequestNotFoundError."""

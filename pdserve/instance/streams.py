@@ -34,8 +34,9 @@ def aborted_output(request_id: str) -> RequestOutput:
 
 
 class OutputStream:
-    def __init__(self, request_id: str) -> None:
+    def __init__(self, request_id: str, attempt: str = "") -> None:
         self.request_id = request_id
+        self.attempt = attempt  # the router's attempt it serves (GenerateRequest.attempt)
         self._items: queue.SimpleQueue[RequestOutput | PdserveError] = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._ended = False
@@ -58,7 +59,7 @@ class OutputStream:
             self._ended = output.finished
             self._items.put(output)
             waiter, self._waiter = self._waiter, None
-        _wake(waiter)
+        wake(waiter)
 
     def fail(self, error: PdserveError) -> None:
         """End the stream with `error` (the reader raises it). Ignored once ended."""
@@ -68,7 +69,7 @@ class OutputStream:
             self._ended = True
             self._items.put(error)
             waiter, self._waiter = self._waiter, None
-        _wake(waiter)
+        wake(waiter)
 
     def get(self, timeout_s: float | None = None) -> RequestOutput:
         """The next output; raises the stream's error, or queue.Empty after `timeout_s`."""
@@ -109,8 +110,8 @@ class OutputStream:
                 return
 
 
-def _wake(waiter: "asyncio.Future[None] | None") -> None:
-    """Resolve an `aget`'s future from any thread (on its own loop)."""
+def wake(waiter: "asyncio.Future[None] | None") -> None:
+    """Resolve a waiting coroutine's future from any thread (on its own loop)."""
     if waiter is None:
         return
     with contextlib.suppress(RuntimeError):  # its loop is closed: nobody waits any more

@@ -73,11 +73,13 @@ class AioClients:
         return result
 
     def stream_tokens(
-        self, address: str, request_id: str
+        self, address: str, request_id: str, attempt: str = ""
     ) -> AsyncIterator[common_pb2.TokenChunk | common_pb2.TokenFinal]:
+        """Decode's token stream of a request (with `attempt`: opened before its reservation,
+        which it waits for)."""
         stub = decode_pb2_grpc.DecodeServiceStub(self.channels.get(address))
         call = stub.StreamTokens(
-            decode_pb2.StreamTokensRequest(request_id=request_id),
+            decode_pb2.StreamTokensRequest(request_id=request_id, attempt=attempt),
             timeout=self.deadlines.stream_s,
             metadata=self.channels.metadata,
         )

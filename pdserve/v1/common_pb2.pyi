@@ -222,6 +222,7 @@ class GenerateRequest(_message.Message):
     HASH_ROOT_FIELD_NUMBER: _builtins.int
     HASH_BLOCK_SIZE_FIELD_NUMBER: _builtins.int
     BLOCK_HASHES_FIELD_NUMBER: _builtins.int
+    ATTEMPT_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     hash_root: _builtins.bytes
     """The prompt's block hash chain (pdserve.kvcache.hashing) as the sender computed it, with the
@@ -229,6 +230,11 @@ class GenerateRequest(_message.Message):
     links (BlockHasher.adopt), else computes its own. Empty: the instance computes it.
     """
     hash_block_size: _builtins.int
+    attempt: _builtins.str
+    """The router's id of this attempt at the request (it retries under the same request_id).
+    Prefill forwards it in its Reserve; decode's StreamTokens with the same attempt waits for
+    that reservation, so the router opens the token stream as it calls Prefill.
+    """
     @_builtins.property
     def prompt_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     @_builtins.property
@@ -244,10 +250,11 @@ class GenerateRequest(_message.Message):
         hash_root: _builtins.bytes = ...,
         hash_block_size: _builtins.int = ...,
         block_hashes: _abc.Iterable[_builtins.bytes] | None = ...,
+        attempt: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["sampling", b"sampling"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_hashes", b"block_hashes", "hash_block_size", b"hash_block_size", "hash_root", b"hash_root", "prompt_token_ids", b"prompt_token_ids", "request_id", b"request_id", "sampling", b"sampling"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "block_hashes", b"block_hashes", "hash_block_size", b"hash_block_size", "hash_root", b"hash_root", "prompt_token_ids", b"prompt_token_ids", "request_id", b"request_id", "sampling", b"sampling"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

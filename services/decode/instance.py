@@ -7,12 +7,11 @@ reservation table is thread-safe.
 """
 
 import logging
-from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from pdserve.config import DecodeConfig, EngineConfig, StorageConfig, TransferConfig
 from pdserve.engine.engine import LLMEngine
-from pdserve.engine.request import Request, RequestOutput, SamplingParams, TokenLogprob
+from pdserve.engine.request import Request, SamplingParams, TokenLogprob
 from pdserve.errors import (
     DuplicateRequestError,
     InvalidRequestError,
@@ -22,7 +21,7 @@ from pdserve.errors import (
     ResourceExhaustedError,
 )
 from pdserve.instance.runtime import InstanceRuntime
-from pdserve.instance.streams import aborted_output
+from pdserve.instance.streams import OutputStream, aborted_output
 from pdserve.kvcache.hashing import PromptHashes
 from pdserve.rpc.tls import TlsFiles
 from pdserve.transfer.base import KVEndpoints, host_id
@@ -95,9 +94,10 @@ class DecodeInstance:
         prompt_token_ids: list[int],
         params: SamplingParams,
         hashes: PromptHashes | None = None,
+        attempt: str = "",
     ) -> ReservationGrant:
         """Reserve blocks for the prompt if the growth headroom of the running requests
-        survives it.
+        survives it (its output stream, for the router's `attempt`, opens with it).
 
         Raises ResourceExhaustedError (with a retry-after) when it would not,
         InvalidRequestError / PromptTooLongError for a bad request and DuplicateRequestError
@@ -106,7 +106,7 @@ class DecodeInstance:
         request = self.runtime.make_request(
             prompt_token_ids, params, request_id, block_hashes=hashes
         )
-        stream = self.runtime.open_stream(request_id)
+        stream = self.runtime.open_stream(request_id, attempt)
         try:
             self.runtime.read_ahead(request)  # blocks this instance lacks but storage has
             return self.runtime.loop.call(lambda engine: self._reserve(engine, request))
@@ -241,16 +241,14 @@ class DecodeInstance:
         output = engine.admit_prefilled(reservation.request, first_token_id, first_logprob)
         self.runtime.loop.emit([output])  # its text is added on the loop's output thread
 
-    async def stream_outputs(self, request_id: str) -> AsyncIterator[RequestOutput]:
-        """Every output of the request from its first token on, awaited on the caller's event
-        loop; ends when it finishes. Raises RequestNotFoundError (no such request) or the error
-        that ended it."""
-        stream = self.runtime.stream(request_id)
-        try:
-            async for output in stream:
-                yield output
-        finally:
-            self.runtime.close_stream(request_id, stream=stream)
+    async def output_stream(self, request_id: str, attempt: str = "") -> OutputStream:
+        """The stream of the request's outputs, from its first token on (its reader closes
+        it: `runtime.close_stream`). With the router's `attempt`, awaits that attempt's
+        reservation (until cancelled); without, raises RequestNotFoundError when none is
+        held."""
+        if attempt:
+            return await self.runtime.attach(request_id, attempt)
+        return self.runtime.stream(request_id)
 
     def abort(self, request_id: str) -> bool:
         reservation = self.reservations.pop(request_id)

@@ -47,6 +47,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
                 list(generate.prompt_token_ids),
                 sampling_from_proto(generate.sampling),
                 hashes_from_proto(generate),
+                generate.attempt,
             )
         except Exception as e:  # a refusal is RESOURCE_EXHAUSTED with decode's retry-after
             _log_unexpected(e, "Reserve", generate.request_id)
@@ -124,11 +125,18 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         self, request: decode_pb2.StreamTokensRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> AsyncIterator[common_pb2.TokenReply]:
         """Every output of the request from its first token on, read on the event loop (an
-        open stream holds no thread). A client that goes away aborts the request."""
+        open stream holds no thread); with an `attempt`, opened before its reservation exists
+        (the router calls it alongside Prefill). A client that goes away aborts the request
+        (unless it never got one)."""
         request_id = request.request_id
+        try:
+            stream = await self.instance.output_stream(request_id, request.attempt)
+        except PdserveError as e:
+            yield common_pb2.TokenReply(error=error_reply(e))
+            return
         finished = False
         try:
-            async for output in self.instance.stream_outputs(request_id):
+            async for output in stream:
                 finished = output.finished
                 for reply in token_replies(output):
                     yield reply
@@ -136,6 +144,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
             finished = True
             yield common_pb2.TokenReply(error=error_reply(e))
         finally:
+            self.instance.runtime.close_stream(request_id, stream=stream)
             if not finished:  # cancelled: the client disconnected or its deadline passed
                 post(self.instance.abort, request_id)
 

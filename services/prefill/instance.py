@@ -131,8 +131,10 @@ class PrefillInstance:
         params: SamplingParams,
         decode_address: str,
         hashes: PromptHashes | None = None,
+        attempt: str = "",
     ) -> PrefillOutcome:
-        """Run one request's prefill and handoff.
+        """Run one request's prefill and handoff (`attempt`: the router's, sent to decode with
+        the reservation).
 
         Raises InvalidRequestError (bad input, here or on decode), ResourceExhaustedError
         (decode refused until the backoff ran out), KVTransferError, InstanceUnavailableError,
@@ -148,7 +150,7 @@ class PrefillInstance:
         decode_reserved = False
         try:
             try:
-                reservation = self.preallocate_resource_in_p(request, decode)
+                reservation = self.preallocate_resource_in_p(request, decode, attempt)
             except InstanceUnavailableError:  # decode may still grant it: release it there
                 self._abort_on_decode(request_id, decode)
                 raise
@@ -186,7 +188,7 @@ class PrefillInstance:
         outcome.first_token_id = first_token_id
 
     def preallocate_resource_in_p(
-        self, request: Request, decode: DecodeClient
+        self, request: Request, decode: DecodeClient, router_attempt: str = ""
     ) -> DecodeReservation:
         """Admit the prompt here (device prefix hit, storage blocks staged after it, blocks for
         the rest; when the pool is short the scheduler admits it later) and ask the decode
@@ -199,6 +201,7 @@ class PrefillInstance:
                 list(request.prompt_token_ids),
                 request.sampling_params,
                 request.prompt_hashes(),  # decode takes them after a check: no second hashing
+                router_attempt,
             )
         )
         attempts = self.config.reserve_max_attempts

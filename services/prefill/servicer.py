@@ -36,7 +36,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
             params = sampling_from_proto(generate.sampling)
             outcome = await blocking(
                 self.instance.prefill, generate.request_id, list(generate.prompt_token_ids),
-                params, request.decode_address, hashes_from_proto(generate),
+                params, request.decode_address, hashes_from_proto(generate), generate.attempt,
             )  # fmt: skip
         except PdserveError as e:
             logger.info(

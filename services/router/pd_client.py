@@ -1,17 +1,19 @@
 """PDClient: drives one request through a prefill instance and a decode instance over gRPC.
 
-Prefill.Prefill (reservation on decode, prefill, KV transfer, first-token handoff), then
-Decode.StreamTokens, which replays every output from the first token on. The router uses the
-asyncio methods (`agenerate`, `agenerate_mixed`: `pdserve.rpc.aio`, on its event loop); the CLI,
-tests and benchmarks use the blocking ones. Every call goes through the per-service clients:
-deadlines on every RPC, errors raised as the class the instance raised.
+Prefill.Prefill (reservation on decode, prefill, KV transfer, first-token handoff) and
+Decode.StreamTokens, which replays every output from the first token on: the router opens it
+alongside Prefill (it waits on decode for the attempt's reservation), the blocking client after.
+The router uses the asyncio methods (`agenerate`, `agenerate_mixed`: `pdserve.rpc.aio`, on its
+event loop); the CLI, tests and benchmarks use the blocking ones. Every call goes through the
+per-service clients: deadlines on every RPC, errors raised as the class the instance raised.
 """
 
 import asyncio
 import logging
 import uuid
-from collections.abc import AsyncGenerator, Iterator
+from collections.abc import AsyncGenerator, AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from pdserve.engine.request import SamplingParams, TokenLogprob
 from pdserve.errors import DecodeUnavailableError, InstanceUnavailableError, PdserveError
@@ -116,21 +118,42 @@ class PDClient:
         request_id: str,
         hashes: PromptHashes | None = None,
     ) -> AsyncGenerator[TokenDelta | Finished, None]:
-        """`generate` on the event loop (`hashes`: the prompt's chain, sent along)."""
-        message = _prefill_request(decode_address, prompt_token_ids, params, request_id, hashes)
+        """`generate` on the event loop (`hashes`: the prompt's chain, sent along). Decode's
+        token stream is opened alongside Prefill, for this attempt's reservation, so the first
+        token reaches the caller as soon as decode emits it (with prompt logprobs asked for,
+        once Prefill's reply brought them). A Prefill that fails before the first token fails
+        the request with its own error (decode's side is aborted); one that fails after it
+        costs only its report (`Finished.prefill` None)."""
+        attempt = uuid.uuid4().hex
+        message = _prefill_request(
+            decode_address, prompt_token_ids, params, request_id, hashes, attempt
+        )
+        prefill = asyncio.ensure_future(self.aio.prefill(prefill_address, message))
+        replies = self.aio.stream_tokens(decode_address, request_id, attempt)
+        events = _Events(None)
+        delivered = False
         try:
-            result = await self.aio.prefill(prefill_address, message)
-        except PdserveError:
-            await asyncio.to_thread(self._abort_quietly, decode_address, request_id)
-            raise
-        events = _Events(result)
-        try:
-            async for reply in self.aio.stream_tokens(decode_address, request_id):
+            first = await _first_reply(replies, prefill)
+            if params.prompt_logprobs is not None or isinstance(first, common_pb2.TokenFinal):
+                events.attach(await prefill)
+            yield events.of(first)
+            delivered = True
+            async for reply in replies:
+                if isinstance(reply, common_pb2.TokenFinal):
+                    events.attach(await _report(prefill, request_id))
                 yield events.of(reply)
-        except DecodeUnavailableError:
+        except PdserveError as error:
+            if not delivered and _failed(prefill):  # the stream ended because Prefill failed
+                await asyncio.to_thread(self._abort_quietly, decode_address, request_id)
+                raise prefill.exception() from None  # type: ignore[misc]
+            if isinstance(error, InstanceUnavailableError) and not isinstance(
+                error, DecodeUnavailableError
+            ):  # the token stream broke: decode's side
+                raise DecodeUnavailableError(str(error), error.retry_after_ms) from error
             raise
-        except InstanceUnavailableError as e:  # the token stream broke: decode's side
-            raise DecodeUnavailableError(str(e), e.retry_after_ms) from e
+        finally:
+            prefill.cancel()  # a no-op once it answered; else the call (and its prefill) ends
+            await replies.aclose()  # type: ignore[attr-defined]
 
     async def agenerate_mixed(
         self,
@@ -185,11 +208,44 @@ def _prefill_request(
     params: SamplingParams,
     request_id: str,
     hashes: PromptHashes | None = None,
+    attempt: str = "",
 ) -> prefill_pb2.PrefillRequest:
     return prefill_pb2.PrefillRequest(
-        request=generate_request(request_id, prompt_token_ids, params, hashes),
+        request=generate_request(request_id, prompt_token_ids, params, hashes, attempt),
         decode_address=decode_address,
     )
+
+
+async def _first_reply(
+    replies: AsyncIterator[common_pb2.TokenChunk | common_pb2.TokenFinal],
+    prefill: "asyncio.Future[prefill_pb2.PrefillResult]",
+) -> common_pb2.TokenChunk | common_pb2.TokenFinal:
+    """The token stream's first reply; Prefill's error when Prefill fails first (the stream
+    would wait for a reservation that never comes)."""
+    first = asyncio.ensure_future(anext(replies))
+    try:
+        await asyncio.wait((first, prefill), return_when=asyncio.FIRST_COMPLETED)
+        if not first.done() and _failed(prefill):
+            raise prefill.exception()  # type: ignore[misc]
+        return await first
+    finally:
+        first.cancel()  # a no-op once it is done
+
+
+def _failed(future: "asyncio.Future[Any]") -> bool:
+    return future.done() and not future.cancelled() and future.exception() is not None
+
+
+async def _report(
+    prefill: "asyncio.Future[prefill_pb2.PrefillResult]", request_id: str
+) -> prefill_pb2.PrefillResult | None:
+    """Prefill's result for the final event; None when it failed after decode took over (the
+    generation itself succeeded)."""
+    try:
+        return await prefill
+    except PdserveError as e:
+        logger.warning("prefill of request %s failed after its handoff: %s", request_id, e)
+        return None
 
 
 class _Events:
@@ -197,6 +253,12 @@ class _Events:
     instance's first chunk) ride on the first delta."""
 
     def __init__(self, prefill: prefill_pb2.PrefillResult | None) -> None:
+        self._prefill: prefill_pb2.PrefillResult | None = None
+        self._prompt: Sequence[common_pb2.TokenLogprob] = ()
+        self.attach(prefill)
+
+    def attach(self, prefill: prefill_pb2.PrefillResult | None) -> None:
+        """Prefill's result, once it came (its prompt logprobs go on the next delta)."""
         self._prefill = prefill
         self._prompt = prefill.prompt_logprobs if prefill is not None else ()
 

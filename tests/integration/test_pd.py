@@ -19,7 +19,7 @@ from pdserve.config import DecodeConfig, EngineConfig, PrefillConfig, TransferCo
 from pdserve.engine import LLMEngine, SamplingParams
 from pdserve.errors import KVTransferError, ResourceExhaustedError
 from pdserve.instance.convert import generate_request
-from pdserve.v1 import decode_pb2, decode_pb2_grpc
+from pdserve.v1 import decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 from services.decode.instance import DecodeInstance
 from services.decode.servicer import serve_decode
 from services.prefill.instance import PrefillInstance
@@ -322,3 +322,36 @@ def test_a_decode_that_disappears_mid_transfer_leaves_nothing_pinned_on_prefill(
         client.close()
         p_server.stop(0).wait()
         prefill.stop()
+
+
+def test_a_token_stream_opened_before_its_reservation_serves_that_attempt_only(
+    make_pair: Callable[..., PDPair],
+) -> None:
+    """The router opens decode's StreamTokens alongside Prefill: a stream for attempt `a1`
+    waits for that reservation and then streams the request; a stream for another attempt
+    (an earlier one's leftover) stays unattached, and its cancellation aborts nothing."""
+    pair = make_pair()
+    expected, _ = pair.generate(prompt(40, offset=3), GREEDY)
+    stub = pair.decode_stub()
+    early = stub.StreamTokens(
+        decode_pb2.StreamTokensRequest(request_id="early", attempt="a1"), timeout=60
+    )
+    stale = stub.StreamTokens(
+        decode_pb2.StreamTokensRequest(request_id="early", attempt="a0"), timeout=60
+    )
+    waiting = pair.decode.runtime._awaiting
+    wait_for(lambda: len(waiting.get("early", ())) == 2)  # both wait on decode: no reservation
+    message = prefill_pb2.PrefillRequest(
+        request=generate_request("early", prompt(40, offset=3), GREEDY, attempt="a1"),
+        decode_address=pair.decode_address,
+    )
+    prefill = prefill_pb2_grpc.PrefillServiceStub(pair.client.channels.get(pair.prefill_address))
+    result = prefill.Prefill(message, timeout=60)
+    stale.cancel()
+    tokens = [t for reply in early if reply.HasField("chunk") for t in reply.chunk.token_ids]
+    assert result.first_token_id == expected[0]
+    assert tokens == expected
+    with pytest.raises(grpc.RpcError) as cancelled:
+        next(stale)
+    assert cancelled.value.code() == grpc.StatusCode.CANCELLED
+    wait_for(lambda: not waiting)
