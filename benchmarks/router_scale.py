@@ -93,12 +93,17 @@ def _raise_fd_limit() -> None:
 
 class _Fakes:
     """Both fake instances in one process: prefill records each request's max_tokens for
-    decode's StreamTokens."""
+    decode's StreamTokens, which (like a real decode instance) waits for the reservation of
+    its attempt when the router opens it alongside Prefill."""
 
     def __init__(self, secret: str) -> None:
         self.expected = (AUTHORIZATION, f"Bearer {secret}")
         self.max_tokens: dict[str, int] = {}
+        self.reserved: dict[str, asyncio.Event] = {}  # by attempt
         self.interval_s = 0.05  # set by the benchmark before each stage
+
+    def reservation(self, attempt: str) -> asyncio.Event:
+        return self.reserved.setdefault(attempt, asyncio.Event())
 
     def check(self, context: Any) -> bool:
         return self.expected in tuple(context.invocation_metadata() or ())
@@ -113,6 +118,8 @@ class FakePrefill(prefill_pb2_grpc.PrefillServiceServicer):
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, "no secret")
         generate = request.request
         self.fakes.max_tokens[generate.request_id] = generate.sampling.max_tokens
+        if generate.attempt:
+            self.fakes.reservation(generate.attempt).set()
         return prefill_pb2.PrefillResult(
             first_token_id=FAKE_TOKEN, num_prompt_tokens=len(generate.prompt_token_ids)
         )
@@ -142,6 +149,11 @@ class FakeDecode(decode_pb2_grpc.DecodeServiceServicer):
     async def StreamTokens(self, request: Any, context: Any) -> AsyncIterator[Any]:
         if not self.fakes.check(context):
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, "no secret")
+        if request.attempt:
+            try:
+                await self.fakes.reservation(request.attempt).wait()
+            finally:
+                self.fakes.reserved.pop(request.attempt, None)
         count = self.fakes.max_tokens.pop(request.request_id, 1)
         interval = self.fakes.interval_s
         start = time.monotonic()
