@@ -45,18 +45,29 @@ def create_server(
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     for name in ("", *service_names):
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    bound = _reflect_and_bind(server, service_names, f"{host}:{port}", credentials)
+    server.start()
+    return server, bound
+
+
+def _reflect_and_bind(
+    server: grpc.Server | grpc.aio.Server,
+    service_names: Sequence[str],
+    address: str,
+    credentials: grpc.ServerCredentials | None,
+) -> int:
+    """Enable reflection (of the services, health and reflection) and bind `address`, over
+    TLS with `credentials`; returns the bound port. Raises OSError when it cannot bind."""
     reflection.enable_server_reflection(
         (*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME), server
     )
-    address = f"{host}:{port}"
     if credentials is None:
         bound = server.add_insecure_port(address)
     else:
         bound = server.add_secure_port(address, credentials)
     if bound == 0:
-        raise OSError(f"cannot bind gRPC server to {host}:{port}")
-    server.start()
-    return server, bound
+        raise OSError(f"cannot bind gRPC server to {address}")
+    return bound
 
 
 class AioServer:
@@ -102,15 +113,7 @@ class AioServer:
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
         for name in ("", *service_names):
             await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-        reflection.enable_server_reflection(
-            (*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME), server
-        )
-        if credentials is None:
-            bound = server.add_insecure_port(address)
-        else:
-            bound = server.add_secure_port(address, credentials)
-        if bound == 0:
-            raise OSError(f"cannot bind gRPC server to {address}")
+        bound = _reflect_and_bind(server, service_names, address, credentials)
         await server.start()
         self._server = server
         return bound
