@@ -191,11 +191,11 @@ def _log_failure(future: "asyncio.Future[Any]") -> None:
 
 
 def instance_workers(max_num_seqs: int) -> int:
-    """Handler threads of an instance's server. Every open token stream (StreamTokens,
-    Generate) and every Prefill in flight holds one, so the pool is sized from the engine's batch
-    — twice `max_num_seqs` (requests queued behind the running ones keep their streams open
-    too) plus control calls and KV-event subscriptions — so that the engine's limits, not the
-    pool, bound what an instance runs."""
+    """Executor threads of an instance's server (`AioServer`) for blocking work. Open token
+    streams hold none; every Prefill in flight holds one (its wait for the KV), and KV-event
+    subscriptions one each while they wait, so the pool is sized from the engine's batch —
+    twice `max_num_seqs` (requests queued behind the running ones) plus control calls — so
+    that the engine's limits, not the pool, bound what an instance runs."""
     return 2 * max_num_seqs + 32
 
 

@@ -250,6 +250,13 @@ class DecodeInstance:
             return await self.runtime.attach(request_id, attempt)
         return self.runtime.stream(request_id)
 
+    def end(self, request_id: str, stream: OutputStream, finished: bool) -> None:
+        """The reader is done with the request's stream: unregister it, and abort the request
+        unless it finished (its reader went away). Blocking."""
+        self.runtime.close_stream(request_id, stream=stream)
+        if not finished:
+            self.abort(request_id)
+
     def abort(self, request_id: str) -> bool:
         reservation = self.reservations.pop(request_id)
         if reservation is not None:

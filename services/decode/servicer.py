@@ -143,10 +143,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         except PdserveError as e:
             finished = True
             yield common_pb2.TokenReply(error=error_reply(e))
-        finally:
-            self.instance.runtime.close_stream(request_id, stream=stream)
-            if not finished:  # cancelled: the client disconnected or its deadline passed
-                post(self.instance.abort, request_id)
+        finally:  # not finished: cancelled (the client went away or its deadline passed)
+            post(self.instance.end, request_id, stream, finished)
 
 
 def _log_unexpected(error: Exception, method: str, request_id: str) -> None:
