@@ -54,7 +54,7 @@ REDIS_SCHEMES = ("redis", "rediss", "unix")
 # Engine settings a role may not change: KV blocks move between prefill and decode instances
 # byte for byte, and the router hashes prompt blocks with the base engine's model, block size
 # and dtype, so every role must agree with the base engine on them.
-SHARED_ENGINE_FIELDS = ("model", "block_size", "dtype")
+SHARED_ENGINE_FIELDS = ("model", "block_size", "dtype", "tensor_parallel_size")
 # PDSERVE_* variables read outside this module, so known even though no setting is loaded from
 # them: services/controller/admin_cli.py reads PDSERVE_ADMIN_TOKEN without loading a config, and
 # services/controller/admin.py falls back to it when admin.token is unset;
@@ -98,10 +98,22 @@ class EngineConfig:
     lrfu_half_life_s: float = 60.0
     lrfu_score_capacity: int = 8
     torch_threads: int | None = None  # torch.set_num_threads; None = leave torch's default
+    # ranks (one device each) one instance's model is split across; it must divide the model's
+    # attention and KV heads. Every role shares it (a KV block's layout depends on it)
+    tensor_parallel_size: int = 1
+    # longest wait of one collective (all-reduce, gather, the step broadcast) before the
+    # instance's requests fail with TensorParallelError; an idle worker waits without limit
+    tp_timeout_s: float = 60.0
     seed: int = 0  # seed of the sampler for requests without their own seed
 
     def __post_init__(self) -> None:
-        positive = ("block_size", "max_num_seqs", "max_num_batched_tokens", "kv_staging_bytes")
+        positive = (
+            "block_size",
+            "max_num_seqs",
+            "max_num_batched_tokens",
+            "kv_staging_bytes",
+            "tensor_parallel_size",
+        )
         optional = ("kv_cache_bytes", "num_kv_blocks", "max_model_len", "torch_threads")
         for name in (*positive, *optional):
             value = getattr(self, name)
@@ -121,6 +133,13 @@ class EngineConfig:
             )
         if not DEVICE_PATTERN.fullmatch(self.device):
             raise ConfigError(f"engine.device must be cpu, cuda or cuda:N, got {self.device!r}")
+        if not self.tp_timeout_s > 0:
+            raise ConfigError(f"engine.tp_timeout_s must be positive, got {self.tp_timeout_s}")
+        if self.cuda_graphs and self.tensor_parallel_size > 1:
+            raise ConfigError(
+                "engine.cuda_graphs is not supported with tensor_parallel_size > 1 yet: leave "
+                "it unset (off for tensor-parallel instances) or set it to false"
+            )
         if self.cuda_graphs and self.device == "cpu":
             raise ConfigError(
                 "engine.cuda_graphs needs a CUDA device (engine.device is cpu): leave it unset "
@@ -357,8 +376,8 @@ class ClusterConfig:
             )
         if gpus > 1:
             raise ConfigError(
-                f"{role}.num_gpus is {gpus:g}: one instance runs on one GPU (several per "
-                "instance is tensor parallelism, not supported yet); add replicas instead"
+                f"{role}.num_gpus is {gpus:g}: it is the GPUs of one rank; to split an instance "
+                "across several GPUs set engine.tensor_parallel_size (one GPU per rank)"
             )
 
     def engine_for(self, role: str) -> EngineConfig:

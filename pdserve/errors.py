@@ -113,3 +113,8 @@ class DecodeUnavailableError(InstanceUnavailableError):
 class StepFailedError(RetryableError):
     """The engine step that ran this request raised; the request was failed, the engine serves
     the others."""
+
+
+class TensorParallelError(StepFailedError):
+    """A collective of a tensor-parallel instance failed or timed out (a rank died or hangs):
+    the instance's requests fail with it until the instance is restarted."""

@@ -1,5 +1,6 @@
 """LLMEngine: one in-process engine. Each step reads schedule -> run -> update."""
 
+import dataclasses
 import logging
 import time
 import uuid
@@ -22,6 +23,7 @@ from pdserve.engine.request import (
 from pdserve.engine.sampler import Sampler, token_logprob
 from pdserve.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from pdserve.engine.storage_connector import StorageConnector
+from pdserve.engine.tensor_parallel import RankZero, WorkerLauncher, local_workers, start_rank_zero
 from pdserve.errors import (
     ConfigError,
     IntegrityError,
@@ -45,6 +47,7 @@ from pdserve.model.memory import (
     size_kv_cache,
     weight_bytes,
 )
+from pdserve.model.parallel import TPGroup
 from pdserve.model.runner import ModelRunner, SequenceChunk
 from pdserve.model.tiny import default_model_dir
 from pdserve.storage.tier import StorageTier
@@ -56,9 +59,11 @@ StorageTierFactory = Callable[[str], StorageTier]
 
 
 def storage_tag(loaded: LoadedModel, block_size: int) -> str:
-    """Names the KV layout: blocks are only shared between engines with the same tag."""
+    """Names the KV layout: blocks are only shared between engines with the same tag. A
+    tensor-parallel block is its ranks' slices in rank order: another layout (`tp<size>`)."""
     dtype = str(loaded.dtype).removeprefix("torch.")
-    return f"{loaded.model_tag}/{dtype}/b{block_size}/kv1"
+    ranks = loaded.model.shard.size
+    return f"{loaded.model_tag}/{dtype}/b{block_size}/kv1" + (f"/tp{ranks}" if ranks > 1 else "")
 
 
 def is_out_of_memory(error: BaseException) -> bool:
@@ -122,13 +127,40 @@ class LLMEngine:
         storage: StorageTierFactory | None = None,
         wake: Callable[[], None] = lambda: None,
         graph_capture: Capture | None = None,
+        tp_workers: WorkerLauncher = local_workers,
+        tp_host: str = "127.0.0.1",
     ) -> "LLMEngine":
         """An engine for `config`; `shared_kv_cache` puts a CPU KV cache in shared memory;
         `storage(tag)` builds the storage tier for the engine's KV layout tag (None: no tier);
         `wake` is called from other threads when a storage read finished (must not block);
         `graph_capture` records the decode graphs (default: CUDA graphs, when
-        `engine.cuda_graphs` resolves on; tests pass `eager_capture`)."""
-        loaded, plan, memory = _load_and_size(config)
+        `engine.cuda_graphs` resolves on; tests pass `eager_capture`); `tp_workers` starts a
+        tensor-parallel instance's other ranks (default: local processes), which find this
+        one on `tp_host`."""
+        tp = None
+        if config.tensor_parallel_size > 1:
+            tp = start_rank_zero(config, tp_workers, tp_host)
+        try:
+            return cls._build(config, event_sink, shared_kv_cache, storage, wake, graph_capture, tp)
+        except BaseException:
+            if tp is not None:
+                tp.stop()
+            raise
+
+    @classmethod
+    def _build(
+        cls,
+        config: EngineConfig,
+        event_sink: KVEventSink | None,
+        shared_kv_cache: bool,
+        storage: StorageTierFactory | None,
+        wake: Callable[[], None],
+        graph_capture: Capture | None,
+        tp: RankZero | None,
+    ) -> "LLMEngine":
+        loaded, plan, memory = load_and_size(config, tp.group if tp is not None else None)
+        if tp is not None:
+            plan = dataclasses.replace(plan, num_blocks=tp.agree_on_blocks(plan.num_blocks))
         graphs = graph_capture is not None or _cuda_graphs(config, loaded.device)
         pool_blocks = plan.num_blocks - 1 if graphs else plan.num_blocks  # the last: padding
         if pool_blocks < 1:
@@ -141,6 +173,13 @@ class LLMEngine:
             shared=shared_kv_cache,
             staging_bytes=config.kv_staging_bytes,
         )
+        if tp is not None:
+            runner.attach_ranks(tp, tp.worker_segments())
+        if storage is not None and not runner.kv_movable:
+            raise ConfigError(
+                "a tensor-parallel CUDA instance cannot use the storage tier yet (its KV blocks "
+                "are not movable across ranks): turn storage off or use tensor_parallel_size 1"
+            )
         tier = storage(storage_tag(loaded, config.block_size)) if storage is not None else None
         connector = (
             StorageConnector(tier, runner.stager, config.block_size, wake)
@@ -546,8 +585,12 @@ class LLMEngine:
             )
 
 
-def _load_and_size(config: EngineConfig) -> tuple[LoadedModel, KVPlan, MemoryReport | None]:
-    """The model loaded with its attention backend, and the KV cache's size (logged)."""
+def load_and_size(
+    config: EngineConfig, group: TPGroup | None = None
+) -> tuple[LoadedModel, KVPlan, MemoryReport | None]:
+    """The model loaded with its attention backend (tensor parallel: this rank's part), and
+    the KV cache's size (logged). Every rank of a tensor-parallel instance runs it together
+    (the profiling forward's collectives)."""
     if config.torch_threads is not None:
         torch.set_num_threads(config.torch_threads)
     device = torch.device(config.device)
@@ -557,6 +600,7 @@ def _load_and_size(config: EngineConfig) -> tuple[LoadedModel, KVPlan, MemoryRep
         dtype=config.dtype,
         device=config.device,
         max_model_len=config.max_model_len,
+        group=group,
     )
     loaded.model.attention = make_backend(config.attention_backend, loaded.device)
     plan, memory = size_kv_cache(config, loaded, device_memory)
@@ -568,7 +612,9 @@ def _load_and_size(config: EngineConfig) -> tuple[LoadedModel, KVPlan, MemoryRep
 def _cuda_graphs(config: EngineConfig, device: torch.device) -> bool:
     """`engine.cuda_graphs`, resolved: unset means on for CUDA devices (a CPU device with it on
     is refused by `EngineConfig`)."""
-    return device.type == "cuda" if config.cuda_graphs is None else config.cuda_graphs
+    if config.cuda_graphs is None:
+        return device.type == "cuda" and config.tensor_parallel_size == 1
+    return config.cuda_graphs
 
 
 def _newest_logprob(request: Request) -> tuple[TokenLogprob, ...]:

@@ -17,6 +17,7 @@ from pdserve.model.attention import (
 )
 from pdserve.model.config import ModelConfig
 from pdserve.model.cpu_kernels import paged_ops
+from pdserve.model.parallel import SINGLE, Shard, TPGroup, VocabParallelEmbedding
 
 
 class RMSNorm(nn.Module):
@@ -93,20 +94,23 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    """This rank's heads (`shard`); with a group, o_proj's partial sums are all-reduced."""
+
+    def __init__(self, config: ModelConfig, shard: Shard) -> None:
         super().__init__()
-        self.num_heads = config.num_heads
-        self.num_kv_heads = config.num_kv_heads
+        self.num_heads = shard.split(config.num_heads, "attention heads")[1]
+        self.num_kv_heads = shard.split(config.num_kv_heads, "KV heads")[1]
         self.head_dim = config.head_dim
         self.scale = config.head_dim**-0.5
-        q_size = config.num_heads * config.head_dim
-        kv_size = config.num_kv_heads * config.head_dim
+        q_size = self.num_heads * config.head_dim
+        kv_size = self.num_kv_heads * config.head_dim
         self.sizes = (q_size, kv_size, kv_size)
         self.q_proj = nn.Linear(config.hidden_size, q_size, bias=config.qkv_bias)
         self.k_proj = nn.Linear(config.hidden_size, kv_size, bias=config.qkv_bias)
         self.v_proj = nn.Linear(config.hidden_size, kv_size, bias=config.qkv_bias)
         self.o_proj = nn.Linear(q_size, config.hidden_size, bias=config.o_bias)
         self.qkv_proj: nn.Linear | None = None  # q, k and v in one multiply (`fuse`)
+        self.group: TPGroup | None = None  # tensor parallel: sums o_proj over the ranks
 
     def fuse(self) -> None:
         """One weight for q, k and v (after loading, which fills the checkpoint's three)."""
@@ -134,17 +138,22 @@ class Attention(nn.Module):
         step.write_kv(kv_layer, k, v)
         out = step.attend(q, kv_layer, self.scale)
         projected: torch.Tensor = self.o_proj(out.reshape(num_tokens, -1))
-        return projected
+        return projected if self.group is None else self.group.all_reduce(projected)
 
 
 class MLP(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    """This rank's MLP columns (`shard`); with a group, down_proj's partial sums are
+    all-reduced."""
+
+    def __init__(self, config: ModelConfig, shard: Shard) -> None:
         super().__init__()
         bias = config.mlp_bias
-        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=bias)
-        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=bias)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
+        width = shard.split(config.intermediate_size, "MLP width (intermediate_size)")[1]
+        self.gate_proj = nn.Linear(config.hidden_size, width, bias=bias)
+        self.up_proj = nn.Linear(config.hidden_size, width, bias=bias)
+        self.down_proj = nn.Linear(width, config.hidden_size, bias=bias)
         self.gate_up_proj: nn.Linear | None = None  # gate and up in one multiply (`fuse`)
+        self.group: TPGroup | None = None
 
     def fuse(self) -> None:
         self.gate_up_proj = _fused(self.gate_proj, self.up_proj)
@@ -156,7 +165,7 @@ class MLP(nn.Module):
         else:
             hidden = F.silu(self.gate_proj(x)) * self.up_proj(x)
         out: torch.Tensor = self.down_proj(hidden)
-        return out
+        return out if self.group is None else self.group.all_reduce(out)
 
 
 class PackedLinear(nn.Module):
@@ -202,10 +211,10 @@ def _fused(*parts: nn.Linear) -> nn.Linear:
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, shard: Shard) -> None:
         super().__init__()
-        self.self_attn = Attention(config)
-        self.mlp = MLP(config)
+        self.self_attn = Attention(config, shard)
+        self.mlp = MLP(config, shard)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -223,10 +232,14 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, shard: Shard) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
+        self.embed_tokens: nn.Embedding | VocabParallelEmbedding = (
+            nn.Embedding(config.vocab_size, config.hidden_size)
+            if shard.size == 1
+            else VocabParallelEmbedding(config.vocab_size, config.hidden_size, shard, None)
+        )
+        self.layers = nn.ModuleList(DecoderLayer(config, shard) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def decoder_layers(self) -> list[DecoderLayer]:
@@ -234,16 +247,33 @@ class DecoderModel(nn.Module):
 
 
 class CausalLM(nn.Module):
-    """The decoder plus its LM head; `forward` returns final hidden states of the new tokens."""
+    """The decoder plus its LM head; `forward` returns final hidden states of the new tokens.
 
-    def __init__(self, config: ModelConfig, max_positions: int) -> None:
+    Tensor parallel (`shard.size > 1`): this rank's part of every split weight
+    (`pdserve.model.parallel`); `set_group` gives the layers their collectives."""
+
+    def __init__(self, config: ModelConfig, max_positions: int, shard: Shard = SINGLE) -> None:
         super().__init__()
         self.config = config
-        self.model = DecoderModel(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.shard = shard
+        self.num_kv_heads = shard.split(config.num_kv_heads, "KV heads")[1]  # this rank's
+        self.group: TPGroup | None = None
+        self.model = DecoderModel(config, shard)
+        vocab_rows = shard.vocab_rows(config.vocab_size)[1]
+        self.lm_head = nn.Linear(config.hidden_size, vocab_rows, bias=False)
         self.tie_weights()
         self.rotary = RotaryEmbedding(config, max_positions)
         self.attention: AttentionBackend = ReferenceBackend()  # the engine sets its own
+
+    def set_group(self, group: TPGroup) -> None:
+        """Sum the row-parallel projections and the embedding over `group`; gather logits."""
+        self.group = group
+        embed = self.model.embed_tokens
+        if isinstance(embed, VocabParallelEmbedding):
+            embed.group = group
+        for layer in self.model.decoder_layers():
+            layer.self_attn.group = group
+            layer.mlp.group = group
 
     def fuse(self) -> None:
         """Fuse every layer's q/k/v and gate/up weights (after loading the checkpoint's)."""
@@ -288,4 +318,10 @@ class CausalLM(nn.Module):
         return self.model.norm(x)  # type: ignore[no-any-return]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()  # type: ignore[no-any-return]
+        """fp32 logits `[rows, vocab]`. Tensor parallel: every rank's vocabulary part gathered
+        on rank 0 (the only rank that samples); the other ranks get their own part back."""
+        local: torch.Tensor = self.lm_head(hidden).float()
+        if self.group is None:
+            return local
+        gathered = self.group.gather_columns(local)
+        return local if gathered is None else gathered[:, : self.config.vocab_size]

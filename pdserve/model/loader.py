@@ -5,6 +5,7 @@ import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -12,6 +13,7 @@ from safetensors import safe_open
 from pdserve.errors import ModelLoadError
 from pdserve.model.config import ModelConfig, parse_dtype
 from pdserve.model.llama import CausalLM, RotaryEmbedding, can_pack
+from pdserve.model.parallel import Shard, TPGroup, check_divides
 from pdserve.model.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -43,8 +45,11 @@ def load_model(
     dtype: str = "auto",
     device: str = "cpu",
     max_model_len: int | None = None,
+    group: TPGroup | None = None,
 ) -> LoadedModel:
-    """Load `path`; raises ModelLoadError with a one-line reason when it cannot."""
+    """Load `path` (with a tensor-parallel `group`: this rank's part of every weight, read as
+    slices of the checkpoint's tensors); raises ModelLoadError with a one-line reason when it
+    cannot, ConfigError when the group's size does not split the model."""
     model_dir = Path(path).expanduser()
     if not model_dir.is_dir():
         raise ModelLoadError(f"model directory {str(model_dir)!r} does not exist")
@@ -52,10 +57,14 @@ def load_model(
     torch_dtype = config.dtype if dtype == "auto" else parse_dtype(dtype)
     context = min(max_model_len or config.max_position_embeddings, config.max_position_embeddings)
     torch_device = torch.device(device)
+    shard = group.shard if group is not None else Shard()
+    check_divides(shard, config.num_heads, config.num_kv_heads, config.intermediate_size)
     with torch.device("meta"):  # no memory: each parameter is materialised by its weight
-        model = CausalLM(config, context)
+        model = CausalLM(config, context, shard)
     _load_weights(model, model_dir, torch_dtype, torch_device)
     model.tie_weights()
+    if group is not None:
+        model.set_group(group)
     model.fuse()
     if can_pack(torch_device):
         model.pack()
@@ -110,7 +119,7 @@ def _load_weights(
                     if "rotary_emb" in name or name == "lm_head.weight":
                         continue
                     raise ModelLoadError(f"unexpected weight {name!r} in {file.name}")
-                tensor = shard.get_tensor(name)
+                tensor = _read(shard, name, model.shard, model.config.vocab_size)
                 if tensor.shape != params[name].shape:
                     raise ModelLoadError(
                         f"weight {name!r} has shape {tuple(tensor.shape)}, "
@@ -125,6 +134,35 @@ def _load_weights(
     missing = sorted(set(params) - loaded)
     if missing:
         raise ModelLoadError(f"checkpoint lacks {len(missing)} weights, e.g. {missing[0]!r}")
+
+
+_COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")  # split by rows
+_ROW_PARALLEL = ("o_proj", "down_proj")  # weights split by columns
+_VOCAB_PARALLEL = ("embed_tokens", "lm_head")
+
+
+def _read(file: Any, name: str, part: Shard, vocab: int) -> torch.Tensor:
+    """The checkpoint tensor `name`, or only this rank's part of it (`pdserve.model.parallel`):
+    a slice read straight from the file, never the whole tensor."""
+    if part.size == 1:
+        return file.get_tensor(name)  # type: ignore[no-any-return]
+    module, leaf = name.split(".")[-2:]
+    source = file.get_slice(name)
+    if module in _VOCAB_PARALLEL:
+        first, rows = part.vocab_rows(vocab)
+        held = source[first : min(first + rows, vocab)]
+        missing = rows - held.shape[0]  # the last rank's padding rows
+        return torch.cat([held, held.new_zeros(missing, *held.shape[1:])]) if missing else held
+    if module in _COLUMN_PARALLEL:
+        start, length = part.split(source.get_shape()[0], f"{module} rows")
+        return source[start : start + length]  # type: ignore[no-any-return]
+    if module in _ROW_PARALLEL and leaf == "weight":
+        start, length = part.split(source.get_shape()[1], f"{module} columns")
+        return source[:, start : start + length]  # type: ignore[no-any-return]
+    tensor: torch.Tensor = source[:]
+    if module in _ROW_PARALLEL and part.rank > 0:  # a bias: added once, by rank 0's partial sum
+        return torch.zeros_like(tensor)
+    return tensor
 
 
 def model_tag(path: str | Path, dtype: str = "auto") -> str:

@@ -188,7 +188,8 @@ def size_kv_cache(
 ) -> tuple[KVPlan, MemoryReport | None]:
     """The engine's KV plan; profiles the device (`device_memory`: its free and total bytes
     before loading, CUDA only) when no explicit size is set."""
-    block_bytes = loaded.config.kv_bytes_per_token(loaded.dtype) * config.block_size
+    ranks = loaded.model.shard.size  # each rank holds kv_heads / ranks of every block
+    block_bytes = loaded.config.kv_bytes_per_token(loaded.dtype) * config.block_size // ranks
     memory = None
     explicit = config.num_kv_blocks is not None or config.kv_cache_bytes is not None
     if device_memory is not None and not explicit:

@@ -12,11 +12,19 @@ from multiprocessing import shared_memory
 
 import torch
 
+from pdserve.errors import ConfigError
 from pdserve.model.attention import AttentionMetadata
 from pdserve.model.batch import BlockTables, token_index
 from pdserve.model.graphs import Capture, DecodeGraphs, cuda_capture
 from pdserve.model.llama import CausalLM
-from pdserve.model.staging import DEFAULT_STAGING_BYTES, CudaStreams, KVStager
+from pdserve.model.parallel import StepInputs, StepSender
+from pdserve.model.staging import (
+    DEFAULT_STAGING_BYTES,
+    CudaStreams,
+    KVStager,
+    SlicedKVStager,
+    map_segment,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -34,9 +42,10 @@ class SequenceChunk:
 
 
 def kv_cache_shape(model: CausalLM, num_blocks: int, block_size: int) -> tuple[int, ...]:
-    """``[num_blocks, num_layers, 2, block_size, kv_heads, head_dim]``: each block is contiguous."""
+    """``[num_blocks, num_layers, 2, block_size, kv_heads, head_dim]``: each block is contiguous
+    (`kv_heads`: this rank's, tensor parallel)."""
     config = model.config
-    return (num_blocks, config.num_layers, 2, block_size, config.num_kv_heads, config.head_dim)
+    return (num_blocks, config.num_layers, 2, block_size, model.num_kv_heads, config.head_dim)
 
 
 def _shm_has_room(nbytes: int) -> bool:
@@ -87,6 +96,10 @@ class ModelRunner:
         self.stager = KVStager(kv_cache, streams, staging_bytes)  # every block <-> host copy
         self.block_tables = BlockTables(self.device)  # rows by sequence id, across steps
         self.graphs: DecodeGraphs | None = None  # `capture_graphs`
+        self.tp: StepSender | None = None  # rank 0 of a tensor-parallel instance: its workers
+        # whether blocks can be moved whole (sent, received, stored): not for a tensor-parallel
+        # CUDA instance, whose other ranks' slices this process does not map
+        self.kv_movable = True
 
     @classmethod
     def create(
@@ -123,10 +136,29 @@ class ModelRunner:
         return cls(model, raw.view(dtype).view(shape), segment)
 
     def close(self) -> None:
-        """Remove the KV cache's shared-memory segment (the mapping goes with the process)."""
+        """Stop the tensor-parallel workers; remove the KV cache's shared-memory segment (the
+        mapping goes with the process)."""
+        if self.tp is not None:
+            self.tp.stop()
+            self.tp = None
         if self.segment is not None:
             self.segment.unlink()
             self.segment = None
+
+    def attach_ranks(self, tp: StepSender, segments: Sequence[str]) -> None:
+        """Rank 0 of a tensor-parallel instance: send each step to the other ranks (`tp`) and
+        move KV blocks as every rank's slices (`SlicedKVStager` over their `segments`)."""
+        self.tp = tp
+        if self.device.type != "cpu":  # other GPUs' slices are not mapped here (yet)
+            self.kv_movable = False
+            return
+        if any(not name for name in segments):
+            raise ConfigError(
+                "tensor parallelism on CPU needs every rank's KV cache in shared memory: "
+                "/dev/shm has no room for a worker's (see its log); enlarge /dev/shm"
+            )
+        others = [map_segment(name, self.kv_cache) for name in segments]
+        self.stager = SlicedKVStager(self.kv_cache, others)
 
     def capture_graphs(
         self, sizes: Sequence[int], max_blocks: int, capture: Capture | None = None
@@ -156,33 +188,56 @@ class ModelRunner:
         self, chunks: Sequence[SequenceChunk]
     ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
         """`execute`, plus fp32 logits `[len(tokens), vocab]` at every position of each chunk
-        with `all_logits` (by chunk index)."""
-        input_ids, positions, meta = self._prepare(chunks)
+        with `all_logits` (by chunk index). Tensor parallel (`tp`): the step's inputs go to
+        every rank first, which run the same forward."""
+        inputs = self._prepare(chunks)
+        if self.tp is not None:
+            self.tp.send(inputs)
+        return self.run(inputs, use_graphs=not any(c.all_logits for c in chunks))
+
+    def run(
+        self, inputs: StepInputs, use_graphs: bool = False
+    ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """The forward of one step's inputs (a tensor-parallel worker's whole step): KV into
+        the new tokens' slots, logits of `logit_rows` and of every position of the
+        `all_logits` sequences."""
+        positions, meta = self.metadata(inputs)
         self.stager.before_forward()
         hidden = None
-        if self.graphs is not None and not any(c.all_logits for c in chunks):
-            hidden = self.graphs.run(input_ids, positions, meta)
+        if self.graphs is not None and use_graphs:
+            hidden = self.graphs.run(inputs.token_ids, positions, meta)
         if hidden is None:
-            hidden = self.model(input_ids, positions, self.kv_cache, meta)
+            hidden = self.model(inputs.token_ids, positions, self.kv_cache, meta)
         self.stager.forward_done()
-        rows: list[int] = []  # the last token of each chunk that wants logits
         every: dict[int, torch.Tensor] = {}
-        start = 0
-        for index, (chunk, length) in enumerate(zip(chunks, meta.query_lens, strict=True)):
-            if chunk.all_logits:
-                every[index] = self.model.compute_logits(hidden[start : start + length])
-            start += length
-            if chunk.needs_logits:
-                rows.append(start - 1)
-        selected = hidden[torch.tensor(rows, dtype=torch.long, device=self.device)]
-        return self.model.compute_logits(selected), every
+        firsts = list(itertools.accumulate(inputs.query_lens, initial=0))
+        for chunk in inputs.all_logits.tolist():
+            every[chunk] = self.model.compute_logits(hidden[firsts[chunk] : firsts[chunk + 1]])
+        return self.model.compute_logits(hidden[inputs.logit_rows]), every
 
-    def _prepare(
-        self, chunks: Sequence[SequenceChunk]
-    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    def metadata(self, inputs: StepInputs) -> tuple[torch.Tensor, AttentionMetadata]:
+        """Positions and attention metadata of a step's inputs, on the device."""
+        per_seq, query_lens = inputs.per_seq, inputs.query_lens
+        decode_only = all(n == 1 for n in query_lens)
+        num_tokens = int(inputs.token_ids.shape[0])
+        index = token_index(
+            per_seq[0], per_seq[1], inputs.block_tables, num_tokens, self.block_size, decode_only
+        )
+        meta = AttentionMetadata(
+            slot_blocks=index.slot_blocks,
+            slot_offsets=index.slot_offsets,
+            query_lens=query_lens,
+            context_lens=inputs.context_lens,
+            block_tables=inputs.block_tables,
+            context_lens_tensor=per_seq[2],
+            decode_only=decode_only,
+        )
+        return index.positions, meta
+
+    def _prepare(self, chunks: Sequence[SequenceChunk]) -> StepInputs:
         """The step's inputs from per-sequence values: one host tensor of starts, new-token
         counts and context lengths, the token ids and the sequences' block-table rows go to the
-        device (asynchronously on CUDA); positions and slots are computed there."""
+        device (asynchronously on CUDA); positions and slots are computed there (`run`)."""
         size = self.block_size
         query_lens = [len(c.token_ids) for c in chunks]
         context_lens = [c.start_pos + n for c, n in zip(chunks, query_lens, strict=True)]
@@ -201,18 +256,18 @@ class ModelRunner:
         token_ids = self._to_device(
             list(itertools.chain.from_iterable(c.token_ids for c in chunks))
         )
-        decode_only = all(n == 1 for n in query_lens)
-        index = token_index(per_seq[0], per_seq[1], block_tables, len(token_ids), size, decode_only)
-        meta = AttentionMetadata(
-            slot_blocks=index.slot_blocks,
-            slot_offsets=index.slot_offsets,
-            query_lens=query_lens,
-            context_lens=context_lens,
-            block_tables=block_tables,
-            context_lens_tensor=per_seq[2],
-            decode_only=decode_only,
+        ends = itertools.accumulate(query_lens)
+        logit_rows = [end - 1 for c, end in zip(chunks, ends, strict=True) if c.needs_logits]
+        every = [i for i, c in enumerate(chunks) if c.all_logits]
+        return StepInputs(
+            token_ids,
+            per_seq,
+            block_tables,
+            self._to_device(logit_rows),
+            torch.tensor(every, dtype=torch.long),
+            query_lens,
+            context_lens,
         )
-        return token_ids, index.positions, meta
 
     def _to_device(self, values: list[int] | list[list[int]]) -> torch.Tensor:
         host = torch.tensor(values, dtype=torch.long)

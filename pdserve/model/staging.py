@@ -24,7 +24,9 @@ waited for, so that a missing wait shows up as stale bytes.
 """
 
 import contextlib
+import itertools
 import logging
+import mmap
 import threading
 import warnings
 from collections.abc import Callable, Iterator, Sequence
@@ -164,6 +166,8 @@ class KVStager:
     """See the module docstring. `staged`/`write` run on any thread for blocks the caller owns
     (reserved or pinned for its request); `copy_out`, `load`, `forward_done` and
     `before_forward` run on the engine thread."""
+
+    direct_writes = True  # peers may write into (and read from) `base_address` directly
 
     def __init__(
         self,
@@ -363,3 +367,54 @@ def consecutive_runs(block_ids: Sequence[int]) -> Iterator[tuple[int, int, int]]
         if i == len(block_ids) or block_ids[i] != block_ids[i - 1] + 1:
             yield start, block_ids[start], i - start
             start = i
+
+
+class SlicedKVStager(KVStager):
+    """The KV blocks of a tensor-parallel instance, on rank 0: a block is every rank's slice of
+    it (`kv_heads / size` heads each) in rank order, so senders, receivers and the storage tier
+    move whole blocks as before. Rank 0's own slice is its cache; the others' are their shared-
+    memory segments, mapped here (CPU). Copies are synchronous: a step's collectives end after
+    every rank wrote its KV, and rank 0 starts the next step only after its copies returned.
+
+    Direct writes into the cache (shared memory, Mooncake, CUDA IPC) address one contiguous
+    cache: `direct_writes` is False, so such an instance sends and receives over gRPC."""
+
+    direct_writes = False
+
+    def __init__(self, own: torch.Tensor, others: Sequence[torch.Tensor]) -> None:
+        super().__init__(own)
+        self._slices = [self._bytes] + [t.view(t.shape[0], -1).view(torch.uint8) for t in others]
+        widths = [int(s.shape[1]) for s in self._slices]
+        self._bounds = list(zip(itertools.accumulate(widths, initial=0), widths, strict=False))
+        self.block_bytes = sum(widths)
+        self.total_bytes = self.block_bytes * int(own.shape[0])
+
+    def _joined(self, block_ids: Sequence[int]) -> torch.Tensor:
+        index = torch.tensor(block_ids, dtype=torch.long)
+        return torch.cat([s.index_select(0, index) for s in self._slices], dim=1)
+
+    @contextlib.contextmanager
+    def staged(self, block_ids: Sequence[int]) -> Iterator[list[memoryview]]:
+        rows = self._joined(block_ids) if block_ids else torch.empty(0, self.block_bytes)
+        yield [memoryview(row.numpy().data) for row in rows]
+
+    def copy_out(self, block_ids: Sequence[int]) -> StagedCopy | None:
+        rows = self._joined(block_ids)
+        return StagedCopy([memoryview(row.numpy().data) for row in rows], None, lambda: None)
+
+    def _put(self, block_ids: Sequence[int], parts: Sequence[torch.Tensor]) -> Event | None:
+        rows = parts[0] if len(parts) == 1 else torch.cat(list(parts))
+        index = torch.tensor(block_ids, dtype=torch.long)
+        for target, (start, width) in zip(self._slices, self._bounds, strict=True):
+            target.index_copy_(0, index, rows[:, start : start + width])
+        return None
+
+
+def map_segment(name: str, like: torch.Tensor) -> torch.Tensor:
+    """Another process's KV cache segment `name` (shared memory), shaped and typed as `like`.
+    Mapped directly: multiprocessing's SharedMemory would register it with this process's
+    resource tracker, which unlinks the owner's segment when this process exits."""
+    with open(f"/dev/shm/{name.lstrip('/')}", "r+b") as f:
+        mapping = mmap.mmap(f.fileno(), 0)
+    raw = torch.frombuffer(mapping, dtype=torch.uint8)[: like.numel() * like.element_size()]
+    return raw.view(like.dtype).view(like.shape)

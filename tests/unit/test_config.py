@@ -194,7 +194,7 @@ def test_section_name_under_cluster_is_an_unknown_key(tmp_path: Path) -> None:
         ("engine: {device: 'cuda:1'}\nprefill: {num_gpus: 1}\ndecode: {num_gpus: 1}\n",
          "first visible one"),
         ("engine: {device: cuda}\nprefill: {num_gpus: 2}\ndecode: {num_gpus: 1}\n",
-         "tensor parallelism"),
+         "tensor_parallel_size"),
     ],
 )  # fmt: skip
 def test_devices_must_match_the_gpus_ray_gives_each_role(

@@ -75,8 +75,9 @@ def test_a_decode_step_runs_few_ops_per_layer(tiny_model_dir: Path) -> None:
     runner = ModelRunner.create(loaded.model, 32, 16, loaded.dtype)
     runner.execute([SequenceChunk(list(range(5, 40)), 0, [1, 2, 3], True)])
     decode = [SequenceChunk([7], 35, [1, 2, 3], True), SequenceChunk([8], 0, [9], True)]
-    input_ids, positions, meta = runner._prepare(decode)
+    inputs = runner._prepare(decode)
+    positions, meta = runner.metadata(inputs)
     with Ops() as ops:
-        loaded.model(input_ids, positions, runner.kv_cache, meta)
+        loaded.model(inputs.token_ids, positions, runner.kv_cache, meta)
     layers = loaded.config.num_layers
     assert len(ops.names) <= OPS_PER_LAYER * layers + 8, len(ops.names) / layers

@@ -1,0 +1,219 @@
+"""A tensor-parallel instance: rank 0 is the engine (scheduler, KV manager, prefix cache,
+sampler); ranks 1..TP-1 are workers that load their part of the model, hold their part of every
+KV block and run each step rank 0 sends them (`pdserve.model.parallel`).
+
+Start-up, every rank alike: join the process group through rank 0's TCPStore (its address is
+the `Rendezvous`, which the launcher hands each worker: a local process, or a Ray actor the
+controller placed), connect the control connection (authenticated with the rendezvous' one-off
+key), load the model's part, size the KV cache and take the smallest block count of all ranks.
+Then a worker waits for steps until rank 0 says stop or is gone; a step that fails on a worker
+ends the worker (its peers' collectives then fail with TensorParallelError, never hang).
+
+KV movement: a worker's KV cache lives in shared memory (CPU), which rank 0 maps, so that every
+block movement of the instance (sends, received blocks, storage reads and writes) goes through
+rank 0's `SlicedKVStager`: a block is every rank's slice of it, in rank order.
+"""
+
+import dataclasses
+import json
+import logging
+import os
+import secrets
+import struct
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+from multiprocessing.connection import Client, Connection, Listener
+from typing import Protocol
+
+import torch
+import torch.distributed as dist
+from torch.distributed import TCPStore  # type: ignore[attr-defined]
+
+from pdserve.config import EngineConfig
+from pdserve.errors import TensorParallelError
+from pdserve.model.parallel import Shard, StepChannel, StepInputs, TPGroup, join_group, receive
+from pdserve.model.runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+_RANK = struct.Struct("<q")
+_WORKER_MAIN = "from pdserve.engine.tensor_parallel import main; main()"
+
+
+@dataclass(frozen=True, slots=True)
+class Rendezvous:
+    """Where a worker finds rank 0: its TCPStore and its control listener, and the key that
+    authenticates the control connection (one-off, never logged)."""
+
+    host: str
+    store_port: int
+    control_port: int
+    authkey: bytes
+    size: int
+
+    def __repr__(self) -> str:  # the key stays out of logs and Ray's task descriptions
+        return f"Rendezvous({self.host}:{self.store_port}/{self.control_port}, size={self.size})"
+
+
+class Workers(Protocol):
+    """The launched workers (local processes, Ray actors)."""
+
+    def stop(self, timeout_s: float) -> None:
+        """Wait up to `timeout_s` for them to leave, then end them."""
+        ...
+
+
+WorkerLauncher = Callable[[EngineConfig, Rendezvous], Workers]
+"""Starts ranks 1..size-1 with `serve_worker(config, rank, rendezvous)`."""
+
+
+class LocalWorkers:
+    """Workers as child processes of this one (tests, benchmarks, `pdserve generate`): each
+    runs `tensor_parallel.main`, reading its settings from stdin (the key
+    never appears on a command line)."""
+
+    def __init__(self, config: EngineConfig, rendezvous: Rendezvous) -> None:
+        self.processes: list[subprocess.Popen[bytes]] = []
+        for rank in range(1, rendezvous.size):
+            process = subprocess.Popen([sys.executable, "-c", _WORKER_MAIN], stdin=subprocess.PIPE)
+            assert process.stdin is not None
+            process.stdin.write(worker_settings(config, rank, rendezvous))
+            process.stdin.close()
+            self.processes.append(process)
+
+    def stop(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        for process in self.processes:
+            try:
+                process.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                logger.warning("tensor-parallel worker %d did not stop: killing it", process.pid)
+                process.kill()
+                process.wait()
+
+
+def worker_settings(config: EngineConfig, rank: int, rendezvous: Rendezvous) -> bytes:
+    """What `serve_worker` needs, as one JSON document."""
+    values = dataclasses.asdict(rendezvous) | {"authkey": rendezvous.authkey.hex()}
+    document = {"engine": dataclasses.asdict(config), "rank": rank, "rendezvous": values}
+    return json.dumps(document).encode()
+
+
+def main() -> None:
+    """A local worker: its settings from stdin (`worker_settings`)."""
+    document = json.loads(sys.stdin.buffer.read())
+    values = document["rendezvous"] | {"authkey": bytes.fromhex(document["rendezvous"]["authkey"])}
+    serve_worker(EngineConfig(**document["engine"]), document["rank"], Rendezvous(**values))
+
+
+def local_workers(config: EngineConfig, rendezvous: Rendezvous) -> Workers:
+    return LocalWorkers(config, rendezvous)
+
+
+class RankZero:
+    """Rank 0's side once every rank joined: the model runner's `tp` (`StepSender`)."""
+
+    def __init__(self, group: TPGroup, connections: list[Connection], workers: Workers) -> None:
+        self.group = group
+        self.connections = connections  # to ranks 1..size-1, in rank order
+        self.workers = workers
+        self._channel = StepChannel(group, connections)
+
+    def send(self, inputs: StepInputs) -> None:
+        self._channel.send(inputs)
+
+    def agree_on_blocks(self, num_blocks: int) -> int:
+        """The smallest KV block count of every rank (each sized its own device)."""
+        return self.group.min(num_blocks)
+
+    def worker_segments(self) -> list[str]:
+        """Each worker's KV cache segment (shared memory), in rank order."""
+        return [_receive_text(c, self.group.timeout) for c in self.connections]
+
+    def stop(self) -> None:
+        """Tell the workers to leave, wait for them, leave the group. Idempotent."""
+        self._channel.stop()
+        self.workers.stop(timeout_s=30.0)
+        for connection in self.connections:
+            connection.close()
+        self.group.close()
+
+
+def start_rank_zero(
+    config: EngineConfig, launch: WorkerLauncher, host: str = "127.0.0.1"
+) -> RankZero:
+    """Open the rendezvous on `host`, launch the workers and wait (`tp_timeout_s` for each
+    phase) until all joined. Raises TensorParallelError."""
+    size, timeout = config.tensor_parallel_size, timedelta(seconds=config.tp_timeout_s)
+    store = TCPStore(host, 0, size, is_master=True, timeout=timeout, wait_for_workers=False)
+    authkey = secrets.token_bytes(32)
+    listener = Listener((host, 0), authkey=authkey)
+    rendezvous = Rendezvous(host, store.port, listener.address[1], authkey, size)
+    workers = launch(config, rendezvous)
+    try:
+        group = join_group(Shard(0, size), store, torch.device(config.device), config.tp_timeout_s)
+        connections = _accept(listener, size - 1, config.tp_timeout_s)
+    except (RuntimeError, OSError, dist.DistError) as e:
+        workers.stop(timeout_s=1.0)
+        raise TensorParallelError(f"the tensor-parallel workers did not join: {e}") from e
+    finally:
+        listener.close()
+    logger.info("tensor-parallel instance of %d ranks: every rank joined", size)
+    return RankZero(group, connections, workers)
+
+
+def _accept(listener: Listener, count: int, timeout_s: float) -> list[Connection]:
+    """`count` authenticated control connections, ordered by the rank each one names."""
+    listener._listener._socket.settimeout(timeout_s)  # type: ignore[attr-defined]
+    by_rank: dict[int, Connection] = {}
+    for _ in range(count):
+        connection = listener.accept()
+        if not connection.poll(timeout_s):
+            raise TensorParallelError("a tensor-parallel worker connected but never named its rank")
+        (rank,) = _RANK.unpack(connection.recv_bytes())
+        by_rank[rank] = connection
+    return [by_rank[rank] for rank in sorted(by_rank)]
+
+
+def _receive_text(connection: Connection, timeout: timedelta) -> str:
+    if not connection.poll(timeout.total_seconds()):
+        raise TensorParallelError("a tensor-parallel worker did not report its KV cache in time")
+    return connection.recv_bytes().decode()
+
+
+def serve_worker(config: EngineConfig, rank: int, rendezvous: Rendezvous) -> None:
+    """Rank `rank`'s whole life: join, load, size, then run steps until told to stop."""
+    from pdserve.engine.engine import load_and_size  # the engine's own loading and sizing
+
+    logging.basicConfig(level=os.environ.get("PDSERVE_LOG_LEVEL", "INFO"))
+    timeout = timedelta(seconds=config.tp_timeout_s)
+    store = TCPStore(
+        rendezvous.host, rendezvous.store_port, rendezvous.size, is_master=False, timeout=timeout
+    )
+    device = torch.device(config.device)
+    group = join_group(Shard(rank, rendezvous.size), store, device, config.tp_timeout_s)
+    connection = Client((rendezvous.host, rendezvous.control_port), authkey=rendezvous.authkey)
+    connection.send_bytes(_RANK.pack(rank))
+    loaded, plan, _ = load_and_size(config, group)
+    num_blocks = group.min(plan.num_blocks)
+    runner = ModelRunner.create(loaded.model, num_blocks, config.block_size, loaded.dtype, True)
+    connection.send_bytes(runner.segment.name.encode() if runner.segment is not None else b"")
+    try:
+        _run_steps(runner, group, connection)
+    finally:
+        runner.close()
+        connection.close()
+        group.close()
+
+
+def _run_steps(runner: ModelRunner, group: TPGroup, connection: Connection) -> None:
+    steps = 0
+    with torch.inference_mode():
+        while (inputs := receive(group, connection)) is not None:
+            runner.run(inputs)
+            steps += 1
+    logger.info("tensor-parallel rank %d stops after %d steps", group.rank, steps)

@@ -1,0 +1,302 @@
+"""Tensor parallelism: one model split across ranks (one device each) of one instance.
+
+`Shard` says which part of every weight a rank holds: q/k/v and gate/up are split by output rows
+(column-parallel: whole heads, whole MLP columns), o/down by input columns (row-parallel: each
+rank's partial output is summed by an all-reduce), the embedding and the LM head by vocabulary
+rows (each rank holds `ceil(vocab / size)` rows, the last padded with zeros). Norms and the
+rotary tables are replicated. A rank's KV cache holds its `kv_heads / size` heads of every block.
+
+`TPGroup` runs the collectives of one instance's ranks (`torch.distributed`: gloo on CPU, NCCL on
+CUDA) with a timeout each (`engine.tp_timeout_s`): a failed or timed-out collective raises
+TensorParallelError and the group is broken from then on (every later call raises at once: a
+rank that died or hangs fails its instance's requests, never hangs them).
+
+`StepChannel`: rank 0 (the instance: scheduler, KV manager, prefix cache, sampler) tells the
+other ranks what to run. Each step's inputs (token ids, per-sequence starts, counts and context
+lengths, the gathered block-table rows, the rows that need logits) are packed into one int64
+tensor and broadcast once; its small header goes first over an authenticated connection to each
+worker (`multiprocessing.connection`), on which an idle worker waits without a timeout (a
+collective would time out while the instance is idle).
+"""
+
+import contextlib
+import logging
+import struct
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from datetime import timedelta
+from multiprocessing.connection import Connection
+from typing import Protocol, TypeVar
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed import TCPStore  # type: ignore[attr-defined]
+
+from pdserve.errors import ConfigError, TensorParallelError
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True, slots=True)
+class Shard:
+    """Rank `rank` of `size`."""
+
+    rank: int = 0
+    size: int = 1
+
+    def split(self, total: int, what: str) -> tuple[int, int]:
+        """(start, length) of this rank's equal part of `total`; ConfigError unless it divides."""
+        if total % self.size:
+            raise ConfigError(
+                f"engine.tensor_parallel_size {self.size} does not divide the model's {what} "
+                f"({total}): choose a size that divides it"
+            )
+        part = total // self.size
+        return self.rank * part, part
+
+    def vocab_rows(self, vocab: int) -> tuple[int, int]:
+        """(first id, rows held) of this rank's vocabulary part: `ceil(vocab / size)` rows each,
+        of which the last rank's may run past the vocabulary (padding)."""
+        rows = -(-vocab // self.size)
+        return self.rank * rows, rows
+
+
+SINGLE = Shard()  # one rank: the whole model
+
+
+def check_divides(shard: Shard, num_heads: int, num_kv_heads: int, intermediate: int) -> None:
+    """Refuse a size that does not split whole heads and MLP columns (KV heads are split, not
+    replicated: every rank must hold at least one)."""
+    shard.split(num_heads, "attention heads")
+    shard.split(num_kv_heads, "KV heads")
+    shard.split(intermediate, "MLP width (intermediate_size)")
+
+
+@dataclass(slots=True)
+class CommStats:
+    """Seconds spent in collectives, and their count (the benchmark's compute/comm split)."""
+
+    seconds: float = 0.0
+    calls: int = 0
+
+
+class TPGroup:
+    """One instance's ranks. Owned by the rank's engine thread (or worker loop)."""
+
+    def __init__(self, shard: Shard, timeout_s: float) -> None:
+        self.shard = shard
+        self.timeout = timedelta(seconds=timeout_s)
+        self.stats = CommStats()
+        self._broken: str | None = None
+
+    @property
+    def rank(self) -> int:
+        return self.shard.rank
+
+    @property
+    def size(self) -> int:
+        return self.shard.size
+
+    def _run(self, what: str, collective: Callable[[], T]) -> T:
+        if self._broken is not None:
+            raise TensorParallelError(f"tensor-parallel group is broken: {self._broken}")
+        start = time.perf_counter()
+        try:
+            result = collective()
+        except (RuntimeError, dist.DistBackendError, ValueError) as e:
+            self._broken = f"{what} failed on rank {self.rank}: {e}"
+            logger.error("%s", self._broken)
+            raise TensorParallelError(self._broken) from e
+        finally:
+            self.stats.seconds += time.perf_counter() - start
+            self.stats.calls += 1
+        return result
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum `x` over the ranks, in place."""
+        self._run("all_reduce", lambda: dist.all_reduce(x))
+        return x
+
+    def gather_columns(self, x: torch.Tensor) -> torch.Tensor | None:
+        """Every rank's `x` (`[rows, cols]`) side by side on rank 0 (`[rows, size x cols]`);
+        None on the others."""
+        parts = [torch.empty_like(x) for _ in range(self.size)] if self.rank == 0 else None
+        self._run("gather", lambda: dist.gather(x.contiguous(), parts, dst=0))
+        return torch.cat(parts, dim=-1) if parts is not None else None
+
+    def broadcast(self, x: torch.Tensor) -> torch.Tensor:
+        """Rank 0's `x` on every rank (in place)."""
+        self._run("broadcast", lambda: dist.broadcast(x, src=0))
+        return x
+
+    def min(self, value: int) -> int:
+        """The smallest of every rank's `value`."""
+        tensor = torch.tensor([value], dtype=torch.long, device=self.device)
+        self._run("all_reduce(min)", lambda: dist.all_reduce(tensor, op=dist.ReduceOp.MIN))
+        return int(tensor.item())
+
+    @property
+    def device(self) -> torch.device:
+        """Where this group's tensors live (NCCL: the rank's GPU)."""
+        if dist.get_backend() == "nccl":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
+    def barrier(self) -> None:
+        self._run("barrier", lambda: dist.barrier())
+
+    def close(self) -> None:
+        """Leave the process group (its sockets close with it)."""
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def join_group(shard: Shard, store: TCPStore, device: torch.device, timeout_s: float) -> TPGroup:
+    """Join the instance's process group through `store` (rank 0's TCPStore): gloo on CPU, NCCL
+    on CUDA."""
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(
+        backend,
+        store=store,
+        rank=shard.rank,
+        world_size=shard.size,
+        timeout=timedelta(seconds=timeout_s),
+    )
+    logger.info(
+        "rank %d of %d joined its tensor-parallel group (%s)", shard.rank, shard.size, backend
+    )
+    return TPGroup(shard, timeout_s)
+
+
+class VocabParallelEmbedding(nn.Module):
+    """This rank's rows of the embedding table; tokens of other ranks' rows embed as zeros
+    here, and the all-reduce sums in the one rank's row each token has."""
+
+    def __init__(self, vocab: int, hidden: int, shard: Shard, group: "TPGroup | None") -> None:
+        super().__init__()
+        self.first, rows = shard.vocab_rows(vocab)
+        self.weight = nn.Parameter(torch.empty(rows, hidden))
+        self.group = group
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        local = ids - self.first
+        outside = (local < 0) | (local >= self.weight.shape[0])
+        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        out.masked_fill_(outside[:, None], 0)
+        if self.group is not None:
+            self.group.all_reduce(out)
+        return out
+
+
+# -- the step inputs rank 0 sends -------------------------------------------------------------
+
+STEP, STOP = 1, 2
+_HEADER = struct.Struct("<7q")  # kind, tokens, seqs, width, logit rows, prompt-logit chunks, 0
+
+
+@dataclass(frozen=True, slots=True)
+class StepInputs:
+    """What every rank needs to run one forward like rank 0."""
+
+    token_ids: torch.Tensor  # [tokens]
+    per_seq: torch.Tensor  # [3, seqs]: starts, new-token counts, context lengths
+    block_tables: torch.Tensor  # [seqs, width]
+    logit_rows: torch.Tensor  # [rows] the hidden rows whose logits are sampled
+    all_logits: torch.Tensor  # [chunks] indices of the sequences wanting every position's
+    query_lens: list[int] = field(default_factory=list)  # per_seq[1] and [2], on the host
+    context_lens: list[int] = field(default_factory=list)
+
+
+def pack(step: StepInputs) -> tuple[bytes, torch.Tensor]:
+    """The header and the one int64 payload of a step."""
+    parts = [
+        step.token_ids.reshape(-1),
+        step.per_seq.reshape(-1),
+        step.block_tables.reshape(-1),
+        step.logit_rows.reshape(-1),
+        step.all_logits.reshape(-1),
+    ]
+    payload = torch.cat([p.to(torch.long).cpu() for p in parts])
+    seqs, width = step.block_tables.shape
+    header = _HEADER.pack(
+        STEP,
+        step.token_ids.numel(),
+        seqs,
+        width,
+        step.logit_rows.numel(),
+        step.all_logits.numel(),
+        0,
+    )
+    return header, payload
+
+
+def unpack(header: tuple[int, ...], payload: torch.Tensor) -> StepInputs:
+    _, tokens, seqs, width, rows, chunks, _ = header
+    sizes = [tokens, 3 * seqs, seqs * width, rows, chunks]
+    token_ids, per_seq, tables, logit_rows, all_logits = torch.split(payload, sizes)
+    per_seq = per_seq.view(3, seqs)
+    host = per_seq.tolist()
+    return StepInputs(
+        token_ids, per_seq, tables.view(seqs, width), logit_rows, all_logits, host[1], host[2]
+    )
+
+
+def payload_size(header: tuple[int, ...]) -> int:
+    _, tokens, seqs, width, rows, chunks, _ = header
+    return int(tokens + 3 * seqs + seqs * width + rows + chunks)
+
+
+class StepSender(Protocol):
+    """What rank 0's model runner calls (`pdserve.engine.tensor_parallel.RankZero`)."""
+
+    def send(self, inputs: StepInputs) -> None: ...
+
+    def stop(self) -> None: ...
+
+
+class StepChannel:
+    """Rank 0's side: the header to every worker's connection, then the payload broadcast."""
+
+    def __init__(self, group: TPGroup, workers: Sequence[Connection]) -> None:
+        self.group = group
+        self.workers = list(workers)
+
+    def send(self, step: StepInputs) -> None:
+        header, payload = pack(step)
+        self._tell(header)
+        self.group.broadcast(payload.to(self.group.device))
+
+    def _tell(self, header: bytes) -> None:
+        for connection in self.workers:
+            try:
+                connection.send_bytes(header)
+            except OSError as e:
+                raise TensorParallelError(f"a tensor-parallel worker is gone: {e}") from e
+
+    def stop(self) -> None:
+        """Tell every worker to leave (best effort: a dead one is already gone)."""
+        header = _HEADER.pack(STOP, 0, 0, 0, 0, 0, 0)
+        for connection in self.workers:
+            with contextlib.suppress(OSError):
+                connection.send_bytes(header)
+
+
+def receive(group: TPGroup, connection: Connection) -> StepInputs | None:
+    """A worker's next step (waits without limit for its header); None when rank 0 said stop or
+    is gone."""
+    try:
+        header = _HEADER.unpack(connection.recv_bytes())
+    except (EOFError, OSError):
+        return None
+    if header[0] == STOP:
+        return None
+    payload = torch.empty(payload_size(header), dtype=torch.long, device=group.device)
+    group.broadcast(payload)
+    return unpack(header, payload)
