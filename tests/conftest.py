@@ -47,6 +47,7 @@ def make_engine(tiny_model_dir: Path) -> Iterator[object]:
     yield make
     for engine in engines:
         engine.check_integrity()
+        engine.close()
 
 
 @pytest.fixture(scope="session")

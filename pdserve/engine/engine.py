@@ -6,6 +6,7 @@ import time
 import uuid
 from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -36,6 +37,7 @@ from pdserve.kvcache.eviction import make_eviction_policy
 from pdserve.kvcache.hashing import BlockHash, BlockHasher, PromptHashes
 from pdserve.kvcache.manager import KVCacheManager
 from pdserve.model.attention import make_backend
+from pdserve.model.config import ModelConfig
 from pdserve.model.graphs import Capture, capture_sizes
 from pdserve.model.loader import LoadedModel, load_model
 from pdserve.model.memory import (
@@ -47,7 +49,7 @@ from pdserve.model.memory import (
     size_kv_cache,
     weight_bytes,
 )
-from pdserve.model.parallel import TPGroup
+from pdserve.model.parallel import Shard, TPGroup, check_divides
 from pdserve.model.runner import ModelRunner, SequenceChunk
 from pdserve.model.tiny import default_model_dir
 from pdserve.storage.tier import StorageTier
@@ -139,6 +141,7 @@ class LLMEngine:
         one on `tp_host`."""
         tp = None
         if config.tensor_parallel_size > 1:
+            _check_split(config)  # before any worker starts
             tp = start_rank_zero(config, tp_workers, tp_host)
         try:
             return cls._build(config, event_sink, shared_kv_cache, storage, wake, graph_capture, tp)
@@ -297,6 +300,11 @@ class LLMEngine:
         if request is None:
             raise RequestNotFoundError(f"no live request with id {request_id!r}")
         self._finish(request, RequestStatus.FINISHED_ABORTED)
+
+    def close(self) -> None:
+        """Stop a tensor-parallel instance's workers and free the KV cache's shared memory.
+        The engine is unusable afterwards."""
+        self.runner.close()
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
@@ -607,6 +615,13 @@ def load_and_size(
     context = check_context(plan, loaded.max_model_len, config.max_model_len is not None)
     logger.info("%s", describe(plan, memory, weight_bytes(loaded.model), context))
     return loaded, plan, memory
+
+
+def _check_split(config: EngineConfig) -> None:
+    """ConfigError unless `tensor_parallel_size` splits the model's heads and MLP evenly."""
+    model = ModelConfig.from_dir(Path(config.model or default_model_dir()).expanduser())
+    shard = Shard(0, config.tensor_parallel_size)
+    check_divides(shard, model.num_heads, model.num_kv_heads, model.intermediate_size)
 
 
 def _cuda_graphs(config: EngineConfig, device: torch.device) -> bool:

@@ -247,6 +247,9 @@ class InstanceRuntime:
             sender_engines,
         )
 
+        if not self.stager.direct_writes:
+            logger.info("tensor-parallel KV cache: KV goes over gRPC (no direct writes)")
+            return None
         if not mooncake_available():
             logger.info("Mooncake transfer engine not installed: KV goes over shm or gRPC")
             return None
@@ -273,7 +276,7 @@ class InstanceRuntime:
     def shm_name(self) -> str:
         """The KV cache's shared-memory segment; empty when it is private."""
         segment = self.engine.runner.segment
-        return segment.name if segment is not None else ""
+        return segment.name if segment is not None and self.stager.direct_writes else ""
 
     @property
     def vocab_size(self) -> int:

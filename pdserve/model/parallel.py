@@ -27,7 +27,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from multiprocessing.connection import Connection
-from typing import Protocol, TypeVar
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -38,8 +38,6 @@ from torch.distributed import TCPStore  # type: ignore[attr-defined]
 from pdserve.errors import ConfigError, TensorParallelError
 
 logger = logging.getLogger(__name__)
-
-T = TypeVar("T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,12 +84,16 @@ class CommStats:
 
 
 class TPGroup:
-    """One instance's ranks. Owned by the rank's engine thread (or worker loop)."""
+    """One instance's ranks: a process group of their own (not torch.distributed's default
+    one, so that several instances can live in one process). Owned by the rank's engine
+    thread (or worker loop)."""
 
-    def __init__(self, shard: Shard, timeout_s: float) -> None:
+    def __init__(self, shard: Shard, backend: Any, device: torch.device, timeout_s: float) -> None:
         self.shard = shard
         self.timeout = timedelta(seconds=timeout_s)
+        self.device = device if device.type == "cuda" else torch.device("cpu")
         self.stats = CommStats()
+        self._backend = backend
         self._broken: str | None = None
 
     @property
@@ -102,77 +104,74 @@ class TPGroup:
     def size(self) -> int:
         return self.shard.size
 
-    def _run(self, what: str, collective: Callable[[], T]) -> T:
+    def _run(self, what: str, collective: Callable[[], Any]) -> None:
         if self._broken is not None:
-            raise TensorParallelError(f"tensor-parallel group is broken: {self._broken}")
+            raise TensorParallelError(f"the tensor-parallel group is broken: {self._broken}")
         start = time.perf_counter()
         try:
-            result = collective()
-        except (RuntimeError, dist.DistBackendError, ValueError) as e:
+            collective().wait(self.timeout)
+        except (RuntimeError, dist.DistError, ValueError) as e:
             self._broken = f"{what} failed on rank {self.rank}: {e}"
             logger.error("%s", self._broken)
             raise TensorParallelError(self._broken) from e
         finally:
             self.stats.seconds += time.perf_counter() - start
             self.stats.calls += 1
-        return result
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum `x` over the ranks, in place."""
-        self._run("all_reduce", lambda: dist.all_reduce(x))
+        self._run("all_reduce", lambda: self._backend.allreduce([x]))
         return x
 
     def gather_columns(self, x: torch.Tensor) -> torch.Tensor | None:
         """Every rank's `x` (`[rows, cols]`) side by side on rank 0 (`[rows, size x cols]`);
         None on the others."""
-        parts = [torch.empty_like(x) for _ in range(self.size)] if self.rank == 0 else None
-        self._run("gather", lambda: dist.gather(x.contiguous(), parts, dst=0))
-        return torch.cat(parts, dim=-1) if parts is not None else None
+        x = x.contiguous()
+        parts = [[torch.empty_like(x) for _ in range(self.size)]] if self.rank == 0 else []
+        options = dist.GatherOptions()
+        options.rootRank = 0
+        self._run("gather", lambda: self._backend.gather(parts, [x], options))
+        return torch.cat(parts[0], dim=-1) if parts else None
 
     def broadcast(self, x: torch.Tensor) -> torch.Tensor:
         """Rank 0's `x` on every rank (in place)."""
-        self._run("broadcast", lambda: dist.broadcast(x, src=0))
+        options = dist.BroadcastOptions()
+        options.rootRank = 0
+        self._run("broadcast", lambda: self._backend.broadcast([x], options))
         return x
 
     def min(self, value: int) -> int:
         """The smallest of every rank's `value`."""
         tensor = torch.tensor([value], dtype=torch.long, device=self.device)
-        self._run("all_reduce(min)", lambda: dist.all_reduce(tensor, op=dist.ReduceOp.MIN))
+        options = dist.AllreduceOptions()
+        options.reduceOp = dist.ReduceOp.MIN
+        self._run("all_reduce(min)", lambda: self._backend.allreduce([tensor], options))
         return int(tensor.item())
 
-    @property
-    def device(self) -> torch.device:
-        """Where this group's tensors live (NCCL: the rank's GPU)."""
-        if dist.get_backend() == "nccl":
-            return torch.device("cuda", torch.cuda.current_device())
-        return torch.device("cpu")
-
-    def barrier(self) -> None:
-        self._run("barrier", lambda: dist.barrier())
-
     def close(self) -> None:
-        """Leave the process group (its sockets close with it)."""
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        """Leave the group (its connections close). Idempotent."""
+        if self._backend is not None:
+            self._broken = self._broken or "closed"
+            with contextlib.suppress(RuntimeError):
+                self._backend.shutdown()
+            self._backend = None
 
 
 def join_group(shard: Shard, store: TCPStore, device: torch.device, timeout_s: float) -> TPGroup:
-    """Join the instance's process group through `store` (rank 0's TCPStore): gloo on CPU, NCCL
-    on CUDA."""
-    backend = "nccl" if device.type == "cuda" else "gloo"
+    """Join the instance's process group through `store` (rank 0's TCPStore): gloo on CPU,
+    NCCL on CUDA."""
+    timeout = timedelta(seconds=timeout_s)
+    backend: Any
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    dist.init_process_group(
-        backend,
-        store=store,
-        rank=shard.rank,
-        world_size=shard.size,
-        timeout=timedelta(seconds=timeout_s),
-    )
-    logger.info(
-        "rank %d of %d joined its tensor-parallel group (%s)", shard.rank, shard.size, backend
-    )
-    return TPGroup(shard, timeout_s)
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = timeout
+        backend = dist.ProcessGroupNCCL(store, shard.rank, shard.size, options)
+    else:
+        backend = dist.ProcessGroupGloo(store, shard.rank, shard.size, timeout)
+    name = "nccl" if device.type == "cuda" else "gloo"
+    logger.info("rank %d of %d joined its tensor-parallel group (%s)", shard.rank, shard.size, name)
+    return TPGroup(shard, backend, device, timeout_s)
 
 
 class VocabParallelEmbedding(nn.Module):

@@ -68,7 +68,8 @@ class DecodeInstance:
         stager = runtime.stager
         # a GPU cache is shared over CUDA IPC (prefill instances of this host copy into it);
         # the export holds the shared view for the instance's lifetime
-        self.cuda_ipc = export_kv_cache(stager.cache) if transfer is not None else None
+        exported = transfer is not None and stager.direct_writes
+        self.cuda_ipc = export_kv_cache(stager.cache) if exported else None
         self.endpoints = KVEndpoints(
             host_id=host_id(),
             shm_name=runtime.shm_name,

@@ -1,0 +1,201 @@
+"""Tensor parallelism on CPU: two ranks (rank 0 in this process, rank 1 a worker process) over
+gloo, against one rank and against transformers — logits, greedy tokens with prefix hits,
+preemption and storage restores, PD mode over gRPC, and a rank that dies or hangs."""
+
+import os
+import signal
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from credentials import SECRET, channels
+from reference import hf_greedy, hf_model
+from test_storage import GREEDY as LONG_GREEDY
+from test_storage import make_tier, storage_config
+from test_storage import prompts as storage_prompts
+from waiting import wait_for
+
+from pdserve.config import DecodeConfig, EngineConfig, PrefillConfig, StorageConfig
+from pdserve.engine import LLMEngine, SamplingParams
+from pdserve.engine.tensor_parallel import LocalWorkers
+from pdserve.errors import ConfigError
+from pdserve.model.runner import SequenceChunk
+from pdserve.storage import StorageTier
+from services.decode.servicer import serve_decode
+from services.prefill.servicer import serve_prefill
+from services.router.pd_client import PDClient, TokenDelta
+
+GREEDY = SamplingParams(max_tokens=10, temperature=0.0)
+
+
+def prompts(count: int, length: int, seed: int = 0) -> list[list[int]]:
+    return [[(seed + 31 * i + 7 * j * j) % 250 for j in range(length)] for i in range(count)]
+
+
+@pytest.fixture
+def engines(tiny_model_dir: Path) -> Iterator[dict[int, LLMEngine]]:
+    """A TP=1 and a TP=2 engine on the tiny model, same settings (64 blocks); checked and
+    closed at the end."""
+    made = {
+        size: LLMEngine.from_config(
+            EngineConfig(
+                model=str(tiny_model_dir),
+                num_kv_blocks=64,
+                tensor_parallel_size=size,
+                torch_threads=1,
+            )
+        )
+        for size in (1, 2)
+    }
+    yield made
+    for engine in made.values():
+        engine.check_integrity()
+        engine.close()
+
+
+def test_tp2_logits_equal_tp1_on_ragged_batches_with_cached_prefixes(
+    engines: dict[int, LLMEngine],
+) -> None:
+    """A prefill of two prompts, then a mixed step (a chunk after a cached prefix beside a
+    decode row): rank 0's gathered logits equal one rank's within 1e-5 of their scale."""
+    steps = [
+        [
+            SequenceChunk(list(range(5, 45)), 0, [0, 1, 2], True),
+            SequenceChunk(list(range(60, 83)), 0, [3, 4], True),
+        ],
+        [
+            SequenceChunk(list(range(100, 120)), 40, [0, 1, 2, 5], True),
+            SequenceChunk([7], 23, [3, 4], True),
+        ],
+    ]
+    for chunks in steps:
+        one, two = (engines[size].runner.execute(chunks) for size in (1, 2))
+        assert two.shape == one.shape == (2, engines[1].loaded.config.vocab_size)
+        scale = one.abs().max().item()
+        assert (two - one).abs().max().item() <= 1e-5 * scale
+        assert torch.equal(two.argmax(-1), one.argmax(-1))
+    for size in (1, 2):
+        assert engines[size].runner.kv_cache.shape[-2] == 4 // size  # each rank: its KV heads
+
+
+def test_tp2_greedy_equals_tp1_and_transformers_with_prefix_hits(
+    engines: dict[int, LLMEngine], tiny_model_dir: Path
+) -> None:
+    shared = prompts(1, 48, seed=5)[0]
+    batch = [[*shared, 1, 2, 3], [*shared, 9], prompts(1, 30, seed=9)[0]]
+    first = {size: engine.generate(batch[:1], GREEDY) for size, engine in engines.items()}
+    rest = {size: engine.generate(batch[1:], GREEDY) for size, engine in engines.items()}
+    assert [c.token_ids for c in first[2]] == [c.token_ids for c in first[1]]
+    assert [c.token_ids for c in rest[2]] == [c.token_ids for c in rest[1]]
+    assert rest[2][0].num_cached_tokens == 48  # the shared prefix hit rank 0's prefix cache
+    model = hf_model(tiny_model_dir)
+    assert list(rest[2][0].token_ids) == hf_greedy(model, batch[1], GREEDY.max_tokens)
+
+
+def test_tp2_preempts_and_resumes_from_storage_with_identical_output(
+    tiny_model_dir: Path, engines: dict[int, LLMEngine], redis_url: str, tmp_path: Path
+) -> None:
+    """20 blocks for 3 x 138 tokens: preemption; the storage tier holds the blocks as both
+    ranks' slices under a tag of the TP layout, and the restored requests end identically."""
+    batch = storage_prompts(3, 90)
+    expected = [c.token_ids for c in engines[1].generate(batch, LONG_GREEDY)]
+    tiers: list[StorageTier] = []
+    tags: list[str] = []
+    config: StorageConfig = storage_config(redis_url, tmp_path)
+
+    def tier(tag: str) -> StorageTier:
+        tags.append(tag)
+        return make_tier(config, tiers, tag)
+
+    engine = LLMEngine.from_config(
+        EngineConfig(model=str(tiny_model_dir), num_kv_blocks=20, tensor_parallel_size=2),
+        storage=tier,
+    )
+    try:
+        assert [c.token_ids for c in engine.generate(batch, LONG_GREEDY)] == expected
+        connector = engine.storage
+        assert connector is not None and tags[0].endswith("/tp2")  # never a TP=1 engine's
+        assert engine.scheduler.stats.num_preemptions > 0
+        assert connector.tier.counters.blocks_read > 0 and connector.loaded_tokens > 0
+        assert engine.runner.stager.block_bytes == 2 * engine.runner.kv_cache[0].nbytes
+        connector.tier.flush()
+        engine.check_integrity()
+    finally:
+        engine.close()
+        for tier in tiers:
+            tier.flush()
+            tier.close()
+
+
+def test_tp2_prefill_to_tp2_decode_over_grpc_equals_one_rank(
+    tiny_model_dir: Path, engines: dict[int, LLMEngine]
+) -> None:
+    engine = EngineConfig(
+        model=str(tiny_model_dir), num_kv_blocks=128, tensor_parallel_size=2, torch_threads=1
+    )
+    prefill, prefill_server, prefill_port = serve_prefill(engine, PrefillConfig(), secret=SECRET)
+    decode, decode_server, decode_port = serve_decode(engine, DecodeConfig(), secret=SECRET)
+    client = PDClient(channels())
+    shared = prompts(1, 64, seed=11)[0]
+    batch = [[*shared, 4, 5], [*shared, 6]]
+    try:
+        for prompt in batch:
+            tokens: list[int] = []
+            for event in client.generate(
+                f"127.0.0.1:{prefill_port}", f"127.0.0.1:{decode_port}", prompt, GREEDY
+            ):
+                if isinstance(event, TokenDelta):
+                    tokens.extend(event.token_ids)
+            [expected] = engines[1].generate([prompt], GREEDY)
+            assert tokens == list(expected.token_ids)
+        assert decode.endpoints.shm_name == ""  # no direct writes into a sliced cache
+        stats = decode.stats()
+        assert stats.kv_blocks_received > 0
+        assert prefill.stats().device_hit_tokens == 64  # the second prompt's shared prefix
+        wait_for(lambda: decode.stats().num_running == 0)
+        prefill.check_integrity()
+        decode.check_integrity()
+    finally:
+        client.close()
+        for server in (prefill_server, decode_server):
+            server.stop(0).wait()
+        prefill.stop()
+        decode.stop()
+
+
+def _worker(engine: LLMEngine) -> int:
+    workers = engine.runner.tp.workers  # type: ignore[union-attr]
+    assert isinstance(workers, LocalWorkers)
+    return workers.processes[0].pid
+
+
+@pytest.mark.parametrize("fault", ["dies", "hangs"])
+def test_a_failing_rank_fails_the_requests_with_a_typed_error_never_hangs(
+    tiny_model_dir: Path, fault: str
+) -> None:
+    engine = LLMEngine.from_config(
+        EngineConfig(
+            model=str(tiny_model_dir), num_kv_blocks=32, tensor_parallel_size=2, tp_timeout_s=3.0
+        )
+    )
+    pid = _worker(engine)
+    try:
+        assert engine.generate(prompts(1, 20), GREEDY)[0].finish_reason == "length"
+        os.kill(pid, signal.SIGKILL if fault == "dies" else signal.SIGSTOP)
+        for _ in range(2):  # the failed step, then a request on the broken group: both fail
+            engine.add_request(prompts(1, 20, seed=4)[0], GREEDY)
+            [output] = engine.step()
+            assert output.finished and output.finish_reason == "abort"
+            assert output.error is not None and "TensorParallelError" in output.error
+        engine.check_integrity()
+    finally:
+        os.kill(pid, signal.SIGKILL)
+        engine.close()
+
+
+def test_a_size_that_does_not_split_the_heads_is_refused_before_any_worker_starts(
+    tiny_model_dir: Path,
+) -> None:
+    with pytest.raises(ConfigError, match="does not divide the model's attention heads"):
+        LLMEngine.from_config(EngineConfig(model=str(tiny_model_dir), tensor_parallel_size=3))
