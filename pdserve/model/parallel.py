@@ -144,7 +144,7 @@ class TPGroup:
         """The smallest of every rank's `value`."""
         tensor = torch.tensor([value], dtype=torch.long, device=self.device)
         options = dist.AllreduceOptions()
-        options.reduceOp = dist.ReduceOp.MIN
+        options.reduceOp = dist.ReduceOp.MIN  # type: ignore[assignment]
         self._run("all_reduce(min)", lambda: self._backend.allreduce([tensor], options))
         return int(tensor.item())
 
