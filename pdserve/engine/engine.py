@@ -24,7 +24,12 @@ from pdserve.engine.request import (
 from pdserve.engine.sampler import Sampler, token_logprob
 from pdserve.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from pdserve.engine.storage_connector import StorageConnector
-from pdserve.engine.tensor_parallel import RankZero, WorkerLauncher, local_workers, start_rank_zero
+from pdserve.engine.tensor_parallel import (
+    RankZero,
+    WorkerLauncher,
+    default_launcher,
+    start_rank_zero,
+)
 from pdserve.errors import (
     ConfigError,
     IntegrityError,
@@ -129,20 +134,19 @@ class LLMEngine:
         storage: StorageTierFactory | None = None,
         wake: Callable[[], None] = lambda: None,
         graph_capture: Capture | None = None,
-        tp_workers: WorkerLauncher = local_workers,
-        tp_host: str = "127.0.0.1",
+        tp_workers: tuple[WorkerLauncher, str] | None = None,
     ) -> "LLMEngine":
         """An engine for `config`; `shared_kv_cache` puts a CPU KV cache in shared memory;
         `storage(tag)` builds the storage tier for the engine's KV layout tag (None: no tier);
         `wake` is called from other threads when a storage read finished (must not block);
         `graph_capture` records the decode graphs (default: CUDA graphs, when
-        `engine.cuda_graphs` resolves on; tests pass `eager_capture`); `tp_workers` starts a
-        tensor-parallel instance's other ranks (default: local processes), which find this
-        one on `tp_host`."""
+        `engine.cuda_graphs` resolves on; tests pass `eager_capture`); `tp_workers`: how a
+        tensor-parallel instance's other ranks start and the host where they find this one
+        (default: `tensor_parallel.use_launcher`'s, else local processes on 127.0.0.1)."""
         tp = None
         if config.tensor_parallel_size > 1:
             _check_split(config)  # before any worker starts
-            tp = start_rank_zero(config, tp_workers, tp_host)
+            tp = start_rank_zero(config, *(tp_workers or default_launcher()))
         try:
             return cls._build(config, event_sink, shared_kv_cache, storage, wake, graph_capture, tp)
         except BaseException:
@@ -300,6 +304,12 @@ class LLMEngine:
         if request is None:
             raise RequestNotFoundError(f"no live request with id {request_id!r}")
         self._finish(request, RequestStatus.FINISHED_ABORTED)
+
+    def check_ranks(self) -> None:
+        """Raise TensorParallelError when a tensor-parallel rank of this engine failed (its
+        requests fail until the instance is restarted)."""
+        if self.runner.tp is not None:
+            self.runner.tp.check()
 
     def close(self) -> None:
         """Stop a tensor-parallel instance's workers and free the KV cache's shared memory.

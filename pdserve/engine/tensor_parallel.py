@@ -62,6 +62,14 @@ class Rendezvous:
 class Workers(Protocol):
     """The launched workers (local processes, Ray actors)."""
 
+    def alive(self) -> bool:
+        """Whether every worker still runs."""
+        ...
+
+    def pids(self) -> list[int]:
+        """Their process ids, rank 1 first."""
+        ...
+
     def stop(self, timeout_s: float) -> None:
         """Wait up to `timeout_s` for them to leave, then end them."""
         ...
@@ -81,9 +89,15 @@ class LocalWorkers:
         for rank in range(1, rendezvous.size):
             process = subprocess.Popen([sys.executable, "-c", _WORKER_MAIN], stdin=subprocess.PIPE)
             assert process.stdin is not None
-            process.stdin.write(worker_settings(config, rank, rendezvous))
+            process.stdin.write(worker_settings(_rank_device(config, rank), rank, rendezvous))
             process.stdin.close()
             self.processes.append(process)
+
+    def alive(self) -> bool:
+        return all(process.poll() is None for process in self.processes)
+
+    def pids(self) -> list[int]:
+        return [process.pid for process in self.processes]
 
     def stop(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
@@ -94,6 +108,14 @@ class LocalWorkers:
                 logger.warning("tensor-parallel worker %d did not stop: killing it", process.pid)
                 process.kill()
                 process.wait()
+
+
+def _rank_device(config: EngineConfig, rank: int) -> EngineConfig:
+    """A local CUDA worker takes the GPU after rank 0's by its rank (`cuda:N` + rank)."""
+    if not config.device.startswith("cuda"):
+        return config
+    first = int(config.device.partition(":")[2] or 0)
+    return dataclasses.replace(config, device=f"cuda:{first + rank}")
 
 
 def worker_settings(config: EngineConfig, rank: int, rendezvous: Rendezvous) -> bytes:
@@ -114,6 +136,20 @@ def local_workers(config: EngineConfig, rendezvous: Rendezvous) -> Workers:
     return LocalWorkers(config, rendezvous)
 
 
+_default: tuple[WorkerLauncher, str] = (local_workers, "127.0.0.1")  # `use_launcher`
+
+
+def use_launcher(launch: WorkerLauncher, host: str) -> None:
+    """Start this process's tensor-parallel workers with `launch`, rank 0 listening on `host`
+    (a Ray instance actor, which holds one instance, installs its own before building it)."""
+    global _default
+    _default = (launch, host)
+
+
+def default_launcher() -> tuple[WorkerLauncher, str]:
+    return _default
+
+
 class RankZero:
     """Rank 0's side once every rank joined: the model runner's `tp` (`StepSender`)."""
 
@@ -125,6 +161,11 @@ class RankZero:
 
     def send(self, inputs: StepInputs) -> None:
         self._channel.send(inputs)
+
+    def check(self) -> None:
+        self.group.check()
+        if not self.workers.alive():
+            raise TensorParallelError("a tensor-parallel worker of this instance is gone")
 
     def agree_on_blocks(self, num_blocks: int) -> int:
         """The smallest KV block count of every rank (each sized its own device)."""

@@ -105,8 +105,7 @@ class TPGroup:
         return self.shard.size
 
     def _run(self, what: str, collective: Callable[[], Any]) -> None:
-        if self._broken is not None:
-            raise TensorParallelError(f"the tensor-parallel group is broken: {self._broken}")
+        self.check()
         start = time.perf_counter()
         try:
             collective().wait(self.timeout)
@@ -117,6 +116,11 @@ class TPGroup:
         finally:
             self.stats.seconds += time.perf_counter() - start
             self.stats.calls += 1
+
+    def check(self) -> None:
+        """Raise TensorParallelError when a collective failed (the group is broken)."""
+        if self._broken is not None:
+            raise TensorParallelError(f"the tensor-parallel group is broken: {self._broken}")
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum `x` over the ranks, in place."""
@@ -256,6 +260,10 @@ class StepSender(Protocol):
     """What rank 0's model runner calls (`pdserve.engine.tensor_parallel.RankZero`)."""
 
     def send(self, inputs: StepInputs) -> None: ...
+
+    def check(self) -> None:
+        """Raise TensorParallelError when a rank failed."""
+        ...
 
     def stop(self) -> None: ...
 

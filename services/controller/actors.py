@@ -1,4 +1,6 @@
-"""InstanceActor: one prefill or decode instance inside a Ray actor process.
+"""InstanceActor: one prefill or decode instance inside a Ray actor process; TPWorkerActor:
+one more rank of a tensor-parallel instance (started by the instance's actor, in the bundles the
+controller reserved after the instance's own).
 
 A plain class: the controller applies `ray.remote(...)` with the resources from config, so the
 same class runs in a unit test without Ray. Ray carries only lifecycle calls; KV bytes and tokens
@@ -7,11 +9,18 @@ go over the instance's own gRPC server.
 
 import logging
 import os
+import threading
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
 
+import ray
 import torch
+from ray.util.placement_group import PlacementGroup
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from pdserve.config import ClusterConfig
+from pdserve.config import ClusterConfig, EngineConfig
+from pdserve.engine.tensor_parallel import RankZero, Rendezvous, serve_worker, use_launcher
 from pdserve.rpc.server import AioServer, advertised_host, host_port
 from services.controller.state import tls_files
 from services.decode.instance import DecodeInstance
@@ -80,12 +89,111 @@ def claim_gpus() -> None:
     logger.info("CUDA_VISIBLE_DEVICES=%s (its own GPU first)", value)
 
 
+def actor_runtime_env(num_gpus: float) -> dict[str, Any] | None:
+    """A GPU actor's runtime environment: Ray must not narrow its CUDA_VISIBLE_DEVICES to its
+    own GPU (the actor puts that one first itself, then the node's others, so that prefill can
+    map a decode instance's KV cache over CUDA IPC: `claim_gpus`). CPU actors: none (Ray's
+    default; env_vars of a job's runtime environment are merged into this one)."""
+    if num_gpus <= 0:
+        return None
+    return {"env_vars": {NOSET_CUDA_VISIBLE_DEVICES: "1"}}
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerPlacement:
+    """Where a tensor-parallel instance's workers go (from the controller): bundles
+    `first_bundle + rank` of `group` (None: scheduled on their resources alone), each with the
+    role's resources."""
+
+    group: PlacementGroup | None
+    first_bundle: int | None
+    num_cpus: float
+    num_gpus: float
+    namespace: str
+
+    def launch(self, config: EngineConfig, rendezvous: Rendezvous) -> "RayWorkers":
+        """Start ranks 1..size-1 as actors owned by this (rank 0's) actor: they die with it."""
+        actors = []
+        for rank in range(1, rendezvous.size):
+            strategy: Any = "DEFAULT"
+            if self.group is not None and self.first_bundle is not None:
+                strategy = PlacementGroupSchedulingStrategy(
+                    placement_group=self.group,
+                    placement_group_bundle_index=self.first_bundle + rank,
+                )
+            actor = (
+                ray.remote(TPWorkerActor)
+                .options(
+                    num_cpus=self.num_cpus,
+                    num_gpus=self.num_gpus,
+                    scheduling_strategy=strategy,
+                    runtime_env=actor_runtime_env(self.num_gpus),
+                )
+                .remote(config, rank, rendezvous)
+            )
+            actors.append(actor)
+        return RayWorkers(actors)
+
+
+class RayWorkers:
+    """The worker actors of one tensor-parallel instance (`tensor_parallel.Workers`)."""
+
+    def __init__(self, actors: list[Any]) -> None:
+        self.actors = actors
+
+    def alive(self) -> bool:
+        try:
+            return all(ray.get([actor.ping.remote() for actor in self.actors], timeout=10))
+        except (ray.exceptions.RayError, TimeoutError):
+            return False
+
+    def pids(self) -> list[int]:
+        return list(ray.get([actor.pid.remote() for actor in self.actors], timeout=10))
+
+    def stop(self, timeout_s: float) -> None:
+        done = [actor.wait.remote(timeout_s) for actor in self.actors]
+        ray.wait(done, num_returns=len(done), timeout=timeout_s)
+        for actor in self.actors:
+            ray.kill(actor)
+
+
+class TPWorkerActor:
+    """Rank `rank` of a tensor-parallel instance: `serve_worker` on a thread of its own (the
+    actor answers `ping` and `wait` meanwhile)."""
+
+    def __init__(self, config: EngineConfig, rank: int, rendezvous: Rendezvous) -> None:
+        claim_gpus()
+        if config.torch_threads is not None:
+            torch.set_num_threads(config.torch_threads)
+        self._thread = threading.Thread(
+            target=serve_worker, args=(config, rank, rendezvous), name=f"tp-rank{rank}"
+        )
+        self._thread.start()
+
+    def ping(self) -> bool:
+        return self._thread.is_alive()
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def wait(self, timeout_s: float) -> bool:
+        """Whether the rank stopped within `timeout_s`."""
+        self._thread.join(timeout_s)
+        return not self._thread.is_alive()
+
+
 class InstanceActor:
     """Ray calls its methods one at a time (a synchronous actor); the instance it holds runs its own
     threads.
     """
 
-    def __init__(self, role: str, config: ClusterConfig, secret: str) -> None:
+    def __init__(
+        self,
+        role: str,
+        config: ClusterConfig,
+        secret: str,
+        workers: WorkerPlacement | None = None,
+    ) -> None:
         if role not in ROLES:
             raise ValueError(f"unknown role {role!r}; expected one of {ROLES}")
         logging.basicConfig(
@@ -93,6 +201,8 @@ class InstanceActor:
         )
         claim_gpus()
         engine = config.engine_for(role)
+        if workers is not None:  # this process holds one instance: its launcher is the default
+            use_launcher(workers.launch, advertised_host(config.host))
         tls = tls_files(config)
         if engine.torch_threads is not None:
             torch.set_num_threads(engine.torch_threads)
@@ -137,7 +247,16 @@ class InstanceActor:
         """The actor's process id (operators kill or inspect it; tests do)."""
         return os.getpid()
 
+    def rank_pids(self) -> list[int]:
+        """The processes of this instance's ranks, rank 0 (this actor) first."""
+        runner = self.instance.runtime.engine.runner
+        workers = runner.tp.workers.pids() if isinstance(runner.tp, RankZero) else []
+        return [os.getpid(), *workers]
+
     def ping(self) -> bool:
+        """Raises (the controller then restarts the instance) when a tensor-parallel rank of
+        it failed: its requests fail until then."""
+        self.instance.runtime.engine.check_ranks()
         return True
 
     def flush_cache(self, tier: str) -> int:

@@ -26,7 +26,11 @@ from pdserve.errors import ClusterError
 from pdserve.rpc.auth import secret_file
 from pdserve.rpc.server import advertised_host
 from pdserve.storage.redis_server import EmbeddedRedis
-from services.controller.actors import NOSET_CUDA_VISIBLE_DEVICES, InstanceActor
+from services.controller.actors import (
+    InstanceActor,
+    WorkerPlacement,
+    actor_runtime_env,
+)
 from services.controller.state import state_path
 
 logger = logging.getLogger(__name__)
@@ -76,10 +80,12 @@ class Cluster:
         counters = dict.fromkeys(("prefill", "decode", "mixed"), 0)
         self._placement_group = self._reserve(roles)
         pending = []
-        for bundle, role in enumerate(roles):
+        bundle = 0
+        for role in roles:
             name = f"{role}-{counters[role]}"
             counters[role] += 1
             pending.append(self._launch(name, role, bundle))
+            bundle += self._ranks(role)
         try:
             self.instances = [self._ready(*launched) for launched in pending]
         except (ray.exceptions.RayError, TimeoutError) as e:
@@ -139,8 +145,14 @@ class Cluster:
         )
         self._started_ray = self.config.ray_address is None and not os.environ.get("RAY_ADDRESS")
 
+    def _ranks(self, role: str) -> int:
+        """Bundles of one instance of `role`: one per tensor-parallel rank."""
+        return self.config.engine_for(role).tensor_parallel_size
+
     def _reserve(self, roles: list[str]) -> PlacementGroup:
-        bundles = [self._bundle(role) for role in roles]
+        """One placement group: each instance's bundles side by side (a tensor-parallel
+        instance's ranks take consecutive bundles: rank 0's first)."""
+        bundles = [self._bundle(role) for role in roles for _ in range(self._ranks(role))]
         group: PlacementGroup = placement_group(bundles, strategy=self.config.placement_strategy)
         try:
             ray.get(group.ready(), timeout=READY_TIMEOUT_S)
@@ -185,7 +197,17 @@ class Cluster:
             lifetime=None if self._started_ray else "detached",
             scheduling_strategy=strategy,
             runtime_env=actor_runtime_env(settings.num_gpus),
-        ).remote(role, self.config, self.secret)
+        ).remote(role, self.config, self.secret, self._worker_placement(role, bundle))
+
+    def _worker_placement(self, role: str, bundle: int | None) -> WorkerPlacement | None:
+        """Where a tensor-parallel instance's workers go: the bundles after its own."""
+        if self._ranks(role) == 1:
+            return None
+        settings = self._settings(role)
+        group = self._placement_group if bundle is not None else None
+        return WorkerPlacement(
+            group, bundle, settings.num_cpus, settings.num_gpus, self.config.namespace
+        )
 
     def add_instance(self, role: str) -> InstanceInfo:
         """Start one more instance of `role` and wait until it serves. Raises ClusterError."""
@@ -281,16 +303,6 @@ class Cluster:
         tmp = path.with_suffix(".tmp")
         tmp.write_text(json.dumps(state, indent=2))
         tmp.replace(path)
-
-
-def actor_runtime_env(num_gpus: float) -> dict[str, Any] | None:
-    """A GPU actor's runtime environment: Ray must not narrow its CUDA_VISIBLE_DEVICES to its
-    own GPU (the actor puts that one first itself, then the node's others, so that prefill can
-    map a decode instance's KV cache over CUDA IPC: `actors.claim_gpus`). CPU actors: none
-    (Ray's default; env_vars of a job's runtime environment are merged into this one)."""
-    if num_gpus <= 0:
-        return None
-    return {"env_vars": {NOSET_CUDA_VISIBLE_DEVICES: "1"}}
 
 
 def _stop(name: str, actor: Any) -> None:

@@ -4,10 +4,12 @@ preemption and storage restores, PD mode over gRPC, and a rank that dies or hang
 
 import os
 import signal
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import ray
 import torch
 from credentials import SECRET, channels
 from reference import hf_greedy, hf_model
@@ -16,12 +18,20 @@ from test_storage import make_tier, storage_config
 from test_storage import prompts as storage_prompts
 from waiting import wait_for
 
-from pdserve.config import DecodeConfig, EngineConfig, PrefillConfig, StorageConfig
+from pdserve.config import (
+    ClusterConfig,
+    DecodeConfig,
+    EngineConfig,
+    MixedConfig,
+    PrefillConfig,
+    StorageConfig,
+)
 from pdserve.engine import LLMEngine, SamplingParams
 from pdserve.engine.tensor_parallel import LocalWorkers
 from pdserve.errors import ConfigError
 from pdserve.model.runner import SequenceChunk
 from pdserve.storage import StorageTier
+from services.controller.cluster import Cluster
 from services.decode.servicer import serve_decode
 from services.prefill.servicer import serve_prefill
 from services.router.pd_client import PDClient, TokenDelta
@@ -199,3 +209,48 @@ def test_a_size_that_does_not_split_the_heads_is_refused_before_any_worker_start
 ) -> None:
     with pytest.raises(ConfigError, match="does not divide the model's attention heads"):
         LLMEngine.from_config(EngineConfig(model=str(tiny_model_dir), tensor_parallel_size=3))
+
+
+def _mixed_tokens(address: str, prompt: list[int]) -> list[int]:
+    client = PDClient(channels())
+    try:
+        return [
+            token
+            for event in client.generate_mixed(address, prompt, GREEDY, uuid.uuid4().hex)
+            if isinstance(event, TokenDelta)
+            for token in event.token_ids
+        ]
+    finally:
+        client.close()
+
+
+def test_a_tp2_instance_on_ray_takes_a_bundle_per_rank_and_restarts_when_a_rank_dies(
+    ray_session: None, tiny_model_dir: Path, engines: dict[int, LLMEngine]
+) -> None:
+    engine = EngineConfig(
+        model=str(tiny_model_dir), num_kv_blocks=64, torch_threads=1, tensor_parallel_size=2
+    )
+    config = ClusterConfig(
+        engine=engine,
+        prefill=PrefillConfig(replicas=0),
+        decode=DecodeConfig(replicas=0),
+        mixed=MixedConfig(replicas=1, num_cpus=1),
+        namespace="pdserve-tp-test",
+    )
+    cluster = Cluster(config, SECRET)
+    [info] = cluster.up()
+    prompt = prompts(1, 40, seed=8)[0]
+    [expected] = engines[1].generate([prompt], GREEDY)
+    try:
+        assert _mixed_tokens(info.address, prompt) == list(expected.token_ids)
+        group = cluster._placement_group
+        assert group is not None and len(group.bundle_specs) == 2  # rank 0's, rank 1's
+        actor = cluster.actor(info.name)
+        rank0, worker = ray.get(actor.rank_pids.remote())
+        assert rank0 == info.pid != worker
+        os.kill(worker, signal.SIGKILL)
+        wait_for(lambda: cluster.dead_instances() == [info.name], timeout_s=60)
+        restarted = cluster.restart_instance(info.name)
+        assert _mixed_tokens(restarted.address, prompt) == list(expected.token_ids)
+    finally:
+        cluster.down()

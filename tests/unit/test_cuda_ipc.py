@@ -28,8 +28,12 @@ from pdserve.transfer.cuda_ipc import (
 from pdserve.transfer.select import TransportSelector
 from pdserve.v1 import decode_pb2
 from services.controller import actors
-from services.controller.actors import NOSET_CUDA_VISIBLE_DEVICES, claim_gpus, visible_devices
-from services.controller.cluster import actor_runtime_env
+from services.controller.actors import (
+    NOSET_CUDA_VISIBLE_DEVICES,
+    actor_runtime_env,
+    claim_gpus,
+    visible_devices,
+)
 
 DECODE_GPU = "3f1a9c2e-0000-4000-8000-00000000d0d0"
 OTHER_GPU = "3f1a9c2e-0000-4000-8000-0000000000aa"
