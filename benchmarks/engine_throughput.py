@@ -8,9 +8,24 @@ second). The "bare" loop runs the same model through `ModelRunner.execute` on th
 batch sizes, context lengths and number of steps, with fixed block tables and `torch.argmax`
 instead of the scheduler, sampler and detokenizer. `ratio_bB` = engine tok/s ÷ bare tok/s (median
 of per-round ratios; engine and bare steps alternate one by one); target >= 0.7 at batch 32.
+
+    python benchmarks/engine_throughput.py --tp 2 [--quick] [--threads N] [--steps N]
+
+With `--tp N` (N > 1) the two sides are instead a TP=1 engine and a TP=N engine (rank 0 in this
+process, ranks 1..N-1 local worker processes, `engine.tensor_parallel_size`), on the same batches
+and prompts, their decode steps alternating one by one as above: tok/s of both, `ratio_bB` =
+TP=N tok/s ÷ TP=1 tok/s (median of per-round ratios), and the TP=N decode step split on rank 0:
+ms per step in all, in collectives (rank 0's `TPGroup.stats` over the timed steps: the step
+broadcast, the all-reduces, the logits gather, including any wait for a slower rank), the rest
+(compute, scheduling, sampling) and collectives per step. Every rank runs `--threads` torch
+threads. It writes `benchmarks/results/engine_throughput_tp.json` and ends with
+`RESULT engine_throughput_tp ...`. On a 2-core CPU box this measures the overhead of tensor
+parallelism (the ranks share the two cores, and gloo's collectives go through the kernel), not a
+speed-up: that needs a device per rank.
 """
 
 import argparse
+import os
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
@@ -21,9 +36,12 @@ from _common import finish, median, parse_args, print_table, repeats
 from pdserve.config import EngineConfig
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.request import SamplingParams
+from pdserve.engine.tensor_parallel import RankZero
+from pdserve.model.parallel import CommStats
 from pdserve.model.runner import ModelRunner, SequenceChunk
 
 NAME = "engine_throughput"
+TP_NAME = "engine_throughput_tp"
 BLOCK_SIZE = 16
 RATIO_TARGET = 0.7
 TARGET_BATCH = 32
@@ -40,6 +58,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batches", type=str, default="1,8,32", help="comma-separated sizes")
     parser.add_argument("--prompt-len", type=int, default=32, help="prompt tokens per request")
     parser.add_argument("--steps", type=int, default=None, help="timed decode steps (16 / 64)")
+    parser.add_argument(
+        "--tp",
+        type=int,
+        default=None,
+        help="compare a TP=1 engine with a TP=N one (N > 1, local worker processes) instead of "
+        "the engine with the bare loop; writes engine_throughput_tp.json",
+    )
 
 
 class Prompts:
@@ -99,22 +124,86 @@ class BareDecoder:
         self.produced += len(self.tokens)
 
 
+class TPEngineDecoder(EngineDecoder):
+    """`EngineDecoder` on rank 0 of a tensor-parallel engine, also summing the seconds and
+    calls of its group's collectives over the steps it runs."""
+
+    def __init__(self, engine: LLMEngine, prompts: Sequence[list[int]], steps: int) -> None:
+        super().__init__(engine, prompts, steps)
+        self.stats = tp_group_stats(engine)
+        self.comm_seconds = 0.0
+        self.comm_calls = 0
+
+    def step(self) -> None:
+        seconds, calls = self.stats.seconds, self.stats.calls
+        super().step()
+        self.comm_seconds += self.stats.seconds - seconds
+        self.comm_calls += self.stats.calls - calls
+
+
+def tp_group_stats(engine: LLMEngine) -> CommStats:
+    tp = engine.runner.tp
+    if not isinstance(tp, RankZero):
+        raise RuntimeError("the engine is not rank 0 of a tensor-parallel instance")
+    return tp.group.stats
+
+
+def alternate(sides: Sequence[EngineDecoder | BareDecoder], steps: int) -> list[float]:
+    """Seconds of each side over `steps` steps, run one step each in turn (the order flipping
+    every step) so that all see the same machine load."""
+    seconds = [0.0] * len(sides)
+    for i in range(steps):
+        order = range(len(sides)) if i % 2 == 0 else reversed(range(len(sides)))
+        for side in order:
+            start = time.perf_counter()
+            sides[side].step()
+            seconds[side] += time.perf_counter() - start
+    return seconds
+
+
+def check_produced(engine: LLMEngine, decoder: EngineDecoder, expected: int) -> None:
+    if engine.has_unfinished_requests() or decoder.produced != expected:
+        raise RuntimeError(f"engine produced {decoder.produced} tokens, expected {expected}")
+
+
 def lockstep_round(
     engine: LLMEngine, runner: ModelRunner, prompts: Sequence[list[int]], steps: int
 ) -> tuple[float, float]:
     """Engine and bare tok/s over `steps` decode steps of the same batch, run one step each in
     turn (the order flipping every step) so that both see the same machine load."""
     sides = (EngineDecoder(engine, prompts, steps), BareDecoder(runner, prompts, steps))
-    seconds = [0.0, 0.0]
-    for i in range(steps):
-        for side in (0, 1) if i % 2 == 0 else (1, 0):
-            start = time.perf_counter()
-            sides[side].step()
-            seconds[side] += time.perf_counter() - start
-    expected = steps * len(prompts)
-    if engine.has_unfinished_requests() or sides[0].produced != expected:
-        raise RuntimeError(f"engine produced {sides[0].produced} tokens, expected {expected}")
+    seconds = alternate(sides, steps)
+    check_produced(engine, sides[0], steps * len(prompts))
     return sides[0].produced / seconds[0], sides[1].produced / seconds[1]
+
+
+@dataclass(frozen=True, slots=True)
+class TPRound:
+    """One round of TP=1 against TP=N: tok/s of both, and TP=N's step split (ms per step)."""
+
+    tp1_tok_s: float
+    tpn_tok_s: float
+    step_ms: float
+    comm_ms: float
+    collectives: float  # per step
+
+
+def tp_round(
+    single: LLMEngine, parallel: LLMEngine, prompts: Sequence[list[int]], steps: int
+) -> TPRound:
+    """The TP=1 and TP=N engines over `steps` decode steps of the same batch, alternating as
+    `lockstep_round`'s sides do."""
+    one, many = EngineDecoder(single, prompts, steps), TPEngineDecoder(parallel, prompts, steps)
+    seconds = alternate((one, many), steps)
+    for engine, decoder in ((single, one), (parallel, many)):
+        check_produced(engine, decoder, steps * len(prompts))
+    return TPRound(
+        one.produced / seconds[0],
+        many.produced / seconds[1],
+        1e3 * seconds[1] / steps,
+        1e3 * many.comm_seconds / steps,
+        many.comm_calls / steps,
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,11 +234,11 @@ def batch_figures(batch: int, engine: list[float], bare: list[float]) -> BatchFi
     )
 
 
-def make_engine_and_runner(
-    args: argparse.Namespace, max_batch: int, steps: int
-) -> tuple[LLMEngine, ModelRunner]:
-    """The engine, and a bare runner on the same weights, each with room for `max_batch`
-    sequences of the prompt plus `steps` tokens."""
+def make_engine(
+    args: argparse.Namespace, max_batch: int, steps: int, tensor_parallel_size: int = 1
+) -> LLMEngine:
+    """An engine with room for `max_batch` sequences of the prompt plus `steps` tokens (twice:
+    the warm-up's and a round's requests may overlap); every rank uses `--threads` threads."""
     blocks_per_seq = -(-(args.prompt_len + steps + 1) // BLOCK_SIZE)
     config = EngineConfig(
         block_size=BLOCK_SIZE,
@@ -157,11 +246,114 @@ def make_engine_and_runner(
         max_num_seqs=max_batch,
         max_num_batched_tokens=max(512, max_batch * args.prompt_len),
         torch_threads=args.threads,
+        tensor_parallel_size=tensor_parallel_size,
+        tp_timeout_s=60.0,
     )
-    engine = LLMEngine.from_config(config)
+    return LLMEngine.from_config(config)
+
+
+def make_engine_and_runner(
+    args: argparse.Namespace, max_batch: int, steps: int
+) -> tuple[LLMEngine, ModelRunner]:
+    """The engine, and a bare runner on the same weights, each with room for `max_batch`
+    sequences of the prompt plus `steps` tokens."""
+    blocks_per_seq = -(-(args.prompt_len + steps + 1) // BLOCK_SIZE)
+    engine = make_engine(args, max_batch, steps)
     loaded = engine.loaded
     runner = ModelRunner.create(loaded.model, max_batch * blocks_per_seq, BLOCK_SIZE, loaded.dtype)
     return engine, runner
+
+
+@dataclass(frozen=True, slots=True)
+class TPBatchFigures:
+    tp1_tok_s: float  # medians over rounds
+    tpn_tok_s: float
+    ratio: float  # median of per-round TP=N / TP=1
+    step_ms: float  # TP=N, per decode step on rank 0: in all,
+    comm_ms: float  # in collectives,
+    compute_ms: float  # the rest
+    comm_frac: float
+    collectives_per_step: float
+    ratios: list[float]
+    rounds: list[TPRound]
+
+
+def tp_batch_figures(rounds: Sequence[TPRound]) -> TPBatchFigures:
+    """One batch size's TP figures from its rounds."""
+    ratios = [r.tpn_tok_s / r.tp1_tok_s for r in rounds]
+    step_ms = median([r.step_ms for r in rounds])
+    comm_ms = median([r.comm_ms for r in rounds])
+    return TPBatchFigures(
+        median([r.tp1_tok_s for r in rounds]),
+        median([r.tpn_tok_s for r in rounds]),
+        median(ratios),
+        step_ms,
+        comm_ms,
+        step_ms - comm_ms,
+        comm_ms / step_ms,
+        median([r.collectives for r in rounds]),
+        ratios,
+        list(rounds),
+    )
+
+
+def run_tp(args: argparse.Namespace, batches: list[int], steps: int, repeat: int) -> None:
+    """TP=1 against TP=`args.tp` (see the docstring)."""
+    size = int(args.tp)
+    single = make_engine(args, max(batches), steps)
+    parallel = make_engine(args, max(batches), steps, tensor_parallel_size=size)
+    figures: dict[int, TPBatchFigures] = {}
+    try:
+        prompts = Prompts(args.prompt_len)
+        for batch in batches:
+            tp_round(single, parallel, prompts.take(batch), steps)  # warm-up
+            rounds = [tp_round(single, parallel, prompts.take(batch), steps) for _ in range(repeat)]
+            figures[batch] = tp_batch_figures(rounds)
+    finally:
+        parallel.close()
+        single.close()
+
+    rows: list[list[str | int | float]] = []
+    metrics: dict[str, float] = {}
+    for batch, f in figures.items():
+        row: list[str | int | float] = [batch, f.tp1_tok_s, f.tpn_tok_s, f.ratio, f.step_ms]
+        rows.append([*row, f.comm_ms, f.compute_ms, f.collectives_per_step])
+        metrics |= {
+            f"tp1_tok_s_b{batch}": f.tp1_tok_s,
+            f"tp{size}_tok_s_b{batch}": f.tpn_tok_s,
+            f"ratio_b{batch}": f.ratio,
+            f"step_ms_b{batch}": f.step_ms,
+            f"comm_ms_b{batch}": f.comm_ms,
+            f"compute_ms_b{batch}": f.compute_ms,
+            f"collectives_b{batch}": f.collectives_per_step,
+        }
+    headers = ["batch", "TP=1 tok/s", f"TP={size} tok/s", "ratio", "ms/step", "comm ms"]
+    print_table(
+        f"decode tok/s, tiny model, TP=1 vs TP={size}, {args.threads} threads per rank, prompt "
+        f"{args.prompt_len}, {steps} steps, median of {repeat}; the TP={size} step on rank 0",
+        [*headers, "compute ms", "collectives/step"],
+        rows,
+    )
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    note = (
+        f"CPU: the {size} ranks ({args.threads} threads each) are processes sharing this box's "
+        f"{cores} cores, their collectives gloo over loopback TCP: on a 2-core box this measures "
+        "the overhead of tensor parallelism, not a speed-up (that needs a device per rank)"
+    )
+    print(f"\n{note}")
+    results = {
+        "tensor_parallel_size": size,
+        "batches": {str(batch): asdict(f) for batch, f in figures.items()},
+        "steps": steps,
+        "prompt_len": args.prompt_len,
+        "threads": args.threads,
+        "repeat": repeat,
+        "cores": cores,
+        "note": note,
+        "comm": "rank 0's TPGroup.stats: the step broadcast, all-reduces and logits gather, "
+        "waits for the other ranks included",
+    }
+    finish(TP_NAME, args, results, metrics)
 
 
 def main() -> None:
@@ -170,6 +362,11 @@ def main() -> None:
     steps = args.steps or (16 if args.quick else 64)
     repeat = repeats(args, quick=3, full=5)
     torch.set_num_threads(args.threads)
+    if args.tp is not None:
+        if args.tp < 2:
+            raise SystemExit("--tp must be at least 2 (TP=1 is the baseline it is compared with)")
+        run_tp(args, batches, steps, repeat)
+        return
 
     engine, runner = make_engine_and_runner(args, max(batches), steps)
     prompts = Prompts(args.prompt_len)

@@ -29,10 +29,19 @@ One run of a few minutes, made for a short GPU lease: each section runs under it
   devices when two are visible); `pdserve.model.staging.KVStager` when it exists;
 - memory: an engine started with the default KV sizing: its `kv_plan` and `memory` when it has
   them, KV blocks, context window, `torch.cuda.mem_get_info`.
+- tensor_parallel: with two GPUs (the run's device and the next one), an engine with
+  `tensor_parallel_size` 2 (rank 1 a local worker process on the next GPU, NCCL) against a TP=1
+  engine, both without CUDA graphs (TP has none yet) and without storage (not supported for a TP
+  CUDA instance): last-position prefill logits and the greedy tokens of 8 prompts, ms per decode
+  step and tok/s at the smallest and largest batch, and TP=2's step split on rank 0 (ms in
+  collectives: `TPGroup.stats`, the step broadcast, all-reduces and logits gather, which on CUDA
+  wait for the GPU, so queued compute counts there too; the rest; collectives per step). With
+  fewer GPUs: `{"skipped": "needs 2 GPUs, found N"}`.
 
 `--smoke` runs every section at tiny sizes (hidden 256, 2 layers, vocab 32,000, float32, batches
 1/4) so that CPU-only machines can check that the script works; what needs CUDA is recorded as
-`{"skipped": "no CUDA"}`. It writes only where `--out` / `--out-dir` say, else to a temporary
+`{"skipped": "no CUDA"}`; the tensor_parallel section runs its two ranks on CPU (gloo): the
+script's path, not GPUs. It writes only where `--out` / `--out-dir` say, else to a temporary
 file: `benchmarks/results/gpu_check.json` holds GPU runs only. The last stdout line is
 `RESULT gpu_check key=value ...` (`na` for a figure this run did not measure).
 """
@@ -46,6 +55,7 @@ import importlib
 import importlib.metadata
 import importlib.util
 import json
+import os
 import shutil
 import signal
 import subprocess
@@ -73,6 +83,7 @@ BOS, EOS = 1, 2
 ENGINE_SLACK_TOKENS = 64  # max_tokens beyond the timed steps: decoding during others' prefill
 MIN_SECTION_S = 10.0  # a section is skipped when less of the budget is left
 NO_CUDA = {"skipped": "no CUDA"}
+TP_SIZE = 2
 
 LLAMA3_8B = {
     "hidden_size": 4096,
@@ -672,10 +683,15 @@ def roofline(ctx: Context, reads: float, engine_ms: float, bare_ms: float) -> di
     }
 
 
-def engine_decode_ms(ctx: Context, engine: Any, prompts: list[list[int]]) -> list[float]:
-    """ms of each timed engine step once every request is past its prefill (then aborted)."""
+def engine_decode_ms(
+    ctx: Context, engine: Any, prompts: list[list[int]], comm: list[tuple[float, int]] | None = None
+) -> list[float]:
+    """ms of each timed engine step once every request is past its prefill (then aborted);
+    `comm` (rank 0 of a tensor-parallel engine): each timed step's ms in collectives and their
+    count are appended to it."""
     from pdserve.engine.request import SamplingParams
 
+    stats = engine.runner.tp.group.stats if comm is not None else None
     s = ctx.sizes
     params = SamplingParams(max_tokens=s.warmup + s.steps + ENGINE_SLACK_TOKENS, ignore_eos=True)
     ids = [engine.add_request(p, params) for p in prompts]
@@ -686,10 +702,13 @@ def engine_decode_ms(ctx: Context, engine: Any, prompts: list[list[int]]) -> lis
     for step in range(s.warmup + s.steps):
         ctx.sync()
         start = time.perf_counter()
+        before = (stats.seconds, stats.calls) if stats is not None else (0.0, 0)
         outputs = engine.step()
         ctx.sync()
         if step >= s.warmup:
             samples.append(1e3 * (time.perf_counter() - start))
+            if stats is not None and comm is not None:
+                comm.append((1e3 * (stats.seconds - before[0]), stats.calls - before[1]))
         if len(outputs) != len(ids):
             raise RuntimeError(f"a decode step gave {len(outputs)} tokens for {len(ids)} requests")
     for request_id in ids:
@@ -1014,6 +1033,104 @@ def llama3_8b_arithmetic(ctx: Context) -> dict[str, Any]:
     }
 
 
+# -- 6. tensor parallel -----------------------------------------------------------------------
+
+
+def tensor_parallel(ctx: Context) -> dict[str, Any]:
+    """A TP=2 engine (rank 1 on the next GPU) against a TP=1 engine on the same weights and
+    prompts, both eager (CUDA graphs are off for TP). `--smoke` on CPU: both ranks on CPU."""
+    first = ctx.device.index or 0
+    gpus = torch.cuda.device_count() if ctx.cuda else 0
+    if ctx.cuda and gpus < first + TP_SIZE:
+        where = "" if first == 0 else f" from cuda:{first} on"
+        return {"skipped": f"needs {TP_SIZE} GPUs{where}, found {gpus}"}
+    if not ctx.cuda and not ctx.args.smoke:
+        return {"skipped": f"needs {TP_SIZE} GPUs, found {gpus}"}
+    s = ctx.sizes
+    vocab = int(s.arch["vocab_size"])
+    logit_prompts = random_prompts(s.prompts, s.prompt_len, vocab, SEED + 1)
+    greedy_prompts = random_prompts(8, 64, vocab, seed=7)
+    result: dict[str, Any] = {
+        "ranks": [str(ctx.device)]
+        + [f"cuda:{first + r}" if ctx.cuda else "cpu" for r in range(1, TP_SIZE)],
+        "backend": "nccl" if ctx.cuda else "gloo",
+        "cuda_graphs": False,
+        "gpus": gpus,
+    }
+    logits: dict[int, torch.Tensor] = {}
+    tokens: dict[int, list[list[int]]] = {}
+    for size in (1, TP_SIZE):
+        figures, logits[size], tokens[size] = tp_engine_figures(
+            ctx, size, logit_prompts, greedy_prompts
+        )
+        result[f"tp{size}"] = figures
+        log(ctx, f"tensor_parallel: TP={size}: {figures['decode_ms']} ms per step")
+    diff = (logits[TP_SIZE] - logits[1]).abs()
+    result["logit_maxdiff"] = float(diff.max())
+    result["logit_absmax"] = float(logits[1].abs().max())
+    result["top1_agree"] = float(
+        (logits[TP_SIZE].argmax(-1) == logits[1].argmax(-1)).float().mean()
+    )
+    firsts = [first_difference(a, b) for a, b in zip(tokens[1], tokens[TP_SIZE], strict=True)]
+    result["greedy_agree"] = sum(firsts) / sum(len(t) for t in tokens[1])
+    result["first_divergence"] = firsts
+    result["exact"] = tokens[1] == tokens[TP_SIZE]
+    for batch in result["tp1"]["tok_s"]:
+        ratio = result[f"tp{TP_SIZE}"]["tok_s"][batch] / result["tp1"]["tok_s"][batch]
+        result[f"tok_s_ratio_b{batch}"] = ratio
+    return result
+
+
+def tp_engine_figures(
+    ctx: Context, size: int, logit_prompts: list[list[int]], greedy_prompts: list[list[int]]
+) -> tuple[dict[str, Any], torch.Tensor, list[list[int]]]:
+    """One engine's figures (`size` ranks), the last-position prefill logits of
+    `logit_prompts` (on the host) and the greedy tokens of `greedy_prompts`. The engine is
+    closed at the end (its workers stopped) whatever happens."""
+    from pdserve.engine.request import SamplingParams
+    from pdserve.model.runner import SequenceChunk
+
+    s = ctx.sizes
+    start = time.perf_counter()
+    engine = decode_engine(
+        ctx,
+        cuda_graphs=False,
+        tensor_parallel_size=size,
+        tp_timeout_s=60.0,
+        torch_threads=ctx.args.threads,  # the worker's too
+    )
+    try:
+        ctx.sync()
+        figures: dict[str, Any] = {"start_s": time.perf_counter() - start}
+        per_seq = blocks_for(len(logit_prompts[0]) + 1)  # a fresh engine: no block is in use
+        chunks = [
+            SequenceChunk(p, 0, range(i * per_seq, (i + 1) * per_seq), True)
+            for i, p in enumerate(logit_prompts)
+        ]
+        logits = engine.runner.execute(chunks).float().cpu()
+        figures |= {"decode_ms": {}, "tok_s": {}}
+        if size > 1:
+            figures |= {"comm_ms": {}, "compute_ms": {}, "collectives_per_step": {}}
+        for batch in (min(s.batches), max(s.batches)):
+            prompts = random_prompts(batch, s.decode_prompt_len, int(s.arch["vocab_size"]), batch)
+            comm: list[tuple[float, int]] = []
+            ms = median(engine_decode_ms(ctx, engine, prompts, comm if size > 1 else None))
+            figures["decode_ms"][str(batch)] = ms
+            figures["tok_s"][str(batch)] = 1e3 * batch / ms
+            if size > 1:
+                comm_ms = median([c for c, _ in comm])
+                figures["comm_ms"][str(batch)] = comm_ms
+                figures["compute_ms"][str(batch)] = ms - comm_ms
+                figures["collectives_per_step"][str(batch)] = median([n for _, n in comm])
+        params = SamplingParams(max_tokens=s.greedy_tokens, ignore_eos=True)
+        tokens = [list(c.token_ids) for c in engine.generate(greedy_prompts, params)]
+        return figures, logits, tokens
+    finally:
+        engine.close()
+        del engine
+        release(ctx)
+
+
 # -- driver -----------------------------------------------------------------------------------
 
 
@@ -1037,6 +1154,7 @@ SECTIONS: tuple[tuple[str, Callable[[Context], dict[str, Any]], float], ...] = (
     ("staging", staging, 60.0),
     ("cuda_ipc", cuda_ipc, 90.0),
     ("memory", memory, 60.0),
+    ("tensor_parallel", tensor_parallel, 120.0),
 )
 
 
@@ -1128,6 +1246,10 @@ def headline(ctx: Context, results: Mapping[str, Any]) -> dict[str, float | None
         "d2d_gbps": dig(results, "staging", "d2d", "copy_gbps"),
         "kv_blocks": dig(results, "memory", "num_kv_blocks"),
         **ipc_headline(results.get("cuda_ipc")),
+        "tp_greedy_agree": dig(results, "tensor_parallel", "greedy_agree"),
+        f"tp_tok_s_ratio_b{low}": dig(results, "tensor_parallel", f"tok_s_ratio_b{low}"),
+        f"tp_tok_s_ratio_b{high}": dig(results, "tensor_parallel", f"tok_s_ratio_b{high}"),
+        f"tp_comm_ms_b{high}": dig(results, "tensor_parallel", f"tp{TP_SIZE}", "comm_ms", high),
     }
 
 
@@ -1206,6 +1328,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(argv)
     if importlib.util.find_spec("pdserve") is None:  # run from a checkout without installing
         sys.path.insert(0, str(ROOT))
+        # and the tensor-parallel workers (child processes) import it from there too
+        os.environ["PYTHONPATH"] = os.pathsep.join(
+            p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p
+        )
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     sizes = SMOKE if args.smoke else FULL

@@ -172,16 +172,7 @@ class LLMEngine:
         pool_blocks = plan.num_blocks - 1 if graphs else plan.num_blocks  # the last: padding
         if pool_blocks < 1:
             raise ConfigError("the KV cache holds one block: CUDA graphs need a second one")
-        runner = ModelRunner.create(
-            loaded.model,
-            plan.num_blocks,
-            config.block_size,
-            loaded.dtype,
-            shared=shared_kv_cache,
-            staging_bytes=config.kv_staging_bytes,
-        )
-        if tp is not None:
-            runner.attach_ranks(tp, tp.worker_segments())
+        runner = _runner(config, loaded, plan, shared_kv_cache, tp)
         if storage is not None and not runner.kv_movable:
             raise ConfigError(
                 "a tensor-parallel CUDA instance cannot use the storage tier yet (its KV blocks "
@@ -625,6 +616,24 @@ def load_and_size(
     context = check_context(plan, loaded.max_model_len, config.max_model_len is not None)
     logger.info("%s", describe(plan, memory, weight_bytes(loaded.model), context))
     return loaded, plan, memory
+
+
+def _runner(
+    config: EngineConfig, loaded: LoadedModel, plan: KVPlan, shared: bool, tp: RankZero | None
+) -> ModelRunner:
+    """The model runner and its KV cache; rank 0 of a tensor-parallel instance also drives the
+    other ranks and moves their KV slices."""
+    runner = ModelRunner.create(
+        loaded.model,
+        plan.num_blocks,
+        config.block_size,
+        loaded.dtype,
+        shared=shared,
+        staging_bytes=config.kv_staging_bytes,
+    )
+    if tp is not None:
+        runner.attach_ranks(tp, tp.worker_segments())
+    return runner
 
 
 def _check_split(config: EngineConfig) -> None:
