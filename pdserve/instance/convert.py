@@ -130,6 +130,7 @@ def endpoints_to_proto(endpoints: KVEndpoints) -> decode_pb2.KVEndpoints:
         kv_bytes=endpoints.kv_bytes,
         cuda_ipc_handle=endpoints.cuda_ipc_handle,
         gpu_uuid=endpoints.gpu_uuid,
+        ranks=[endpoints_to_proto(rank) for rank in endpoints.ranks],
     )
 
 
@@ -142,6 +143,7 @@ def endpoints_from_proto(message: decode_pb2.KVEndpoints) -> KVEndpoints:
         message.kv_bytes,
         message.cuda_ipc_handle,
         message.gpu_uuid,
+        tuple(endpoints_from_proto(rank) for rank in message.ranks),
     )
 
 

@@ -258,9 +258,6 @@ class InstanceRuntime:
             sender_engines,
         )
 
-        if not self.stager.direct_writes:
-            logger.info("tensor-parallel KV cache: KV goes over gRPC (no direct writes)")
-            return None
         if not mooncake_available():
             logger.info("Mooncake transfer engine not installed: KV goes over shm or gRPC")
             return None
@@ -268,7 +265,8 @@ class InstanceRuntime:
         count = sender_engines(config) if sender else 1
         engine = MooncakeEngine(config, advertised_host(host), count)
         logger.info("Mooncake transfer engines: %d (%s)", count, config.mooncake_protocol)
-        engine.register(self.kv_base_address, self.stager.total_bytes)
+        for rank in self.stager.slices:  # a tensor-parallel cache: each rank's, mapped here
+            engine.register(rank.base_address, rank.total_bytes)
         self.mooncake = engine
         return engine
 
@@ -287,7 +285,14 @@ class InstanceRuntime:
     def shm_name(self) -> str:
         """The KV cache's shared-memory segment; empty when it is private."""
         segment = self.engine.runner.segment
-        return segment.name if segment is not None and self.stager.direct_writes else ""
+        return segment.name if segment is not None else ""
+
+    @property
+    def rank_shm_names(self) -> list[str]:
+        """A tensor-parallel instance: each rank's KV cache segment, rank 0 first (rank 0's
+        empty when it is private); one rank: []."""
+        others = self.engine.runner.rank_segments
+        return [self.shm_name, *others] if others else []
 
     @property
     def vocab_size(self) -> int:

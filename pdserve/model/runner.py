@@ -100,6 +100,7 @@ class ModelRunner:
         # whether blocks can be moved whole (sent, received, stored): not for a tensor-parallel
         # CUDA instance, whose other ranks' slices this process does not map
         self.kv_movable = True
+        self.rank_segments: list[str] = []  # rank 0: the other ranks' KV cache segments
 
     @classmethod
     def create(
@@ -159,6 +160,7 @@ class ModelRunner:
             )
         others = [map_segment(name, self.kv_cache) for name in segments]
         self.stager = SlicedKVStager(self.kv_cache, others)
+        self.rank_segments = list(segments)
 
     def capture_graphs(
         self, sizes: Sequence[int], max_blocks: int, capture: Capture | None = None

@@ -169,6 +169,11 @@ class KVStager:
 
     direct_writes = True  # peers may write into (and read from) `base_address` directly
 
+    @property
+    def slices(self) -> Sequence["KVStager"]:
+        """Each tensor-parallel rank's part of the cache, rank 0 first: one rank, itself."""
+        return [self]
+
     def __init__(
         self,
         kv_cache: torch.Tensor,
@@ -371,27 +376,31 @@ def consecutive_runs(block_ids: Sequence[int]) -> Iterator[tuple[int, int, int]]
 
 class SlicedKVStager(KVStager):
     """The KV blocks of a tensor-parallel instance, on rank 0: a block is every rank's slice of
-    it (`kv_heads / size` heads each) in rank order, so senders, receivers and the storage tier
-    move whole blocks as before. Rank 0's own slice is its cache; the others' are their shared-
-    memory segments, mapped here (CPU). Copies are synchronous: a step's collectives end after
-    every rank wrote its KV, and rank 0 starts the next step only after its copies returned.
-
-    Direct writes into the cache (shared memory, Mooncake, CUDA IPC) address one contiguous
-    cache: `direct_writes` is False, so such an instance sends and receives over gRPC."""
+    it (`kv_heads / size` heads each) in rank order, so the gRPC sender and receiver and the
+    storage tier move whole blocks as before. Rank 0's own slice is its cache; the others' are
+    their shared-memory segments, mapped here (CPU). `slices` are the ranks' caches one by one,
+    for direct writes rank by rank (shared memory, Mooncake: `KVTarget.rank_targets`); this
+    cache itself is not one contiguous range, so `direct_writes` is False. Copies are
+    synchronous: a step's collectives end after every rank wrote its KV, and rank 0 starts the
+    next step only after its copies returned."""
 
     direct_writes = False
 
     def __init__(self, own: torch.Tensor, others: Sequence[torch.Tensor]) -> None:
         super().__init__(own)
-        self._slices = [self._bytes] + [t.view(t.shape[0], -1).view(torch.uint8) for t in others]
-        widths = [int(s.shape[1]) for s in self._slices]
+        self._ranks = [KVStager(own)] + [KVStager(t) for t in others]
+        widths = [r.block_bytes for r in self._ranks]
         self._bounds = list(zip(itertools.accumulate(widths, initial=0), widths, strict=False))
         self.block_bytes = sum(widths)
         self.total_bytes = self.block_bytes * int(own.shape[0])
 
+    @property
+    def slices(self) -> Sequence[KVStager]:
+        return self._ranks
+
     def _joined(self, block_ids: Sequence[int]) -> torch.Tensor:
         index = torch.tensor(block_ids, dtype=torch.long)
-        return torch.cat([s.index_select(0, index) for s in self._slices], dim=1)
+        return torch.cat([r._bytes.index_select(0, index) for r in self._ranks], dim=1)
 
     @contextlib.contextmanager
     def staged(self, block_ids: Sequence[int]) -> Iterator[list[memoryview]]:
@@ -405,8 +414,8 @@ class SlicedKVStager(KVStager):
     def _put(self, block_ids: Sequence[int], parts: Sequence[torch.Tensor]) -> Event | None:
         rows = parts[0] if len(parts) == 1 else torch.cat(list(parts))
         index = torch.tensor(block_ids, dtype=torch.long)
-        for target, (start, width) in zip(self._slices, self._bounds, strict=True):
-            target.index_copy_(0, index, rows[:, start : start + width])
+        for rank, (start, width) in zip(self._ranks, self._bounds, strict=True):
+            rank._bytes.index_copy_(0, index, rows[:, start : start + width])
         return None
 
 

@@ -8,6 +8,7 @@ through Ray's object store. A transport is shared by the sender's request thread
 thread-safe.
 """
 
+import dataclasses
 import socket
 import time
 from abc import ABC, abstractmethod
@@ -42,6 +43,9 @@ class KVEndpoints:
     kv_bytes: int = 0
     cuda_ipc_handle: bytes = b""  # its GPU KV cache, opened by a peer on the same host
     gpu_uuid: str = ""  # the GPU holding that cache
+    # a tensor-parallel decode instance: each rank's slice cache, rank 0 first (the fields
+    # above then offer no direct write)
+    ranks: tuple["KVEndpoints", ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,6 +59,13 @@ class KVTarget:
     block_bytes: int = 0
     endpoints: KVEndpoints = field(default_factory=KVEndpoints)
     deadline: float = float("inf")  # time.monotonic() after which the lease may be gone
+
+    def rank_targets(self) -> list["KVTarget"]:
+        """One target per rank of a tensor-parallel decode instance: the same blocks, that
+        rank's cache and slice size (`block_bytes / ranks`)."""
+        ranks = self.endpoints.ranks
+        size = self.block_bytes // len(ranks) if ranks else self.block_bytes
+        return [dataclasses.replace(self, endpoints=e, block_bytes=size) for e in ranks]
 
     def check_deadline(self) -> None:
         """Direct writes must end before the lease does: after it, the blocks may be reused."""
@@ -84,6 +95,11 @@ class KVSource(Protocol):
 
     def staged(self, block_ids: Sequence[int]) -> AbstractContextManager[list[memoryview]]:
         """Host views of the blocks, valid inside the `with`."""
+        ...
+
+    @property
+    def slices(self) -> "Sequence[KVSource]":
+        """Each tensor-parallel rank's part of the cache, rank 0 first (itself: one rank)."""
         ...
 
 

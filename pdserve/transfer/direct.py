@@ -11,14 +11,14 @@ import ctypes
 import mmap
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import numpy as np
 
 from pdserve.errors import KVTransferError, PdserveError
 from pdserve.rpc.channels import ChannelPool
 from pdserve.rpc.clients import DecodeClient
-from pdserve.transfer.base import KVTarget, KVTransport, TransferResult, host_id
+from pdserve.transfer.base import KVSource, KVTarget, KVTransport, TransferResult, host_id
 
 
 def commit(channels: ChannelPool, target: KVTarget, num_blocks: int) -> None:
@@ -71,6 +71,30 @@ def copy_runs(
             start = i
 
 
+def send_by_rank(
+    channels: ChannelPool,
+    target: KVTarget,
+    source: KVSource,
+    block_ids: Sequence[int],
+    write: Callable[[KVTarget, KVSource], None],
+) -> TransferResult:
+    """A tensor-parallel decode instance (`target.endpoints.ranks`): `write` each rank's slice
+    of the blocks (`source.slices`, the sender's ranks) into that rank's cache, then commit
+    once, so decode counts the blocks received only when every rank's slice is there."""
+    start = time.perf_counter()
+    targets, slices = target.rank_targets(), source.slices
+    if len(targets) != len(slices):
+        raise KVTransferError(
+            f"request {target.request_id}: the sender has {len(slices)} tensor-parallel ranks, "
+            f"decode {target.address} has {len(targets)} (tensor_parallel_size must match)"
+        )
+    for rank_target, rank_source in zip(targets, slices, strict=True):
+        write(rank_target, rank_source)
+    commit(channels, target, len(block_ids))
+    size = target.block_bytes
+    return TransferResult(len(block_ids), len(block_ids) * size, time.perf_counter() - start)
+
+
 class ShmKVTransport(KVTransport):
     """Thread-safe (the KVTransport contract): request threads send concurrently."""
 
@@ -82,8 +106,8 @@ class ShmKVTransport(KVTransport):
         self._lock = threading.Lock()
 
     def can_reach(self, target: KVTarget) -> bool:
-        endpoints = target.endpoints
-        return bool(endpoints.shm_name) and endpoints.host_id == host_id()
+        ranks = target.endpoints.ranks or (target.endpoints,)
+        return all(bool(e.shm_name) and e.host_id == host_id() for e in ranks)
 
     def _attach(self, name: str) -> int:
         """The address where decode's KV cache segment `name` is mapped in this process."""
@@ -101,8 +125,26 @@ class ShmKVTransport(KVTransport):
                 self._segments[name] = entry
             return entry[1]
 
+    def send_blocks(
+        self, target: KVTarget, source: KVSource, block_ids: Sequence[int]
+    ) -> TransferResult:
+        if not target.endpoints.ranks:
+            return super().send_blocks(target, source, block_ids)
+
+        def write(rank_target: KVTarget, rank_source: KVSource) -> None:
+            with rank_source.staged(block_ids) as views:
+                self._write(rank_target, views)
+
+        return send_by_rank(self._channels, target, source, block_ids, write)
+
     def send(self, target: KVTarget, blocks: Sequence[memoryview]) -> TransferResult:
         start = time.perf_counter()
+        self._write(target, blocks)
+        commit(self._channels, target, len(blocks))
+        size = target.block_bytes
+        return TransferResult(len(blocks), len(blocks) * size, time.perf_counter() - start)
+
+    def _write(self, target: KVTarget, blocks: Sequence[memoryview]) -> None:
         check_bounds(target, len(blocks), [len(b) for b in blocks])
         target.check_deadline()
         cache = self._attach(target.endpoints.shm_name)
@@ -110,8 +152,6 @@ class ShmKVTransport(KVTransport):
         sources = [address_of(b) for b in blocks]
         for block_id, count, source in copy_runs(target.block_ids, sources, size):
             ctypes.memmove(cache + block_id * size, source, count * size)  # GIL released
-        commit(self._channels, target, len(blocks))
-        return TransferResult(len(blocks), len(blocks) * size, time.perf_counter() - start)
 
     def close(self) -> None:
         with self._lock:

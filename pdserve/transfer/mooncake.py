@@ -33,7 +33,7 @@ from pdserve.config import TransferConfig
 from pdserve.errors import ConfigError, KVTransferError
 from pdserve.rpc.channels import ChannelPool
 from pdserve.transfer.base import KVSource, KVTarget, KVTransport, TransferResult
-from pdserve.transfer.direct import address_of, check_bounds, commit, copy_runs
+from pdserve.transfer.direct import address_of, check_bounds, commit, copy_runs, send_by_rank
 
 logger = logging.getLogger(__name__)
 
@@ -184,16 +184,27 @@ class MooncakeKVTransport(KVTransport):
         self.writes_per_engine = [0] * len(engine.engines)  # transfers submitted, per engine
 
     def can_reach(self, target: KVTarget) -> bool:
-        return bool(target.endpoints.mooncake_session)
+        ranks = target.endpoints.ranks or (target.endpoints,)
+        return all(bool(e.mooncake_session) for e in ranks)
 
     def send_blocks(
         self, target: KVTarget, source: KVSource, block_ids: Sequence[int]
     ) -> TransferResult:
         """Straight from the sender's registered KV cache (host or device memory: no staging
-        copy), block b at `base_address + b x block_bytes`."""
-        check_bounds(target, len(block_ids), [source.block_bytes] * len(block_ids))
-        size = source.block_bytes
-        return self._send(target, [source.base_address + b * size for b in block_ids])
+        copy), block b at `base_address + b x block_bytes`; to a tensor-parallel decode
+        instance, each rank's slice from that rank's cache into decode's same rank's."""
+        if not target.endpoints.ranks:
+            check_bounds(target, len(block_ids), [source.block_bytes] * len(block_ids))
+            size = source.block_bytes
+            return self._send(target, [source.base_address + b * size for b in block_ids])
+
+        def write(rank_target: KVTarget, rank_source: KVSource) -> None:
+            size = rank_source.block_bytes
+            check_bounds(rank_target, len(block_ids), [size] * len(block_ids))
+            addresses = [rank_source.base_address + b * size for b in block_ids]
+            self._write_all(rank_target, addresses)
+
+        return send_by_rank(self._channels, target, source, block_ids, write)
 
     def send(self, target: KVTarget, blocks: Sequence[memoryview]) -> TransferResult:
         """From host memory registered with the engine (`MooncakeEngine.register`)."""
@@ -202,6 +213,13 @@ class MooncakeKVTransport(KVTransport):
 
     def _send(self, target: KVTarget, sources: Sequence[int]) -> TransferResult:
         start = time.perf_counter()
+        self._write_all(target, sources)
+        commit(self._channels, target, len(sources))
+        size = target.block_bytes
+        return TransferResult(len(sources), len(sources) * size, time.perf_counter() - start)
+
+    def _write_all(self, target: KVTarget, sources: Sequence[int]) -> None:
+        """Write the blocks at `sources` into the target's; raises KVTransferError."""
         writes = plan_writes(target, sources)
         session, step = target.endpoints.mooncake_session, self._config.max_batch_entries
         for first in range(0, len(writes), step):
@@ -212,9 +230,6 @@ class MooncakeKVTransport(KVTransport):
                 raise KVTransferError(
                     f"Mooncake write of request {target.request_id} to {session} failed: {failure}"
                 )
-        commit(self._channels, target, len(sources))
-        size = target.block_bytes
-        return TransferResult(len(sources), len(sources) * size, time.perf_counter() - start)
 
     def _write(self, session: str, writes: Sequence[tuple[int, int, int]], deadline: float) -> str:
         """Start every write (dealt over the engines), then wait until none is in flight (a

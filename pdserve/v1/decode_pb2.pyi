@@ -98,6 +98,7 @@ class KVEndpoints(_message.Message):
     KV_BYTES_FIELD_NUMBER: _builtins.int
     CUDA_IPC_HANDLE_FIELD_NUMBER: _builtins.int
     GPU_UUID_FIELD_NUMBER: _builtins.int
+    RANKS_FIELD_NUMBER: _builtins.int
     host_id: _builtins.str
     """the host (shared memory works only on the same one)"""
     shm_name: _builtins.str
@@ -114,6 +115,15 @@ class KVEndpoints(_message.Message):
     """encodes it); empty: not offered (a CPU cache, or not exportable)
     UUID of the GPU that holds that cache (a peer opens it only
     """
+    @_builtins.property
+    def ranks(self) -> _containers.RepeatedCompositeFieldContainer[Global___KVEndpoints]:
+        """when it sees that GPU)
+        A tensor-parallel decode instance: each rank's slice cache, rank 0 first (block b of rank
+        i holds that rank's KV heads of block b, block_bytes / ranks bytes). Its own fields above
+        then offer no direct write (its cache is not one contiguous range); a sender writes each
+        rank's slice of the blocks into that rank's cache, then commits once.
+        """
+
     def __init__(
         self,
         *,
@@ -124,10 +134,11 @@ class KVEndpoints(_message.Message):
         kv_bytes: _builtins.int = ...,
         cuda_ipc_handle: _builtins.bytes = ...,
         gpu_uuid: _builtins.str = ...,
+        ranks: _abc.Iterable[Global___KVEndpoints] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cuda_ipc_handle", b"cuda_ipc_handle", "gpu_uuid", b"gpu_uuid", "host_id", b"host_id", "kv_bytes", b"kv_bytes", "mooncake_base", b"mooncake_base", "mooncake_session", b"mooncake_session", "shm_name", b"shm_name"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cuda_ipc_handle", b"cuda_ipc_handle", "gpu_uuid", b"gpu_uuid", "host_id", b"host_id", "kv_bytes", b"kv_bytes", "mooncake_base", b"mooncake_base", "mooncake_session", b"mooncake_session", "ranks", b"ranks", "shm_name", b"shm_name"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

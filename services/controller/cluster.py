@@ -1,8 +1,9 @@
 """Cluster: places prefill and decode instances as Ray actors, watches them, stops them.
 
 Ray is used for placement and lifecycle only. `up` joins the Ray cluster at `ray_address` (or
-starts a local one), reserves a placement group with one bundle per instance, creates named
-actors in the configured namespace, and waits until every instance's gRPC server answers.
+starts a local one), reserves a placement group with one bundle per instance (a
+tensor-parallel instance: a group of its own, a bundle per rank, PACK), creates named actors in
+the configured namespace, and waits until every instance's gRPC server answers.
 """
 
 import contextlib
@@ -36,6 +37,8 @@ from services.controller.state import state_path
 logger = logging.getLogger(__name__)
 
 READY_TIMEOUT_S = 600.0
+# a tensor-parallel instance's ranks (a bundle each): on one node when it has room
+TP_PLACEMENT_STRATEGY = "PACK"
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,6 +64,8 @@ class Cluster:
         self._run_store: Path | None = None
         self._actors: dict[str, Any] = {}
         self._bundles: dict[str, int | None] = {}  # placement-group bundle of each instance
+        # a tensor-parallel instance's own group: a bundle per rank, packed on one node
+        self._instance_groups: dict[str, PlacementGroup] = {}
         self.lock = threading.RLock()
         self._placement_group: PlacementGroup | None = None
         self._started_ray = False
@@ -78,23 +83,29 @@ class Cluster:
         if not roles:
             raise ClusterError("no instances configured: set prefill/decode or mixed replicas")
         counters = dict.fromkeys(("prefill", "decode", "mixed"), 0)
-        self._placement_group = self._reserve(roles)
+        if self._ranks() == 1:  # else each instance reserves its own group (`_launch`)
+            self._placement_group = self._reserve([self._bundle(role) for role in roles])
         pending = []
-        bundle = 0
-        for role in roles:
-            name = f"{role}-{counters[role]}"
-            counters[role] += 1
-            pending.append(self._launch(name, role, bundle))
-            bundle += self._ranks(role)
         try:
+            for bundle, role in enumerate(roles):
+                name = f"{role}-{counters[role]}"
+                counters[role] += 1
+                pending.append(self._launch(name, role, bundle))
             self.instances = [self._ready(*launched) for launched in pending]
+        except ClusterError:
+            self.down()
+            raise
         except (ray.exceptions.RayError, TimeoutError) as e:
             self.down()
             raise ClusterError(f"an instance failed to start: {e}") from e
         return self.instances
 
     def _launch(self, name: str, role: str, bundle: int | None) -> tuple[str, str, Any]:
-        """Create the actor of instance `name` (it starts serving in the background)."""
+        """Create the actor of instance `name` (it starts serving in the background); a
+        tensor-parallel instance first gets its placement group (kept across restarts)."""
+        if self._ranks() > 1 and name not in self._instance_groups:
+            bundles = [self._bundle(role)] * self._ranks()
+            self._instance_groups[name] = self._reserve(bundles, TP_PLACEMENT_STRATEGY)
         self._actors[name] = self._create_actor(name, role, bundle)
         self._bundles[name] = bundle
         return name, role, self._actors[name]
@@ -145,24 +156,24 @@ class Cluster:
         )
         self._started_ray = self.config.ray_address is None and not os.environ.get("RAY_ADDRESS")
 
-    def _ranks(self, role: str) -> int:
-        """Bundles of one instance of `role`: one per tensor-parallel rank."""
-        return self.config.engine_for(role).tensor_parallel_size
+    def _ranks(self) -> int:
+        """Ranks of every instance (`tensor_parallel_size` is the same for every role)."""
+        return self.config.engine.tensor_parallel_size
 
-    def _reserve(self, roles: list[str]) -> PlacementGroup:
-        """One placement group: each instance's bundles side by side (a tensor-parallel
-        instance's ranks take consecutive bundles: rank 0's first)."""
-        bundles = [self._bundle(role) for role in roles for _ in range(self._ranks(role))]
-        group: PlacementGroup = placement_group(bundles, strategy=self.config.placement_strategy)
+    def _reserve(self, bundles: list[dict[str, float]], strategy: str = "") -> PlacementGroup:
+        """A placement group of `bundles` (the cluster's instances with
+        `cluster.placement_strategy`, or one tensor-parallel instance's ranks)."""
+        strategy = strategy or self.config.placement_strategy
+        group: PlacementGroup = placement_group(bundles, strategy=strategy)
         try:
             ray.get(group.ready(), timeout=READY_TIMEOUT_S)
         except Exception as e:
             remove_placement_group(group)
             available = ray.available_resources()  # type: ignore[no-untyped-call]
             raise ClusterError(
-                f"Ray cannot place {len(bundles)} instances ({bundles}) with strategy "
-                f"{self.config.placement_strategy}: {available} available; "
-                "lower replicas/num_cpus/num_gpus or add nodes"
+                f"Ray cannot place {len(bundles)} bundles ({bundles}) with strategy "
+                f"{strategy}: {available} available; lower replicas/num_cpus/num_gpus "
+                "(or tensor_parallel_size) or add nodes"
             ) from e
         return group
 
@@ -183,9 +194,10 @@ class Cluster:
         its resources alone, for instances added by scaling)."""
         settings = self._settings(role)
         strategy: Any = "DEFAULT"
-        if bundle is not None and self._placement_group is not None:
+        group, index = self._placement(name, bundle)
+        if group is not None and index is not None:
             strategy = PlacementGroupSchedulingStrategy(
-                placement_group=self._placement_group, placement_group_bundle_index=bundle
+                placement_group=group, placement_group_bundle_index=index
             )
         remote_class = ray.remote(InstanceActor)
         return remote_class.options(
@@ -197,16 +209,24 @@ class Cluster:
             lifetime=None if self._started_ray else "detached",
             scheduling_strategy=strategy,
             runtime_env=actor_runtime_env(settings.num_gpus),
-        ).remote(role, self.config, self.secret, self._worker_placement(role, bundle))
+        ).remote(role, self.config, self.secret, self._worker_placement(name, role, bundle))
 
-    def _worker_placement(self, role: str, bundle: int | None) -> WorkerPlacement | None:
-        """Where a tensor-parallel instance's workers go: the bundles after its own."""
-        if self._ranks(role) == 1:
+    def _placement(self, name: str, bundle: int | None) -> tuple[PlacementGroup | None, int | None]:
+        """(group, bundle) of instance `name`'s actor: rank 0's bundle of its own group (tensor
+        parallel), else its bundle of the cluster's (None: scheduled on its resources)."""
+        own = self._instance_groups.get(name)
+        if own is not None:
+            return own, 0
+        return (self._placement_group, bundle) if bundle is not None else (None, None)
+
+    def _worker_placement(self, name: str, role: str, bundle: int | None) -> WorkerPlacement | None:
+        """Where a tensor-parallel instance's workers go: the bundles after rank 0's."""
+        if self._ranks() == 1:
             return None
         settings = self._settings(role)
-        group = self._placement_group if bundle is not None else None
+        group, first = self._placement(name, bundle)
         return WorkerPlacement(
-            group, bundle, settings.num_cpus, settings.num_gpus, self.config.namespace
+            group, first, settings.num_cpus, settings.num_gpus, self.config.namespace
         )
 
     def add_instance(self, role: str) -> InstanceInfo:
@@ -247,6 +267,9 @@ class Cluster:
             self._bundles.pop(name, None)
             self.instances = [i for i in self.instances if i.name != name]
             _stop(name, actor)
+            own = self._instance_groups.pop(name, None)
+            if own is not None:
+                remove_placement_group(own)
 
     def info(self, name: str) -> InstanceInfo | None:
         """The listed instance called `name` (None: not listed, e.g. removed by scaling)."""
@@ -274,9 +297,12 @@ class Cluster:
             _stop(name, actor)
         self._actors.clear()
         self.instances.clear()
-        if self._placement_group is not None:
-            remove_placement_group(self._placement_group)
-            self._placement_group = None
+        groups = [self._placement_group, *self._instance_groups.values()]
+        for group in groups:
+            if group is not None:
+                remove_placement_group(group)
+        self._placement_group = None
+        self._instance_groups.clear()
         if self._started_ray:
             ray.shutdown()
             self._started_ray = False

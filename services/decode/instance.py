@@ -68,18 +68,40 @@ class DecodeInstance:
         stager = runtime.stager
         # a GPU cache is shared over CUDA IPC (prefill instances of this host copy into it);
         # the export holds the shared view for the instance's lifetime
-        exported = transfer is not None and stager.direct_writes
-        self.cuda_ipc = export_kv_cache(stager.cache) if exported else None
-        self.endpoints = KVEndpoints(
-            host_id=host_id(),
-            shm_name=runtime.shm_name,
-            mooncake_session=mooncake.session if mooncake is not None else "",
-            mooncake_base=runtime.kv_base_address if mooncake is not None else 0,
-            kv_bytes=stager.total_bytes,
-            cuda_ipc_handle=self.cuda_ipc.handle if self.cuda_ipc is not None else b"",
-            gpu_uuid=self.cuda_ipc.gpu_uuid if self.cuda_ipc is not None else "",
-        )
+        if not stager.direct_writes:  # tensor parallel: each rank's cache, written by rank
+            self.cuda_ipc = None
+            self.endpoints = KVEndpoints(
+                host_id=host_id(), kv_bytes=stager.total_bytes, ranks=self._rank_endpoints()
+            )
+        else:
+            self.cuda_ipc = export_kv_cache(stager.cache) if transfer is not None else None
+            self.endpoints = KVEndpoints(
+                host_id=host_id(),
+                shm_name=runtime.shm_name,
+                mooncake_session=mooncake.session if mooncake is not None else "",
+                mooncake_base=runtime.kv_base_address if mooncake is not None else 0,
+                kv_bytes=stager.total_bytes,
+                cuda_ipc_handle=self.cuda_ipc.handle if self.cuda_ipc is not None else b"",
+                gpu_uuid=self.cuda_ipc.gpu_uuid if self.cuda_ipc is not None else "",
+            )
         self.num_expired = 0  # engine thread only
+
+    def _rank_endpoints(self) -> tuple[KVEndpoints, ...]:
+        """Each rank's cache of a tensor-parallel instance: its segment (shared memory; rank
+        0's only with `transfer.shared_memory`) and its address in this process's Mooncake
+        engine, which registered every rank's (mapped here)."""
+        runtime, mooncake = self.runtime, self.runtime.mooncake
+        names = runtime.rank_shm_names
+        return tuple(
+            KVEndpoints(
+                host_id=host_id(),
+                shm_name=name,
+                mooncake_session=mooncake.session if mooncake is not None else "",
+                mooncake_base=rank.base_address if mooncake is not None else 0,
+                kv_bytes=rank.total_bytes,
+            )
+            for name, rank in zip(names, runtime.stager.slices, strict=True)
+        )
 
     def start(self) -> None:
         self.runtime.start()

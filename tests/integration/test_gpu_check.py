@@ -1,7 +1,8 @@
 """`benchmarks/gpu_check.py --smoke` on CPU: every section runs, CUDA-only figures are marked
-skipped, and pdserve agrees with `transformers` in float32 (so the GPU run has no silly failure
-left to find)."""
+skipped, pdserve agrees with `transformers` in float32 and TP=2 with TP=1 (two CPU ranks), so
+the GPU run has no silly failure left to find."""
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -10,9 +11,19 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu_check.py"
-SECTIONS = ("environment", "correctness", "decode", "cuda_graphs", "staging", "cuda_ipc", "memory")
+SECTIONS = (
+    "environment",
+    "correctness",
+    "decode",
+    "cuda_graphs",
+    "staging",
+    "cuda_ipc",
+    "memory",
+    "tensor_parallel",
+)
 CUDA_ONLY = ("cuda_ipc",)
 NO_CUDA = {"skipped": "no CUDA"}
 
@@ -87,6 +98,38 @@ def test_decode_and_memory_figures_are_there(smoke: tuple[dict[str, Any], str]) 
     assert graphs["graphs"]["decode_ms"]["4"] > 0 and graphs["eager"]["decode_ms"]["4"] > 0
 
 
+def test_tensor_parallel_runs_two_cpu_ranks_in_smoke_mode(
+    smoke: tuple[dict[str, Any], str],
+) -> None:
+    """On CPU the section's path runs with both ranks on CPU (gloo): TP=2 agrees with TP=1 in
+    float32, and its step split is there (2 layers: the embedding's all-reduce, two per layer,
+    the logits gather and the step broadcast)."""
+    tp = smoke[0]["results"]["tensor_parallel"]
+    assert tp["ranks"] == ["cpu", "cpu"] and tp["backend"] == "gloo"
+    assert tp["exact"] is True and tp["greedy_agree"] == 1.0 and tp["top1_agree"] == 1.0
+    assert tp["logit_maxdiff"] <= 1e-5 * tp["logit_absmax"]
+    for batch in ("1", "4"):
+        assert tp["tp1"]["tok_s"][batch] > 0 and tp["tp2"]["tok_s"][batch] > 0
+        assert 0 < tp["tp2"]["comm_ms"][batch] < tp["tp2"]["decode_ms"][batch]
+        assert tp["tp2"]["collectives_per_step"][batch] == 1 + 2 * 2 + 1 + 1
+        assert tp[f"tok_s_ratio_b{batch}"] > 0
+
+
+def test_tensor_parallel_is_skipped_without_two_gpus(tmp_path: Path) -> None:
+    """Outside --smoke, fewer than two GPUs skip the section with the reason."""
+    sys.path.insert(0, str(SCRIPT.parent))
+    try:
+        spec = importlib.util.spec_from_file_location("gpu_check_under_test", SCRIPT)
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(SCRIPT.parent))
+    args = module.parse_args(["--device", "cpu"])
+    ctx = module.Context(args, module.FULL, torch.device("cpu"), tmp_path, 0.0, 1.0)
+    assert module.tensor_parallel(ctx) == {"skipped": "needs 2 GPUs, found 0"}
+
+
 def test_last_line_is_the_result_line(smoke: tuple[dict[str, Any], str]) -> None:
     document, stdout = smoke
     last = stdout.strip().splitlines()[-1]
@@ -96,3 +139,4 @@ def test_last_line_is_the_result_line(smoke: tuple[dict[str, Any], str]) -> None
     assert pairs["load_peak_ratio"] == "na" and pairs["d2d_gbps"] == "na"
     assert pairs["greedy_agree"] == "1"
     assert {"logit_maxdiff", "decode_ms_b1", "decode_ms_b4", "roofline_frac_b4"} <= set(pairs)
+    assert pairs["tp_greedy_agree"] == "1" and "tp_tok_s_ratio_b4" in pairs

@@ -25,6 +25,7 @@ from pdserve.config import (
     MixedConfig,
     PrefillConfig,
     StorageConfig,
+    TransferConfig,
 )
 from pdserve.engine import LLMEngine, SamplingParams
 from pdserve.engine.tensor_parallel import LocalWorkers
@@ -138,30 +139,41 @@ def test_tp2_preempts_and_resumes_from_storage_with_identical_output(
             tier.close()
 
 
-def test_tp2_prefill_to_tp2_decode_over_grpc_equals_one_rank(
-    tiny_model_dir: Path, engines: dict[int, LLMEngine]
+@pytest.mark.parametrize("transport", ["grpc", "shm", "mooncake"])
+def test_tp2_prefill_to_tp2_decode_equals_one_rank_over_every_transport(
+    transport: str, tiny_model_dir: Path, engines: dict[int, LLMEngine]
 ) -> None:
+    """Decode's Reserve reply names each rank's cache; over shm and Mooncake prefill writes
+    each rank's slice into decode's same rank (then commits once), over gRPC decode's rank 0
+    spreads the slices."""
     engine = EngineConfig(
         model=str(tiny_model_dir), num_kv_blocks=128, tensor_parallel_size=2, torch_threads=1
     )
-    prefill, prefill_server, prefill_port = serve_prefill(engine, PrefillConfig(), secret=SECRET)
-    decode, decode_server, decode_port = serve_decode(engine, DecodeConfig(), secret=SECRET)
+    transfer = TransferConfig(transport=transport)
+    prefill, prefill_server, prefill_port = serve_prefill(
+        engine, PrefillConfig(), transfer=transfer, secret=SECRET
+    )
+    decode, decode_server, decode_port = serve_decode(
+        engine, DecodeConfig(), transfer=transfer, secret=SECRET
+    )
     client = PDClient(channels())
     shared = prompts(1, 64, seed=11)[0]
-    batch = [[*shared, 4, 5], [*shared, 6]]
     try:
-        for prompt in batch:
+        for prompt in ([*shared, 4, 5], [*shared, 6]):
             tokens: list[int] = []
             for event in client.generate(
                 f"127.0.0.1:{prefill_port}", f"127.0.0.1:{decode_port}", prompt, GREEDY
             ):
                 if isinstance(event, TokenDelta):
                     tokens.extend(event.token_ids)
+                else:
+                    assert event.prefill is not None and event.prefill.transport == transport
             [expected] = engines[1].generate([prompt], GREEDY)
             assert tokens == list(expected.token_ids)
-        assert decode.endpoints.shm_name == ""  # no direct writes into a sliced cache
-        stats = decode.stats()
-        assert stats.kv_blocks_received > 0
+        ranks = decode.endpoints.ranks
+        assert len(ranks) == 2 and decode.endpoints.shm_name == ""  # no write into the whole
+        assert ranks[0].kv_bytes == ranks[1].kv_bytes == decode.runtime.stager.total_bytes // 2
+        assert decode.stats().kv_blocks_received == 5 + 1  # the second prompt: its new block
         assert prefill.stats().device_hit_tokens == 64  # the second prompt's shared prefix
         wait_for(lambda: decode.stats().num_running == 0)
         prefill.check_integrity()
@@ -243,8 +255,8 @@ def test_a_tp2_instance_on_ray_takes_a_bundle_per_rank_and_restarts_when_a_rank_
     [expected] = engines[1].generate([prompt], GREEDY)
     try:
         assert _mixed_tokens(info.address, prompt) == list(expected.token_ids)
-        group = cluster._placement_group
-        assert group is not None and len(group.bundle_specs) == 2  # rank 0's, rank 1's
+        group = cluster._instance_groups[info.name]  # its own: rank 0's bundle, rank 1's
+        assert cluster._placement_group is None and len(group.bundle_specs) == 2
         actor = cluster.actor(info.name)
         rank0, worker = ray.get(actor.rank_pids.remote())
         assert rank0 == info.pid != worker
