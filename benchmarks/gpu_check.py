@@ -1050,9 +1050,9 @@ def tensor_parallel(ctx: Context) -> dict[str, Any]:
     vocab = int(s.arch["vocab_size"])
     logit_prompts = random_prompts(s.prompts, s.prompt_len, vocab, SEED + 1)
     greedy_prompts = random_prompts(8, 64, vocab, seed=7)
+    ranks = [f"cuda:{first + r}" if ctx.cuda else "cpu" for r in range(TP_SIZE)]
     result: dict[str, Any] = {
-        "ranks": [str(ctx.device)]
-        + [f"cuda:{first + r}" if ctx.cuda else "cpu" for r in range(1, TP_SIZE)],
+        "ranks": ranks,
         "backend": "nccl" if ctx.cuda else "gloo",
         "cuda_graphs": False,
         "gpus": gpus,
@@ -1065,12 +1065,10 @@ def tensor_parallel(ctx: Context) -> dict[str, Any]:
         )
         result[f"tp{size}"] = figures
         log(ctx, f"tensor_parallel: TP={size}: {figures['decode_ms']} ms per step")
-    diff = (logits[TP_SIZE] - logits[1]).abs()
-    result["logit_maxdiff"] = float(diff.max())
-    result["logit_absmax"] = float(logits[1].abs().max())
-    result["top1_agree"] = float(
-        (logits[TP_SIZE].argmax(-1) == logits[1].argmax(-1)).float().mean()
-    )
+    one, many = logits[1], logits[TP_SIZE]
+    result["logit_maxdiff"] = float((many - one).abs().max())
+    result["logit_absmax"] = float(one.abs().max())
+    result["top1_agree"] = float((many.argmax(-1) == one.argmax(-1)).float().mean())
     firsts = [first_difference(a, b) for a, b in zip(tokens[1], tokens[TP_SIZE], strict=True)]
     result["greedy_agree"] = sum(firsts) / sum(len(t) for t in tokens[1])
     result["first_divergence"] = firsts
