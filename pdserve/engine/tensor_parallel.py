@@ -34,7 +34,7 @@ import torch.distributed as dist
 from torch.distributed import TCPStore  # type: ignore[attr-defined]
 
 from pdserve.config import EngineConfig
-from pdserve.errors import TensorParallelError
+from pdserve.errors import ConfigError, TensorParallelError
 from pdserve.model.parallel import Shard, StepChannel, StepInputs, TPGroup, join_group, receive
 from pdserve.model.runner import ModelRunner
 
@@ -85,6 +85,7 @@ class LocalWorkers:
     never appears on a command line)."""
 
     def __init__(self, config: EngineConfig, rendezvous: Rendezvous) -> None:
+        _check_gpus(config, rendezvous.size)
         self.processes: list[subprocess.Popen[bytes]] = []
         for rank in range(1, rendezvous.size):
             process = subprocess.Popen([sys.executable, "-c", _WORKER_MAIN], stdin=subprocess.PIPE)
@@ -108,6 +109,19 @@ class LocalWorkers:
                 logger.warning("tensor-parallel worker %d did not stop: killing it", process.pid)
                 process.kill()
                 process.wait()
+
+
+def _check_gpus(config: EngineConfig, size: int) -> None:
+    """Local CUDA ranks take consecutive GPUs from rank 0's: refuse before launching when there
+    are not enough (else a worker fails and rank 0 waits `tp_timeout_s` to find out)."""
+    if not config.device.startswith("cuda"):
+        return
+    first = int(config.device.partition(":")[2] or 0)
+    if torch.cuda.device_count() < first + size:
+        raise ConfigError(
+            f"engine.tensor_parallel_size {size} from {config.device} needs GPUs {first}.."
+            f"{first + size - 1}, but {torch.cuda.device_count()} are visible"
+        )
 
 
 def _rank_device(config: EngineConfig, rank: int) -> EngineConfig:
@@ -198,7 +212,7 @@ def start_rank_zero(
     try:
         group = join_group(Shard(0, size), store, torch.device(config.device), config.tp_timeout_s)
         connections = _accept(listener, size - 1, config.tp_timeout_s)
-    except (RuntimeError, OSError, dist.DistError) as e:
+    except (RuntimeError, OSError, ValueError, dist.DistError) as e:
         workers.stop(timeout_s=1.0)
         raise TensorParallelError(f"the tensor-parallel workers did not join: {e}") from e
     finally:

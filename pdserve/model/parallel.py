@@ -108,7 +108,11 @@ class TPGroup:
         self.check()
         start = time.perf_counter()
         try:
-            collective().wait(self.timeout)
+            work = collective()
+            if self.device.type == "cuda":
+                work.wait()  # stream-ordered (NCCL's watchdog enforces the timeout)
+            else:
+                work.wait(self.timeout)
         except (RuntimeError, dist.DistError, ValueError) as e:
             self._broken = f"{what} failed on rank {self.rank}: {e}"
             logger.error("%s", self._broken)
@@ -167,7 +171,7 @@ def join_group(shard: Shard, store: TCPStore, device: torch.device, timeout_s: f
     timeout = timedelta(seconds=timeout_s)
     backend: Any
     if device.type == "cuda":
-        torch.cuda.set_device(device)
+        torch.cuda.set_device(device.index if device.index is not None else 0)
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = timeout
         backend = dist.ProcessGroupNCCL(store, shard.rank, shard.size, options)
