@@ -104,6 +104,16 @@ def test_tp2_greedy_equals_tp1_and_transformers_with_prefix_hits(
     assert list(rest[2][0].token_ids) == hf_greedy(model, batch[1], GREEDY.max_tokens)
 
 
+def test_tp2_samples_once_on_rank_0_as_one_rank_does(engines: dict[int, LLMEngine]) -> None:
+    """Seeded sampling at temperature 1 (top-p, logprobs): rank 0 samples from the gathered
+    logits exactly what one rank samples."""
+    params = SamplingParams(max_tokens=12, temperature=1.0, top_p=0.9, seed=7, logprobs=2)
+    batch = prompts(3, 25, seed=3)
+    one, two = (engines[size].generate(batch, params) for size in (1, 2))
+    assert [c.token_ids for c in two] == [c.token_ids for c in one]
+    assert len({c.token_ids for c in one}) == 3  # distinct prompts, distinct samples
+
+
 def test_tp2_preempts_and_resumes_from_storage_with_identical_output(
     tiny_model_dir: Path, engines: dict[int, LLMEngine], redis_url: str, tmp_path: Path
 ) -> None:
@@ -132,6 +142,16 @@ def test_tp2_preempts_and_resumes_from_storage_with_identical_output(
         assert engine.runner.stager.block_bytes == 2 * engine.runner.kv_cache[0].nbytes
         connector.tier.flush()
         engine.check_integrity()
+        # one rank, the same store: the TP=2 blocks are another layout, never read
+        one = LLMEngine.from_config(
+            EngineConfig(model=str(tiny_model_dir), num_kv_blocks=64),
+            storage=lambda tag: make_tier(config, tiers, tag),
+        )
+        try:
+            assert [c.token_ids for c in one.generate(batch[:1], LONG_GREEDY)] == expected[:1]
+            assert one.scheduler.stats.storage_hit_tokens == 0
+        finally:
+            one.close()
     finally:
         engine.close()
         for tier in tiers:

@@ -122,7 +122,13 @@ def test_merged_role_engine_is_validated(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(
-    ("name", "value"), [("block_size", "32"), ("dtype", "float32"), ("model", "/models/other")]
+    ("name", "value"),
+    [
+        ("block_size", "32"),
+        ("dtype", "float32"),
+        ("model", "/models/other"),
+        ("tensor_parallel_size", "2"),  # prefill and decode of different TP sizes: refused
+    ],
 )
 def test_role_may_not_change_a_shared_engine_setting(name: str, value: str) -> None:
     with pytest.raises(ConfigError, match=rf"decode\.engine\.{name} .* differs from engine\."):
