@@ -17,7 +17,6 @@ rank 0's `SlicedKVStager`: a block is every rank's slice of it, in rank order.
 import dataclasses
 import json
 import logging
-import os
 import secrets
 import struct
 import subprocess
@@ -27,7 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from multiprocessing.connection import Client, Connection, Listener
-from typing import Protocol
+from typing import IO, Protocol, cast
 
 import torch
 import torch.distributed as dist
@@ -81,17 +80,17 @@ WorkerLauncher = Callable[[EngineConfig, Rendezvous], Workers]
 
 class LocalWorkers:
     """Workers as child processes of this one (tests, benchmarks, `pdserve generate`): each
-    runs `tensor_parallel.main`, reading its settings from stdin (the key
-    never appears on a command line)."""
+    runs `tensor_parallel.main`, reading its settings from stdin (the key never appears on a
+    command line); their output goes where this process's does."""
 
     def __init__(self, config: EngineConfig, rendezvous: Rendezvous) -> None:
         _check_gpus(config, rendezvous.size)
         self.processes: list[subprocess.Popen[bytes]] = []
         for rank in range(1, rendezvous.size):
             process = subprocess.Popen([sys.executable, "-c", _WORKER_MAIN], stdin=subprocess.PIPE)
-            assert process.stdin is not None
-            process.stdin.write(worker_settings(_rank_device(config, rank), rank, rendezvous))
-            process.stdin.close()
+            stdin = cast(IO[bytes], process.stdin)  # a pipe: stdin=PIPE
+            stdin.write(worker_settings(_rank_device(config, rank), rank, rendezvous))
+            stdin.close()
             self.processes.append(process)
 
     def alive(self) -> bool:
@@ -244,7 +243,7 @@ def serve_worker(config: EngineConfig, rank: int, rendezvous: Rendezvous) -> Non
     """Rank `rank`'s whole life: join, load, size, then run steps until told to stop."""
     from pdserve.engine.engine import load_and_size  # the engine's own loading and sizing
 
-    logging.basicConfig(level=os.environ.get("PDSERVE_LOG_LEVEL", "INFO"))
+    logging.basicConfig(level=logging.INFO)  # a local worker's own process: its log lines
     timeout = timedelta(seconds=config.tp_timeout_s)
     store = TCPStore(
         rendezvous.host, rendezvous.store_port, rendezvous.size, is_master=False, timeout=timeout
