@@ -1122,11 +1122,45 @@ def tp_engine_figures(
                 figures["collectives_per_step"][str(batch)] = median([n for _, n in comm])
         params = SamplingParams(max_tokens=s.greedy_tokens, ignore_eos=True)
         tokens = [list(c.token_ids) for c in engine.generate(greedy_prompts, params)]
+        if size > 1:
+            figures["kv_round_trip"] = tp_kv_round_trip(engine)
         return figures, logits, tokens
     finally:
         engine.close()
         del engine
         release(ctx)
+
+
+def tp_kv_round_trip(engine: Any) -> dict[str, Any]:
+    """Rank 0's sliced view of the ranks' KV caches (CUDA: the workers' mapped over CUDA IPC):
+    random bytes written into 4 free blocks read back equal, whole and rank by rank, and a
+    copy-out of them (storage write-back) equals them too."""
+    stager = engine.runner.stager
+    blocks = [1, 2, 5, 6]  # the prompts above finished: no request holds a block
+    data = torch.randint(0, 256, (len(blocks), stager.block_bytes), dtype=torch.uint8)
+    start = time.perf_counter()
+    stager.write(blocks, memoryview(data.numpy().tobytes()))
+    write_s = time.perf_counter() - start
+    with stager.staged(blocks) as views:
+        whole = all(bytes(v) == data[i].numpy().tobytes() for i, v in enumerate(views))
+    width, ranks_equal = stager.block_bytes // len(stager.slices), True
+    for rank, part in enumerate(stager.slices):
+        with part.staged(blocks) as views:
+            expected = data[:, rank * width : (rank + 1) * width]
+            ranks_equal &= all(
+                bytes(v) == expected[i].numpy().tobytes() for i, v in enumerate(views)
+            )
+    copy = stager.copy_out(blocks)
+    copied = copy is not None and all(
+        bytes(v) == data[i].numpy().tobytes() for i, v in enumerate(copy.views)
+    )
+    return {
+        "ranks": len(stager.slices),
+        "whole_equal": whole,
+        "ranks_equal": ranks_equal,
+        "copy_out_equal": copied,
+        "write_gbps": data.numel() / write_s / 1e9,
+    }
 
 
 # -- driver -----------------------------------------------------------------------------------
@@ -1245,6 +1279,9 @@ def headline(ctx: Context, results: Mapping[str, Any]) -> dict[str, float | None
         "kv_blocks": dig(results, "memory", "num_kv_blocks"),
         **ipc_headline(results.get("cuda_ipc")),
         "tp_greedy_agree": dig(results, "tensor_parallel", "greedy_agree"),
+        "tp_kv_round_trip": dig(
+            results, "tensor_parallel", f"tp{TP_SIZE}", "kv_round_trip", "ranks_equal"
+        ),
         f"tp_tok_s_ratio_b{low}": dig(results, "tensor_parallel", f"tok_s_ratio_b{low}"),
         f"tp_tok_s_ratio_b{high}": dig(results, "tensor_parallel", f"tok_s_ratio_b{high}"),
         f"tp_comm_ms_b{high}": dig(results, "tensor_parallel", f"tp{TP_SIZE}", "comm_ms", high),

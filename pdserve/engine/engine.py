@@ -173,11 +173,6 @@ class LLMEngine:
         if pool_blocks < 1:
             raise ConfigError("the KV cache holds one block: CUDA graphs need a second one")
         runner = _runner(config, loaded, plan, shared_kv_cache, tp)
-        if storage is not None and not runner.kv_movable:
-            raise ConfigError(
-                "a tensor-parallel CUDA instance cannot use the storage tier yet (its KV blocks "
-                "are not movable across ranks): turn storage off or use tensor_parallel_size 1"
-            )
         tier = storage(storage_tag(loaded, config.block_size)) if storage is not None else None
         connector = (
             StorageConnector(tier, runner.stager, config.block_size, wake)
@@ -632,7 +627,8 @@ def _runner(
         staging_bytes=config.kv_staging_bytes,
     )
     if tp is not None:
-        runner.attach_ranks(tp, tp.worker_segments())
+        caches = tp.worker_caches(runner.kv_cache)
+        runner.attach_ranks(tp, [c.tensor for c in caches], [c.shm_name for c in caches])
     return runner
 
 

@@ -9,9 +9,10 @@ key), load the model's part, size the KV cache and take the smallest block count
 Then a worker waits for steps until rank 0 says stop or is gone; a step that fails on a worker
 ends the worker (its peers' collectives then fail with TensorParallelError, never hang).
 
-KV movement: a worker's KV cache lives in shared memory (CPU), which rank 0 maps, so that every
-block movement of the instance (sends, received blocks, storage reads and writes) goes through
-rank 0's `SlicedKVStager`: a block is every rank's slice of it, in rank order.
+KV movement: rank 0 maps every worker's KV cache (CPU: its shared-memory segment; CUDA: its
+export over CUDA IPC, the ranks being on one node), so that every block movement of the instance
+(sends, received blocks, storage reads and writes) goes through rank 0's `SlicedKVStager`: a
+block is every rank's slice of it, in rank order.
 """
 
 import dataclasses
@@ -26,7 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from multiprocessing.connection import Client, Connection, Listener
-from typing import IO, Protocol, cast
+from typing import IO, Any, Protocol, cast
 
 import torch
 import torch.distributed as dist
@@ -36,6 +37,9 @@ from pdserve.config import EngineConfig
 from pdserve.errors import ConfigError, TensorParallelError
 from pdserve.model.parallel import Shard, StepChannel, StepInputs, TPGroup, join_group, receive
 from pdserve.model.runner import ModelRunner
+from pdserve.model.staging import map_segment
+from pdserve.transfer.base import KVEndpoints
+from pdserve.transfer.cuda_ipc import export_kv_cache, open_peer_cache, visible_gpus
 
 logger = logging.getLogger(__name__)
 
@@ -184,9 +188,14 @@ class RankZero:
         """The smallest KV block count of every rank (each sized its own device)."""
         return self.group.min(num_blocks)
 
-    def worker_segments(self) -> list[str]:
-        """Each worker's KV cache segment (shared memory), in rank order."""
-        return [_receive_text(c, self.group.timeout) for c in self.connections]
+    def worker_caches(self, like: torch.Tensor) -> list["WorkerCache"]:
+        """Each worker's KV cache (shaped and typed as rank 0's `like`) mapped into this
+        process, in rank order: its shared-memory segment (CPU) or its CUDA IPC export."""
+        caches = []
+        for rank, connection in enumerate(self.connections, start=1):
+            report = json.loads(_receive_text(connection, self.group.timeout))
+            caches.append(_map_cache(rank, report, like))
+        return caches
 
     def stop(self) -> None:
         """Tell the workers to leave, wait for them, leave the group. Idempotent."""
@@ -239,6 +248,42 @@ def _receive_text(connection: Connection, timeout: timedelta) -> str:
     return connection.recv_bytes().decode()
 
 
+@dataclass(frozen=True, slots=True)
+class WorkerCache:
+    tensor: torch.Tensor  # the worker's KV cache, mapped here
+    shm_name: str  # its shared-memory segment; empty for a GPU's
+
+
+def _cache_report(runner: ModelRunner) -> tuple[bytes, Any]:
+    """What rank 0 needs to map this rank's KV cache (and the CUDA export to keep alive)."""
+    if runner.segment is not None:
+        return json.dumps({"shm": runner.segment.name}).encode(), None
+    export = export_kv_cache(runner.kv_cache)
+    if export is None:
+        return json.dumps({}).encode(), None
+    report = {"ipc": export.handle.hex(), "gpu_uuid": export.gpu_uuid}
+    return json.dumps(report).encode(), export
+
+
+def _map_cache(rank: int, report: dict[str, str], like: torch.Tensor) -> WorkerCache:
+    if "shm" in report:
+        return WorkerCache(map_segment(report["shm"], like), report["shm"])
+    if "ipc" in report and like.device.type == "cuda":
+        endpoints = KVEndpoints(
+            cuda_ipc_handle=bytes.fromhex(report["ipc"]),
+            gpu_uuid=report["gpu_uuid"],
+            kv_bytes=like.numel() * like.element_size(),
+        )
+        peer = visible_gpus().get(report["gpu_uuid"])
+        if peer is not None:
+            mapped = open_peer_cache(endpoints, peer, like.device)
+            return WorkerCache(mapped.view(like.dtype).view(like.shape), "")
+    raise TensorParallelError(
+        f"rank {rank}'s KV cache cannot be mapped by rank 0 (no room in /dev/shm, or its GPU "
+        f"is not visible to rank 0 or not shareable over CUDA IPC: see rank {rank}'s log)"
+    )
+
+
 def serve_worker(config: EngineConfig, rank: int, rendezvous: Rendezvous) -> None:
     """Rank `rank`'s whole life: join, load, size, then run steps until told to stop."""
     from pdserve.engine.engine import load_and_size  # the engine's own loading and sizing
@@ -255,10 +300,12 @@ def serve_worker(config: EngineConfig, rank: int, rendezvous: Rendezvous) -> Non
     loaded, plan, _ = load_and_size(config, group)
     num_blocks = group.min(plan.num_blocks)
     runner = ModelRunner.create(loaded.model, num_blocks, config.block_size, loaded.dtype, True)
-    connection.send_bytes(runner.segment.name.encode() if runner.segment is not None else b"")
+    report, export = _cache_report(runner)  # `export` holds the CUDA share while this runs
+    connection.send_bytes(report)
     try:
         _run_steps(runner, group, connection)
     finally:
+        del export
         runner.close()
         connection.close()
         group.close()

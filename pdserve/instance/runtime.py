@@ -27,12 +27,7 @@ from pdserve.config import EngineConfig, StorageConfig, TransferConfig
 from pdserve.engine.engine import LLMEngine, StorageTierFactory
 from pdserve.engine.loop import EngineLoop, Mailbox
 from pdserve.engine.request import Request, RequestOutput, SamplingParams
-from pdserve.errors import (
-    ConfigError,
-    DuplicateRequestError,
-    InstanceUnavailableError,
-    RequestNotFoundError,
-)
+from pdserve.errors import DuplicateRequestError, InstanceUnavailableError, RequestNotFoundError
 from pdserve.instance.streams import OutputStream, aborted_output, wake
 from pdserve.kvcache.events import BlockStored, KVEvent, KVEventBroadcaster
 from pdserve.kvcache.hashing import BlockHash, PromptHashes
@@ -180,12 +175,6 @@ class InstanceRuntime:
             storage=_tier_factory(storage, channels, secret),
             wake=mailbox.wake,
         )
-        if role != "mixed" and not engine.runner.kv_movable:
-            engine.close()
-            raise ConfigError(
-                f"a tensor-parallel CUDA instance cannot be a {role} instance yet (its KV "
-                "blocks cannot be sent or received across ranks): run it as mixed"
-            )
         return cls(role, engine, events, mailbox, secret, channels, tls, on_tick)
 
     # -- serving --------------------------------------------------------------------------------

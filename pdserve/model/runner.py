@@ -12,7 +12,6 @@ from multiprocessing import shared_memory
 
 import torch
 
-from pdserve.errors import ConfigError
 from pdserve.model.attention import AttentionMetadata
 from pdserve.model.batch import BlockTables, token_index
 from pdserve.model.graphs import Capture, DecodeGraphs, cuda_capture
@@ -23,7 +22,6 @@ from pdserve.model.staging import (
     CudaStreams,
     KVStager,
     SlicedKVStager,
-    map_segment,
 )
 
 logger = logging.getLogger(__name__)
@@ -97,9 +95,6 @@ class ModelRunner:
         self.block_tables = BlockTables(self.device)  # rows by sequence id, across steps
         self.graphs: DecodeGraphs | None = None  # `capture_graphs`
         self.tp: StepSender | None = None  # rank 0 of a tensor-parallel instance: its workers
-        # whether blocks can be moved whole (sent, received, stored): not for a tensor-parallel
-        # CUDA instance, whose other ranks' slices this process does not map
-        self.kv_movable = True
         self.rank_segments: list[str] = []  # rank 0: the other ranks' KV cache segments
 
     @classmethod
@@ -146,19 +141,13 @@ class ModelRunner:
             self.segment.unlink()
             self.segment = None
 
-    def attach_ranks(self, tp: StepSender, segments: Sequence[str]) -> None:
+    def attach_ranks(
+        self, tp: StepSender, others: Sequence[torch.Tensor], segments: Sequence[str]
+    ) -> None:
         """Rank 0 of a tensor-parallel instance: send each step to the other ranks (`tp`) and
-        move KV blocks as every rank's slices (`SlicedKVStager` over their `segments`)."""
+        move KV blocks as every rank's slices (`SlicedKVStager` over the other ranks' caches,
+        mapped here; `segments`: their shared-memory names, empty for a GPU's)."""
         self.tp = tp
-        if self.device.type != "cpu":  # other GPUs' slices are not mapped here (yet)
-            self.kv_movable = False
-            return
-        if any(not name for name in segments):
-            raise ConfigError(
-                "tensor parallelism on CPU needs every rank's KV cache in shared memory: "
-                "/dev/shm has no room for a worker's (see its log); enlarge /dev/shm"
-            )
-        others = [map_segment(name, self.kv_cache) for name in segments]
         self.stager = SlicedKVStager(self.kv_cache, others)
         self.rank_segments = list(segments)
 

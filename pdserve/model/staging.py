@@ -374,21 +374,46 @@ def consecutive_runs(block_ids: Sequence[int]) -> Iterator[tuple[int, int, int]]
             start = i
 
 
+class RankSlice(KVStager):
+    """One rank's cache within a `SlicedKVStager`, as mapped in rank 0's process: host views on
+    CPU (as `KVStager`); a GPU's blocks are copied to host memory and back synchronously."""
+
+    @contextlib.contextmanager
+    def staged(self, block_ids: Sequence[int]) -> Iterator[list[memoryview]]:
+        if self.device.type == "cpu":
+            yield [memoryview(self._bytes[b].numpy().data) for b in block_ids]
+        else:
+            yield [memoryview(row.numpy().data) for row in self.read(block_ids)]
+
+    def read(self, block_ids: Sequence[int]) -> torch.Tensor:
+        """The blocks' bytes on the host (`[n, block_bytes]`)."""
+        index = torch.tensor(block_ids, dtype=torch.long).to(self.device)
+        return self._bytes.index_select(0, index).cpu()  # waits for the copy
+
+    def put(self, block_ids: Sequence[int], rows: torch.Tensor) -> None:
+        """Host `rows` into the blocks; in the cache once this returns."""
+        index = torch.tensor(block_ids, dtype=torch.long).to(self.device)
+        self._bytes.index_copy_(0, index, rows.to(self.device))
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+
 class SlicedKVStager(KVStager):
     """The KV blocks of a tensor-parallel instance, on rank 0: a block is every rank's slice of
     it (`kv_heads / size` heads each) in rank order, so the gRPC sender and receiver and the
     storage tier move whole blocks as before. Rank 0's own slice is its cache; the others' are
-    their shared-memory segments, mapped here (CPU). `slices` are the ranks' caches one by one,
-    for direct writes rank by rank (shared memory, Mooncake: `KVTarget.rank_targets`); this
-    cache itself is not one contiguous range, so `direct_writes` is False. Copies are
-    synchronous: a step's collectives end after every rank wrote its KV, and rank 0 starts the
-    next step only after its copies returned."""
+    mapped here (CPU: their shared-memory segments; CUDA: their caches over CUDA IPC). `slices`
+    are the ranks' caches one by one, for direct writes rank by rank (shared memory, Mooncake:
+    `KVTarget.rank_targets`); this cache itself is not one contiguous range, so `direct_writes`
+    is False. Copies are synchronous: a step's collectives end after every rank wrote its KV
+    (rank 0 reads the sampled tokens on the host, after the logits gather, which each rank runs
+    after its last KV write), and rank 0 starts the next step only after its copies returned."""
 
     direct_writes = False
 
     def __init__(self, own: torch.Tensor, others: Sequence[torch.Tensor]) -> None:
         super().__init__(own)
-        self._ranks = [KVStager(own)] + [KVStager(t) for t in others]
+        self._ranks = [RankSlice(t) for t in (own, *others)]
         widths = [r.block_bytes for r in self._ranks]
         self._bounds = list(zip(itertools.accumulate(widths, initial=0), widths, strict=False))
         self.block_bytes = sum(widths)
@@ -399,8 +424,7 @@ class SlicedKVStager(KVStager):
         return self._ranks
 
     def _joined(self, block_ids: Sequence[int]) -> torch.Tensor:
-        index = torch.tensor(block_ids, dtype=torch.long)
-        return torch.cat([r._bytes.index_select(0, index) for r in self._ranks], dim=1)
+        return torch.cat([r.read(block_ids) for r in self._ranks], dim=1)
 
     @contextlib.contextmanager
     def staged(self, block_ids: Sequence[int]) -> Iterator[list[memoryview]]:
@@ -413,10 +437,15 @@ class SlicedKVStager(KVStager):
 
     def _put(self, block_ids: Sequence[int], parts: Sequence[torch.Tensor]) -> Event | None:
         rows = parts[0] if len(parts) == 1 else torch.cat(list(parts))
-        index = torch.tensor(block_ids, dtype=torch.long)
         for rank, (start, width) in zip(self._ranks, self._bounds, strict=True):
-            rank._bytes.index_copy_(0, index, rows[:, start : start + width])
+            rank.put(block_ids, rows[:, start : start + width])
         return None
+
+    def forward_done(self) -> None:  # copies are synchronous: nothing to order
+        return
+
+    def before_forward(self) -> None:
+        return
 
 
 def map_segment(name: str, like: torch.Tensor) -> torch.Tensor:

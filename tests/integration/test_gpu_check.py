@@ -113,6 +113,9 @@ def test_tensor_parallel_runs_two_cpu_ranks_in_smoke_mode(
         assert 0 < tp["tp2"]["comm_ms"][batch] < tp["tp2"]["decode_ms"][batch]
         assert tp["tp2"]["collectives_per_step"][batch] == 1 + 2 * 2 + 1 + 1
         assert tp[f"tok_s_ratio_b{batch}"] > 0
+    round_trip = tp["tp2"]["kv_round_trip"]
+    assert round_trip["ranks"] == 2
+    assert round_trip["whole_equal"] and round_trip["ranks_equal"] and round_trip["copy_out_equal"]
 
 
 def test_tensor_parallel_is_skipped_without_two_gpus(tmp_path: Path) -> None:

@@ -9,7 +9,7 @@ from collections.abc import Callable
 
 import torch
 
-from pdserve.model.staging import KVStager, PinnedRows, consecutive_runs
+from pdserve.model.staging import KVStager, PinnedRows, SlicedKVStager, consecutive_runs
 from pdserve.transfer.direct import address_of
 
 BLOCK = 64  # bytes per block in these tests
@@ -178,3 +178,25 @@ def test_pinned_rows_are_handed_out_first_fit_and_merged_when_given_back() -> No
     rows.give(3, 2)
     assert rows.take(8, wait=False) == 0
     assert rows.take(9, wait=True) is None  # never fits: not waited for
+
+
+def test_a_sliced_cache_moves_a_block_as_every_ranks_slice_in_rank_order() -> None:
+    """Rank 0's view of a tensor-parallel cache: a written block lands split across the ranks'
+    caches (rank 0's bytes first), and every read (sends, copy-outs) joins them back."""
+    shape = (6, 2, 2, 4, 1, 8)  # blocks, layers, K/V, block size, this rank's KV heads, dim
+    own, other = torch.zeros(shape), torch.zeros(shape)
+    stager = SlicedKVStager(own, [other])
+    width = own[0].numel() * 4
+    assert stager.block_bytes == 2 * width and not stager.direct_writes
+    data = torch.randint(0, 256, (2, 2 * width), dtype=torch.uint8)
+    stager.write([4, 1], memoryview(data.numpy().tobytes()))
+    for tensor, half in ((own, data[:, :width]), (other, data[:, width:])):
+        rows = tensor.view(6, -1).view(torch.uint8)
+        assert torch.equal(rows[4], half[0]) and torch.equal(rows[1], half[1])
+    with stager.staged([1, 4]) as views:
+        assert [bytes(v) for v in views] == [data[1].numpy().tobytes(), data[0].numpy().tobytes()]
+    copy = stager.copy_out([4])
+    assert copy is not None and bytes(copy.views[0]) == data[0].numpy().tobytes()
+    stager.load([0], [data[1].numpy().tobytes()])
+    with stager.slices[1].staged([0]) as [rank1]:  # a rank's own slice, for direct writes
+        assert bytes(rank1) == data[1, width:].numpy().tobytes()
