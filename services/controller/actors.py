@@ -109,7 +109,6 @@ class WorkerPlacement:
     first_bundle: int | None
     num_cpus: float
     num_gpus: float
-    namespace: str
 
     def launch(self, config: EngineConfig, rendezvous: Rendezvous) -> "RayWorkers":
         """Start ranks 1..size-1 as actors owned by this (rank 0's) actor: they die with it."""

@@ -225,9 +225,7 @@ class Cluster:
             return None
         settings = self._settings(role)
         group, first = self._placement(name, bundle)
-        return WorkerPlacement(
-            group, first, settings.num_cpus, settings.num_gpus, self.config.namespace
-        )
+        return WorkerPlacement(group, first, settings.num_cpus, settings.num_gpus)
 
     def add_instance(self, role: str) -> InstanceInfo:
         """Start one more instance of `role` and wait until it serves. Raises ClusterError."""
