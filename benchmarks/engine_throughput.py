@@ -297,11 +297,12 @@ def tp_batch_figures(rounds: Sequence[TPRound]) -> TPBatchFigures:
     )
 
 
-def run_tp(args: argparse.Namespace, batches: list[int], steps: int, repeat: int) -> None:
-    """TP=1 against TP=`args.tp` (see the docstring)."""
-    size = int(args.tp)
+def measure_tp(
+    args: argparse.Namespace, batches: list[int], steps: int, repeat: int
+) -> dict[int, TPBatchFigures]:
+    """Each batch's figures: TP=1 and TP=`args.tp` engines, their decode steps alternating."""
     single = make_engine(args, max(batches), steps)
-    parallel = make_engine(args, max(batches), steps, tensor_parallel_size=size)
+    parallel = make_engine(args, max(batches), steps, tensor_parallel_size=int(args.tp))
     figures: dict[int, TPBatchFigures] = {}
     try:
         prompts = Prompts(args.prompt_len)
@@ -312,7 +313,13 @@ def run_tp(args: argparse.Namespace, batches: list[int], steps: int, repeat: int
     finally:
         parallel.close()
         single.close()
+    return figures
 
+
+def run_tp(args: argparse.Namespace, batches: list[int], steps: int, repeat: int) -> None:
+    """TP=1 against TP=`args.tp` (see the docstring)."""
+    size = int(args.tp)
+    figures = measure_tp(args, batches, steps, repeat)
     rows: list[list[str | int | float]] = []
     metrics: dict[str, float] = {}
     for batch, f in figures.items():
