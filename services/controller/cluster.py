@@ -2,7 +2,7 @@
 
 Ray is used for placement and lifecycle only. `up` joins the Ray cluster at `ray_address` (or
 starts a local one), reserves a placement group with one bundle per instance (a
-tensor-parallel instance: a group of its own, a bundle per rank, PACK), creates named actors in
+tensor-parallel instance: a group of its own, a bundle per rank, STRICT_PACK), creates named actors in
 the configured namespace, and waits until every instance's gRPC server answers.
 """
 
@@ -37,8 +37,9 @@ from services.controller.state import state_path
 logger = logging.getLogger(__name__)
 
 READY_TIMEOUT_S = 600.0
-# a tensor-parallel instance's ranks (a bundle each): on one node when it has room
-TP_PLACEMENT_STRATEGY = "PACK"
+# a tensor-parallel instance's ranks (a bundle each) on one node: rank 0 maps every rank's KV
+# cache (shared memory, CUDA IPC), and each layer all-reduces across them
+TP_PLACEMENT_STRATEGY = "STRICT_PACK"
 
 
 @dataclass(frozen=True, slots=True)
