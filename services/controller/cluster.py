@@ -2,8 +2,8 @@
 
 Ray is used for placement and lifecycle only. `up` joins the Ray cluster at `ray_address` (or
 starts a local one), reserves a placement group with one bundle per instance (a
-tensor-parallel instance: a group of its own, a bundle per rank, STRICT_PACK), creates named actors in
-the configured namespace, and waits until every instance's gRPC server answers.
+tensor-parallel instance: a group of its own, a bundle per rank, STRICT_PACK), creates named
+actors in the configured namespace, and waits until every instance's gRPC server answers.
 """
 
 import contextlib
