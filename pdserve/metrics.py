@@ -177,6 +177,12 @@ def _engine_families(s: common_pb2.InstanceStats) -> list[Family]:
          {(t,): v for t, v in s.kv_transfer_seconds_by_transport.items()}),
         ("counter", "pdserve_kv_transfer_failures", "KV transfers that failed, by transport.",
          ("transport",), {(t,): v for t, v in s.kv_transfer_failures_by_transport.items()}),
+        ("gauge", "pdserve_tensor_parallel_ranks", "Ranks (devices) this instance runs on.", (),
+         {(): s.tensor_parallel_size or 1}),
+        ("counter", "pdserve_tp_collective_seconds",
+         "Seconds rank 0 spent in tensor-parallel collectives (the step broadcast, all-reduces, "
+         "the logits gather), waits for the other ranks included.", (),
+         {(): s.tp_collective_seconds}),
     ]  # fmt: skip
 
 

@@ -27,6 +27,7 @@ from pdserve.config import EngineConfig, StorageConfig, TransferConfig
 from pdserve.engine.engine import LLMEngine, StorageTierFactory
 from pdserve.engine.loop import EngineLoop, Mailbox
 from pdserve.engine.request import Request, RequestOutput, SamplingParams
+from pdserve.engine.tensor_parallel import RankZero
 from pdserve.errors import DuplicateRequestError, InstanceUnavailableError, RequestNotFoundError
 from pdserve.instance.streams import OutputStream, aborted_output, wake
 from pdserve.kvcache.events import BlockStored, KVEvent, KVEventBroadcaster
@@ -438,8 +439,13 @@ class InstanceRuntime:
                 prefix_cache_queries=scheduler.stats.prefix_cache_queries,
                 device_hit_tokens=scheduler.stats.device_hit_tokens,
                 num_computed_tokens=scheduler.stats.num_computed_tokens,
+                tensor_parallel_size=engine.loaded.model.shard.size,
                 **extra,
             )
+            group = engine.runner.tp.group if isinstance(engine.runner.tp, RankZero) else None
+            if group is not None:  # the engine thread's own counters: read on it
+                stats.tp_collective_seconds = group.stats.seconds
+                stats.tp_collectives = group.stats.calls
             storage = self._storage_stats(engine)
             if storage is not None:
                 stats.storage.CopyFrom(storage)

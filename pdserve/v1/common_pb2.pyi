@@ -578,6 +578,9 @@ class InstanceStats(_message.Message):
     KV_BYTES_SENT_BY_TRANSPORT_FIELD_NUMBER: _builtins.int
     KV_TRANSFER_SECONDS_BY_TRANSPORT_FIELD_NUMBER: _builtins.int
     KV_TRANSFER_FAILURES_BY_TRANSPORT_FIELD_NUMBER: _builtins.int
+    TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _builtins.int
+    TP_COLLECTIVE_SECONDS_FIELD_NUMBER: _builtins.int
+    TP_COLLECTIVES_FIELD_NUMBER: _builtins.int
     role: _builtins.str
     num_blocks: _builtins.int
     num_free_blocks: _builtins.int
@@ -599,6 +602,12 @@ class InstanceStats(_message.Message):
     num_expired_reservations: _builtins.int
     num_computed_tokens: _builtins.int
     """tokens run through forward passes"""
+    tensor_parallel_size: _builtins.int
+    """ranks of this instance (1: not tensor parallel)"""
+    tp_collective_seconds: _builtins.float
+    """rank 0's time in collectives (step broadcast,"""
+    tp_collectives: _builtins.int
+    """all-reduces, logits gather); 0 with one rank"""
     @_builtins.property
     def storage(self) -> Global___StorageStats:
         """absent when the instance runs without the storage tier"""
@@ -639,10 +648,13 @@ class InstanceStats(_message.Message):
         kv_bytes_sent_by_transport: _abc.Mapping[_builtins.str, _builtins.int] | None = ...,
         kv_transfer_seconds_by_transport: _abc.Mapping[_builtins.str, _builtins.float] | None = ...,
         kv_transfer_failures_by_transport: _abc.Mapping[_builtins.str, _builtins.int] | None = ...,
+        tensor_parallel_size: _builtins.int = ...,
+        tp_collective_seconds: _builtins.float = ...,
+        tp_collectives: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["storage", b"storage"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "device_hit_tokens", b"device_hit_tokens", "kv_blocks_received", b"kv_blocks_received", "kv_blocks_sent", b"kv_blocks_sent", "kv_blocks_sent_by_transport", b"kv_blocks_sent_by_transport", "kv_bytes_received", b"kv_bytes_received", "kv_bytes_sent", b"kv_bytes_sent", "kv_bytes_sent_by_transport", b"kv_bytes_sent_by_transport", "kv_transfer_failures_by_transport", b"kv_transfer_failures_by_transport", "kv_transfer_seconds_by_transport", b"kv_transfer_seconds_by_transport", "num_blocks", b"num_blocks", "num_cached_blocks", b"num_cached_blocks", "num_computed_tokens", b"num_computed_tokens", "num_expired_reservations", b"num_expired_reservations", "num_free_blocks", b"num_free_blocks", "num_preemptions", b"num_preemptions", "num_reservations", b"num_reservations", "num_reserved_blocks", b"num_reserved_blocks", "num_running", b"num_running", "num_waiting", b"num_waiting", "prefix_cache_queries", b"prefix_cache_queries", "role", b"role", "storage", b"storage"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "device_hit_tokens", b"device_hit_tokens", "kv_blocks_received", b"kv_blocks_received", "kv_blocks_sent", b"kv_blocks_sent", "kv_blocks_sent_by_transport", b"kv_blocks_sent_by_transport", "kv_bytes_received", b"kv_bytes_received", "kv_bytes_sent", b"kv_bytes_sent", "kv_bytes_sent_by_transport", b"kv_bytes_sent_by_transport", "kv_transfer_failures_by_transport", b"kv_transfer_failures_by_transport", "kv_transfer_seconds_by_transport", b"kv_transfer_seconds_by_transport", "num_blocks", b"num_blocks", "num_cached_blocks", b"num_cached_blocks", "num_computed_tokens", b"num_computed_tokens", "num_expired_reservations", b"num_expired_reservations", "num_free_blocks", b"num_free_blocks", "num_preemptions", b"num_preemptions", "num_reservations", b"num_reservations", "num_reserved_blocks", b"num_reserved_blocks", "num_running", b"num_running", "num_waiting", b"num_waiting", "prefix_cache_queries", b"prefix_cache_queries", "role", b"role", "storage", b"storage", "tensor_parallel_size", b"tensor_parallel_size", "tp_collective_seconds", b"tp_collective_seconds", "tp_collectives", b"tp_collectives"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

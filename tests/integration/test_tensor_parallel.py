@@ -193,7 +193,10 @@ def test_tp2_prefill_to_tp2_decode_equals_one_rank_over_every_transport(
         ranks = decode.endpoints.ranks
         assert len(ranks) == 2 and decode.endpoints.shm_name == ""  # no write into the whole
         assert ranks[0].kv_bytes == ranks[1].kv_bytes == decode.runtime.stager.total_bytes // 2
-        assert decode.stats().kv_blocks_received == 5 + 1  # the second prompt: its new block
+        stats = decode.stats()
+        assert stats.kv_blocks_received == 5 + 1  # the second prompt: its new block
+        assert stats.tensor_parallel_size == 2  # and its collectives, for /metrics
+        assert stats.tp_collective_seconds > 0 and stats.tp_collectives >= 11 * 9  # 9 steps each
         assert prefill.stats().device_hit_tokens == 64  # the second prompt's shared prefix
         wait_for(lambda: decode.stats().num_running == 0)
         prefill.check_integrity()
