@@ -19,9 +19,10 @@ ms per step in all, in collectives (rank 0's `TPGroup.stats` over the timed step
 broadcast, the all-reduces, the logits gather, including any wait for a slower rank), the rest
 (compute, scheduling, sampling) and collectives per step. Every rank runs `--threads` torch
 threads. It writes `benchmarks/results/engine_throughput_tp.json` and ends with
-`RESULT engine_throughput_tp ...`. On a 2-core CPU box this measures the overhead of tensor
-parallelism (the ranks share the two cores, and gloo's collectives go through the kernel), not a
-speed-up: that needs a device per rank.
+`RESULT engine_throughput_tp ...`. On CPU the ranks are processes sharing the box's cores and
+their collectives go through shared memory (`pdserve.model.shm_collectives`; gloo for tensors
+beyond a slot): with `--threads 1` TP=2 runs on two cores where TP=1 runs on one, so the ratio
+mixes that extra core with the collectives' cost — a device per rank is what TP is for.
 """
 
 import argparse
@@ -344,8 +345,8 @@ def run_tp(args: argparse.Namespace, batches: list[int], steps: int, repeat: int
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     note = (
         f"CPU: the {size} ranks ({args.threads} threads each) are processes sharing this box's "
-        f"{cores} cores, their collectives gloo over loopback TCP: on a 2-core box this measures "
-        "the overhead of tensor parallelism, not a speed-up (that needs a device per rank)"
+        f"{cores} cores, their collectives through shared memory (gloo beyond a slot): TP={size} "
+        "uses more cores than TP=1 here, so the ratio mixes those with the collectives' cost"
     )
     print(f"\n{note}")
     results = {

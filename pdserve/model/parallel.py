@@ -6,10 +6,11 @@ rank's partial output is summed by an all-reduce), the embedding and the LM head
 rows (each rank holds `ceil(vocab / size)` rows, the last padded with zeros). Norms and the
 rotary tables are replicated. A rank's KV cache holds its `kv_heads / size` heads of every block.
 
-`TPGroup` runs the collectives of one instance's ranks (`torch.distributed`: gloo on CPU, NCCL on
-CUDA) with a timeout each (`engine.tp_timeout_s`): a failed or timed-out collective raises
-TensorParallelError and the group is broken from then on (every later call raises at once: a
-rank that died or hangs fails its instance's requests, never hangs them).
+`TPGroup` runs the collectives of one instance's ranks (NCCL on CUDA; on CPU shared memory,
+`pdserve.model.shm_collectives`, with gloo for what does not fit) with a timeout each
+(`engine.tp_timeout_s`): a failed or timed-out collective raises TensorParallelError and the
+group is broken from then on (every later call raises at once: a rank that died or hangs fails
+its instance's requests, never hangs them).
 
 `StepChannel`: rank 0 (the instance: scheduler, KV manager, prefix cache, sampler) tells the
 other ranks what to run. Each step's inputs (token ids, per-sequence starts, counts and context
@@ -21,13 +22,15 @@ collective would time out while the instance is idle).
 
 import contextlib
 import logging
+import os
 import struct
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from multiprocessing.connection import Connection
-from typing import Any, Protocol
+from pathlib import Path
+from typing import Any, Protocol, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -36,8 +39,12 @@ from torch import nn
 from torch.distributed import TCPStore  # type: ignore[attr-defined]
 
 from pdserve.errors import ConfigError, TensorParallelError
+from pdserve.model.shm_collectives import ShmCollectives
+from pdserve.model.shm_collectives import supported as shm_supported
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,19 +88,29 @@ class CommStats:
 
     seconds: float = 0.0
     calls: int = 0
+    shared_memory_calls: int = 0  # of those, through `ShmCollectives` (the rest: gloo / NCCL)
 
 
 class TPGroup:
     """One instance's ranks: a process group of their own (not torch.distributed's default
-    one, so that several instances can live in one process). Owned by the rank's engine
-    thread (or worker loop)."""
+    one, so that several instances can live in one process), and on CPU the shared-memory
+    collectives (`ShmCollectives`) for every tensor that fits their slots. Owned by the rank's
+    engine thread (or worker loop)."""
 
-    def __init__(self, shard: Shard, backend: Any, device: torch.device, timeout_s: float) -> None:
+    def __init__(
+        self,
+        shard: Shard,
+        backend: Any,
+        device: torch.device,
+        timeout_s: float,
+        shm: ShmCollectives | None = None,
+    ) -> None:
         self.shard = shard
         self.timeout = timedelta(seconds=timeout_s)
         self.device = device if device.type == "cuda" else torch.device("cpu")
         self.stats = CommStats()
         self._backend = backend
+        self._shm = shm
         self._broken: str | None = None
 
     @property
@@ -104,15 +121,16 @@ class TPGroup:
     def size(self) -> int:
         return self.shard.size
 
-    def _run(self, what: str, collective: Callable[[], Any]) -> None:
+    def check(self) -> None:
+        """Raise TensorParallelError when a collective failed (the group is broken)."""
+        if self._broken is not None:
+            raise TensorParallelError(f"the tensor-parallel group is broken: {self._broken}")
+
+    def _run(self, what: str, collective: Callable[[], T]) -> T:
         self.check()
         start = time.perf_counter()
         try:
-            work = collective()
-            if self.device.type == "cuda":
-                work.wait()  # stream-ordered (NCCL's watchdog enforces the timeout)
-            else:
-                work.wait(self.timeout)
+            return collective()
         except (RuntimeError, dist.DistError, ValueError) as e:
             self._broken = f"{what} failed on rank {self.rank}: {e}"
             logger.error("%s", self._broken)
@@ -121,31 +139,51 @@ class TPGroup:
             self.stats.seconds += time.perf_counter() - start
             self.stats.calls += 1
 
-    def check(self) -> None:
-        """Raise TensorParallelError when a collective failed (the group is broken)."""
-        if self._broken is not None:
-            raise TensorParallelError(f"the tensor-parallel group is broken: {self._broken}")
+    def _wait(self, work: Any) -> None:
+        if self.device.type == "cuda":
+            work.wait()  # stream-ordered (NCCL's watchdog enforces the timeout)
+        else:
+            work.wait(self.timeout)
+
+    def _fast(self, x: torch.Tensor) -> ShmCollectives | None:
+        """The shared-memory path for `x` (the same answer on every rank: same shapes)."""
+        shm = self._shm
+        if shm is None or not x.is_contiguous() or not shm.fits(x):
+            return None
+        self.stats.shared_memory_calls += 1
+        return shm
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum `x` over the ranks, in place."""
-        self._run("all_reduce", lambda: self._backend.allreduce([x]))
+        shm, seconds = self._fast(x), self.timeout.total_seconds()
+        if shm is not None:
+            self._run("all_reduce", lambda: shm.all_reduce(x, seconds))
+        else:
+            self._run("all_reduce", lambda: self._wait(self._backend.allreduce([x])))
         return x
 
     def gather_columns(self, x: torch.Tensor) -> torch.Tensor | None:
         """Every rank's `x` (`[rows, cols]`) side by side on rank 0 (`[rows, size x cols]`);
         None on the others."""
         x = x.contiguous()
+        shm = self._fast(x)
+        if shm is not None:
+            return self._run("gather", lambda: shm.gather_columns(x, self.timeout.total_seconds()))
         parts = [[torch.empty_like(x) for _ in range(self.size)]] if self.rank == 0 else []
         options = dist.GatherOptions()
         options.rootRank = 0
-        self._run("gather", lambda: self._backend.gather(parts, [x], options))
+        self._run("gather", lambda: self._wait(self._backend.gather(parts, [x], options)))
         return torch.cat(parts[0], dim=-1) if parts else None
 
     def broadcast(self, x: torch.Tensor) -> torch.Tensor:
         """Rank 0's `x` on every rank (in place)."""
+        shm = self._fast(x)
+        if shm is not None:
+            self._run("broadcast", lambda: shm.broadcast(x, self.timeout.total_seconds()))
+            return x
         options = dist.BroadcastOptions()
         options.rootRank = 0
-        self._run("broadcast", lambda: self._backend.broadcast([x], options))
+        self._run("broadcast", lambda: self._wait(self._backend.broadcast([x], options)))
         return x
 
     def min(self, value: int) -> int:
@@ -153,11 +191,15 @@ class TPGroup:
         tensor = torch.tensor([value], dtype=torch.long, device=self.device)
         options = dist.AllreduceOptions()
         options.reduceOp = dist.ReduceOp.MIN  # type: ignore[assignment]
-        self._run("all_reduce(min)", lambda: self._backend.allreduce([tensor], options))
+        self._run("all_reduce(min)", lambda: self._wait(self._backend.allreduce([tensor], options)))
         return int(tensor.item())
 
     def close(self) -> None:
-        """Leave the group (its connections close). Idempotent."""
+        """Leave the group (its connections close, rank 0 removes the shared segment).
+        Idempotent."""
+        if self._shm is not None:
+            self._shm.close()
+            self._shm = None
         if self._backend is not None:
             self._broken = self._broken or "closed"
             with contextlib.suppress(RuntimeError):
@@ -166,10 +208,11 @@ class TPGroup:
 
 
 def join_group(shard: Shard, store: TCPStore, device: torch.device, timeout_s: float) -> TPGroup:
-    """Join the instance's process group through `store` (rank 0's TCPStore): gloo on CPU,
-    NCCL on CUDA."""
+    """Join the instance's process group through `store` (rank 0's TCPStore): NCCL on CUDA;
+    on CPU gloo, and shared-memory collectives where they work (`_join_shm`)."""
     timeout = timedelta(seconds=timeout_s)
     backend: Any
+    shm = None
     if device.type == "cuda":
         torch.cuda.set_device(device.index if device.index is not None else 0)
         options = dist.ProcessGroupNCCL.Options()
@@ -177,9 +220,30 @@ def join_group(shard: Shard, store: TCPStore, device: torch.device, timeout_s: f
         backend = dist.ProcessGroupNCCL(store, shard.rank, shard.size, options)
     else:
         backend = dist.ProcessGroupGloo(store, shard.rank, shard.size, timeout)
-    name = "nccl" if device.type == "cuda" else "gloo"
+        shm = _join_shm(shard, store)
+    name = "nccl" if device.type == "cuda" else "gloo" + (" + shared memory" if shm else "")
     logger.info("rank %d of %d joined its tensor-parallel group (%s)", shard.rank, shard.size, name)
-    return TPGroup(shard, backend, device, timeout_s)
+    return TPGroup(shard, backend, device, timeout_s, shm)
+
+
+def _join_shm(shard: Shard, store: TCPStore) -> ShmCollectives | None:
+    """Rank 0 makes the segment and names it in the store ("" when it cannot: every rank then
+    uses gloo alone); every rank records its process id there for the liveness checks."""
+    shm = None
+    if shard.rank == 0:
+        try:
+            shm = ShmCollectives.create(shard.size) if shm_supported() else None
+        except OSError as e:
+            logger.warning("no shared-memory collectives (%s): gloo alone", e)
+        store.set("pdserve/shm", str(shm.path) if shm is not None else "")
+    store.set(f"pdserve/pid/{shard.rank}", str(os.getpid()))
+    path = store.get("pdserve/shm").decode()
+    if not path:
+        return None
+    if shm is None:
+        shm = ShmCollectives(Path(path), shard.rank, shard.size, owner=False)
+    shm.register([int(store.get(f"pdserve/pid/{r}")) for r in range(shard.size)])
+    return shm
 
 
 class VocabParallelEmbedding(nn.Module):

@@ -2,6 +2,7 @@
 gloo, against one rank and against transformers — logits, greedy tokens with prefix hits,
 preemption and storage restores, PD mode over gRPC, and a rank that dies or hangs."""
 
+import dataclasses
 import os
 import signal
 import uuid
@@ -88,6 +89,36 @@ def test_tp2_logits_equal_tp1_on_ragged_batches_with_cached_prefixes(
         assert torch.equal(two.argmax(-1), one.argmax(-1))
     for size in (1, 2):
         assert engines[size].runner.kv_cache.shape[-2] == 4 // size  # each rank: its KV heads
+
+
+def test_a_step_too_large_for_the_shared_memory_slots_goes_through_gloo_with_the_same_logits(
+    tiny_model_dir: Path,
+) -> None:
+    """Two prompts of 2,100 tokens in one step: every activation (4,200 x 256 fp32) exceeds a
+    4 MiB slot."""
+    made = [
+        LLMEngine.from_config(
+            EngineConfig(model=str(tiny_model_dir), num_kv_blocks=300, tensor_parallel_size=size)
+        )
+        for size in (1, 2)
+    ]
+    try:
+        first, second = prompts(2, 2100, seed=6)
+        chunks = [
+            SequenceChunk(first, 0, list(range(132)), True),
+            SequenceChunk(second, 0, list(range(132, 264)), True),
+        ]
+        group = made[1].runner.tp.group  # type: ignore[union-attr]
+        before = dataclasses.replace(group.stats)
+        one, two = (engine.runner.execute(chunks) for engine in made)
+        assert (two - one).abs().max().item() <= 1e-5 * one.abs().max().item()
+        assert torch.equal(two.argmax(-1), one.argmax(-1))
+        calls = group.stats.calls - before.calls
+        shared = group.stats.shared_memory_calls - before.shared_memory_calls
+        assert calls == 11 and shared == 2  # the payload and the logits gather only
+    finally:
+        for engine in made:
+            engine.close()
 
 
 def test_tp2_greedy_equals_tp1_and_transformers_with_prefix_hits(

@@ -1,7 +1,10 @@
 """Tensor-parallel parts without processes: what each rank reads of a checkpoint (slices only,
 which together are the whole tensor), the sizes that split, and the step inputs' wire form."""
 
+import os
 import struct
+import subprocess
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -12,6 +15,7 @@ from safetensors import safe_open
 from pdserve.errors import ConfigError
 from pdserve.model.loader import _read
 from pdserve.model.parallel import Shard, StepInputs, check_divides, pack, payload_size, unpack
+from pdserve.model.shm_collectives import PeerGone, ShmCollectives
 
 VOCAB = 262  # the tiny model's
 
@@ -85,3 +89,68 @@ def test_step_inputs_travel_as_one_payload_and_come_back_equal() -> None:
     for name in ("token_ids", "per_seq", "block_tables", "logit_rows", "all_logits"):
         assert torch.equal(getattr(back, name), getattr(step, name)), name
     assert (back.query_lens, back.context_lens) == ([3, 1], [3, 41])
+
+
+def _ranks(size: int) -> list[ShmCollectives]:
+    first = ShmCollectives.create(size)
+    others = [ShmCollectives(first.path, r, size, owner=False) for r in range(1, size)]
+    return [first, *others]
+
+
+def test_shared_memory_collectives_sum_gather_and_broadcast_alike_on_every_rank() -> None:
+    """Three ranks (threads standing in for processes), ops back to back: the two slot sets
+    alternate and no rank overwrites a slot another still reads."""
+    ranks = _ranks(3)
+    inputs = [torch.randn(64, 32, generator=torch.Generator().manual_seed(r)) for r in range(3)]
+    results: dict[int, list[torch.Tensor | None]] = {}
+
+    def run(rank: int) -> None:
+        shm, out = ranks[rank], []
+        for step in range(20):
+            x = inputs[rank] * (step + 1)
+            shm.all_reduce(x, timeout_s=30)
+            out.append(x)
+            out.append(shm.gather_columns(inputs[rank][:, :4] + step, timeout_s=30))
+            payload = torch.full((5,), float(step)) if rank == 0 else torch.zeros(5)
+            shm.broadcast(payload, timeout_s=30)
+            out.append(payload)
+        results[rank] = out
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(3)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    try:
+        for step in range(20):
+            total = inputs[0] * (step + 1) + inputs[1] * (step + 1) + inputs[2] * (step + 1)
+            summed = [results[r][3 * step] for r in range(3)]
+            assert all(torch.equal(s, summed[0]) for s in summed)  # the same bits everywhere
+            torch.testing.assert_close(summed[0], total)
+            gathered = results[0][3 * step + 1]
+            expected = torch.cat([inputs[r][:, :4] + step for r in range(3)], dim=-1)
+            assert gathered is not None and torch.equal(gathered, expected)
+            assert results[1][3 * step + 1] is None
+            assert all(
+                torch.equal(results[r][3 * step + 2], torch.full((5,), float(step)))
+                for r in range(3)
+            )
+    finally:
+        for shm in ranks:
+            shm.close()
+    assert not ranks[0].path.exists()  # rank 0 removed the segment
+
+
+def test_a_rank_that_never_arrives_or_died_fails_the_wait() -> None:
+    ranks = _ranks(2)
+    try:
+        with pytest.raises(PeerGone, match=r"did not arrive within 0\.3 s"):
+            ranks[0].all_reduce(torch.ones(4), timeout_s=0.3)
+        dead = subprocess.Popen(["true"])
+        dead.wait()
+        ranks[0].register([os.getpid(), dead.pid])
+        with pytest.raises(PeerGone, match="rank 1's process is gone"):
+            ranks[0].all_reduce(torch.ones(4), timeout_s=30)
+    finally:
+        for shm in ranks:
+            shm.close()
