@@ -228,7 +228,8 @@ def join_group(shard: Shard, store: TCPStore, device: torch.device, timeout_s: f
 
 def _join_shm(shard: Shard, store: TCPStore) -> ShmCollectives | None:
     """Rank 0 makes the segment and names it in the store ("" when it cannot: every rank then
-    uses gloo alone); every rank records its process id there for the liveness checks."""
+    uses gloo alone); every rank maps it, then records its process id there (the liveness
+    checks); once all did, rank 0 removes the name, so a crash leaves nothing in /dev/shm."""
     shm = None
     if shard.rank == 0:
         try:
@@ -236,13 +237,14 @@ def _join_shm(shard: Shard, store: TCPStore) -> ShmCollectives | None:
         except OSError as e:
             logger.warning("no shared-memory collectives (%s): gloo alone", e)
         store.set("pdserve/shm", str(shm.path) if shm is not None else "")
-    store.set(f"pdserve/pid/{shard.rank}", str(os.getpid()))
     path = store.get("pdserve/shm").decode()
-    if not path:
-        return None
-    if shm is None:
+    if path and shm is None:
         shm = ShmCollectives(Path(path), shard.rank, shard.size, owner=False)
-    shm.register([int(store.get(f"pdserve/pid/{r}")) for r in range(shard.size)])
+    store.set(f"pdserve/pid/{shard.rank}", str(os.getpid()))  # mapped, if there is a segment
+    pids = [int(store.get(f"pdserve/pid/{r}")) for r in range(shard.size)]
+    if shm is not None:
+        shm.register(pids)
+        shm.forget_name()  # every rank mapped it: it lives as long as the mappings
     return shm
 
 

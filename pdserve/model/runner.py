@@ -1,5 +1,6 @@
 """ModelRunner: owns the paged KV cache and runs one forward pass over a batch of chunks."""
 
+import contextlib
 import itertools
 import logging
 import math
@@ -132,11 +133,15 @@ class ModelRunner:
         return cls(model, raw.view(dtype).view(shape), segment)
 
     def close(self) -> None:
-        """Stop the tensor-parallel workers; remove the KV cache's shared-memory segment (the
-        mapping goes with the process)."""
+        """Stop the tensor-parallel workers (and remove their KV segments); remove the KV
+        cache's shared-memory segment (the mapping goes with the process)."""
         if self.tp is not None:
-            self.tp.stop()
+            self.tp.stop()  # the workers remove their own segments as they leave
             self.tp = None
+        for name in self.rank_segments:  # a worker that was killed could not
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(f"/dev/shm/{name.lstrip('/')}")
+        self.rank_segments = []
         if self.segment is not None:
             self.segment.unlink()
             self.segment = None

@@ -132,14 +132,19 @@ class ShmCollectives:
         if waited_s >= timeout_s:
             raise PeerGone(f"rank {late[0]} did not arrive within {timeout_s:g} s")
 
-    def close(self) -> None:
-        """Unmap; rank 0 also removes the segment. Idempotent."""
-        with contextlib.suppress(BufferError, ValueError):
-            self._map.close()
+    def forget_name(self) -> None:
+        """Rank 0, once every rank mapped the segment: remove its name (the memory stays until
+        the last mapping goes, so a crashed process leaves nothing behind)."""
         if self.owner:
             with contextlib.suppress(FileNotFoundError):
                 self.path.unlink()
             self.owner = False
+
+    def close(self) -> None:
+        """Unmap (and remove the name if it is still there). Idempotent."""
+        with contextlib.suppress(BufferError, ValueError):
+            self._map.close()
+        self.forget_name()
 
 
 def _alive(pid: int) -> bool:

@@ -256,6 +256,8 @@ def test_a_failing_rank_fails_the_requests_with_a_typed_error_never_hangs(
         )
     )
     pid = _worker(engine)
+    segments = [Path("/dev/shm") / name for name in engine.runner.rank_segments]
+    assert segments and all(path.exists() for path in segments)
     try:
         assert engine.generate(prompts(1, 20), GREEDY)[0].finish_reason == "length"
         os.kill(pid, signal.SIGKILL if fault == "dies" else signal.SIGSTOP)
@@ -268,6 +270,7 @@ def test_a_failing_rank_fails_the_requests_with_a_typed_error_never_hangs(
     finally:
         os.kill(pid, signal.SIGKILL)
         engine.close()
+    assert not any(path.exists() for path in segments)  # the killed worker's KV too
 
 
 def test_a_size_that_does_not_split_the_heads_is_refused_before_any_worker_starts(
