@@ -104,6 +104,10 @@ class EngineConfig:
     # longest wait of one collective (all-reduce, gather, the step broadcast) before the
     # instance's requests fail with TensorParallelError; an idle worker waits without limit
     tp_timeout_s: float = 60.0
+    # longest wait for every rank to start (Ray places it, its process imports torch) and then
+    # again for every rank to load its part of the weights; a rank that exits meanwhile fails
+    # the start at once
+    tp_start_timeout_s: float = 600.0
     seed: int = 0  # seed of the sampler for requests without their own seed
 
     def __post_init__(self) -> None:
@@ -133,8 +137,9 @@ class EngineConfig:
             )
         if not DEVICE_PATTERN.fullmatch(self.device):
             raise ConfigError(f"engine.device must be cpu, cuda or cuda:N, got {self.device!r}")
-        if not self.tp_timeout_s > 0:
-            raise ConfigError(f"engine.tp_timeout_s must be positive, got {self.tp_timeout_s}")
+        for name in ("tp_timeout_s", "tp_start_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"engine.{name} must be positive, got {getattr(self, name)}")
         if self.cuda_graphs and self.tensor_parallel_size > 1:
             raise ConfigError(
                 "engine.cuda_graphs is not supported with tensor_parallel_size > 1 yet: leave "

@@ -165,7 +165,10 @@ class LLMEngine:
         graph_capture: Capture | None,
         tp: RankZero | None,
     ) -> "LLMEngine":
-        loaded, plan, memory = load_and_size(config, tp.group if tp is not None else None)
+        if tp is None:
+            loaded, plan, memory = load_and_size(config)
+        else:
+            loaded, plan, memory = load_and_size(config, tp.group, tp.loaded)
         if tp is not None:
             plan = dataclasses.replace(plan, num_blocks=tp.agree_on_blocks(plan.num_blocks))
         graphs = graph_capture is not None or _cuda_graphs(config, loaded.device)
@@ -590,11 +593,14 @@ class LLMEngine:
 
 
 def load_and_size(
-    config: EngineConfig, group: TPGroup | None = None
+    config: EngineConfig,
+    group: TPGroup | None = None,
+    loaded_everywhere: Callable[[], None] = lambda: None,
 ) -> tuple[LoadedModel, KVPlan, MemoryReport | None]:
     """The model loaded with its attention backend (tensor parallel: this rank's part), and
-    the KV cache's size (logged). Every rank of a tensor-parallel instance runs it together
-    (the profiling forward's collectives)."""
+    the KV cache's size (logged). Every rank of a tensor-parallel instance runs it together:
+    `loaded_everywhere()` returns once every rank loaded, then the profiling forward's
+    collectives run."""
     if config.torch_threads is not None:
         torch.set_num_threads(config.torch_threads)
     device = torch.device(config.device)
@@ -607,6 +613,7 @@ def load_and_size(
         group=group,
     )
     loaded.model.attention = make_backend(config.attention_backend, loaded.device)
+    loaded_everywhere()
     plan, memory = size_kv_cache(config, loaded, device_memory)
     context = check_context(plan, loaded.max_model_len, config.max_model_len is not None)
     logger.info("%s", describe(plan, memory, weight_bytes(loaded.model), context))

@@ -2,10 +2,13 @@
 sampler); ranks 1..TP-1 are workers that load their part of the model, hold their part of every
 KV block and run each step rank 0 sends them (`pdserve.model.parallel`).
 
-Start-up, every rank alike: join the process group through rank 0's TCPStore (its address is
-the `Rendezvous`, which the launcher hands each worker: a local process, or a Ray actor the
-controller placed), connect the control connection (authenticated with the rendezvous' one-off
-key), load the model's part, size the KV cache and take the smallest block count of all ranks.
+Start-up, every rank alike: say it started in rank 0's TCPStore (its address is the
+`Rendezvous`, which the launcher hands each worker: a local process, or a Ray actor the
+controller placed), and once all did, join the process group through it and connect the control
+connection (authenticated with the rendezvous' one-off key); load the model's part, wait until
+every rank loaded (the two waits are `tp_start_timeout_s`, not a collective's timeout: a rank's
+start and load may take minutes), size the KV cache and take the smallest block count of all
+ranks.
 Then a worker waits for steps until rank 0 says stop or is gone; a step that fails on a worker
 ends the worker (its peers' collectives then fail with TensorParallelError, never hang).
 
@@ -170,11 +173,22 @@ def default_launcher() -> tuple[WorkerLauncher, str]:
 class RankZero:
     """Rank 0's side once every rank joined: the model runner's `tp` (`StepSender`)."""
 
-    def __init__(self, group: TPGroup, connections: list[Connection], workers: Workers) -> None:
+    def __init__(
+        self,
+        group: TPGroup,
+        connections: list[Connection],
+        workers: Workers,
+        phases: "StartPhases",
+    ) -> None:
         self.group = group
         self.connections = connections  # to ranks 1..size-1, in rank order
         self.workers = workers
+        self.phases = phases
         self._channel = StepChannel(group, connections)
+
+    def loaded(self) -> None:
+        """Rank 0 loaded its part: wait until every worker did too."""
+        self.phases.reach("loaded", self.workers.alive)
 
     def send(self, inputs: StepInputs) -> None:
         self._channel.send(inputs)
@@ -209,24 +223,55 @@ class RankZero:
 def start_rank_zero(
     config: EngineConfig, launch: WorkerLauncher, host: str = "127.0.0.1"
 ) -> RankZero:
-    """Open the rendezvous on `host`, launch the workers and wait (`tp_timeout_s` for each
-    phase) until all joined. Raises TensorParallelError."""
+    """Open the rendezvous on `host`, launch the workers, wait (`tp_start_timeout_s`) until
+    they all started, then (`tp_timeout_s`) until all joined. Raises TensorParallelError."""
     size, timeout = config.tensor_parallel_size, timedelta(seconds=config.tp_timeout_s)
     store = TCPStore(host, 0, size, is_master=True, timeout=timeout, wait_for_workers=False)
     authkey = secrets.token_bytes(32)
     listener = Listener((host, 0), authkey=authkey)
     rendezvous = Rendezvous(host, store.port, listener.address[1], authkey, size)
     workers = launch(config, rendezvous)
+    phases = StartPhases(store, Shard(0, size), config.tp_start_timeout_s)
     try:
+        phases.reach("started", workers.alive)
         group = join_group(Shard(0, size), store, torch.device(config.device), config.tp_timeout_s)
         connections = _accept(listener, size - 1, config.tp_timeout_s)
+    except TensorParallelError:
+        workers.stop(timeout_s=1.0)
+        raise
     except (RuntimeError, OSError, ValueError, dist.DistError) as e:
         workers.stop(timeout_s=1.0)
         raise TensorParallelError(f"the tensor-parallel workers did not join: {e}") from e
     finally:
         listener.close()
     logger.info("tensor-parallel instance of %d ranks: every rank joined", size)
-    return RankZero(group, connections, workers)
+    return RankZero(group, connections, workers, phases)
+
+
+class StartPhases:
+    """The start-up waits of every rank, through rank 0's TCPStore: a rank marks a phase
+    reached, then waits (`limit_s`) until every rank did."""
+
+    def __init__(self, store: TCPStore, shard: Shard, limit_s: float) -> None:
+        self.store = store
+        self.shard = shard
+        self.limit_s = limit_s
+
+    def reach(self, phase: str, alive: Callable[[], bool] = lambda: True) -> None:
+        """Mark `phase` reached by this rank and wait for the others; fail at once when
+        `alive()` (the other ranks still run, as far as this one can tell) turns false."""
+        self.store.set(f"pdserve/{phase}/{self.shard.rank}", "1")
+        keys = [f"pdserve/{phase}/{rank}" for rank in range(self.shard.size)]
+        deadline = time.monotonic() + self.limit_s
+        while not self.store.check(keys):
+            if not alive():
+                raise TensorParallelError(f"a tensor-parallel rank exited before it {phase}")
+            if time.monotonic() > deadline:
+                raise TensorParallelError(
+                    f"not every tensor-parallel rank {phase} within {self.limit_s:g} s "
+                    "(engine.tp_start_timeout_s)"
+                )
+            time.sleep(0.05)  # a poll: the store has no wait that also watches the processes
 
 
 def _accept(listener: Listener, count: int, timeout_s: float) -> list[Connection]:
@@ -293,11 +338,13 @@ def serve_worker(config: EngineConfig, rank: int, rendezvous: Rendezvous) -> Non
     store = TCPStore(
         rendezvous.host, rendezvous.store_port, rendezvous.size, is_master=False, timeout=timeout
     )
-    device = torch.device(config.device)
-    group = join_group(Shard(rank, rendezvous.size), store, device, config.tp_timeout_s)
+    shard = Shard(rank, rendezvous.size)
+    phases = StartPhases(store, shard, config.tp_start_timeout_s)
+    phases.reach("started")
+    group = join_group(shard, store, torch.device(config.device), config.tp_timeout_s)
     connection = Client((rendezvous.host, rendezvous.control_port), authkey=rendezvous.authkey)
     connection.send_bytes(_RANK.pack(rank))
-    loaded, plan, _ = load_and_size(config, group)
+    loaded, plan, _ = load_and_size(config, group, lambda: phases.reach("loaded"))
     num_blocks = group.min(plan.num_blocks)
     runner = ModelRunner.create(loaded.model, num_blocks, config.block_size, loaded.dtype, True)
     report, export = _cache_report(runner)  # `export` holds the CUDA share while this runs

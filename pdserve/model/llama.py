@@ -193,9 +193,16 @@ def _pack(weight: torch.Tensor) -> torch.Tensor:
     return packed
 
 
-def can_pack(device: torch.device) -> bool:
-    """oneDNN's packed linear is there: a CPU torch built with it."""
-    return device.type == "cpu" and bool(torch.backends.mkldnn.is_available())  # type: ignore[no-untyped-call]
+def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
+    """oneDNN's packed linear is there for `dtype`: a CPU torch built with it, and for 16-bit
+    weights a CPU with their instructions (bf16: AVX-512 BW/VL/DQ or AVX-NE-CONVERT; not AVX2)."""
+    if device.type != "cpu" or not torch.backends.mkldnn.is_available():  # type: ignore[no-untyped-call]
+        return False
+    if dtype == torch.bfloat16:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    if dtype == torch.float16:
+        return bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
+    return dtype == torch.float32
 
 
 def _fused(*parts: nn.Linear) -> nn.Linear:

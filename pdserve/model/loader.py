@@ -66,7 +66,7 @@ def load_model(
     if group is not None:
         model.set_group(group)
     model.fuse()
-    if can_pack(torch_device):
+    if can_pack(torch_device, torch_dtype):
         model.pack()
     model.rotary = RotaryEmbedding(config, context).to(torch_device)  # meta buffers, rebuilt
     model.eval()

@@ -5,6 +5,8 @@ preemption and storage restores, PD mode over gRPC, and a rank that dies or hang
 import dataclasses
 import os
 import signal
+import subprocess
+import sys
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -29,8 +31,8 @@ from pdserve.config import (
     TransferConfig,
 )
 from pdserve.engine import LLMEngine, SamplingParams
-from pdserve.engine.tensor_parallel import LocalWorkers
-from pdserve.errors import ConfigError
+from pdserve.engine.tensor_parallel import LocalWorkers, Rendezvous
+from pdserve.errors import ConfigError, TensorParallelError
 from pdserve.model.runner import SequenceChunk
 from pdserve.storage import StorageTier
 from services.controller.cluster import Cluster
@@ -271,6 +273,53 @@ def test_a_failing_rank_fails_the_requests_with_a_typed_error_never_hangs(
         os.kill(pid, signal.SIGKILL)
         engine.close()
     assert not any(path.exists() for path in segments)  # the killed worker's KV too
+
+
+class NeverJoins:
+    """A worker that never joins rank 0 (the other side of rank 0's start-up wait): a process
+    running `code`."""
+
+    def __init__(self, code: str) -> None:
+        self.process = subprocess.Popen([sys.executable, "-c", code])
+
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+    def pids(self) -> list[int]:
+        return [self.process.pid]
+
+    def stop(self, timeout_s: float) -> None:
+        self.process.kill()
+        self.process.wait()
+
+
+@pytest.mark.parametrize(
+    ("code", "limit_s", "message"),
+    [
+        ("raise SystemExit(3)", 600.0, "a tensor-parallel rank exited before it started"),
+        ("import signal; signal.pause()", 1.0, "not every tensor-parallel rank started within 1 s"),
+    ],
+)
+def test_a_worker_that_exits_or_never_starts_fails_the_start_with_a_typed_error(
+    tiny_model_dir: Path, code: str, limit_s: float, message: str
+) -> None:
+    """Start-up waits `tp_start_timeout_s`, not a collective's timeout (a slow machine takes
+    seconds to import torch), and stops waiting as soon as a worker exits."""
+    launched: list[NeverJoins] = []
+
+    def launch(config: EngineConfig, rendezvous: Rendezvous) -> NeverJoins:
+        launched.append(NeverJoins(code))
+        return launched[-1]
+
+    config = EngineConfig(
+        model=str(tiny_model_dir),
+        tensor_parallel_size=2,
+        tp_timeout_s=0.5,
+        tp_start_timeout_s=limit_s,
+    )
+    with pytest.raises(TensorParallelError, match=message):
+        LLMEngine.from_config(config, tp_workers=(launch, "127.0.0.1"))
+    assert len(launched) == 1 and not launched[0].alive()  # stopped by the failed start
 
 
 def test_a_size_that_does_not_split_the_heads_is_refused_before_any_worker_starts(

@@ -1,6 +1,8 @@
 """pdserve's fused CPU kernels against the torch ops they replace: the rotary embedding bit for
 bit, silu(gate) * up within float32 rounding, and the shapes and dtypes they leave to torch."""
 
+from pathlib import Path
+
 import torch
 import torch.nn.functional as F
 
@@ -15,6 +17,12 @@ def kernels() -> object:
     return ops
 
 
+def built_for_avx512() -> bool:
+    """The kernels are built with -march=native: their AVX-512 paths exist where this CPU has
+    AVX-512F (else each case they would take is left to torch's ops)."""
+    return "avx512f" in Path("/proc/cpuinfo").read_text().split()
+
+
 def test_the_rotation_kernel_rounds_exactly_as_torch() -> None:
     generator = torch.Generator().manual_seed(0)
     qkv = torch.randn(9, 20, 64, generator=generator)
@@ -23,7 +31,8 @@ def test_the_rotation_kernel_rounds_exactly_as_torch() -> None:
     expected = x * cos + _rotate_half(x) * sin
     got = Rotation(cos, sin)(x)
     assert got.is_contiguous() and torch.equal(got, expected)
-    assert kernels().rotate(x, cos[:, 0], sin[:, 0]) is not None  # type: ignore[attr-defined]
+    taken = kernels().rotate(x, cos[:, 0], sin[:, 0]) is not None  # type: ignore[attr-defined]
+    assert taken == built_for_avx512()
 
 
 def test_silu_and_mul_matches_torch_and_leaves_other_shapes_to_it() -> None:
