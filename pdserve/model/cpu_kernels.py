@@ -23,11 +23,22 @@ SOURCES = (Path(__file__).parent / "csrc" / "paged_attention.cpp",)
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-std=c++17", "-ffp-contract=off"]  # FMAs: explicit
 
 
+def _cpu_flags() -> str:
+    """This CPU's instruction-set flags (-march=native builds for exactly these: a cache shared
+    by unlike hosts, a home directory on NFS, must not hand one host another's build)."""
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            return next((line for line in cpuinfo if line.startswith("flags")), "")
+    except OSError:
+        return ""
+
+
 def _build_directory() -> Path:
     digest = hashlib.sha256()
     for source in SOURCES:
         digest.update(source.read_bytes())
     digest.update(" ".join([torch.__version__, *FLAGS, os.uname().machine]).encode())
+    digest.update(_cpu_flags().encode())
     root = Path(os.environ.get("PDSERVE_KERNEL_CACHE", user_cache_dir("pdserve")))
     path = root / "kernels" / digest.hexdigest()[:16]
     path.mkdir(parents=True, exist_ok=True, mode=0o700)

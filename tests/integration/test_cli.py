@@ -5,9 +5,20 @@ import subprocess
 import sys
 from pathlib import Path
 
+from platformdirs import user_cache_dir
+
+KERNELS = os.environ.get("PDSERVE_KERNEL_CACHE", user_cache_dir("pdserve"))
+
 
 def run_cli(*args: str, cache: Path) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "XDG_CACHE_HOME": str(cache), "OMP_NUM_THREADS": "1"}
+    """The CLI with its own cache directory (the default model is made there), but the CPU
+    kernels this session already built (a build takes a minute)."""
+    env = {
+        **os.environ,
+        "XDG_CACHE_HOME": str(cache),
+        "PDSERVE_KERNEL_CACHE": KERNELS,
+        "OMP_NUM_THREADS": "1",
+    }
     return subprocess.run(
         [sys.executable, "-m", "services.controller.cli", *args],
         capture_output=True,
