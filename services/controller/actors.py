@@ -141,9 +141,14 @@ class RayWorkers:
         self.actors = actors
 
     def alive(self) -> bool:
+        """False once a worker actor died or its rank's thread ended; one that does not answer
+        within 10 s (not placed yet, still importing, busy) counts as alive: a hung rank is the
+        collectives' timeout to find."""
+        pings = [actor.ping.remote() for actor in self.actors]
+        answered, _ = ray.wait(pings, num_returns=len(pings), timeout=10)
         try:
-            return all(ray.get([actor.ping.remote() for actor in self.actors], timeout=10))
-        except (ray.exceptions.RayError, TimeoutError):
+            return all(ray.get(answered))
+        except ray.exceptions.RayError:
             return False
 
     def pids(self) -> list[int]:
