@@ -11,14 +11,12 @@ MAX_TOKENS ?= 32
 
 install: $(STAMP)
 
-# --no-compile: Python compiles what it imports when it first imports it (compiling every
-# installed file was 40% of the install).
 $(STAMP): pyproject.toml constraints.txt
 	@command -v $(PYTHON) >/dev/null || { echo "error: $(PYTHON) not found; install Python 3.11 or run 'make PYTHON=python3 ...'"; exit 1; }
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet --no-compile -c constraints.txt torch==2.13.0
-	$(PY) -m pip install --quiet --no-compile -c constraints.txt -e '.[dev]'
+	$(PY) -m pip install --quiet -c constraints.txt torch==2.13.0
+	$(PY) -m pip install --quiet -c constraints.txt -e '.[dev]'
 	touch $@
 
 # Starts one prefill and one decode instance on a local Ray (foreground; Ctrl-C stops it).

@@ -22,4 +22,4 @@ if [ ${#missing[@]} -gt 0 ]; then
     $SUDO apt-get update -qq
     DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}"
 fi
-"$PY" -m pip install --quiet --no-compile -c constraints.txt mooncake-transfer-engine-non-cuda
+"$PY" -m pip install --quiet -c constraints.txt mooncake-transfer-engine-non-cuda
