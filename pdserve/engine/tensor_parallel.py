@@ -122,7 +122,7 @@ def _check_gpus(config: EngineConfig, size: int) -> None:
     are not enough (else a worker fails and rank 0 waits `tp_timeout_s` to find out)."""
     if not config.device.startswith("cuda"):
         return
-    first = int(config.device.partition(":")[2] or 0)
+    first = _first_gpu(config)
     if torch.cuda.device_count() < first + size:
         raise ConfigError(
             f"engine.tensor_parallel_size {size} from {config.device} needs GPUs {first}.."
@@ -134,8 +134,12 @@ def _rank_device(config: EngineConfig, rank: int) -> EngineConfig:
     """A local CUDA worker takes the GPU after rank 0's by its rank (`cuda:N` + rank)."""
     if not config.device.startswith("cuda"):
         return config
-    first = int(config.device.partition(":")[2] or 0)
-    return dataclasses.replace(config, device=f"cuda:{first + rank}")
+    return dataclasses.replace(config, device=f"cuda:{_first_gpu(config) + rank}")
+
+
+def _first_gpu(config: EngineConfig) -> int:
+    """Rank 0's GPU index (`cuda` is 0)."""
+    return int(config.device.partition(":")[2] or 0)
 
 
 def worker_settings(config: EngineConfig, rank: int, rendezvous: Rendezvous) -> bytes:
