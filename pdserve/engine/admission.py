@@ -30,9 +30,11 @@ class Admission:
 
 
 class PromptAdmission:
-    def __init__(self, kv_cache: KVCacheManager, storage: StorageConnector | None) -> None:
+    def __init__(
+        self, kv_cache: KVCacheManager, storage_connector: StorageConnector | None
+    ) -> None:
         self.kv_cache = kv_cache
-        self.storage = storage
+        self.storage_connector = storage_connector
 
     def device_hit_blocks(self, request: Request) -> int:
         """Blocks of the request's prefix in the device cache now (no side effects)."""
@@ -55,8 +57,8 @@ class PromptAdmission:
         prefix = self._match(request)
         device_blocks = len(prefix.block_ids)
         staged = 0
-        if self.storage is not None and _reuses_kv(request):
-            staged = self.storage.num_usable(request, device_blocks)
+        if self.storage_connector is not None and _reuses_kv(request):
+            staged = self.storage_connector.num_usable(request, device_blocks)
         computed = prefix.num_tokens + staged * kv.block_size
         remaining = request.num_tokens - computed
         target = computed + (remaining if token_budget is None else min(remaining, token_budget))
@@ -65,7 +67,9 @@ class PromptAdmission:
         kv.allocate(request, target, prefix)
         table = kv.block_table(request.request_id)
         # `load` drops every staged byte of the request, usable or not
-        if self.storage is not None and self.storage.load(request, table, device_blocks):
+        if self.storage_connector is not None and self.storage_connector.load(
+            request, table, device_blocks
+        ):
             kv.update_cache_blocks(request, computed)
         request.num_computed_tokens = computed
         return Admission(prefix.num_tokens, staged * kv.block_size, tuple(table))

@@ -4,7 +4,7 @@ import dataclasses
 import logging
 import time
 import uuid
-from collections.abc import Callable, Collection, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,6 +23,7 @@ from pdserve.engine.request import (
 )
 from pdserve.engine.sampler import Sampler, token_logprob
 from pdserve.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from pdserve.engine.stop import stop_status
 from pdserve.engine.storage_connector import StorageConnector
 from pdserve.engine.tensor_parallel import (
     RankZero,
@@ -103,7 +104,7 @@ class LLMEngine:
         scheduler: Scheduler,
         runner: ModelRunner,
         sampler: Sampler,
-        storage: StorageConnector | None = None,
+        storage_connector: StorageConnector | None = None,
     ) -> None:
         self.loaded = loaded
         self.tokenizer = loaded.tokenizer
@@ -112,7 +113,7 @@ class LLMEngine:
         self.admission = scheduler.admission
         self.runner = runner
         self.sampler = sampler
-        self.storage = storage
+        self.storage_connector = storage_connector
         self.hasher = BlockHasher.for_model(kv_cache.block_size, loaded.model_tag)
         self.max_model_len = min(loaded.max_model_len, kv_cache.num_blocks * kv_cache.block_size)
         self.kv_plan: KVPlan | None = None  # how the KV cache was sized (`from_config`)
@@ -131,13 +132,14 @@ class LLMEngine:
         config: EngineConfig,
         event_sink: KVEventSink | None = None,
         shared_kv_cache: bool = False,
-        storage: StorageTierFactory | None = None,
+        storage_tier: StorageTierFactory | None = None,
         wake: Callable[[], None] = lambda: None,
         graph_capture: Capture | None = None,
         tp_workers: tuple[WorkerLauncher, str] | None = None,
     ) -> "LLMEngine":
         """An engine for `config`; `shared_kv_cache` puts a CPU KV cache in shared memory;
-        `storage(tag)` builds the storage tier for the engine's KV layout tag (None: no tier);
+        `storage_tier(tag)` builds the storage tier for the engine's KV layout tag (None: no
+        tier);
         `wake` is called from other threads when a storage read finished (must not block);
         `graph_capture` records the decode graphs (default: CUDA graphs, when
         `engine.cuda_graphs` resolves on; tests pass `eager_capture`); `tp_workers`: how a
@@ -148,7 +150,9 @@ class LLMEngine:
             _check_split(config)  # before any worker starts
             tp = start_rank_zero(config, *(tp_workers or default_launcher()))
         try:
-            return cls._build(config, event_sink, shared_kv_cache, storage, wake, graph_capture, tp)
+            return cls._build(
+                config, event_sink, shared_kv_cache, storage_tier, wake, graph_capture, tp
+            )
         except BaseException:
             if tp is not None:
                 tp.stop()
@@ -160,7 +164,7 @@ class LLMEngine:
         config: EngineConfig,
         event_sink: KVEventSink | None,
         shared_kv_cache: bool,
-        storage: StorageTierFactory | None,
+        storage_tier: StorageTierFactory | None,
         wake: Callable[[], None],
         graph_capture: Capture | None,
         tp: RankZero | None,
@@ -176,7 +180,8 @@ class LLMEngine:
         if pool_blocks < 1:
             raise ConfigError("the KV cache holds one block: CUDA graphs need a second one")
         runner = _runner(config, loaded, plan, shared_kv_cache, tp)
-        tier = storage(storage_tag(loaded, config.block_size)) if storage is not None else None
+        tag = storage_tag(loaded, config.block_size)
+        tier = storage_tier(tag) if storage_tier is not None else None
         connector = (
             StorageConnector(tier, runner.stager, config.block_size, wake)
             if tier is not None
@@ -225,9 +230,8 @@ class LLMEngine:
             block_hashes=self.hasher.adopt(block_hashes, token_ids),
         )
         if params.structured is not None:
-            request.grammar = self.grammars.matcher(*params.structured)
-            for token in token_ids[len(token_ids) - params.output_offset :]:
-                request.grammar.accept_token(token)  # a migrated request's earlier output
+            earlier = token_ids[len(token_ids) - params.output_offset :]  # a migrated request's
+            request.grammar = self.grammars.matcher(*params.structured, accepted=earlier)
         return request
 
     def add_request(
@@ -284,8 +288,8 @@ class LLMEngine:
             self._finish(request, RequestStatus.FINISHED_STOPPED)
         else:
             self.kv_cache.free(request_id)
-            if self.storage is not None:
-                self.storage.forget(request_id)
+            if self.storage_connector is not None:
+                self.storage_connector.forget(request_id)
 
     def abort_request(self, request_id: str) -> None:
         """Stop a request and free its blocks; raises RequestNotFoundError if it is not live."""
@@ -311,13 +315,63 @@ class LLMEngine:
     def has_work(self) -> bool:
         """Whether a step could advance a request now (finished storage reads are handed to
         their requests first; requests waiting on I/O do not count)."""
-        if self.storage is not None:
-            self.storage.apply_fetched()
+        if self.storage_connector is not None:
+            self.storage_connector.apply_fetched()
         return self.scheduler.has_schedulable_requests()
 
     def published_hashes(self) -> list[BlockHash]:
         """Every block hash the device prefix cache can match now (a KV-event snapshot)."""
         return self.kv_cache.prefix_cache.hashes()
+
+    # -- what the instance roles ask of their engine (reads change nothing) ---------------------
+
+    @property
+    def block_size(self) -> int:
+        return self.kv_cache.block_size
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks no request holds (cached, unreferenced ones included)."""
+        return self.kv_cache.num_free_blocks
+
+    def has_request(self, request_id: str) -> bool:
+        """Whether a live request (queued, running, preempted or transferring) has the id."""
+        return request_id in self.scheduler.requests
+
+    def holds_blocks(self, request_id: str) -> bool:
+        """Whether blocks are allocated under the id (a live request's, or preallocated ones
+        of a request that is not queued)."""
+        return self.kv_cache.has_request(request_id)
+
+    def device_hit_blocks(self, request: Request) -> int:
+        """Blocks of the request's prefix in the device prefix cache now."""
+        return self.admission.device_hit_blocks(request)
+
+    def num_blocks_needed(self, request: Request) -> int:
+        """Free blocks `preallocate(request)` would take (for refusal messages)."""
+        return self.admission.num_blocks_needed(request)
+
+    def growth_headroom_blocks(
+        self, horizon_tokens: int | None, reserved: Iterable[Request] = ()
+    ) -> int:
+        """Free blocks the decoding requests (running, or prefilled and waiting for a place in
+        the batch) and the `reserved` ones may still need: each grows by its remaining
+        `max_tokens`, at most `horizon_tokens` (None: no limit), up to the context window."""
+        total = 0
+        for request in [*self.scheduler.running, *self.scheduler.prefilled, *reserved]:
+            remaining = request.sampling_params.max_tokens - request.num_output_tokens
+            growth = remaining if horizon_tokens is None else min(remaining, horizon_tokens)
+            target = min(request.num_tokens + growth, self.max_model_len)
+            held = len(self.kv_cache.block_table(request.request_id))
+            total += max(0, -(-target // self.block_size) - held)
+        return total
+
+    def stop_computing(self, request_id: str) -> None:
+        """Abort a live request unless its KV is being handed over (TRANSFERRING: its blocks
+        stay pinned until `release`, which the sender calls once the send ended)."""
+        request = self.scheduler.requests.get(request_id)
+        if request is not None and request.status != RequestStatus.TRANSFERRING:
+            self._finish(request, RequestStatus.FINISHED_ABORTED)
 
     # -- the loop -----------------------------------------------------------------------------
 
@@ -350,8 +404,8 @@ class LLMEngine:
                 self._finish(request, RequestStatus.FINISHED_STOPPED)
 
     def _step(self) -> list[RequestOutput]:
-        if self.storage is not None:
-            self.storage.apply_fetched(wait=not self.scheduler.has_schedulable_requests())
+        if self.storage_connector is not None:
+            self.storage_connector.apply_fetched(wait=not self.scheduler.has_schedulable_requests())
         scheduled = self.scheduler.schedule()
         try:
             sampled = self._run(scheduled)
@@ -452,18 +506,15 @@ class LLMEngine:
         return outputs
 
     def _check_stop(self, request: Request) -> RequestStatus | None:
-        token = request.output_token_ids[-1]
-        params = request.sampling_params
-        if token in params.stop_token_ids or token in request.eos_token_ids:
-            return RequestStatus.FINISHED_STOPPED
-        if request.grammar is not None and request.grammar.is_terminated():
-            return RequestStatus.FINISHED_STOPPED  # the grammar is complete
-        if (
-            request.num_output_tokens >= params.max_tokens
-            or request.num_tokens >= self.max_model_len
-        ):
-            return RequestStatus.FINISHED_LENGTH
-        return None
+        grammar = request.grammar
+        return stop_status(
+            request.output_token_ids,
+            request.num_prompt_tokens,
+            request.sampling_params,
+            eos_token_ids=request.eos_token_ids,
+            max_model_len=self.max_model_len,
+            grammar_ended=grammar is not None and grammar.is_terminated(),
+        )
 
     def _emit(self, request: Request, status: RequestStatus | None) -> RequestOutput:
         """The request's newest token as an output, without text (`add_text`); a stop token
@@ -568,8 +619,8 @@ class LLMEngine:
         stale = sorted(set(self.runner.block_tables.seq_ids()) - set(self.kv_cache.request_ids()))
         if stale:
             raise IntegrityError(f"block-table rows of freed allocations: {', '.join(stale)}")
-        if self.storage is not None:
-            self.storage.check_integrity(owners)
+        if self.storage_connector is not None:
+            self.storage_connector.check_integrity(owners)
         for request_id, request in self.scheduler.requests.items():
             table = self.kv_cache.block_table(request_id)
             if request.status in (RequestStatus.RUNNING, RequestStatus.TRANSFERRING):

@@ -13,7 +13,7 @@ import json
 import re
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
@@ -36,11 +36,18 @@ class Grammars:
         self._compiled: OrderedDict[tuple[str, str], Any] = OrderedDict()
         self._lock = threading.Lock()
 
-    def matcher(self, kind: str, spec: str) -> Any:
-        """A fresh matcher of the grammar; raises InvalidRequestError when it does not compile."""
+    def matcher(self, kind: str, spec: str, accepted: Iterable[int] = ()) -> Any:
+        """A matcher of the grammar that has accepted `accepted` (a migrated request's earlier
+        output; none once the grammar ended, as `Request.append_output_token` does). Raises
+        InvalidRequestError when the grammar does not compile."""
         import xgrammar
 
-        return xgrammar.GrammarMatcher(self._compile(kind, spec))
+        matcher = xgrammar.GrammarMatcher(self._compile(kind, spec))
+        for token in accepted:
+            if matcher.is_terminated():
+                break
+            matcher.accept_token(token)
+        return matcher
 
     def _compile(self, kind: str, spec: str) -> Any:
         with self._lock:

@@ -47,7 +47,7 @@ class EngineLoop:
         on_outputs: OutputHandler,
         mailbox: Mailbox | None = None,
         *,
-        on_tick: Callable[[], None] | None = None,
+        on_tick: Callable[[LLMEngine], None] | None = None,
         tick_s: float = 0.05,
     ) -> None:
         self.engine = engine
@@ -98,7 +98,7 @@ class EngineLoop:
         while not self._stopped.is_set():
             self._drain_commands(block=not engine.has_work())
             if self._on_tick is not None:
-                self._on_tick()
+                self._on_tick(engine)
             if engine.has_work():
                 try:
                     outputs = self.engine.step()  # a failed forward pass fails its batch only

@@ -89,11 +89,11 @@ class Scheduler:
 
     def has_schedulable_requests(self) -> bool:
         """Requests a step could advance (TRANSFERRING requests and storage reads wait on I/O)."""
-        storage = self.admission.storage
-        if storage is None or not storage.has_pending:
+        connector = self.admission.storage_connector
+        if connector is None or not connector.has_pending:
             return bool(self.running or self.waiting or self.prefilled)
         return bool(self.running or self.prefilled) or any(
-            not storage.is_pending(r.request_id) for r in self.waiting
+            not connector.is_pending(r.request_id) for r in self.waiting
         )
 
     def schedule(self) -> SchedulerOutput:
@@ -126,8 +126,8 @@ class Scheduler:
         self._unqueue(request)
         request.status = status
         self.kv_cache.free(request.request_id)
-        if self.admission.storage is not None:
-            self.admission.storage.forget(request.request_id)
+        if self.admission.storage_connector is not None:
+            self.admission.storage_connector.forget(request.request_id)
 
     def hold_for_transfer(self, request: Request) -> None:
         """Take a request out of the batch but keep its blocks pinned (status TRANSFERRING)."""
@@ -189,8 +189,9 @@ class Scheduler:
         self.running.remove(request)
         self.kv_cache.free(request.request_id, preempted=True)
         request.status = RequestStatus.PREEMPTED
-        if self.admission.storage is not None:  # its blocks may be in storage by re-admission
-            self.admission.storage.forget(request.request_id)
+        connector = self.admission.storage_connector
+        if connector is not None:  # its blocks may be in storage by re-admission
+            connector.forget(request.request_id)
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         self.stats.num_preemptions += 1
@@ -198,17 +199,17 @@ class Scheduler:
         logger.info("preempted request %s (%d tokens)", request.request_id, request.num_tokens)
 
     def _schedule_waiting(self, output: SchedulerOutput, budget: int) -> None:
-        storage = self.admission.storage
+        connector = self.admission.storage_connector
         for request in list(self.waiting):
             if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
                 return
-            if storage is not None and storage.is_pending(request.request_id):
+            if connector is not None and connector.is_pending(request.request_id):
                 continue  # its storage read is in flight; later requests may go first
             if not self.kv_cache.has_request(request.request_id):  # else: preallocated
-                if storage is not None:
+                if connector is not None:
                     device_blocks = self.admission.device_hit_blocks(request)
-                    if storage.needs_prefetch(request, device_blocks):
-                        storage.prefetch(request, device_blocks)
+                    if connector.needs_prefetch(request, device_blocks):
+                        connector.prefetch(request, device_blocks)
                         continue
                 admission = self.admission.admit(request, token_budget=budget)
                 if admission is None:

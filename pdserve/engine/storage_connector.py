@@ -187,12 +187,6 @@ class StorageConnector:
         with self._lock:
             self._staged.pop(request_id, None)
 
-    @property
-    def num_staged_blocks(self) -> int:
-        """Blocks read ahead and held in host memory until their requests are admitted."""
-        with self._lock:
-            return sum(len(staged.blocks) for staged in self._staged.values())
-
     def check_integrity(self, live: Collection[str]) -> None:
         """Raise IntegrityError when bytes are staged or a read is pending for a request that
         is not in `live` (a leak). Engine thread, when idle."""

@@ -131,7 +131,7 @@ class InstanceRuntime:
         secret: str,
         channels: ChannelPool,
         tls: TlsFiles | None = None,
-        on_tick: Callable[[], None] = lambda: None,
+        on_tick: Callable[[LLMEngine], None] = lambda engine: None,
     ) -> None:
         self.role = role
         self.engine = engine
@@ -141,7 +141,8 @@ class InstanceRuntime:
         self.events = events
         self.stager: KVStager = engine.runner.stager
         self.counters = TransferCounters()
-        self.storage: StorageTier | None = engine.storage.tier if engine.storage else None
+        connector = engine.storage_connector
+        self.storage_tier: StorageTier | None = connector.tier if connector is not None else None
         self.mooncake: MooncakeEngine | None = None
         self.metrics_address = ""  # host:port of /metrics once `serve` started it
         self._metrics_server: Any = None
@@ -158,7 +159,7 @@ class InstanceRuntime:
         *,
         secret: str,
         tls: TlsFiles | None = None,
-        on_tick: Callable[[], None] = lambda: None,
+        on_tick: Callable[[LLMEngine], None] = lambda engine: None,
         storage: StorageConfig | None = None,
         shared_kv_cache: bool = False,
     ) -> "InstanceRuntime":
@@ -173,7 +174,7 @@ class InstanceRuntime:
             config,
             event_sink=events.publish,
             shared_kv_cache=shared_kv_cache,
-            storage=_tier_factory(storage, channels, secret),
+            storage_tier=_tier_factory(storage, channels, secret),
             wake=mailbox.wake,
         )
         return cls(role, engine, events, mailbox, secret, channels, tls, on_tick)
@@ -193,7 +194,7 @@ class InstanceRuntime:
         storage service when its storage tier keeps blocks in host memory (then named after
         the server's address), and its
         Prometheus endpoint (`/metrics` on a port of its own). Returns (server, bound port)."""
-        store = self.storage.store if self.storage is not None else None
+        store = self.storage_tier.store if self.storage_tier is not None else None
         memory = store if isinstance(store, HostMemoryStore) else None
         services = [service_name, INSTANCE_SERVICE] + ([STORAGE_SERVICE] if memory else [])
 
@@ -264,7 +265,7 @@ class InstanceRuntime:
 
     @property
     def block_size(self) -> int:
-        return self.engine.kv_cache.block_size
+        return self.engine.block_size
 
     @property
     def kv_base_address(self) -> int:
@@ -296,10 +297,10 @@ class InstanceRuntime:
         """Drop every entry of the storage tier's index (shared by every instance); returns
         how many went (0 without a storage tier). Raises InstanceUnavailableError when its
         Redis does not answer."""
-        if self.storage is None:
+        if self.storage_tier is None:
             return 0
         try:
-            return self.storage.index.clear()
+            return self.storage_tier.index.clear()
         except redis.RedisError as e:
             raise InstanceUnavailableError(
                 f"the storage tier's Redis did not answer ({type(e).__name__}): nothing was "
@@ -329,10 +330,10 @@ class InstanceRuntime:
         """Stage from the storage tier the blocks the device prefix cache lacks, before the
         request is admitted outside the scheduler (prefill preallocation, decode reservation).
         Blocking I/O: on the caller's (handler) thread, never the engine's."""
-        connector = self.engine.storage
+        connector = self.engine.storage_connector
         if connector is None:
             return
-        device_blocks = self.loop.call(lambda engine: engine.admission.device_hit_blocks(request))
+        device_blocks = self.loop.call(lambda engine: engine.device_hit_blocks(request))
         connector.read_ahead(request, device_blocks)
 
     # -- output streams ---------------------------------------------------------------------------
@@ -456,7 +457,7 @@ class InstanceRuntime:
         return stats
 
     def _storage_stats(self, engine: LLMEngine) -> common_pb2.StorageStats | None:
-        connector = engine.storage
+        connector = engine.storage_connector
         if connector is None:
             return None
         tier, c = connector.tier, connector.tier.counters.snapshot()
@@ -516,9 +517,15 @@ class InstanceRuntime:
         """Raise IntegrityError unless the engine (tables owned by live requests or the
         `reserved` ids) and the storage tier are consistent. Call when idle."""
         self.loop.call(lambda engine: engine.check_integrity(reserved))
-        if self.storage is not None:
-            self.storage.flush()
-            self.storage.check_integrity()
+        if self.storage_tier is not None:
+            self.storage_tier.flush()
+            self.storage_tier.check_integrity()
+
+    def check_ranks(self) -> None:
+        """Raise TensorParallelError when a tensor-parallel rank of this instance failed (its
+        requests fail until the instance is restarted). Any thread: it reads the ranks' state,
+        not the engine's."""
+        self.engine.check_ranks()
 
     def start(self) -> None:
         self.loop.start()
@@ -529,12 +536,12 @@ class InstanceRuntime:
             self._metrics_server.shutdown()
             self._metrics_server.server_close()
         self.loop.stop()
-        if self.storage is not None:
-            self.storage.close()
+        if self.storage_tier is not None:
+            self.storage_tier.close()
         if self.mooncake is not None:
             self.mooncake.close()
         self.channels.close()
-        self.engine.runner.close()
+        self.engine.close()
 
 
 KV_EVENT_POLL_S = 0.5

@@ -33,10 +33,16 @@ class LoadedModel:
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
-        if self.config.eos_token_ids:
-            return self.config.eos_token_ids
-        eos = self.tokenizer.eos_token_id
-        return () if eos is None else (eos,)
+        return eos_token_ids(self.config, self.tokenizer)
+
+
+def eos_token_ids(config: ModelConfig, tokenizer: Tokenizer) -> tuple[int, ...]:
+    """The tokens that end a generation: the model config's (`eos_token_id`, one or a list),
+    else the tokenizer's EOS token."""
+    if config.eos_token_ids:
+        return config.eos_token_ids
+    eos = tokenizer.eos_token_id
+    return () if eos is None else (eos,)
 
 
 def load_model(

@@ -20,7 +20,7 @@ from ray.util.placement_group import PlacementGroup
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from pdserve.config import ClusterConfig, EngineConfig
-from pdserve.engine.tensor_parallel import RankZero, Rendezvous, serve_worker, use_launcher
+from pdserve.engine.tensor_parallel import Rendezvous, serve_worker, use_launcher
 from pdserve.rpc.server import AioServer, advertised_host, host_port
 from services.controller.state import tls_files
 from services.decode.instance import DecodeInstance
@@ -251,16 +251,10 @@ class InstanceActor:
         """The actor's process id (operators kill or inspect it; tests do)."""
         return os.getpid()
 
-    def rank_pids(self) -> list[int]:
-        """The processes of this instance's ranks, rank 0 (this actor) first."""
-        runner = self.instance.runtime.engine.runner
-        workers = runner.tp.workers.pids() if isinstance(runner.tp, RankZero) else []
-        return [os.getpid(), *workers]
-
     def ping(self) -> bool:
         """Raises (the controller then restarts the instance) when a tensor-parallel rank of
         it failed: its requests fail until then."""
-        self.instance.runtime.engine.check_ranks()
+        self.instance.runtime.check_ranks()
         return True
 
     def flush_cache(self, tier: str) -> int:

@@ -144,22 +144,26 @@ class DecodeInstance:
         bytes staged for the request are dropped)."""
         request_id = request.request_id
         if (
-            request_id in engine.scheduler.requests
-            or engine.kv_cache.has_request(request_id)
+            engine.has_request(request_id)
+            or engine.holds_blocks(request_id)
             or self.reservations.holds(request_id)
         ):
             raise DuplicateRequestError(f"request id {request_id!r} is already in flight here")
-        headroom = self.growth_headroom_blocks(engine)
+        # the running and reserved requests may each grow by min(remaining max_tokens,
+        # reserve_horizon_tokens) tokens: those blocks stay free
+        headroom = engine.growth_headroom_blocks(
+            self.config.reserve_horizon_tokens, self.reservations.requests()
+        )
         admission = engine.preallocate(request, growth_headroom_blocks=headroom)
         if admission is None:
             engine.release(request_id)  # it holds no blocks: drops its staged bytes
             raise ResourceExhaustedError(
-                f"decode instance cannot take {engine.admission.num_blocks_needed(request)} "
-                f"blocks: {engine.kv_cache.num_free_blocks} free, {headroom} kept for the "
+                f"decode instance cannot take {engine.num_blocks_needed(request)} "
+                f"blocks: {engine.num_free_blocks} free, {headroom} kept for the "
                 "growth of running requests",
                 self.config.retry_after_ms,
             )
-        num_cached_blocks = admission.num_computed_tokens // engine.kv_cache.block_size
+        num_cached_blocks = admission.num_computed_tokens // engine.block_size
         self.reservations.add(
             request, admission.block_ids, num_cached_blocks, self.config.reservation_timeout_s
         )
@@ -174,25 +178,10 @@ class DecodeInstance:
         """Engine thread: release what a reservation whose caller gave up left (its
         reservation, if `_reserve` ran after all, its blocks and staged bytes)."""
         if self.reservations.pop_if(request) is not None or (
-            request.request_id not in engine.scheduler.requests
+            not engine.has_request(request.request_id)
             and not self.reservations.holds(request.request_id)
         ):
             engine.release(request.request_id)
-
-    def growth_headroom_blocks(self, engine: LLMEngine) -> int:
-        """Free blocks the running and reserved requests may still need: each may grow by
-        min(remaining max_tokens, reserve_horizon_tokens) tokens, up to the context window."""
-        horizon = self.config.reserve_horizon_tokens
-        block_size = engine.kv_cache.block_size
-        total = 0
-        scheduler = engine.scheduler
-        for request in [*scheduler.running, *scheduler.prefilled, *self.reservations.requests()]:
-            remaining = request.sampling_params.max_tokens - request.num_output_tokens
-            growth = remaining if horizon is None else min(remaining, horizon)
-            target = min(request.num_tokens + growth, engine.max_model_len)
-            held = len(engine.kv_cache.block_table(request.request_id))
-            total += max(0, -(-target // block_size) - held)
-        return total
 
     # -- KV reception -----------------------------------------------------------------------------
 
@@ -300,13 +289,13 @@ class DecodeInstance:
         engine.release(request_id)
         self.runtime.close_stream(request_id, aborted_output(request_id))
 
-    def _expire_leases(self) -> None:
+    def _expire_leases(self, engine: LLMEngine) -> None:
         """Engine thread, between steps: free reservations whose KV never completed."""
         for reservation in self.reservations.pop_expired():
             self.num_expired += 1
             request_id = reservation.request.request_id
             logger.warning("reservation of request %s expired before its KV arrived", request_id)
-            self._end(self.runtime.engine, request_id)
+            self._end(engine, request_id)
 
     def stats(self) -> common_pb2.InstanceStats:
         return self.runtime.stats(

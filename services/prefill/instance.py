@@ -17,14 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from pdserve.config import EngineConfig, PrefillConfig, StorageConfig, TransferConfig
-from pdserve.engine.engine import LLMEngine
-from pdserve.engine.request import (
-    Request,
-    RequestOutput,
-    RequestStatus,
-    SamplingParams,
-    TokenLogprob,
-)
+from pdserve.engine.request import Request, RequestOutput, SamplingParams, TokenLogprob
 from pdserve.errors import (
     DecodeUnavailableError,
     InstanceUnavailableError,
@@ -303,13 +296,7 @@ class PrefillInstance:
         if stream.ended:
             return False
         stream.fail(RequestAbortedError(f"request {request_id} was aborted"))
-
-        def stop_computing(engine: LLMEngine) -> None:
-            request = engine.scheduler.requests.get(request_id)
-            if request is not None and request.status != RequestStatus.TRANSFERRING:
-                engine.abort_request(request_id)
-
-        self.runtime.loop.call(stop_computing)
+        self.runtime.loop.call(lambda engine: engine.stop_computing(request_id))
         return True
 
     def _abort_on_decode(self, request_id: str, decode: DecodeClient) -> None:

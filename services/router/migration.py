@@ -7,10 +7,13 @@ on the router detokenizes itself (primed with the earlier output), so text, stop
 span the seam and usage counts are those of an undisturbed run.
 """
 
+from collections.abc import Sequence
 from dataclasses import replace
 
 from pdserve.engine.detokenizer import IncrementalDetokenizer
-from pdserve.engine.request import SamplingParams
+from pdserve.engine.grammar import Grammars
+from pdserve.engine.request import RequestStatus, SamplingParams
+from pdserve.engine.stop import stop_status
 from pdserve.model.tokenizer import Tokenizer
 from services.router.pd_client import Finished, TokenDelta
 
@@ -18,10 +21,25 @@ from services.router.pd_client import Finished, TokenDelta
 class Transcript:
     """Not thread-safe: one request's generator owns it."""
 
-    def __init__(self, tokenizer: Tokenizer, prompt: list[int], params: SamplingParams) -> None:
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        prompt: list[int],
+        params: SamplingParams,
+        *,
+        eos_token_ids: Sequence[int],
+        max_model_len: int,
+        grammars: Grammars,
+    ) -> None:
+        """`eos_token_ids`, `max_model_len` and `grammars` (structured outputs) are the
+        model's, for the stop conditions (`stop_status`) a migration applies to the earlier
+        output."""
         self.tokenizer = tokenizer
         self.prompt = prompt
         self.params = params
+        self.eos_token_ids = tuple(eos_token_ids)
+        self.max_model_len = max_model_len
+        self.grammars = grammars
         self.token_ids: list[int] = []
         self.migrations = 0
         self.finished = False
@@ -49,13 +67,29 @@ class Transcript:
         detokenizer = IncrementalDetokenizer(self.tokenizer, self.params.stop)
         detokenizer.resume(self.token_ids, self._shown)
         self._detokenizer = detokenizer
-        last = self.token_ids[-1]
-        eos = self.tokenizer.eos_token_id
-        if last in self.params.stop_token_ids or (last == eos and not self.params.ignore_eos):
-            return self._final("stop", str(last) if last in self.params.stop_token_ids else "")
-        if len(self.token_ids) >= self.params.max_tokens:
+        status = stop_status(
+            self.token_ids,
+            len(self.prompt),
+            self.params,
+            eos_token_ids=self.eos_token_ids,
+            max_model_len=self.max_model_len,
+            grammar_ended=self._grammar_ended(),
+        )
+        if status == RequestStatus.FINISHED_STOPPED:  # as an instance words it: the token
+            return self._final("stop", str(self.token_ids[-1]))
+        if status == RequestStatus.FINISHED_LENGTH:
             return self._final("length", "")
         return None
+
+    def _grammar_ended(self) -> bool:
+        """Whether the structured output's grammar accepted its end within the output so far
+        (the prompt's last `output_offset` tokens included: an earlier migration's)."""
+        structured = self.params.structured
+        if structured is None:
+            return False
+        earlier = self.prompt[len(self.prompt) - self.params.output_offset :]
+        matcher = self.grammars.matcher(*structured, accepted=[*earlier, *self.token_ids])
+        return bool(matcher.is_terminated())
 
     def relay(self, event: TokenDelta | Finished) -> list[TokenDelta | Finished]:
         """The events to send the client for one from the instance (after a migration the

@@ -70,7 +70,7 @@ def stored(tiny_model_dir: Path) -> tuple[LLMEngine, FakeTier]:
     """An engine whose tier holds every block of `prompt(80)` (written through as computed)."""
     tier = FakeTier(StorageConfig(device_write_policy="write_through"))
     engine = LLMEngine.from_config(
-        EngineConfig(model=str(tiny_model_dir), num_kv_blocks=32), storage=lambda _: tier
+        EngineConfig(model=str(tiny_model_dir), num_kv_blocks=32), storage_tier=lambda _: tier
     )
     engine.generate([prompt(80)], GREEDY)
     assert len(tier.blocks) == 5
@@ -82,10 +82,12 @@ def test_staged_bytes_are_dropped_when_a_reservation_is_refused(
     stored: tuple[LLMEngine, FakeTier],
 ) -> None:
     engine, _ = stored
-    assert engine.storage is not None
+    assert engine.storage_connector is not None
     request = engine.make_request(prompt(80), GREEDY, "refused")
-    engine.storage.read_ahead(request, 0)
-    assert engine.storage.num_usable(request, 0) == 4  # never the block with the last token
+    engine.storage_connector.read_ahead(request, 0)
+    assert (
+        engine.storage_connector.num_usable(request, 0) == 4
+    )  # never the block with the last token
     assert engine.preallocate(request, growth_headroom_blocks=10**6) is None  # refused
     with pytest.raises(IntegrityError, match="refused"):
         engine.check_integrity()  # what a refusal that forgot its staged bytes leaves
@@ -97,14 +99,14 @@ def test_unusable_staged_bytes_are_dropped_at_admission(
     stored: tuple[LLMEngine, FakeTier],
 ) -> None:
     engine, _ = stored
-    assert engine.storage is not None
+    assert engine.storage_connector is not None
     request = engine.make_request(prompt(80), GREEDY, "late")
-    engine.storage.read_ahead(request, 0)
+    engine.storage_connector.read_ahead(request, 0)
     engine.generate([prompt(80)], GREEDY)  # the device holds the prefix again: staged is moot
-    assert engine.storage.num_staged_blocks == 4
+    assert engine.storage_connector.num_usable(request, 0) == 4
     admission = engine.preallocate(request)
     assert admission is not None and admission.storage_hit_tokens == 0
-    assert engine.storage.num_staged_blocks == 0  # not held while the request runs
+    assert engine.storage_connector.num_usable(request, 0) == 0  # not held while it runs
     engine.release("late")
     engine.check_integrity()  # nothing left staged for it
 
