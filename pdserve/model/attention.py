@@ -16,10 +16,12 @@ kernels for CUDA: `triton_attention.py`). `auto` takes `cpu` on CPU where its ke
 import logging
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import assert_never
 
 import torch
 import torch.nn.functional as F
 
+from pdserve.choices import AttentionBackendName
 from pdserve.errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -230,19 +232,39 @@ class CpuBackend(AttentionBackend):
 
 
 def make_backend(name: str, device: torch.device) -> AttentionBackend:
-    """The backend `engine.attention_backend` names; `auto`: `cpu` on CPU when its kernel builds,
-    `triton` on CUDA when triton imports, else the reference (logged)."""
-    if name == "reference":
-        return ReferenceBackend()
-    if name == "triton" or (name == "auto" and device.type == "cuda"):
-        return _triton_backend(name, device)
-    if name == "auto" and device.type != "cpu":
-        return ReferenceBackend()
+    """The backend `engine.attention_backend` names (an `AttentionBackendName`); `auto`: `cpu` on
+    CPU when its kernel builds, `triton` on CUDA when triton imports, else the reference (logged).
+    Raises ConfigError for an unknown name, or a forced backend the device cannot run."""
+    try:
+        choice = AttentionBackendName(name)
+    except ValueError:
+        choices = ", ".join(AttentionBackendName)
+        raise ConfigError(
+            f"engine.attention_backend must be one of {choices}, got {name!r}"
+        ) from None
+    match choice:
+        case AttentionBackendName.REFERENCE:
+            return ReferenceBackend()
+        case AttentionBackendName.CPU:
+            return _cpu_backend(device, forced=True)
+        case AttentionBackendName.TRITON:
+            return _triton_backend(device, forced=True)
+        case AttentionBackendName.AUTO:
+            if device.type == "cuda":
+                return _triton_backend(device, forced=False)
+            if device.type == "cpu":
+                return _cpu_backend(device, forced=False)
+            return ReferenceBackend()
+        case _:
+            assert_never(choice)
+
+
+def _cpu_backend(device: torch.device, *, forced: bool) -> AttentionBackend:
     from pdserve.model.cpu_kernels import paged_ops
 
     ops = paged_ops() if device.type == "cpu" else None
     if ops is None:
-        if name == "cpu":
+        if forced:
             raise ConfigError(
                 f"engine.attention_backend is cpu but its kernel is not available on {device} "
                 "(no C++ compiler, or not a CPU device): use auto or reference"
@@ -251,12 +273,12 @@ def make_backend(name: str, device: torch.device) -> AttentionBackend:
     return CpuBackend(ops)
 
 
-def _triton_backend(name: str, device: torch.device) -> AttentionBackend:
+def _triton_backend(device: torch.device, *, forced: bool) -> AttentionBackend:
     from pdserve.model.triton_attention import TritonBackend, triton_available
 
     if device.type == "cuda" and triton_available():
         return TritonBackend()
-    if name == "triton":
+    if forced:
         raise ConfigError(
             f"engine.attention_backend is triton but triton is not installed or {device} is not "
             "a CUDA device: use auto or reference"

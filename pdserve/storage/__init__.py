@@ -1,5 +1,5 @@
 """The shared KV storage tier: a Redis index (`CacheIndex`) over block stores, used by every
-instance through its `StorageTier` (DESIGN.md §5)."""
+instance through its `StorageTier`."""
 
 from pdserve.errors import BlockStoreError
 from pdserve.storage.index import CacheIndex, IndexEntry, InvalidEntry

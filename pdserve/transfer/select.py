@@ -6,6 +6,7 @@ import logging
 import threading
 from typing import TYPE_CHECKING
 
+from pdserve.choices import TransportName
 from pdserve.config import TransferConfig
 from pdserve.errors import KVTransferError
 from pdserve.rpc.channels import ChannelPool
@@ -18,7 +19,10 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-AUTO_ORDER = ("cuda_ipc", "shm", "mooncake")
+# `auto` tries these in order, then falls back to gRPC, which reaches every decode instance.
+AUTO_ORDER = (TransportName.CUDA_IPC, TransportName.SHM, TransportName.MOONCAKE)
+if {TransportName.AUTO, *AUTO_ORDER, TransportName.GRPC} != set(TransportName):
+    raise TypeError("TransportSelector must handle every TransportName (AUTO_ORDER + grpc)")
 
 
 class TransportSelector:
@@ -36,15 +40,17 @@ class TransportSelector:
         lives, which `can_reach` needs and a target cannot tell); None: not offered."""
         self.config = config
         self.transports: dict[str, KVTransport] = {
-            "grpc": GrpcKVTransport(channels, chunk_bytes),
-            "shm": ShmKVTransport(channels),
+            TransportName.GRPC: GrpcKVTransport(channels, chunk_bytes),
+            TransportName.SHM: ShmKVTransport(channels),
         }
         if cuda_ipc is not None:
-            self.transports["cuda_ipc"] = cuda_ipc
+            self.transports[TransportName.CUDA_IPC] = cuda_ipc
         if mooncake is not None:
             from pdserve.transfer.mooncake import MooncakeKVTransport
 
-            self.transports["mooncake"] = MooncakeKVTransport(config, channels, mooncake)
+            self.transports[TransportName.MOONCAKE] = MooncakeKVTransport(
+                config, channels, mooncake
+            )
         self._logged: set[tuple[str, str]] = set()
         self._lock = threading.Lock()
 
@@ -52,7 +58,7 @@ class TransportSelector:
         """The transport for this target. Raises KVTransferError when a forced one cannot reach
         it."""
         mode = self.config.transport
-        if mode == "auto":
+        if mode == TransportName.AUTO:
             chosen = next(
                 (
                     transport
@@ -60,7 +66,7 @@ class TransportSelector:
                     if (transport := self.transports.get(name)) is not None
                     and transport.can_reach(target)
                 ),
-                self.transports["grpc"],
+                self.transports[TransportName.GRPC],
             )
         else:
             forced = self.transports.get(mode)

@@ -3,8 +3,9 @@
 Mechanism lives elsewhere (`KVEventIndex` measures prefix overlap, `LoadTracker` counts in-flight
 work, the instances report their KV capacity); a policy only reads those numbers and decides.
 
-* Prefill (and mixed-mode) policies, registry `POLICIES`, built by `make_policy`:
-  `round_robin`, `least_load`, `cache_aware` (the default).
+* Prefill (and mixed-mode) policies, registry `POLICIES` (keyed by
+  `pdserve.choices.PrefillPolicyName`, the names `router.prefill_policy` takes), built by
+  `make_policy`: `round_robin`, `least_load`, `cache_aware` (the default).
 * Decode policies, registry `DECODE_POLICIES`, built by `make_decode_policy`: `least_kv_usage`.
 
 Every `choose` returns a `Decision` naming the instance and why (`RouteReason`, a string enum
@@ -21,6 +22,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import TypeVar
 
+from pdserve.choices import PrefillPolicyName, registry
 from pdserve.errors import ConfigError, NoCandidateError
 from services.router.load import IDLE, InstanceLoad
 
@@ -278,11 +280,15 @@ class LeastKVUsagePolicy(DecodePolicy):
 
 # -- registries ------------------------------------------------------------------------------------
 
-POLICIES: dict[str, type[RoutingPolicy]] = {
-    "round_robin": RoundRobinPolicy,
-    "least_load": LeastLoadPolicy,
-    "cache_aware": CacheAwarePolicy,
-}
+# keyed by pdserve.choices.PrefillPolicyName, the list `router.prefill_policy` is checked against
+POLICIES: dict[str, type[RoutingPolicy]] = registry(
+    PrefillPolicyName,
+    {
+        PrefillPolicyName.ROUND_ROBIN: RoundRobinPolicy,
+        PrefillPolicyName.LEAST_LOAD: LeastLoadPolicy,
+        PrefillPolicyName.CACHE_AWARE: CacheAwarePolicy,
+    },
+)
 DEFAULT_POLICY = "cache_aware"
 
 DECODE_POLICIES: dict[str, type[DecodePolicy]] = {

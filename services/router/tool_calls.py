@@ -19,6 +19,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from pdserve.choices import ToolParserName, registry
 from pdserve.errors import InvalidRequestError
 
 HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
@@ -50,9 +51,9 @@ def family_of(chat_template: str | None) -> str | None:
     """The tool-call format a chat template teaches its model; None when it teaches none."""
     template = chat_template or ""
     if HERMES_OPEN in template:
-        return "hermes"
+        return ToolParserName.HERMES
     if PYTHON_TAG in template or ("ipython" in template and "parameters" in template):
-        return "llama3_json"
+        return ToolParserName.LLAMA3_JSON
     return None
 
 
@@ -301,8 +302,12 @@ def _partial_suffix(text: str, marker: str) -> int:
     return 0
 
 
-# `tool_choice: "auto"` parsers by family (pdserve.config.TOOL_PARSERS names the same)
-PARSERS: dict[str, type[CallParser]] = {"hermes": HermesCalls, "llama3_json": Llama3JsonCalls}
+# `tool_choice: "auto"` parsers by family, keyed by pdserve.choices.ToolParserName (the list
+# `router.tool_parser` is checked against)
+PARSERS: dict[str, type[CallParser]] = registry(
+    ToolParserName,
+    {ToolParserName.HERMES: HermesCalls, ToolParserName.LLAMA3_JSON: Llama3JsonCalls},
+)
 
 
 def parser_factory(
@@ -316,7 +321,7 @@ def parser_factory(
     if family not in PARSERS:
         raise InvalidRequestError(
             'tool_choice "auto": this model\'s chat template teaches no tool-call format '
-            "pdserve can parse; set router.tool_parser (hermes | llama3_json), or use "
+            f"pdserve can parse; set router.tool_parser ({' | '.join(PARSERS)}), or use "
             'tool_choice "required" or a named function'
         )
     parser = PARSERS[family]

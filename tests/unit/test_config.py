@@ -1,21 +1,31 @@
 """Config loading: per-role engine settings, unknown PDSERVE_* variables, invalid choices."""
 
+import dataclasses
 from pathlib import Path
 
 import pytest
 
+from pdserve.choices import PrefillPolicyName, ToolParserName, TransportName, registry
 from pdserve.config import (
+    EVICTION_POLICIES,
     PREFILL_POLICIES,
+    TOOL_PARSERS,
     ClusterConfig,
     EngineConfig,
     RouterConfig,
+    StorageConfig,
+    TransferConfig,
     check_environment,
+    choices_of,
     known_variables,
     load_cluster_config,
     load_engine_config,
+    variable_name,
 )
 from pdserve.errors import ConfigError
+from pdserve.kvcache import eviction
 from services.router.policies import POLICIES
+from services.router.tool_calls import PARSERS
 
 
 def _yaml(tmp_path: Path, text: str) -> Path:
@@ -150,9 +160,41 @@ def test_bad_prefill_policy_is_rejected_with_the_choices(tmp_path: Path) -> None
         RouterConfig(prefill_policy="random")
 
 
-def test_prefill_policies_match_the_router_registry() -> None:
-    assert set(PREFILL_POLICIES) == set(POLICIES)
-    assert len(PREFILL_POLICIES) == len(POLICIES)
+def test_choice_lists_are_their_registries() -> None:
+    """Each list config.py checks is the enum its registry is keyed by, and `registry` refuses
+    a registry that misses or adds a name."""
+    assert PREFILL_POLICIES == tuple(POLICIES) == tuple(PrefillPolicyName)
+    assert TOOL_PARSERS == tuple(PARSERS) == tuple(ToolParserName)
+    assert tuple(eviction.EVICTION_POLICIES) == EVICTION_POLICIES
+    with pytest.raises(TypeError, match=r"missing \['llama3_json'\]"):
+        registry(ToolParserName, {ToolParserName.HERMES: object})
+
+
+def test_choice_settings_list_their_choices() -> None:
+    """Every choice setting carries its list (the configuration reference prints it) and is
+    checked against it."""
+    choices = {
+        f"{cls.__name__}.{field.name}": choices_of(field)
+        for cls in (EngineConfig, RouterConfig, TransferConfig, StorageConfig, ClusterConfig)
+        for field in dataclasses.fields(cls)
+        if choices_of(field)
+    }
+    assert choices["EngineConfig.attention_backend"] == ("auto", "reference", "cpu", "triton")
+    assert choices["TransferConfig.transport"] == tuple(TransportName)
+    assert len(choices) == 10
+    with pytest.raises(ConfigError, match=r"engine\.attention_backend must be one of auto, "):
+        EngineConfig(attention_backend="flash")
+    with pytest.raises(ConfigError, match=r"storage\.device_write_policy must be one of"):
+        StorageConfig(device_write_policy="always")
+    assert RouterConfig(tool_parser=None).tool_parser is None
+
+
+def test_variable_names() -> None:
+    assert variable_name("engine", "num_kv_blocks") == "PDSERVE_NUM_KV_BLOCKS"
+    assert variable_name("cluster", "state_dir") == "PDSERVE_STATE_DIR"
+    assert variable_name("decode", "replicas") == "PDSERVE_DECODE_REPLICAS"
+    assert variable_name("decode.engine", "seed") == "PDSERVE_DECODE_ENGINE_SEED"
+    assert {"PDSERVE_DECODE_ENGINE_SEED", "PDSERVE_ADMIN_TOKEN"} <= known_variables()
 
 
 @pytest.mark.parametrize(
