@@ -6,7 +6,8 @@ import pytest
 import yaml
 from ray.autoscaler._private.util import validate_config
 
-from pdserve.config import load_cluster_config
+from pdserve import config as pdserve_config
+from pdserve.config import ClusterConfig, load_cluster_config
 
 DEPLOY = Path(__file__).parents[2] / "deploy"
 
@@ -31,3 +32,17 @@ def test_every_example_config_loads(name: str) -> None:
     assert config.prefill.replicas + config.decode.replicas + config.mixed.replicas > 0
     if "8b" in name:
         assert config.engine.device == "cuda" and config.prefill.num_gpus == 1
+
+
+def test_local_yaml_is_the_full_example() -> None:
+    """deploy/config/local.yaml sets every setting of every section, each to its default."""
+    document = yaml.safe_load((DEPLOY / "config" / "local.yaml").read_text())
+    sections = {
+        "engine": pdserve_config.EngineConfig,
+        **pdserve_config.SECTIONS,
+        "cluster": ClusterConfig,
+    }
+    assert list(document) == list(sections)
+    for name, cls in sections.items():
+        assert list(document[name]) == list(pdserve_config.settings_of(cls)), name
+    assert load_cluster_config(DEPLOY / "config" / "local.yaml", env={}) == ClusterConfig()
