@@ -31,11 +31,10 @@ from pdserve.engine.tensor_parallel import (
     default_launcher,
     start_rank_zero,
 )
+from pdserve.engine.validation import validate_prompt
 from pdserve.errors import (
     ConfigError,
     IntegrityError,
-    InvalidRequestError,
-    PromptTooLongError,
     RequestNotFoundError,
 )
 from pdserve.kvcache.events import KVEventSink
@@ -115,7 +114,9 @@ class LLMEngine:
         self.sampler = sampler
         self.storage_connector = storage_connector
         self.hasher = BlockHasher.for_model(kv_cache.block_size, loaded.model_tag)
-        self.max_model_len = min(loaded.max_model_len, kv_cache.num_blocks * kv_cache.block_size)
+        self.max_model_len = loaded.config.context_window(
+            loaded.max_model_len, kv_cache.num_blocks * kv_cache.block_size
+        )
         self.kv_plan: KVPlan | None = None  # how the KV cache was sized (`from_config`)
         self.memory: MemoryReport | None = None  # the device's, when it was profiled
         self.outputs = OutputProcessor(loaded.tokenizer)  # the text of every output
@@ -218,8 +219,13 @@ class LLMEngine:
         PromptTooLongError for bad input. `block_hashes` (the router's chain of the prompt) is
         taken when it passes `BlockHasher.adopt`'s check, else the chain is computed here."""
         token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        self._validate_prompt(token_ids)
         params = params or SamplingParams()
+        validate_prompt(
+            token_ids,
+            params,
+            vocab_size=self.loaded.config.vocab_size,
+            max_model_len=self.max_model_len,
+        )
         request = Request(
             request_id=request_id or uuid.uuid4().hex,
             prompt_token_ids=tuple(token_ids),
@@ -628,19 +634,6 @@ class LLMEngine:
                     raise IntegrityError(f"request {request_id} lacks blocks for its KV")
             elif request.status == RequestStatus.PREEMPTED and table:
                 raise IntegrityError(f"preempted request {request_id} still holds blocks")
-
-    def _validate_prompt(self, token_ids: Sequence[int]) -> None:
-        if not token_ids:
-            raise InvalidRequestError("the prompt is empty: send at least one token")
-        vocab = self.loaded.config.vocab_size
-        bad = next((t for t in token_ids if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise InvalidRequestError(f"token id {bad} is outside the vocabulary [0, {vocab})")
-        if len(token_ids) >= self.max_model_len:
-            raise PromptTooLongError(
-                f"the prompt has {len(token_ids)} tokens but the context window is "
-                f"{self.max_model_len} tokens (at least one is needed for output); shorten it"
-            )
 
 
 def load_and_size(

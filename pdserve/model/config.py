@@ -80,8 +80,17 @@ class ModelConfig:
     o_bias: bool
     mlp_bias: bool
     dtype: torch.dtype
-    bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
+
+    def context_window(
+        self, max_model_len: int | None = None, kv_cache_tokens: int | None = None
+    ) -> int:
+        """The longest sequence (prompt + output) served: `max_model_len` (the setting
+        `engine.max_model_len`) when given, else the model's `max_position_embeddings`, never
+        more than the latter, nor than the tokens an instance's KV cache holds
+        (`kv_cache_tokens`; the router does not know them)."""
+        window = min(max_model_len or self.max_position_embeddings, self.max_position_embeddings)
+        return window if kv_cache_tokens is None else min(window, kv_cache_tokens)
 
     @classmethod
     def from_dir(cls, path: Path) -> "ModelConfig":
@@ -133,7 +142,6 @@ class ModelConfig:
             o_bias=traits.o_bias_key is not None and bool(raw.get(traits.o_bias_key, False)),
             mlp_bias=bool(raw.get("mlp_bias", False)),
             dtype=_parse_dtype(raw.get("dtype") or raw.get("torch_dtype") or "float32"),
-            bos_token_id=raw.get("bos_token_id"),
             eos_token_ids=tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,)),
         )
 

@@ -61,7 +61,7 @@ def load_model(
         raise ModelLoadError(f"model directory {str(model_dir)!r} does not exist")
     config = ModelConfig.from_dir(model_dir)
     torch_dtype = config.dtype if dtype == "auto" else parse_dtype(dtype)
-    context = min(max_model_len or config.max_position_embeddings, config.max_position_embeddings)
+    context = config.context_window(max_model_len)
     torch_device = torch.device(device)
     shard = group.shard if group is not None else Shard()
     check_divides(shard, config.num_heads, config.num_kv_heads, config.intermediate_size)
