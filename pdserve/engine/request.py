@@ -43,6 +43,34 @@ GRAMMAR_KINDS = ("json", "json_schema", "regex", "choice")  # pdserve.engine.gra
 
 
 @dataclass(frozen=True, slots=True)
+class Range:
+    """The finite values in [low, high], or (low, high] when `low_open`."""
+
+    low: float
+    high: float
+    low_open: bool = False
+
+    def __contains__(self, value: float) -> bool:
+        above = self.low < value if self.low_open else self.low <= value
+        return math.isfinite(value) and above and value <= self.high
+
+    def __str__(self) -> str:
+        return f"{'(' if self.low_open else '['}{self.low:g}, {self.high:g}]"
+
+
+# The one definition of each sampling limit: SamplingParams checks them, the router's OpenAI
+# schema derives its fields' ranges from them. OpenAI's where it has one.
+TEMPERATURE = Range(0.0, 2.0)
+TOP_P = Range(0.0, 1.0, low_open=True)
+MIN_P = Range(0.0, 1.0)
+PENALTY = Range(-2.0, 2.0)  # presence_penalty, frequency_penalty
+REPETITION_PENALTY = Range(0.0, 10.0, low_open=True)  # vLLM's: 1 is neutral
+LOGIT_BIAS = Range(-100.0, 100.0)
+MAX_LOGIT_BIAS_TOKENS = 300
+LOGPROBS = Range(0, 20)  # logprobs, prompt_logprobs: the top tokens reported per position
+
+
+@dataclass(frozen=True, slots=True)
 class SamplingParams:
     """How to pick tokens and when to stop. Validated on construction (InvalidRequestError)."""
 
@@ -73,42 +101,34 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
             raise InvalidRequestError(f"max_tokens must be at least 1, got {self.max_tokens}")
-        if not (math.isfinite(self.temperature) and 0.0 <= self.temperature <= 100.0):
-            raise InvalidRequestError(f"temperature must be in [0, 100], got {self.temperature}")
+        _check_range("temperature", self.temperature, TEMPERATURE)
         if self.top_k is not None and self.top_k < 1:
             raise InvalidRequestError(f"top_k must be at least 1 (or unset), got {self.top_k}")
-        if not (0.0 < self.top_p <= 1.0):
-            raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p}")
+        _check_range("top_p", self.top_p, TOP_P)
         if any(not s for s in self.stop):
             raise InvalidRequestError("stop strings must be non-empty")
         if not 0 <= self.min_tokens <= self.max_tokens:
             raise InvalidRequestError(
                 f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}"
             )
-        for name in ("presence_penalty", "frequency_penalty"):
-            value = getattr(self, name)
-            if not (math.isfinite(value) and -2.0 <= value <= 2.0):
-                raise InvalidRequestError(f"{name} must be in [-2, 2], got {value}")
-        if not (math.isfinite(self.repetition_penalty) and 0 < self.repetition_penalty <= 10):
-            raise InvalidRequestError(
-                f"repetition_penalty must be in (0, 10], got {self.repetition_penalty}"
-            )
+        _check_range("presence_penalty", self.presence_penalty, PENALTY)
+        _check_range("frequency_penalty", self.frequency_penalty, PENALTY)
+        _check_range("repetition_penalty", self.repetition_penalty, REPETITION_PENALTY)
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
-            if value is not None and not 0 <= value <= 20:
-                raise InvalidRequestError(f"{name} must be in [0, 20], got {value}")
+            if value is not None:
+                _check_range(name, value, LOGPROBS)
         if self.structured is not None and self.structured[0] not in GRAMMAR_KINDS:
             raise InvalidRequestError(
                 f"structured output kind must be one of {GRAMMAR_KINDS}, got {self.structured[0]!r}"
             )
-        if not 0.0 <= self.min_p <= 1.0:
-            raise InvalidRequestError(f"min_p must be in [0, 1], got {self.min_p}")
-        if len(self.logit_bias) > 300:
-            raise InvalidRequestError("logit_bias takes at most 300 tokens")
+        _check_range("min_p", self.min_p, MIN_P)
+        if len(self.logit_bias) > MAX_LOGIT_BIAS_TOKENS:
+            raise InvalidRequestError(f"logit_bias takes at most {MAX_LOGIT_BIAS_TOKENS} tokens")
         for token, bias in self.logit_bias:
-            if token < 0 or not (math.isfinite(bias) and -100.0 <= bias <= 100.0):
+            if token < 0 or bias not in LOGIT_BIAS:
                 raise InvalidRequestError(
-                    f"logit_bias needs token ids >= 0 and biases in [-100, 100], got {token}: "
+                    f"logit_bias needs token ids >= 0 and biases in {LOGIT_BIAS}, got {token}: "
                     f"{bias}"
                 )
         if self.output_offset < 0:
@@ -129,6 +149,11 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
+
+
+def _check_range(name: str, value: float, allowed: Range) -> None:
+    if value not in allowed:
+        raise InvalidRequestError(f"{name} must be in {allowed}, got {value}")
 
 
 @dataclass(frozen=True, slots=True)

@@ -7,11 +7,22 @@ strings must be valid Unicode (a lone surrogate is a 400, not a tokenizer crash)
 
 import json
 from dataclasses import replace
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from pdserve.engine.request import SamplingParams
+from pdserve.engine.request import (
+    LOGIT_BIAS,
+    LOGPROBS,
+    MAX_LOGIT_BIAS_TOKENS,
+    MIN_P,
+    PENALTY,
+    REPETITION_PENALTY,
+    TEMPERATURE,
+    TOP_P,
+    Range,
+    SamplingParams,
+)
 from pdserve.errors import InvalidRequestError
 from services.router import tool_calls
 
@@ -37,6 +48,13 @@ UNSUPPORTED_FIELDS = frozenset(
 _NEUTRAL: dict[str, Any] = {"use_beam_search": False, "length_penalty": 1}
 
 
+def _within(allowed: Range) -> Any:
+    """A field's range (its `Annotated` metadata), as SamplingParams defines it."""
+    if allowed.low_open:
+        return Field(gt=allowed.low, le=allowed.high)
+    return Field(ge=allowed.low, le=allowed.high)
+
+
 def _neutral(name: str, value: Any) -> bool:
     return value is None or (name in _NEUTRAL and value == _NEUTRAL[name])
 
@@ -54,8 +72,8 @@ class OpenAIRequest(BaseModel):
 
     model: str
     max_tokens: int | None = Field(default=None, ge=1, le=MAX_TOKENS_LIMIT)
-    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    temperature: Annotated[float, _within(TEMPERATURE)] = 1.0
+    top_p: Annotated[float, _within(TOP_P)] = 1.0
     top_k: int | None = Field(default=None, ge=-1, le=2**31 - 1)  # vLLM: -1 or unset = off
     n: int = Field(default=1, ge=1, le=MAX_CHOICES)
     stream: bool = False
@@ -65,11 +83,11 @@ class OpenAIRequest(BaseModel):
     seed: int | None = Field(default=None, ge=0, le=2**63 - 1)
     stream_options: dict[str, Any] | None = None
     min_tokens: int = Field(default=0, ge=0, le=MAX_TOKENS_LIMIT)  # vLLM
-    min_p: float = Field(default=0.0, ge=0.0, le=1.0)  # vLLM
-    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
-    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
-    repetition_penalty: float = Field(default=1.0, gt=0.0, le=10.0)  # vLLM
-    logit_bias: dict[str, float] | None = Field(default=None, max_length=300)
+    min_p: Annotated[float, _within(MIN_P)] = 0.0  # vLLM
+    presence_penalty: Annotated[float, _within(PENALTY)] = 0.0
+    frequency_penalty: Annotated[float, _within(PENALTY)] = 0.0
+    repetition_penalty: Annotated[float, _within(REPETITION_PENALTY)] = 1.0  # vLLM
+    logit_bias: dict[str, float] | None = Field(default=None, max_length=MAX_LOGIT_BIAS_TOKENS)
     response_format: dict[str, Any] | None = None  # text | json_object | json_schema
     guided_json: dict[str, Any] | str | None = None  # vLLM: a JSON schema
     guided_regex: str | None = Field(default=None, max_length=10_000)  # vLLM
@@ -81,8 +99,8 @@ class OpenAIRequest(BaseModel):
         for token, value in (bias or {}).items():
             if not token.isdigit() or int(token) >= 2**31:
                 raise ValueError(f"logit_bias keys must be token ids, got {token!r}")
-            if not -100.0 <= value <= 100.0:
-                raise ValueError(f"logit_bias values must be in [-100, 100], got {value}")
+            if value not in LOGIT_BIAS:
+                raise ValueError(f"logit_bias values must be in {LOGIT_BIAS}, got {value}")
         return bias
 
     @model_validator(mode="after")
@@ -170,7 +188,7 @@ class OpenAIRequest(BaseModel):
 
 class CompletionRequest(OpenAIRequest):
     prompt: str | list[int] | list[str] | list[list[int]]
-    logprobs: int | None = Field(default=None, ge=0, le=20)
+    logprobs: Annotated[int | None, _within(LOGPROBS)] = None
     best_of: int | None = Field(default=None, ge=1, le=MAX_CHOICES)
     echo: bool = False  # the prompt (and, with logprobs, its logprobs) before the completion
     max_tokens: int | None = Field(default=None, ge=0, le=MAX_TOKENS_LIMIT)  # 0: with echo
@@ -328,7 +346,7 @@ class ChatCompletionRequest(OpenAIRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1, le=MAX_TOKENS_LIMIT)
     logprobs: bool = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    top_logprobs: Annotated[int | None, _within(LOGPROBS)] = None
     tools: list[ToolDefinition] | None = Field(default=None, max_length=128)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None  # false: at most one call (with "required")
