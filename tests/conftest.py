@@ -1,6 +1,7 @@
 """Shared fixtures: the tiny model written once per session into a temporary directory."""
 
 import atexit
+import contextlib
 import os
 import shutil
 import tempfile
@@ -86,3 +87,13 @@ def redis_url(redis_server: EmbeddedRedis) -> str:
     client.flushdb()
     client.close()
     return redis_server.url
+
+
+@pytest.fixture
+def make_stack(tiny_model_dir: Path) -> Iterator[object]:
+    """Factory for serving stacks on the tiny model (`stacks.pd_stack`'s arguments); each is
+    checked at rest, then stopped, at teardown."""
+    from stacks import pd_stack
+
+    with contextlib.ExitStack() as opened:
+        yield lambda **options: opened.enter_context(pd_stack(tiny_model_dir, **options))

@@ -1,6 +1,7 @@
 """Asyncio clients for the router's request path (`grpc.aio`): a request's Prefill call and its
 token stream are awaited on the event loop, so an open stream holds no thread and a token costs
-no thread hop. Same deadlines, credentials and typed errors as `pdserve.rpc.clients`.
+no thread hop. Same deadlines, credentials and typed errors as the blocking clients of
+`pdserve.rpc.clients`.
 
 Channels belong to the event loop that created them: an `AioChannelPool` is used from one
 loop (the router's HTTP server's).
@@ -13,8 +14,8 @@ import grpc
 
 from pdserve.rpc.auth import AUTHORIZATION
 from pdserve.rpc.channels import CHANNEL_OPTIONS
-from pdserve.rpc.clients import DEFAULT_DEADLINES, Deadlines, reply_item
-from pdserve.rpc.status import error_from_rpc
+from pdserve.rpc.clients import DEFAULT_DEADLINES, Deadlines
+from pdserve.rpc.status import error_from_reply, error_from_rpc
 from pdserve.rpc.tls import TlsFiles
 from pdserve.v1 import (
     common_pb2,
@@ -110,3 +111,13 @@ async def token_replies(
         raise error_from_rpc(e, peer) from e
     finally:
         call.cancel()
+
+
+def reply_item(reply: common_pb2.TokenReply) -> common_pb2.TokenChunk | common_pb2.TokenFinal:
+    """A token stream reply's chunk or final reply; raises the typed error of an error reply."""
+    kind = reply.WhichOneof("reply")
+    if kind == "chunk":
+        return reply.chunk
+    if kind == "final":
+        return reply.final
+    raise error_from_reply(reply.error)

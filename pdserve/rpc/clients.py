@@ -1,4 +1,6 @@
-"""One client per instance service: every RPC to a peer goes through these.
+"""Blocking clients of the instance services: control calls (abort, stats, KV events) and the
+prefill instance's calls to decode. A request's own calls (Prefill, the token streams) are the
+asyncio clients of `pdserve.rpc.aio`.
 
 Each call has a deadline (`Deadlines`); token streams, which last as long as a generation, have
 a long deadline and rely on the channels' keepalive pings to notice a dead peer. A failed call
@@ -7,22 +9,18 @@ the peer could not be reached. The clients speak protobuf messages: converting t
 pdserve's dataclasses is the caller's job (`pdserve.instance.convert`). Thread-safe.
 """
 
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import grpc
 
 from pdserve.rpc.channels import ChannelPool
-from pdserve.rpc.status import error_from_reply, error_from_rpc
+from pdserve.rpc.status import error_from_rpc
 from pdserve.v1 import (
     common_pb2,
     common_pb2_grpc,
     decode_pb2,
     decode_pb2_grpc,
-    mixed_pb2_grpc,
-    prefill_pb2,
-    prefill_pb2_grpc,
 )
 
 
@@ -78,15 +76,6 @@ class InstanceClient(_Client):
         return stub.SubscribeKVEvents(common_pb2.KVEventsRequest())
 
 
-class PrefillClient(_Client):
-    def prefill(self, message: prefill_pb2.PrefillRequest) -> prefill_pb2.PrefillResult:
-        stub = prefill_pb2_grpc.PrefillServiceStub(self._channel)
-        result: prefill_pb2.PrefillResult = self._call(
-            stub.Prefill, message, self.deadlines.prefill_s
-        )
-        return result
-
-
 class DecodeClient(_Client):
     def reserve(self, message: decode_pb2.ReserveRequest) -> decode_pb2.ReserveReply:
         """Raises ResourceExhaustedError (with decode's retry-after) when refused."""
@@ -112,50 +101,3 @@ class DecodeClient(_Client):
             request_id=request_id, first_token_id=first_token_id, first_logprob=first_logprob
         )
         self._call(stub.StartDecode, message, self.deadlines.control_s)
-
-    def stream_tokens(self, request_id: str) -> "TokenStream":
-        stub = decode_pb2_grpc.DecodeServiceStub(self._channel)
-        call = stub.StreamTokens(
-            decode_pb2.StreamTokensRequest(request_id=request_id), timeout=self.deadlines.stream_s
-        )
-        return TokenStream(call, self.address)
-
-
-class MixedClient(_Client):
-    def generate(self, message: common_pb2.GenerateRequest) -> "TokenStream":
-        stub = mixed_pb2_grpc.MixedServiceStub(self._channel)
-        return TokenStream(stub.Generate(message, timeout=self.deadlines.stream_s), self.address)
-
-
-class TokenStream:
-    """A token stream's chunks and final reply; an error reply or a broken stream raises the
-    typed exception. Closing it (or leaving the loop) cancels the call."""
-
-    def __init__(self, call: Any, peer: str) -> None:
-        self._call = call
-        self._peer = peer
-
-    def __iter__(self) -> Iterator[common_pb2.TokenChunk | common_pb2.TokenFinal]:
-        try:
-            for reply in self._call:
-                item = reply_item(reply)
-                yield item
-                if isinstance(item, common_pb2.TokenFinal):
-                    return
-        except grpc.RpcError as e:
-            raise error_from_rpc(e, self._peer) from e
-        finally:
-            self._call.cancel()
-
-    def cancel(self) -> None:
-        self._call.cancel()
-
-
-def reply_item(reply: common_pb2.TokenReply) -> common_pb2.TokenChunk | common_pb2.TokenFinal:
-    """A token stream reply's chunk or final reply; raises the typed error of an error reply."""
-    kind = reply.WhichOneof("reply")
-    if kind == "chunk":
-        return reply.chunk
-    if kind == "final":
-        return reply.final
-    raise error_from_reply(reply.error)

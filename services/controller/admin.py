@@ -42,7 +42,7 @@ def admin_token(config: AdminConfig, state_dir: Path) -> str:
 
 class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
     """Runs on the admin server's handler threads; scaling and draining change the router's
-    candidate lists, which the router reads without a lock (list replacement is atomic).
+    membership (its own lock) through the router.
     """
 
     def __init__(
@@ -67,7 +67,7 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
             role=info.role,
             address=info.address,
             metrics_address=info.metrics_address,
-            drained=info.address in self.router.drained,
+            drained=self.router.membership.is_drained(info.address),
             restarts=info.restarts,
             pid=info.pid,
         )
@@ -89,7 +89,7 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
         self, request: admin_pb2.InstanceRef, context: grpc.ServicerContext
     ) -> admin_pb2.InstanceInfo:
         info = self._find(request.name, context)
-        self.router.drained.add(info.address)
+        self.router.membership.set_drained(info.address, True)
         logger.warning("instance %s drained: no new requests", info.name)
         return self._describe(info)
 
@@ -97,7 +97,7 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
         self, request: admin_pb2.InstanceRef, context: grpc.ServicerContext
     ) -> admin_pb2.InstanceInfo:
         info = self._find(request.name, context)
-        self.router.drained.discard(info.address)
+        self.router.membership.set_drained(info.address, False)
         logger.warning("instance %s resumed", info.name)
         return self._describe(info)
 
@@ -113,7 +113,7 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
     def _retire(self, info: InstanceInfo) -> None:
         """Drain `info`, wait up to `cluster.drain_timeout_s` until the router holds no request
         on it, then take it out of routing and stop it (a stream still on it migrates)."""
-        self.router.drained.add(info.address)
+        self.router.membership.set_drained(info.address, True)
         idle = self.router.wait_idle(info.address, self.cluster.config.drain_timeout_s)
         self.router.remove_instance(info.address)
         self.cluster.remove_instance(info.name)

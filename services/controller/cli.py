@@ -1,6 +1,7 @@
 """The `pdserve` command line.
 
 `pdserve generate` runs a single in-process engine (no Ray, no network) and streams the output;
+with `--cluster` it is a client of the running cluster's router (its OpenAI API) instead.
 `pdserve up` places prefill and decode instances on Ray and stays in the foreground until Ctrl-C
 or `pdserve down`.
 Errors caused by the user's input are one line on stderr and exit status 2; nothing else prints a
@@ -15,17 +16,18 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import grpc
 
-from pdserve.config import ClusterConfig, EngineConfig, load_cluster_config, load_engine_config
+from pdserve.config import ClusterConfig, load_cluster_config, load_engine_config
 from pdserve.engine import LLMEngine, SamplingParams
-from pdserve.errors import PdserveError
-from pdserve.model.tiny import default_model_dir
+from pdserve.errors import ClusterError, PdserveError
 from pdserve.model.tokenizer import Tokenizer
 from pdserve.storage.redis_server import redacted
 from services.controller import admin_cli
@@ -61,7 +63,7 @@ def _build_parser() -> argparse.ArgumentParser:
     gen.add_argument(
         "--cluster",
         action="store_true",
-        help="send the request through the PD cluster started by `pdserve up` instead",
+        help="send the request to the router of the cluster started by `pdserve up` instead",
     )
     gen.add_argument("--state-dir", help="where `pdserve up` wrote cluster.json (with --cluster)")
     up = commands.add_parser("up", help="start prefill and decode instances on Ray (foreground)")
@@ -94,7 +96,7 @@ def _generate(args: argparse.Namespace) -> int:
         stop=tuple(args.stop),
     )
     if args.cluster:
-        finish_reason = _generate_on_cluster(args, config, params)
+        finish_reason = _generate_on_cluster(args, params)
     else:
         engine = LLMEngine.from_config(config)
         finish_reason = None
@@ -113,34 +115,66 @@ def _prompt_ids(tokenizer: Tokenizer, args: argparse.Namespace) -> list[int]:
     return tokenizer.encode(args.prompt)
 
 
-def _generate_on_cluster(
-    args: argparse.Namespace, config: EngineConfig, params: SamplingParams
-) -> str | None:
-    """Tokenize here, then prefill on the first prefill instance and decode on the first decode
-    instance of the running cluster."""
-    from pdserve.rpc.channels import ChannelPool
-    from services.controller.cluster import cluster_secret, read_state
-    from services.controller.state import state_path, tls_files
-    from services.router.pd_client import Finished, PDClient, TokenDelta
+def _generate_on_cluster(args: argparse.Namespace, params: SamplingParams) -> str | None:
+    """Send the prompt to the running cluster's router, through its OpenAI API like any other
+    client, and stream the text; returns the finish reason."""
+    from services.controller.cluster import read_state
 
     cluster = load_cluster_config(args.config, overrides={"state_dir": args.state_dir})
-    instances = read_state(cluster)["instances"]
-    secret = cluster_secret(state_path(cluster).parent)
-    address = {i["role"]: i["address"] for i in reversed(instances)}
-    tokenizer = Tokenizer.from_dir(Path(config.model) if config.model else default_model_dir())
-    client = PDClient(ChannelPool(secret, tls_files(cluster)))
+    url = read_state(cluster)["router_url"]
+    [card] = _http_json(f"{url}/v1/models")["data"]
+    body: dict[str, object] = {
+        "model": card["id"],
+        "stream": True,
+        "max_tokens": params.max_tokens,
+        "temperature": params.temperature,
+        "top_p": params.top_p,
+        "top_k": params.top_k,
+        "seed": params.seed,
+        "stop": list(params.stop),
+    }
+    if args.chat:
+        path, body["messages"] = "/v1/chat/completions", [{"role": "user", "content": args.prompt}]
+    else:
+        path, body["prompt"] = "/v1/completions", args.prompt
     finish_reason = None
-    try:
-        prompt = _prompt_ids(tokenizer, args)
-        for event in client.generate(address["prefill"], address["decode"], prompt, params):
-            if isinstance(event, TokenDelta):
-                sys.stdout.write(event.text)
-                sys.stdout.flush()
-            elif isinstance(event, Finished):
-                finish_reason = event.finish_reason
-    finally:
-        client.close()
+    for chunk in _http_events(url + path, body):
+        for choice in chunk["choices"]:
+            text = choice["delta"].get("content") if args.chat else choice.get("text")
+            sys.stdout.write(text or "")
+            sys.stdout.flush()
+            finish_reason = choice.get("finish_reason") or finish_reason
     return finish_reason
+
+
+def _http_json(url: str, body: dict[str, object] | None = None) -> Any:
+    with _http(url, body) as reply:
+        return json.load(reply)
+
+
+def _http_events(url: str, body: dict[str, object]) -> Iterator[Any]:
+    """The JSON payloads of a server-sent event stream, until `[DONE]`."""
+    with _http(url, body) as reply:
+        for line in reply:
+            data = line.decode().strip().removeprefix("data: ")
+            if data == "[DONE]":
+                return
+            if data:
+                yield json.loads(data)
+
+
+def _http(url: str, body: dict[str, object] | None) -> Any:
+    """An open HTTP reply (POST when `body` is given); an error answer raises ClusterError with
+    the router's message."""
+    data = None if body is None else json.dumps(body).encode()
+    request = urllib.request.Request(url, data, {"Content-Type": "application/json"})
+    try:
+        return urllib.request.urlopen(request, timeout=600)
+    except urllib.error.HTTPError as e:
+        message = json.loads(e.read() or b"{}").get("error", {}).get("message", e.reason)
+        raise ClusterError(f"the router at {url} answered {e.code}: {message}") from None
+    except urllib.error.URLError as e:
+        raise ClusterError(f"the router at {url} cannot be reached ({e.reason}); is it up?") from e
 
 
 def _up(args: argparse.Namespace) -> int:
@@ -217,6 +251,8 @@ def _serve_cluster(
         [i.address for i in instances if i.role == "mixed"],
         secret=secret,
         tls=tls_files(config),
+        scrape_targets=lambda address: scrape_targets(config, cluster.instances, address),
+        on_unreachable=wake.set,
     )
     running.router = router
     publish = TargetPublisher(cluster, router, targets_path)
@@ -234,7 +270,6 @@ def _serve_cluster(
     cluster.write_state(path, router_url=router.url, admin_address=admin_address)
     _print_endpoints(cluster, router, targets_path, admin_address, path)
     supervisor = Supervisor(cluster, router.router, changed, _report)
-    router.router.on_unreachable = wake.set
     _watch(cluster, supervisor, stop, wake, args.health_interval)
 
 
@@ -276,8 +311,8 @@ def _shut_down(
 
 
 class TargetPublisher:
-    """Publishes the scrape targets (router HTTP SD and file_sd) at start, and again whenever
-    scaling changes the instances.
+    """Writes the file_sd scrape targets at start, and again whenever scaling changes the
+    instances (the router's HTTP SD computes them on each request).
 
     Called from the admin server's handler threads after scaling; rewrites files atomically
     (temp + rename).
@@ -289,7 +324,6 @@ class TargetPublisher:
     def __call__(self) -> None:
         address = self._router.url.removeprefix("http://")
         groups = scrape_targets(self._cluster.config, self._cluster.instances, address)
-        self._router.router.scrape_targets = groups
         write_file_sd(self._path, groups)
 
 
@@ -315,7 +349,7 @@ def _print_endpoints(
     print(f"pdserve is up ({state}); Ctrl-C or `pdserve down` stops it", flush=True)
     print(
         f"try: curl {router.url}/v1/completions -H 'Content-Type: application/json' "
-        f'-d \'{{"model": "{router.router.model_id}", "prompt": "Once upon a time", '
+        f'-d \'{{"model": "{router.router.model.model_id}", "prompt": "Once upon a time", '
         f'"max_tokens": 32}}\'',
         flush=True,
     )

@@ -55,7 +55,7 @@ class Supervisor:
             info = self.cluster.info(name)
             if info is None:  # removed by scaling meanwhile
                 continue
-            drained = info.address in self.router.drained
+            drained = self.router.membership.is_drained(info.address)
             self.router.remove_instance(info.address)
             backoff = config.restart_backoff_s
             self._down[name] = _Down(info.address, drained, time.monotonic() + backoff, backoff)
@@ -96,7 +96,7 @@ class Supervisor:
         self.router.metrics.dead_instances.set(len(self._down))
         self.router.metrics.instance_restarts.labels(name, restarted.role).inc()
         if down.drained:
-            self.router.drained.add(restarted.address)
+            self.router.membership.set_drained(restarted.address, True)
         self.router.add_instance(restarted.role, restarted.address)
         self._on_change()
         self._report(

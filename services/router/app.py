@@ -1,4 +1,5 @@
-"""The OpenAI-compatible HTTP API (FastAPI): convert -> delegate to Router -> convert.
+"""The OpenAI-compatible HTTP API (FastAPI): check at the edge -> convert -> delegate to
+Router -> convert.
 
 Errors use OpenAI's schema `{"error": {"message", "type", "param", "code"}}` with a 4xx status
 for the caller's mistakes and 503 (with Retry-After) when the cluster has no capacity.
@@ -36,6 +37,8 @@ from pdserve.errors import (
 from pdserve.metrics import RouterMetrics
 from pdserve.model.tokenizer import Tokenizer
 from services.router import tool_calls
+from services.router.edge import RequestEdge
+from services.router.membership import Role
 from services.router.openai_schema import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -49,6 +52,8 @@ from services.router.router import Router
 logger = logging.getLogger(__name__)
 
 Event = TokenDelta | Finished
+ScrapeTargets = Callable[[str], list[dict[str, Any]]]
+"""Prometheus HTTP service-discovery groups, given the router's own address."""
 COUNTED_PATHS = frozenset(
     {"/v1/completions", "/v1/chat/completions", "/v1/models", "/tokenize", "/detokenize"}
 )
@@ -61,7 +66,14 @@ ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
 }
 
 
-def create_app(router: Router, config: RouterConfig) -> FastAPI:
+def create_app(
+    router: Router,
+    config: RouterConfig,
+    scrape_targets: Callable[[], list[dict[str, Any]]] = list,
+) -> FastAPI:
+    """The API over `router`; `scrape_targets()` answers `/prometheus/targets`."""
+    edge = RequestEdge(router.model)
+
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         yield
@@ -71,44 +83,48 @@ def create_app(router: Router, config: RouterConfig) -> FastAPI:
     _install_error_handlers(app)
     app.add_middleware(_RequestGate, metrics=router.metrics, max_bytes=config.max_body_bytes)
 
-    _add_info_endpoints(app, router)
-    _add_token_endpoints(app, router)
+    _add_info_endpoints(app, router, scrape_targets)
+    _add_token_endpoints(app, edge)
+    model_id, tokenizer = router.model.model_id, router.model.tokenizer
 
     @app.post("/v1/completions", response_model=None, responses=ERROR_RESPONSES)
     async def completions(body: CompletionRequest, http: Request) -> Response:
-        router.check_model(body.model)
+        edge.check_model(body.model)
         prompt = body.single_prompt()
-        ids = router.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
-        fmt = _CompletionFormat(router.model_id, router.model.tokenizer)
+        ids = edge.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
+        fmt = _CompletionFormat(model_id, tokenizer)
         if body.echo:
-            text = prompt if isinstance(prompt, str) else router.model.tokenizer.decode(ids)
+            text = prompt if isinstance(prompt, str) else tokenizer.decode(ids)
             fmt.echo = _Echo(ids[0], text, body.prompt_only)
-        return await _serve(router, http, body, ids, fmt)
+        return await _serve(router, edge, http, body, ids, fmt)
 
-    tool_family = config.tool_parser or tool_calls.family_of(router.model.tokenizer.chat_template)
+    tool_family = config.tool_parser or tool_calls.family_of(tokenizer.chat_template)
 
     @app.post("/v1/chat/completions", response_model=None, responses=ERROR_RESPONSES)
     async def chat(body: ChatCompletionRequest, http: Request) -> Response:
-        router.check_model(body.model)
-        ids = router.tokenize_chat(body.chat_messages(), body.template_tools())
-        fmt = _ChatFormat(router.model_id, router.model.tokenizer, _tool_parsers(body, tool_family))
-        return await _serve(router, http, body, ids, fmt)
+        edge.check_model(body.model)
+        ids = edge.tokenize_chat(body.chat_messages(), body.template_tools())
+        fmt = _ChatFormat(model_id, tokenizer, _tool_parsers(body, tool_family))
+        return await _serve(router, edge, http, body, ids, fmt)
 
     app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
     return app
 
 
-def _add_info_endpoints(app: FastAPI, router: Router) -> None:
+def _add_info_endpoints(
+    app: FastAPI, router: Router, targets: Callable[[], list[dict[str, Any]]]
+) -> None:
     """Health, Prometheus discovery and metrics, the model list."""
 
     @app.get("/health")
     async def health() -> dict[str, Any]:
-        return {"status": "ok", "prefill": router.num_prefill, "decode": router.num_decode}
+        prefill, decode = (len(router.membership.members(role)) for role in Role)
+        return {"status": "ok", "prefill": prefill, "decode": decode}
 
     @app.get("/prometheus/targets")
     async def scrape_targets() -> list[dict[str, Any]]:
         """Prometheus HTTP service discovery: every endpoint of the cluster to scrape."""
-        return router.scrape_targets
+        return targets()
 
     @app.get("/metrics", include_in_schema=False)  # Prometheus text, not the API
     async def metrics() -> Response:
@@ -117,7 +133,7 @@ def _add_info_endpoints(app: FastAPI, router: Router) -> None:
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        card = {"id": router.model_id, "object": "model", "created": 0, "owned_by": "pdserve",
+        card = {"id": router.model.model_id, "object": "model", "created": 0, "owned_by": "pdserve",
                 "max_model_len": router.model.max_model_len}  # fmt: skip
         return {"object": "list", "data": [card]}
 
@@ -132,28 +148,26 @@ def _tool_parsers(
     return tool_calls.parser_factory(body.tool_mode(), names, family, body.named_tool())
 
 
-def _add_token_endpoints(app: FastAPI, router: Router) -> None:
+def _add_token_endpoints(app: FastAPI, edge: RequestEdge) -> None:
     """vLLM's `/tokenize` and `/detokenize`."""
 
     @app.post("/tokenize", responses=ERROR_RESPONSES)
     async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
         if body.model is not None:
-            router.check_model(body.model)
+            edge.check_model(body.model)
         if body.messages is not None:
-            ids = router.tokenize_chat([m.template_message() for m in body.messages])
+            ids = edge.tokenize_chat([m.template_message() for m in body.messages])
         else:
-            ids = router.model.tokenizer.encode(
+            ids = edge.model.tokenizer.encode(
                 body.prompt or "", add_special_tokens=body.add_special_tokens
             )
-        return {"count": len(ids), "max_model_len": router.model.max_model_len, "tokens": ids}
+        return {"count": len(ids), "max_model_len": edge.model.max_model_len, "tokens": ids}
 
     @app.post("/detokenize", responses=ERROR_RESPONSES)
     async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
         if body.model is not None:
-            router.check_model(body.model)
-        if any(not 0 <= t < router.model.vocab_size for t in body.tokens):
-            raise InvalidRequestError(f"token ids must be in [0, {router.model.vocab_size})")
-        return {"prompt": router.model.tokenizer.decode(body.tokens)}
+            edge.check_model(body.model)
+        return {"prompt": edge.detokenize(body.tokens)}
 
 
 def _openapi(app: FastAPI) -> dict[str, Any]:
@@ -176,14 +190,18 @@ def _openai(event: Event) -> Event:
 
 
 async def _serve(
-    router: Router, http: Request, body: OpenAIRequest, ids: list[int], fmt: "_Format"
+    router: Router,
+    edge: RequestEdge,
+    http: Request,
+    body: OpenAIRequest,
+    ids: list[int],
+    fmt: "_Format",
 ) -> Response:
     """Run the request's choices (`n`, or `best_of` to rank) and answer in OpenAI's shapes.
     The first choice runs alone until its first token, so that the prompt's KV is computed
     once: the others find it in the prefix cache."""
     params = body.params()  # type: ignore[attr-defined]
-    router.validate(ids, params)
-    router.check_accepting()
+    edge.validate(ids, params)
     count = body.generations()
     router.admit(count)
     request_id = uuid.uuid4().hex

@@ -122,19 +122,6 @@ class LoadTracker:
         with self._lock:
             return dict(self._loads)
 
-    def total(self) -> InstanceLoad:
-        """The sum over all instances. Takes the lock."""
-        with self._lock:
-            loads = self._loads.values()
-            return InstanceLoad(
-                sum(load.in_flight_requests for load in loads),
-                sum(load.in_flight_prefill_tokens for load in loads),
-            )
-
-    def num_live_leases(self) -> int:
-        with self._lock:
-            return len(self._live)
-
     def check_integrity(self) -> None:
         """Raise IntegrityError unless no counter is negative and every instance's load equals
         the sum over its live leases (an instance with no live lease has no entry). Takes the

@@ -2,16 +2,16 @@
 
 Prefill.Prefill (reservation on decode, prefill, KV transfer, first-token handoff) and
 Decode.StreamTokens, which replays every output from the first token on: the router opens it
-alongside Prefill (it waits on decode for the attempt's reservation), the blocking client after.
-The router uses the asyncio methods (`agenerate`, `agenerate_mixed`: `pdserve.rpc.aio`, on its
-event loop); the CLI, tests and benchmarks use the blocking ones. Every call goes through the
-per-service clients: deadlines on every RPC, errors raised as the class the instance raised.
+alongside Prefill (it waits on decode for the attempt's reservation). A request's calls are
+`grpc.aio` calls on the router's event loop (`pdserve.rpc.aio`); abort, stats and KV events are
+blocking calls from other threads. Every call goes through the per-service clients: deadlines
+on every RPC, errors raised as the class the instance raised.
 """
 
 import asyncio
 import logging
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,14 +21,7 @@ from pdserve.instance.convert import FINISH_REASON_NAMES, generate_request, logp
 from pdserve.kvcache.hashing import PromptHashes
 from pdserve.rpc.aio import AioChannelPool, AioClients
 from pdserve.rpc.channels import ChannelPool
-from pdserve.rpc.clients import (
-    DEFAULT_DEADLINES,
-    Deadlines,
-    DecodeClient,
-    InstanceClient,
-    MixedClient,
-    PrefillClient,
-)
+from pdserve.rpc.clients import DEFAULT_DEADLINES, Deadlines, InstanceClient
 from pdserve.v1 import common_pb2, prefill_pb2
 
 logger = logging.getLogger(__name__)
@@ -52,8 +45,8 @@ class Finished:
 
 
 class PDClient:
-    """Thread-safe: one channel per peer, shared. The asyncio methods run on one event loop
-    (their channels are its own), with the same credentials."""
+    """One channel per peer, shared. `generate` and `generate_mixed` run on one event loop
+    (their channels are its own); the blocking methods are thread-safe. Same credentials."""
 
     def __init__(
         self, channels: ChannelPool | None = None, deadlines: Deadlines = DEFAULT_DEADLINES
@@ -66,50 +59,7 @@ class PDClient:
         """InstanceService of any instance (abort, stats, KV events)."""
         return InstanceClient(address, self.channels, self.deadlines)
 
-    def generate(
-        self,
-        prefill_address: str,
-        decode_address: str,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        request_id: str | None = None,
-    ) -> Iterator[TokenDelta | Finished]:
-        """Yield token deltas, then one Finished. Raises the typed error of a failed step. When
-        the prefill fails (its instance may have died holding a reservation on decode), the
-        request is aborted on decode at once rather than left to the reservation's lease."""
-        request_id = request_id or uuid.uuid4().hex
-        try:
-            result = self.prefill(
-                prefill_address, decode_address, prompt_token_ids, params, request_id
-            )
-        except PdserveError:
-            self._abort_quietly(decode_address, request_id)
-            raise
-        decode = DecodeClient(decode_address, self.channels, self.deadlines)
-        events = _Events(result)
-        try:
-            for reply in decode.stream_tokens(request_id):
-                yield events.of(reply)
-        except DecodeUnavailableError:
-            raise
-        except InstanceUnavailableError as e:  # the token stream broke: decode's side
-            raise DecodeUnavailableError(str(e), e.retry_after_ms) from e
-
-    def generate_mixed(
-        self,
-        address: str,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        request_id: str,
-    ) -> Iterator[TokenDelta | Finished]:
-        """One request on a mixed instance (both phases on one engine)."""
-        mixed = MixedClient(address, self.channels, self.deadlines)
-        stream = mixed.generate(generate_request(request_id, prompt_token_ids, params))
-        events = _Events(None)
-        for reply in stream:
-            yield events.of(reply)
-
-    async def agenerate(
+    async def generate(
         self,
         prefill_address: str,
         decode_address: str,
@@ -118,12 +68,13 @@ class PDClient:
         request_id: str,
         hashes: PromptHashes | None = None,
     ) -> AsyncGenerator[TokenDelta | Finished, None]:
-        """`generate` on the event loop (`hashes`: the prompt's chain, sent along). Decode's
-        token stream is opened alongside Prefill, for this attempt's reservation, so the first
-        token reaches the caller as soon as decode emits it (with prompt logprobs asked for,
-        once Prefill's reply brought them). A Prefill that fails before the first token fails
-        the request with its own error (decode's side is aborted); one that fails after it
-        costs only its report (`Finished.prefill` None)."""
+        """Yield token deltas, then one Finished (`hashes`: the prompt's chain, sent along);
+        raises the typed error of a failed step. Decode's token stream is opened alongside
+        Prefill, for this attempt's reservation, so the first token reaches the caller as soon
+        as decode emits it (with prompt logprobs asked for, once Prefill's reply brought them).
+        A Prefill that fails before the first token fails the request with its own error
+        (decode's side is aborted); one that fails after it costs only its report
+        (`Finished.prefill` None)."""
         attempt = uuid.uuid4().hex
         message = _prefill_request(
             decode_address, prompt_token_ids, params, request_id, hashes, attempt
@@ -155,7 +106,7 @@ class PDClient:
             prefill.cancel()  # a no-op once it answered; else the call (and its prefill) ends
             await replies.aclose()  # type: ignore[attr-defined]
 
-    async def agenerate_mixed(
+    async def generate_mixed(
         self,
         address: str,
         prompt_token_ids: list[int],
@@ -163,22 +114,11 @@ class PDClient:
         request_id: str,
         hashes: PromptHashes | None = None,
     ) -> AsyncGenerator[TokenDelta | Finished, None]:
-        """`generate_mixed` on the event loop."""
+        """One request on a mixed instance (both phases on one engine)."""
         message = generate_request(request_id, prompt_token_ids, params, hashes)
         events = _Events(None)
         async for reply in self.aio.generate_mixed(address, message):
             yield events.of(reply)
-
-    def prefill(
-        self,
-        prefill_address: str,
-        decode_address: str,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        request_id: str,
-    ) -> prefill_pb2.PrefillResult:
-        message = _prefill_request(decode_address, prompt_token_ids, params, request_id)
-        return PrefillClient(prefill_address, self.channels, self.deadlines).prefill(message)
 
     def abort(self, prefill_address: str, decode_address: str | None, request_id: str) -> None:
         """Abort the request on the instances that may hold it (best effort: they may be gone).

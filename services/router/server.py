@@ -1,48 +1,34 @@
-"""Run the router: model metadata from the engine config, uvicorn on its own thread."""
+"""Run the router: model metadata from the engine config, uvicorn on its own thread and event
+loop (the loop every request of the router runs on)."""
 
+import asyncio
 import logging
 import socket
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
 import uvicorn
+import uvloop
 
 from pdserve.config import EngineConfig, RouterConfig
-from pdserve.kvcache.hashing import BlockHasher
-from pdserve.model.config import ModelConfig
-from pdserve.model.loader import model_tag
-from pdserve.model.tiny import default_model_dir
-from pdserve.model.tokenizer import Tokenizer
+from pdserve.errors import ConfigError
 from pdserve.rpc.channels import ChannelPool
 from pdserve.rpc.tls import TlsFiles
-from services.router.app import create_app
+from services.router.app import ScrapeTargets, create_app
+from services.router.membership import Membership
+from services.router.model_info import model_info
 from services.router.pd_client import PDClient
-from services.router.router import ModelInfo, Router
+from services.router.router import Router
 
 logger = logging.getLogger(__name__)
-
-
-def model_info(engine: EngineConfig, served_name: str | None) -> ModelInfo:
-    """What the router must know of the model: tokenizer, the instances' block hashing, limits."""
-    path = Path(engine.model) if engine.model else default_model_dir()
-    config = ModelConfig.from_dir(path)
-    context = min(
-        engine.max_model_len or config.max_position_embeddings, config.max_position_embeddings
-    )
-    return ModelInfo(
-        model_id=served_name or path.name,
-        tokenizer=Tokenizer.from_dir(path),
-        hasher=BlockHasher.for_model(engine.block_size, model_tag(path, engine.dtype)),
-        max_model_len=context,
-        vocab_size=config.vocab_size,
-    )
 
 
 @dataclass
 class RunningRouter:
     router: Router
     server: uvicorn.Server
+    loop: asyncio.AbstractEventLoop  # the server's: `router.generate` runs on it
     thread: threading.Thread
     host: str
     port: int
@@ -66,27 +52,49 @@ def serve_router(
     *,
     secret: str,
     tls: TlsFiles | None = None,
+    scrape_targets: ScrapeTargets | None = None,
+    on_unreachable: Callable[[], None] = lambda: None,
 ) -> RunningRouter:
     """Start the HTTP router for PD pairs (or for mixed instances), calling them with the
-    cluster `secret`; returns once it accepts connections."""
+    cluster `secret`; returns once it accepts connections. `scrape_targets(router_address)`
+    answers Prometheus HTTP service discovery (None: the router alone); `on_unreachable` is
+    called when an instance could not be reached (`Router`)."""
+    if mixed and (prefill or decode):
+        raise ConfigError("a router serves either mixed instances or prefill + decode pairs")
     model = model_info(engine, config.model_name)
+    membership = Membership(mixed or prefill, decode, mixed=bool(mixed))
     client = PDClient(ChannelPool(secret, tls))
-    router = Router(config, model, prefill, decode, client, mixed=mixed or ())
+    router = Router(config, model, membership, client, on_unreachable=on_unreachable)
     router.start()
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((config.host, config.port))
-    app = create_app(router, config)
+    address = f"{config.host}:{sock.getsockname()[1]}"
+    app = create_app(router, config, lambda: (scrape_targets or _alone)(address))
     server = uvicorn.Server(
         uvicorn.Config(
-            app, loop="uvloop", http="httptools", log_level="warning", timeout_graceful_shutdown=5
+            app, loop="none", http="httptools", log_level="warning", timeout_graceful_shutdown=5
         )
     )
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    loop = uvloop.new_event_loop()
+    thread = threading.Thread(target=_serve, args=(loop, server, sock), daemon=True)
     thread.start()
     started = threading.Event()
     while not server.started and thread.is_alive():
         started.wait(0.02)
     port = sock.getsockname()[1]
     logger.info("router serving on http://%s:%d", config.host, port)
-    return RunningRouter(router, server, thread, config.host, port)
+    return RunningRouter(router, server, loop, thread, config.host, port)
+
+
+def _serve(loop: asyncio.AbstractEventLoop, server: uvicorn.Server, sock: socket.socket) -> None:
+    asyncio.set_event_loop(loop)
+    try:
+        loop.run_until_complete(server.serve(sockets=[sock]))
+    finally:
+        loop.run_until_complete(loop.shutdown_asyncgens())
+        loop.close()
+
+
+def _alone(router_address: str) -> list[dict[str, object]]:
+    return [{"targets": [router_address], "labels": {"role": "router", "name": "router"}}]

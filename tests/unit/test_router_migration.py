@@ -3,13 +3,13 @@
 the client must see exactly the tokens, text, usage and finish reason of an undisturbed run."""
 
 import itertools
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from streams import AsyncFace, collect
+from streams import collect
 
 from pdserve.config import EngineConfig, RouterConfig
 from pdserve.engine.detokenizer import IncrementalDetokenizer
@@ -21,9 +21,10 @@ from pdserve.errors import (
     StepFailedError,
 )
 from pdserve.model.tokenizer import Tokenizer
+from services.router.membership import Membership
+from services.router.model_info import ModelInfo, model_info
 from services.router.pd_client import Finished, TokenDelta
-from services.router.router import ModelInfo, Router
-from services.router.server import model_info
+from services.router.router import Router
 
 PROMPT = [40, 41, 42, 43]
 
@@ -32,7 +33,7 @@ def next_token(context: list[int]) -> int:
     return (sum(context) * 31 + len(context)) % 90 + 33  # printable single-byte tokens
 
 
-class DyingDecodes(AsyncFace):
+class DyingDecodes:
     """Each call plays the model from the given context; the k-th call's decode dies after
     `deaths[k]` tokens (None: it lives)."""
 
@@ -44,9 +45,10 @@ class DyingDecodes(AsyncFace):
         self.aborted: list[str] = []
         self.on_death: Callable[[], None] = lambda: None
 
-    def generate(
-        self, prefill: str, decode: str, ids: list[int], params: SamplingParams, request_id: str
-    ) -> Iterator[TokenDelta | Finished]:
+    async def generate(
+        self, prefill: str, decode: str, ids: list[int], params: SamplingParams, request_id: str,
+        hashes: object = None,
+    ) -> AsyncIterator[TokenDelta | Finished]:  # fmt: skip
         self.calls.append((prefill, decode, list(ids), params))
         dies_after = self.deaths.pop(0) if self.deaths else None
         detokenizer = IncrementalDetokenizer(self.tokenizer, params.stop)
@@ -82,7 +84,8 @@ def model(tiny_model_dir: Path) -> ModelInfo:
 
 def make_router(model: ModelInfo, client: DyingDecodes, **config: object) -> Router:
     settings_ = RouterConfig(retry_backoff_s=0.0, **config)  # type: ignore[arg-type]
-    return Router(settings_, model, ["p0", "p1"], ["d0", "d1", "d2"], client)  # type: ignore[arg-type]
+    membership = Membership(["p0", "p1"], ["d0", "d1", "d2"])
+    return Router(settings_, model, membership, client)  # type: ignore[arg-type]
 
 
 def play(
@@ -125,7 +128,7 @@ def test_a_migrated_stream_is_the_undisturbed_one(
         done = len(ids) - len(PROMPT)
         assert ids[len(PROMPT) :] == tokens[:done]
         assert resumed.max_tokens == 40 - done and resumed.output_offset == done
-    assert router.load.num_live_leases() == 0 and router._transcripts == {}
+    assert router.attempts.load.snapshot() == {} and router._transcripts == {}
 
 
 def test_a_seeded_request_continues_its_seed_stream(model: ModelInfo) -> None:
@@ -144,7 +147,7 @@ def test_past_the_migration_limit_the_stream_ends_with_an_error(model: ModelInfo
     received = []
     with pytest.raises(InstanceUnavailableError, match="after 2 migrations"):
         collect(stream, received)
-    assert len(received) == 9 and router.load.num_live_leases() == 0
+    assert len(received) == 9 and router.attempts.load.snapshot() == {}
 
 
 def test_a_context_longer_than_migration_max_tokens_does_not_migrate(model: ModelInfo) -> None:
@@ -170,4 +173,4 @@ def test_a_request_aborted_as_its_decode_dies_does_not_migrate(model: ModelInfo)
     with pytest.raises(RequestAbortedError):
         collect(router.generate("r", PROMPT, params))
     assert len(client.calls) == 1 and client.aborted == ["r"]
-    assert router.load.num_live_leases() == 0 and router._transcripts == {}
+    assert router.attempts.load.snapshot() == {} and router._transcripts == {}

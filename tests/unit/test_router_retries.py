@@ -4,13 +4,12 @@ side of the interface): random failures before and after the first token, and ca
 import asyncio
 import contextlib
 import threading
-from collections.abc import Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from streams import AsyncFace
 
 from pdserve.config import EngineConfig, RouterConfig
 from pdserve.engine.request import SamplingParams
@@ -24,16 +23,17 @@ from pdserve.errors import (
     RequestAbortedError,
     ResourceExhaustedError,
 )
+from services.router.membership import Membership, Role
+from services.router.model_info import ModelInfo, model_info
 from services.router.pd_client import Finished, TokenDelta
-from services.router.router import ModelInfo, Router
-from services.router.server import model_info
+from services.router.router import Router
 
 PREFILL = ["p0", "p1", "p2"]
 DECODE = ["d0", "d1"]
 OUTCOMES = ["ok", "transfer_error", "refused", "mid_stream_error", "invalid"]
 
 
-class FakePDClient(AsyncFace):
+class FakePDClient:
     """Plays scripted outcomes, one per attempt, and records what the router asked for."""
 
     def __init__(self, outcomes: list[str]) -> None:
@@ -41,9 +41,10 @@ class FakePDClient(AsyncFace):
         self.routes: list[tuple[str, str]] = []
         self.aborted: list[str] = []
 
-    def generate(
-        self, prefill: str, decode: str, ids: list[int], params: SamplingParams, request_id: str
-    ) -> Iterator[TokenDelta | Finished]:
+    async def generate(
+        self, prefill: str, decode: str, ids: list[int], params: SamplingParams, request_id: str,
+        hashes: object = None,
+    ) -> AsyncIterator[TokenDelta | Finished]:  # fmt: skip
         self.routes.append((prefill, decode))
         outcome = self.outcomes.pop(0) if self.outcomes else "ok"
         errors: dict[str, PdserveError] = {
@@ -76,7 +77,15 @@ def model(tiny_model_dir: Path) -> ModelInfo:
 
 def make_router(model: ModelInfo, outcomes: list[str], attempts: int = 3) -> Router:
     config = RouterConfig(max_attempts=attempts, retry_backoff_s=0.0, prefill_policy="round_robin")
-    return Router(config, model, PREFILL, DECODE, FakePDClient(outcomes))  # type: ignore[arg-type]
+    membership = Membership(PREFILL, DECODE)
+    return Router(config, model, membership, FakePDClient(outcomes))  # type: ignore[arg-type]
+
+
+def unhealthy(router: Router) -> set[str]:
+    """The instances the router avoids now: those no longer among its candidates."""
+    routable = {*router.membership.candidates(Role.PREFILL, set())}
+    routable |= {*router.membership.candidates(Role.DECODE, set())}
+    return {*PREFILL, *DECODE} - routable
 
 
 def run(router: Router, request_id: str, stop_after: int | None = None) -> list[object]:
@@ -108,7 +117,7 @@ def test_refusal_excludes_only_the_decode_instance(model: ModelInfo) -> None:
     run(router, "r")
     (p0, d0), (_, d1) = router.client.routes  # type: ignore[attr-defined]
     assert d0 != d1
-    assert router._unhealthy_until.get(p0) is None
+    assert p0 not in unhealthy(router)
 
 
 def test_every_attempt_failing_is_no_capacity_with_a_retry_hint(model: ModelInfo) -> None:
@@ -116,7 +125,7 @@ def test_every_attempt_failing_is_no_capacity_with_a_retry_hint(model: ModelInfo
     with pytest.raises(NoCapacityError, match="3 attempts") as failed:
         run(router, "r")
     assert failed.value.retry_after_ms == 50
-    assert router.load.num_live_leases() == 0
+    assert router.attempts.load.snapshot() == {}
 
 
 def test_invalid_request_is_not_retried(model: ModelInfo) -> None:
@@ -124,7 +133,7 @@ def test_invalid_request_is_not_retried(model: ModelInfo) -> None:
     with pytest.raises(InvalidRequestError):
         run(router, "r")
     assert len(router.client.routes) == 1  # type: ignore[attr-defined]
-    assert router.load.num_live_leases() == 0
+    assert router.attempts.load.snapshot() == {}
 
 
 @pytest.mark.parametrize(
@@ -135,10 +144,9 @@ def test_only_the_side_that_failed_is_blamed(model: ModelInfo, outcome: str, sid
     events = run(router, "r")
     assert isinstance(events[-1], Finished)
     first, second = router.client.routes  # type: ignore[attr-defined]
-    blamed, spared = first[side], first[1 - side]
-    assert set(router._unhealthy_until) == {blamed}  # the healthy side stays in rotation
+    blamed = first[side]
+    assert unhealthy(router) == {blamed}  # the healthy side stays in rotation
     assert second[side] != blamed
-    assert spared not in router._unhealthy_until
 
 
 def test_an_aborted_request_is_not_retried_and_blames_nobody(model: ModelInfo) -> None:
@@ -146,8 +154,8 @@ def test_an_aborted_request_is_not_retried_and_blames_nobody(model: ModelInfo) -
     with pytest.raises(RequestAbortedError):
         run(router, "r")
     assert len(router.client.routes) == 1  # type: ignore[attr-defined]
-    assert router._unhealthy_until == {}
-    assert router.load.num_live_leases() == 0
+    assert unhealthy(router) == set()
+    assert router.attempts.load.snapshot() == {}
 
 
 @settings(max_examples=60, deadline=None)
@@ -171,23 +179,24 @@ def test_leases_return_to_zero_after_random_failures_and_cancellations(
                 continue
             with contextlib.suppress(PdserveError):
                 run(router, f"r{n}", stop_after)
-            assert router.load.load_of("never-used").in_flight_requests == 0
+            assert router.attempts.load.load_of("never-used").in_flight_requests == 0
 
     pool = [threading.Thread(target=worker, args=(i,)) for i in range(threads)]
     for thread in pool:
         thread.start()
     for thread in pool:
         thread.join()
-    assert router.load.num_live_leases() == 0
-    assert all(load.in_flight_requests == 0 for load in router.load.snapshot().values())
-    router.load.check_integrity()
-    assert router._active == {}
+    assert router.attempts.load.snapshot() == {}
+    assert all(load.in_flight_requests == 0 for load in router.attempts.load.snapshot().values())
+    router.attempts.load.check_integrity()
+    assert router.attempts.active() == set()
 
 
 class FakeMixedClient(FakePDClient):
     def generate_mixed(
-        self, address: str, ids: list[int], params: SamplingParams, request_id: str
-    ) -> Iterator[TokenDelta | Finished]:
+        self, address: str, ids: list[int], params: SamplingParams, request_id: str,
+        hashes: object = None,
+    ) -> AsyncIterator[TokenDelta | Finished]:  # fmt: skip
         return self.generate(address, "", ids, params, request_id)
 
 
@@ -195,14 +204,15 @@ def test_a_mixed_instance_sheds_prefill_load_at_the_first_token(model: ModelInfo
     """Once the prompt is computed only the request counts: its prefill tokens no longer weigh
     on cache_aware's choice for the next prompts."""
     config = RouterConfig(retry_backoff_s=0.0)
-    router = Router(config, model, [], [], FakeMixedClient([]), mixed=["m0"])  # type: ignore[arg-type]
+    membership = Membership(["m0"], mixed=True)
+    router = Router(config, model, membership, FakeMixedClient([]))  # type: ignore[arg-type]
 
     async def drive() -> None:
         stream = router.generate("r", list(range(5, 50)), SamplingParams())
         await anext(stream)
-        load = router.load.load_of("m0")
+        load = router.attempts.load.load_of("m0")
         assert (load.in_flight_requests, load.in_flight_prefill_tokens) == (1, 0)
         _ = [event async for event in stream]
 
     asyncio.run(drive())
-    assert router.load.num_live_leases() == 0
+    assert router.attempts.load.snapshot() == {}

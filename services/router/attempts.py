@@ -1,0 +1,278 @@
+"""Attempts: one routed run of a request, retried on other instances until its first token.
+
+Each attempt chooses a prefill (or mixed) instance with the prefill policy over the KV-event
+index and a decode instance with the decode policy, takes a load lease on each, and starts the
+request through the `PDClient`. A failure before the first token blames an instance (the side
+the error names), marks it unhealthy in the membership, backs off and tries again, up to
+`router.max_attempts`; a failure after it blames the streaming instance and is raised (the
+router may migrate the stream).
+
+Every lease is released exactly once on every path (success, error, retry, abort, client
+disconnect): `Lease.release` is idempotent, and both an attempt's `finally` and `abort` call it.
+Runs on the router's event loop; `abort` and `active` may be called from other threads.
+"""
+
+import asyncio
+import logging
+from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+from pdserve.config import RouterConfig
+from pdserve.engine.request import SamplingParams
+from pdserve.errors import (
+    DecodeUnavailableError,
+    InstanceUnavailableError,
+    InvalidRequestError,
+    NoCandidateError,
+    NoCapacityError,
+    PdserveError,
+    RequestAbortedError,
+    ResourceExhaustedError,
+    StepFailedError,
+)
+from pdserve.kvcache.hashing import BlockHash, BlockHasher, PromptHashes
+from pdserve.metrics import RouterMetrics
+from services.router.kv_index import KVEventIndex
+from services.router.load import Lease, LoadTracker
+from services.router.membership import Membership, Role
+from services.router.pd_client import Finished, PDClient, TokenDelta
+from services.router.policies import (
+    DecodeCapacity,
+    PolicyConfig,
+    RouteRequest,
+    RoutingPolicy,
+    make_decode_policy,
+    make_policy,
+)
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class Route:
+    """Where one attempt runs."""
+
+    prefill: str  # the prefill instance, or the mixed instance
+    decode: str | None  # None: `prefill` is a mixed instance
+    cached_tokens: int  # prompt tokens the prefill instance holds (the index's view)
+
+
+@dataclass(slots=True)
+class _Active:
+    route: Route
+    leases: tuple[Lease, ...]
+
+
+class Attempts:
+    """The attempt loop of every request the router runs."""
+
+    def __init__(
+        self,
+        config: RouterConfig,
+        hasher: BlockHasher,
+        membership: Membership,
+        index: KVEventIndex,
+        decode_capacities: Callable[[], Mapping[str, DecodeCapacity]],
+        client: PDClient,
+        metrics: RouterMetrics,
+        on_unreachable: Callable[[], None],
+    ) -> None:
+        self.config = config
+        self.load = LoadTracker()
+        self._hasher = hasher
+        self._membership = membership
+        self._index = index
+        self._decode_capacities = decode_capacities
+        self._client = client
+        self._metrics = metrics
+        self._on_unreachable = on_unreachable  # an instance could not be reached
+        tuning = PolicyConfig(
+            load_weight=config.load_weight,
+            balance_abs_threshold=config.balance_abs_threshold,
+            balance_rel_threshold=config.balance_rel_threshold,
+        )
+        self.policy_name = config.prefill_policy
+        self._policy: RoutingPolicy = make_policy(config.prefill_policy, tuning)
+        self._decode_policy = make_decode_policy("least_kv_usage", tuning)
+        self._active: dict[str, _Active] = {}
+
+    def set_policy(self, name: str) -> str:
+        """Switch the prefill routing policy; returns the previous one. Raises ConfigError."""
+        self._policy = make_policy(name, self._policy.config)
+        previous, self.policy_name = self.policy_name, name
+        return previous
+
+    def active(self) -> set[str]:
+        """Ids of the requests with an attempt running now."""
+        return set(self._active)
+
+    async def run(
+        self,
+        request_id: str,
+        token_ids: list[int],
+        params: SamplingParams,
+        excluded: set[str],
+        aborted: Callable[[], bool],
+    ) -> AsyncGenerator[TokenDelta | Finished, None]:
+        """The request's events from one routed run; failures before its first token are
+        retried on other instances (added to `excluded`). A failure after it blames the
+        instance that was streaming (added to `excluded`) and is raised. Raises
+        RequestAbortedError once `aborted()`, NoCapacityError when every attempt failed."""
+        hashes = self._hasher.hash_tokens(token_ids)
+        chain = PromptHashes(self._hasher.root, self._hasher.block_size, tuple(hashes))
+        backoff = self.config.retry_backoff_s  # doubles after each failed attempt
+        failure: Exception | None = None
+        for attempt in range(1, self.config.max_attempts + 1):
+            if aborted():
+                raise RequestAbortedError(f"request {request_id} was aborted")
+            route = self._choose(request_id, token_ids, hashes, excluded)
+            leases = self._take_leases(request_id, route, len(token_ids))
+            events = self._start(route, token_ids, params, request_id, chain)
+            try:
+                try:
+                    first = await anext(events)
+                except (InvalidRequestError, RequestAbortedError):
+                    raise  # the caller's mistake, or stopped on purpose: not retried
+                except PdserveError as e:
+                    failure = e
+                    excluded |= self._failed_attempt(e, request_id, attempt, route)
+                    await asyncio.sleep(backoff * 2 ** (attempt - 1))
+                    continue
+                if route.decode is None:
+                    leases[0].finish_prefill()  # mixed: the prompt is computed, decoding goes on
+                else:
+                    leases[0].release()  # prefill is done once the first token exists
+                yield first
+                try:
+                    async for event in events:
+                        yield event
+                except (InstanceUnavailableError, StepFailedError) as e:
+                    excluded.add(self._lost_stream(e, route.decode or route.prefill))
+                    raise
+                return
+            finally:
+                await events.aclose()
+                self._release(request_id)
+        raise self._exhausted(failure)
+
+    def abort(self, request_id: str) -> None:
+        """Stop the request's running attempt on every instance that holds it and release its
+        leases (blocking: one Abort call per instance)."""
+        active = self._active.get(request_id)
+        if active is None:
+            return
+        self._client.abort(active.route.prefill, active.route.decode, request_id)
+        self._release(request_id)
+
+    # -- one attempt ------------------------------------------------------------------------------
+
+    def _choose(
+        self,
+        request_id: str,
+        token_ids: Sequence[int],
+        hashes: Sequence[BlockHash],
+        excluded: set[str],
+    ) -> Route:
+        prefills = self._membership.candidates(Role.PREFILL, excluded)
+        request = RouteRequest(request_id, len(token_ids), self._hasher.block_size)
+        try:
+            overlaps = self._index.overlaps(hashes, prefills)
+            prefill = self._policy.choose(prefills, request, self.load.snapshot(), overlaps)
+            self._metrics.decisions.labels(self.policy_name, str(prefill.reason)).inc()
+            cached = prefill.overlap_blocks * self._hasher.block_size
+            if self._membership.mixed:
+                return Route(prefill.instance_id, None, cached)
+            decodes = self._membership.candidates(Role.DECODE, excluded)
+            decode = self._decode_policy.choose(decodes, request, dict(self._decode_capacities()))
+        except NoCandidateError as e:
+            raise NoCapacityError(str(e), 1000) from e
+        logger.debug(
+            "request %s -> prefill %s (%s, %d blocks cached) -> decode %s",
+            request_id, prefill.instance_id, prefill.reason, prefill.overlap_blocks,
+            decode.instance_id,
+        )  # fmt: skip
+        return Route(prefill.instance_id, decode.instance_id, cached)
+
+    def _take_leases(self, request_id: str, route: Route, prompt_tokens: int) -> tuple[Lease, ...]:
+        """Count the request on its instances: only the tokens prefill must compute count as
+        its prefill load."""
+        uncached = max(1, prompt_tokens - route.cached_tokens)
+        leases: tuple[Lease, ...] = (self.load.acquire(route.prefill, uncached),)
+        if route.decode is not None:
+            leases += (self.load.acquire(route.decode, 0),)
+        self._active[request_id] = _Active(route, leases)
+        return leases
+
+    def _start(
+        self,
+        route: Route,
+        token_ids: list[int],
+        params: SamplingParams,
+        request_id: str,
+        hashes: PromptHashes,
+    ) -> AsyncGenerator[TokenDelta | Finished, None]:
+        """The instances take the prompt's hash chain after checking three links of it: the
+        prompt is hashed once, here, not on every instance it passes."""
+        if route.decode is None:
+            return self._client.generate_mixed(route.prefill, token_ids, params, request_id, hashes)
+        return self._client.generate(
+            route.prefill, route.decode, token_ids, params, request_id, hashes
+        )
+
+    def _release(self, request_id: str) -> None:
+        active = self._active.pop(request_id, None)
+        if active is not None:
+            for lease in active.leases:
+                lease.release()
+
+    # -- failures ---------------------------------------------------------------------------------
+
+    def _failed_attempt(
+        self, error: PdserveError, request_id: str, attempt: int, route: Route
+    ) -> set[str]:
+        """Count, blame and log a failure before the first token; returns who to avoid."""
+        self._metrics.retries.inc()
+        blamed = self._blame(error, route)
+        logger.warning("request %s attempt %d on %s -> %s failed: %s",
+                       request_id, attempt, route.prefill, route.decode, error)  # fmt: skip
+        self._release(request_id)
+        return blamed
+
+    def _blame(self, error: Exception, route: Route) -> set[str]:
+        """Instances not to retry on, marked unhealthy for a while: the side the error names
+        (decode refused or unreachable: decode; prefill unreachable or its step failed:
+        prefill; a transfer between them, or anything else: both). A prefill's KV-event view is
+        kept: its event stream says by itself whether it is alive (a broken stream drops it)."""
+        prefill, decode = route.prefill, route.decode
+        if isinstance(error, ResourceExhaustedError) and decode is not None:
+            return {decode}  # busy, not sick: not marked unhealthy
+        if decode is None:
+            blamed = {prefill}
+        elif isinstance(error, DecodeUnavailableError):
+            blamed = {decode}
+        elif isinstance(error, InstanceUnavailableError | StepFailedError):
+            blamed = {prefill}
+        else:
+            blamed = {prefill, decode}
+        for address in blamed:
+            self._membership.mark_unhealthy(address)
+        if isinstance(error, InstanceUnavailableError):
+            self._on_unreachable()
+        return blamed
+
+    def _lost_stream(self, error: PdserveError, streaming: str) -> str:
+        """Mark the instance whose stream broke after its first token (only it held the
+        request by then) unhealthy; returns it."""
+        self._membership.mark_unhealthy(streaming)
+        if isinstance(error, InstanceUnavailableError):
+            self._on_unreachable()
+        return streaming
+
+    def _exhausted(self, failure: Exception | None) -> NoCapacityError:
+        """Every attempt failed: a 503 with the last failure's retry hint."""
+        retry_ms = getattr(failure, "retry_after_ms", 0) or 1000  # RetryableError carries one
+        return NoCapacityError(
+            f"the request failed on {self.config.max_attempts} attempts; last error: {failure}; "
+            "retry later",
+            retry_ms,
+        )

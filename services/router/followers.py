@@ -1,0 +1,135 @@
+"""The router's background views of its instances, each on its own daemon threads.
+
+- `KVEventFollower`: one thread per prefill (or mixed) instance mirrors its KV events into the
+  `KVEventIndex` the routing policy reads; an event also shows the instance alive (healthy).
+- `DecodeLoadPoller`: one thread polls every decode instance's free blocks and running requests
+  for the decode policy.
+
+Both stop with `stop()`; neither raises into its thread: a broken stream or a failed poll drops
+that instance's view until it answers again.
+"""
+
+import threading
+from collections.abc import Callable
+
+import grpc
+
+from pdserve.errors import PdserveError
+from pdserve.kvcache.events import BlockRemoved, BlockStored
+from pdserve.kvcache.hashing import BlockHash
+from pdserve.v1 import common_pb2
+from services.router.kv_index import KVEventIndex
+from services.router.membership import Membership, Role
+from services.router.pd_client import PDClient
+from services.router.policies import DecodeCapacity
+
+RESUBSCRIBE_S = 1.0
+
+
+class _Threads:
+    def __init__(self) -> None:
+        self.stopped = threading.Event()
+        self._threads: list[threading.Thread] = []
+
+    def spawn(self, target: Callable[..., None], *args: object) -> None:
+        thread = threading.Thread(target=target, args=args, daemon=True)
+        thread.start()
+        self._threads.append(thread)
+
+    def stop(self) -> None:
+        self.stopped.set()
+        for thread in self._threads:
+            thread.join(5)
+
+
+class KVEventFollower:
+    """Keeps `index` equal to the KV caches of the followed instances."""
+
+    def __init__(
+        self,
+        membership: Membership,
+        client: PDClient,
+        index: KVEventIndex | None = None,
+    ) -> None:
+        self.index = index or KVEventIndex()
+        self._membership = membership
+        self._client = client
+        self._threads = _Threads()
+
+    def follow(self, address: str) -> None:
+        """Mirror `address`'s KV events until it stops being a member (or `stop`)."""
+        self._threads.spawn(self._follow, address)
+
+    def forget(self, address: str) -> None:
+        """Drop `address`'s view now (its thread ends at its next event or reconnect)."""
+        self.index.drop_instance(address)
+
+    def stop(self) -> None:
+        self._threads.stop()
+
+    def _following(self, address: str) -> bool:
+        return not self._threads.stopped.is_set() and self._membership.is_member(address)
+
+    def _follow(self, address: str) -> None:
+        """Each subscription starts with a snapshot that replaces the view, then live events.
+        On disconnect drop the view and resubscribe."""
+        while self._following(address):
+            stream = self._client.instance(address).kv_events()
+            try:
+                for event in stream:
+                    self._apply(address, event)
+                    if not self._following(address):
+                        stream.cancel()
+            except grpc.RpcError:
+                pass
+            self.index.drop_instance(address)
+            self._threads.stopped.wait(RESUBSCRIBE_S)
+
+    def _apply(self, address: str, event: common_pb2.KVEvent) -> None:
+        self._membership.mark_healthy(address)
+        kind = event.WhichOneof("event")
+        if kind == "snapshot":
+            hashes = tuple(BlockHash(h) for h in event.snapshot.block_hashes)
+            self.index.replace_instance(address, hashes)
+        elif kind == "stored":
+            hashes = tuple(BlockHash(h) for h in event.stored.block_hashes)
+            self.index.apply(address, BlockStored(hashes))
+        elif kind == "removed":
+            hashes = tuple(BlockHash(h) for h in event.removed.block_hashes)
+            self.index.apply(address, BlockRemoved(hashes))
+
+
+class DecodeLoadPoller:
+    """Every `interval_s`, each decode instance's capacity (`capacities`)."""
+
+    def __init__(
+        self,
+        membership: Membership,
+        client: PDClient,
+        interval_s: float,
+    ) -> None:
+        self._membership = membership
+        self._client = client
+        self._interval_s = interval_s
+        self._capacities: dict[str, DecodeCapacity] = {}
+        self._threads = _Threads()
+
+    def start(self) -> None:
+        self._threads.spawn(self._poll)
+
+    def stop(self) -> None:
+        self._threads.stop()
+
+    def capacities(self) -> dict[str, DecodeCapacity]:
+        """The last answer of each decode instance that answered its last poll (a copy)."""
+        return dict(self._capacities)
+
+    def _poll(self) -> None:
+        while not self._threads.stopped.wait(self._interval_s):
+            for address in self._membership.members(Role.DECODE):
+                try:
+                    stats = self._client.instance(address).stats()
+                except PdserveError:
+                    self._capacities.pop(address, None)
+                    continue
+                self._capacities[address] = DecodeCapacity(stats.num_free_blocks, stats.num_running)
