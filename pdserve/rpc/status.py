@@ -1,4 +1,5 @@
-"""The one table between pdserve's exceptions and the wire: gRPC status + `ErrorCode`.
+"""pdserve's exceptions on the wire: gRPC status + `ErrorCode`, as `pdserve.errors.STATUSES`
+(the one table of every boundary) names them.
 
 Servers call `abort_with` / `abort_with_async` (unary RPCs) or `error_reply` (an `Error` message
 inside a stream); clients call `error_from_rpc` / `error_from_reply`, which rebuild the same
@@ -12,78 +13,34 @@ from typing import Any, NoReturn, TypeAlias
 import grpc
 
 from pdserve.errors import (
-    DecodeUnavailableError,
-    DuplicateRequestError,
     InstanceUnavailableError,
-    InvalidRequestError,
-    KVTransferError,
-    ModelNotFoundError,
-    NoCapacityError,
-    OutOfBlocksError,
     PdserveError,
-    PromptTooLongError,
-    RequestAbortedError,
-    RequestNotFoundError,
-    ResourceExhaustedError,
     RetryableError,
-    StepFailedError,
+    class_of_code,
+    public_message,
+    status_of,
 )
 from pdserve.v1 import common_pb2
 
 ERROR_CODE_KEY = "pdserve-error-code"
 RETRY_AFTER_KEY = "pdserve-retry-after-ms"
+_PREFIX = "ERROR_CODE_"
 
 Code: TypeAlias = common_pb2.ErrorCode.ValueType
-
-# Most specific class first: the first `isinstance` match names an exception's code.
-_TABLE: tuple[tuple[type[PdserveError], Code, grpc.StatusCode], ...] = (
-    (PromptTooLongError, common_pb2.ERROR_CODE_PROMPT_TOO_LONG, grpc.StatusCode.INVALID_ARGUMENT),
-    (
-        DuplicateRequestError,
-        common_pb2.ERROR_CODE_DUPLICATE_REQUEST,
-        grpc.StatusCode.ALREADY_EXISTS,
-    ),
-    (ModelNotFoundError, common_pb2.ERROR_CODE_MODEL_NOT_FOUND, grpc.StatusCode.NOT_FOUND),
-    (InvalidRequestError, common_pb2.ERROR_CODE_INVALID_REQUEST, grpc.StatusCode.INVALID_ARGUMENT),
-    (RequestNotFoundError, common_pb2.ERROR_CODE_NOT_FOUND, grpc.StatusCode.NOT_FOUND),
-    (RequestAbortedError, common_pb2.ERROR_CODE_REQUEST_ABORTED, grpc.StatusCode.CANCELLED),
-    (
-        OutOfBlocksError,
-        common_pb2.ERROR_CODE_RESOURCE_EXHAUSTED,
-        grpc.StatusCode.RESOURCE_EXHAUSTED,
-    ),
-    (
-        ResourceExhaustedError,
-        common_pb2.ERROR_CODE_RESOURCE_EXHAUSTED,
-        grpc.StatusCode.RESOURCE_EXHAUSTED,
-    ),
-    (NoCapacityError, common_pb2.ERROR_CODE_RESOURCE_EXHAUSTED, grpc.StatusCode.RESOURCE_EXHAUSTED),
-    (KVTransferError, common_pb2.ERROR_CODE_TRANSFER_FAILED, grpc.StatusCode.FAILED_PRECONDITION),
-    (
-        DecodeUnavailableError,
-        common_pb2.ERROR_CODE_DECODE_UNAVAILABLE,
-        grpc.StatusCode.UNAVAILABLE,
-    ),
-    (InstanceUnavailableError, common_pb2.ERROR_CODE_UNAVAILABLE, grpc.StatusCode.UNAVAILABLE),
-    (StepFailedError, common_pb2.ERROR_CODE_STEP_FAILED, grpc.StatusCode.ABORTED),
-)
-# The class a code is rebuilt as (the first row of each code: its most general reading).
-_CLASSES: dict[Code, type[PdserveError]] = {}
-for _cls, _code, _ in reversed(_TABLE):
-    _CLASSES[_code] = _cls
-_CLASSES[common_pb2.ERROR_CODE_RESOURCE_EXHAUSTED] = ResourceExhaustedError
+_CODE_NAMES = {int(code): name.removeprefix(_PREFIX) for name, code in common_pb2.ErrorCode.items()}
 
 
 def classify(error: BaseException) -> tuple[Code, grpc.StatusCode, str, int]:
     """(error code, gRPC status, message, retry-after ms) of an exception. Anything that is not
     a PdserveError is a bug: INTERNAL, without its details."""
-    if isinstance(error, PdserveError):
-        retry_after_ms = error.retry_after_ms if isinstance(error, RetryableError) else 0
-        for cls, code, status in _TABLE:
-            if isinstance(error, cls):
-                return code, status, str(error), retry_after_ms
-        return common_pb2.ERROR_CODE_INTERNAL, grpc.StatusCode.INTERNAL, str(error), 0
-    return common_pb2.ERROR_CODE_INTERNAL, grpc.StatusCode.INTERNAL, "internal error", 0
+    status = status_of(error)
+    retry_after_ms = error.retry_after_ms if isinstance(error, RetryableError) else 0
+    return (
+        common_pb2.ErrorCode.Value(_PREFIX + status.error_code),
+        grpc.StatusCode[status.grpc_status],
+        public_message(error),
+        retry_after_ms,
+    )
 
 
 def abort_with(context: grpc.ServicerContext, error: BaseException) -> NoReturn:
@@ -137,7 +94,8 @@ def error_from_rpc(error: grpc.RpcError, peer: str) -> PdserveError:
 
 
 def _build(code: int, message: str, retry_after_ms: int) -> PdserveError:
-    cls: type[PdserveError] = _CLASSES.get(code, PdserveError)  # type: ignore[call-overload]
+    """The exception an error code stands for (PdserveError for one this version lacks)."""
+    cls = class_of_code(_CODE_NAMES.get(code, ""))
     if issubclass(cls, RetryableError):
         return cls(message, retry_after_ms)
     return cls(message)
