@@ -1,4 +1,4 @@
-"""Every Prometheus metric pdserve exports, defined once (DESIGN.md §7).
+"""Every Prometheus metric pdserve exports, each defined and exported once.
 
 Counters end in `_total`, times are in seconds. Each process exposes its own registry.
 """
@@ -199,16 +199,13 @@ def _storage_families(st: common_pb2.StorageStats) -> list[Family]:
         ("counter", "pdserve_storage_bytes_written", "Bytes written to the storage tier.", (),
          {(): st.bytes_written}),
         ("counter", "pdserve_storage_errors",
-         "Storage tier failures: read (checksum or missing bytes: recomputed), write, "
-         "redis (unreachable), dropped (write queue full or tier down).", ("kind",),
-         {("read",): st.read_errors, ("write",): st.write_errors,
-          ("redis",): st.redis_errors, ("dropped",): st.writes_dropped}),
-        ("counter", "pdserve_storage_read_errors",
-         "Stored blocks not used, by kind: corrupt (checksum or missing bytes, as "
-         "pdserve_storage_errors{kind=\"read\"}: recomputed), invalid_entry (an index entry "
-         "or garbage key refused by its checks: malformed, another tag or block; never "
-         "followed).", ("kind",),
-         {("corrupt",): st.read_errors, ("invalid_entry",): st.invalid_entries}),
+         "Storage tier failures: read (a stored block with a bad checksum or missing bytes: "
+         "recomputed), invalid_entry (an index entry or garbage key refused by its checks: "
+         "malformed, another tag or block; never followed), write, redis (unreachable), "
+         "dropped (write queue full or tier down).", ("kind",),
+         {("read",): st.read_errors, ("invalid_entry",): st.invalid_entries,
+          ("write",): st.write_errors, ("redis",): st.redis_errors,
+          ("dropped",): st.writes_dropped}),
         ("gauge", "pdserve_storage_queue_depth", "Storage jobs waiting for the writer.", (),
          {(): st.queue_depth}),
     ]  # fmt: skip
