@@ -34,7 +34,6 @@ from pdserve.rpc.channels import ChannelPool
 from services.decode.servicer import serve_decode
 from services.mixed.servicer import serve_mixed
 from services.prefill.servicer import serve_prefill
-from services.router.load import IDLE
 from services.router.pd_client import Finished, TokenDelta
 from services.router.router import Router
 from services.router.server import RunningRouter, serve_router
@@ -132,7 +131,7 @@ class Stack:
     def check(self) -> None:
         """Raise unless the stack is back to rest: nothing running, leased or reserved."""
         router = self.router
-        wait_for(lambda: router.num_running == 0 and router.attempts.load.total() == IDLE)
+        wait_for(lambda: router.num_running == 0 and router.attempts.load.snapshot() == {})
         router.attempts.load.check_integrity()
         live = [m for m in self.members if not m.stopped]
         for member in self.decode:
@@ -166,6 +165,7 @@ def pd_stack(
     decode: int = 1,
     mixed: int = 0,
     engine: dict[str, Any] | None = None,
+    decode_engine: dict[str, Any] | None = None,
     prefill_config: PrefillConfig | None = None,
     decode_config: DecodeConfig | None = None,
     transfer: TransferConfig | None = None,
@@ -173,11 +173,12 @@ def pd_stack(
     router: dict[str, Any] | None = None,
 ) -> Iterator[Stack]:
     """A router over `prefill` + `decode` instances (or `mixed` ones) on the model in
-    `model_dir`; `engine` and `router` override EngineConfig's and RouterConfig's fields.
+    `model_dir`; `engine` and `router` override EngineConfig's and RouterConfig's fields,
+    `decode_engine` the decode instances' engine fields over `engine`.
     Checks the stack at rest (`Stack.check`) before stopping it."""
-    engine_config = EngineConfig(
-        **{"model": str(model_dir), "num_kv_blocks": 256, **(engine or {})}
-    )
+    settings = {"model": str(model_dir), "num_kv_blocks": 256, **(engine or {})}
+    engine_config = EngineConfig(**settings)
+    decode_engine_config = EngineConfig(**{**settings, **(decode_engine or {})})
     members: dict[str, list[Member]] = {"prefill": [], "decode": [], "mixed": []}
     running: RunningRouter | None = None
     pool = channels()
@@ -193,7 +194,7 @@ def pd_stack(
             )))  # fmt: skip
         for _ in range(decode if not mixed else 0):
             members["decode"].append(Member(*serve_decode(
-                engine_config, decode_config or DecodeConfig(), storage=storage,
+                decode_engine_config, decode_config or DecodeConfig(), storage=storage,
                 transfer=transfer, secret=SECRET,
             )))  # fmt: skip
         routing = RouterConfig(

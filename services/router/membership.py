@@ -61,17 +61,28 @@ class Membership:
         with self._lock:
             return address in self._drained
 
+    def routable(self, role: Role) -> list[str]:
+        """The members of `role` that are neither drained nor unhealthy now."""
+        now = time.monotonic()
+        with self._lock:
+            return [
+                i
+                for i in self._members[role]
+                if i not in self._drained and self._unhealthy_until.get(i, 0.0) <= now
+            ]
+
     def candidates(self, role: Role, excluded: Set[str]) -> list[str]:
         """The instances of `role` to choose from, best first by kind: routable and not
         `excluded` (those a failed attempt of this request blamed); else routable; else
-        healthy-or-not but not excluded; else every undrained member. Raises NoCapacityError
-        when the role has no undrained member."""
-        now = time.monotonic()
+        unhealthy but not excluded; else every undrained member. Raises NoCapacityError when
+        the role has no undrained member."""
+        healthy = self.routable(role)
+        preferred = [i for i in healthy if i not in excluded]
+        if preferred or healthy:
+            return preferred or healthy
         with self._lock:
             undrained = [i for i in self._members[role] if i not in self._drained]
-            healthy = [i for i in undrained if self._unhealthy_until.get(i, 0.0) <= now]
-        preferred = [i for i in healthy if i not in excluded]
-        chosen = preferred or healthy or [i for i in undrained if i not in excluded] or undrained
+        chosen = [i for i in undrained if i not in excluded] or undrained
         if not chosen:
             raise NoCapacityError(f"no {role} instance is available", 1000)
         return chosen

@@ -82,9 +82,8 @@ def make_router(model: ModelInfo, outcomes: list[str], attempts: int = 3) -> Rou
 
 
 def unhealthy(router: Router) -> set[str]:
-    """The instances the router avoids now: those no longer among its candidates."""
-    routable = {*router.membership.candidates(Role.PREFILL, set())}
-    routable |= {*router.membership.candidates(Role.DECODE, set())}
+    """The instances the router avoids now."""
+    routable = {*router.membership.routable(Role.PREFILL), *router.membership.routable(Role.DECODE)}
     return {*PREFILL, *DECODE} - routable
 
 
