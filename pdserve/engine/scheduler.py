@@ -42,10 +42,6 @@ class SchedulerOutput:
     chunks: list[ScheduledChunk] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
 
-    @property
-    def num_batched_tokens(self) -> int:
-        return sum(c.num_new_tokens for c in self.chunks)
-
 
 @dataclass(slots=True)
 class SchedulerStats:

@@ -72,10 +72,6 @@ class Workers(Protocol):
         """Whether every worker still runs."""
         ...
 
-    def pids(self) -> list[int]:
-        """Their process ids, rank 1 first."""
-        ...
-
     def stop(self, timeout_s: float) -> None:
         """Wait up to `timeout_s` for them to leave, then end them."""
         ...
@@ -102,9 +98,6 @@ class LocalWorkers:
 
     def alive(self) -> bool:
         return all(process.poll() is None for process in self.processes)
-
-    def pids(self) -> list[int]:
-        return [process.pid for process in self.processes]
 
     def stop(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s

@@ -99,16 +99,20 @@ class TransferCounters:
             failures[transport] = failures.get(transport, 0) + 1
 
     def fill(self, stats: common_pb2.InstanceStats) -> None:
-        """Copy the counters into a stats message (one consistent read)."""
+        """Copy the counters into a stats message (one consistent read) whose transfer fields
+        are unset."""
         with self._lock:
-            stats.kv_bytes_sent = self.bytes_sent
-            stats.kv_blocks_sent = self.blocks_sent
-            stats.kv_bytes_received = self.bytes_received
-            stats.kv_blocks_received = self.blocks_received
-            stats.kv_blocks_sent_by_transport.update(self.blocks_sent_by_transport)
-            stats.kv_bytes_sent_by_transport.update(self.bytes_sent_by_transport)
-            stats.kv_transfer_seconds_by_transport.update(self.seconds_by_transport)
-            stats.kv_transfer_failures_by_transport.update(self.failures_by_transport)
+            counters = common_pb2.InstanceStats(
+                kv_bytes_sent=self.bytes_sent,
+                kv_blocks_sent=self.blocks_sent,
+                kv_bytes_received=self.bytes_received,
+                kv_blocks_received=self.blocks_received,
+                kv_blocks_sent_by_transport=self.blocks_sent_by_transport,
+                kv_bytes_sent_by_transport=self.bytes_sent_by_transport,
+                kv_transfer_seconds_by_transport=self.seconds_by_transport,
+                kv_transfer_failures_by_transport=self.failures_by_transport,
+            )
+        stats.MergeFrom(counters)
 
 
 class InstanceRole(Protocol):
@@ -445,8 +449,10 @@ class InstanceRuntime:
             )
             group = engine.runner.tp.group if isinstance(engine.runner.tp, RankZero) else None
             if group is not None:  # the engine thread's own counters: read on it
-                stats.tp_collective_seconds = group.stats.seconds
-                stats.tp_collectives = group.stats.calls
+                collectives = common_pb2.InstanceStats(
+                    tp_collective_seconds=group.stats.seconds, tp_collectives=group.stats.calls
+                )
+                stats.MergeFrom(collectives)
             storage = self._storage_stats(engine)
             if storage is not None:
                 stats.storage.CopyFrom(storage)

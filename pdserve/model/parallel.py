@@ -88,7 +88,6 @@ class CommStats:
 
     seconds: float = 0.0
     calls: int = 0
-    shared_memory_calls: int = 0  # of those, through `ShmCollectives` (the rest: gloo / NCCL)
 
 
 class TPGroup:
@@ -150,7 +149,6 @@ class TPGroup:
         shm = self._shm
         if shm is None or not x.is_contiguous() or not shm.fits(x):
             return None
-        self.stats.shared_memory_calls += 1
         return shm
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:

@@ -131,10 +131,6 @@ class AioServer:
             self._stopped.set()
         return self._stopped
 
-    def wait_for_termination(self, timeout: float | None = None) -> bool:
-        """Block until the server is stopped (by `stop`) or `timeout` passes; True if stopped."""
-        return self._stopped.wait(timeout)
-
 
 def create_aio_server(
     register: Callable[[grpc.aio.Server], None],

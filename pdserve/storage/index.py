@@ -56,15 +56,6 @@ end
 return found
 """
 
-# ARGV: prefix, hash... -> 1 per hash with an entry, else 0 (no touch)
-_CONTAINS = """
-local out = {}
-for i = 2, #ARGV do
-  out[#out + 1] = redis.call('EXISTS', ARGV[1] .. 'b:' .. ARGV[i])
-end
-return out
-"""
-
 # ARGV: prefix, hash, claim_ms -> 1 when the caller may write the block (no entry, no live claim)
 _CLAIM = """
 if redis.call('EXISTS', ARGV[1] .. 'b:' .. ARGV[2]) == 1 then return 0 end
@@ -219,7 +210,6 @@ class CacheIndex:
         self.prefix = f"pds:{tag}:"
         self._mac_key = hashlib.sha256(b"pdserve-index-entry-mac-v1\0" + secret.encode()).digest()
         self._lookup = client.register_script(_LOOKUP)
-        self._contains = client.register_script(_CONTAINS)
         self._claim = client.register_script(_CLAIM)
         self._publish = client.register_script(_PUBLISH)
         self._remove = client.register_script(_REMOVE)
@@ -262,11 +252,6 @@ class CacheIndex:
         """Drop `block_hash`'s entry if it is still `entry` (same key field), without queueing
         the bytes it names for deletion. Returns whether it was dropped."""
         return bool(self._discard(args=[self.prefix, _hex(block_hash), entry.key or b""]))
-
-    def contains(self, hashes: Sequence[BlockHash]) -> list[bool]:
-        if not hashes:
-            return []
-        return [bool(x) for x in self._contains(args=[self.prefix, *map(_hex, hashes)])]
 
     def claim(self, block_hash: BlockHash, claim_s: float = 30.0) -> bool:
         """Whether the caller should write this block: not stored, nobody else writing it."""

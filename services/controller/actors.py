@@ -151,9 +151,6 @@ class RayWorkers:
         except ray.exceptions.RayError:
             return False
 
-    def pids(self) -> list[int]:
-        return list(ray.get([actor.pid.remote() for actor in self.actors], timeout=10))
-
     def stop(self, timeout_s: float) -> None:
         done = [actor.wait.remote(timeout_s) for actor in self.actors]
         ray.wait(done, num_returns=len(done), timeout=timeout_s)
@@ -176,9 +173,6 @@ class TPWorkerActor:
 
     def ping(self) -> bool:
         return self._thread.is_alive()
-
-    def pid(self) -> int:
-        return os.getpid()
 
     def wait(self, timeout_s: float) -> bool:
         """Whether the rank stopped within `timeout_s`."""
