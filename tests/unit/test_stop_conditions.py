@@ -1,20 +1,25 @@
 """The stop conditions are one rule (`stop_status`) for the engine and the router's migration: a
 request whose instance dies after any of its tokens ends exactly as the undisturbed one does,
-at the context window and at the end of its grammar too (the real tiny engine plays both
-instances; the router's side is its `Transcript`)."""
+at the context window and at the end of its grammar too (the real tiny engine plays every
+instance; the router's side is its `Transcript`, then the whole `Router`)."""
 
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
+from streams import collect
 
-from pdserve.config import EngineConfig
+from pdserve.config import EngineConfig, RouterConfig
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.grammar import Grammars
 from pdserve.engine.request import RequestStatus, SamplingParams
 from pdserve.engine.stop import stop_status
+from pdserve.errors import DecodeUnavailableError
+from services.router.membership import Membership
 from services.router.migration import Transcript
+from services.router.model_info import model_info
 from services.router.pd_client import Finished, TokenDelta
+from services.router.router import Router
 
 MAX_MODEL_LEN = 64
 PROMPT = [(7 * i + 3) % 200 + 20 for i in range(40)]
@@ -115,6 +120,70 @@ def test_a_migrated_request_stops_at_its_grammar_end_as_an_unmigrated_one(
 def test_a_seeded_migrated_request_stops_where_an_unmigrated_one_does(engine: LLMEngine) -> None:
     params = SamplingParams(max_tokens=30, temperature=1.0, seed=5)
     check_every_migration_point(engine, params)
+
+
+class EngineInstances:
+    """A PD client whose every instance is the one real engine; its k-th call's instance dies
+    after sending `deaths[k]` tokens (None: it lives), before anything else it would send."""
+
+    def __init__(self, engine: LLMEngine, deaths: list[int | None]) -> None:
+        self.engine = engine
+        self.deaths = list(deaths)
+        self.calls = 0
+
+    async def generate(
+        self, prefill: str, decode: str, ids: list[int], params: SamplingParams, request_id: str,
+        hashes: object = None,
+    ) -> AsyncIterator[TokenDelta | Finished]:  # fmt: skip
+        self.calls += 1
+        dies_after = self.deaths.pop(0) if self.deaths else None
+        sent = 0
+        for event in run(self.engine, ids, params):
+            if sent == dies_after:
+                raise DecodeUnavailableError("decode is gone")
+            yield event
+            sent += isinstance(event, TokenDelta)
+
+    def abort(self, prefill: str, decode: str | None, request_id: str) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def through_router(
+    engine: LLMEngine, tiny_model_dir: Path, params: SamplingParams, deaths: list[int | None]
+) -> tuple[list[TokenDelta | Finished], int]:
+    """The client's events of one request through the router, and how many calls it made."""
+    model = model_info(EngineConfig(model=str(tiny_model_dir), max_model_len=MAX_MODEL_LEN), "m")
+    client = EngineInstances(engine, deaths)
+    router = Router(
+        RouterConfig(retry_backoff_s=0.0),
+        model,
+        Membership(["p0"], ["d0", "d1"]),
+        client,  # type: ignore[arg-type]
+    )
+    return collect(router.generate("r", list(PROMPT), params)), client.calls
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(max_tokens=100, ignore_eos=True),  # ends at the context window
+        SamplingParams(max_tokens=20, ignore_eos=True, structured=("choice", '["red", "blue"]')),
+    ],
+)
+def test_the_router_ends_a_request_whose_last_reply_was_lost_as_the_instance_would_have(
+    engine: LLMEngine, tiny_model_dir: Path, params: SamplingParams
+) -> None:
+    reference, calls = through_router(engine, tiny_model_dir, params, [])
+    tokens = outcome(reference)[0]
+    assert calls == 1
+    for k in (len(tokens) // 2, len(tokens)):
+        migrated, calls = through_router(engine, tiny_model_dir, params, [k])
+        assert outcome(migrated) == outcome(reference)
+        assert calls == (2 if k < len(tokens) else 1)  # the whole output: nothing to resume
+    engine.check_integrity()
 
 
 @pytest.mark.parametrize(
