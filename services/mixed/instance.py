@@ -1,9 +1,7 @@
 """MixedInstance: serves whole generations from one engine (no disaggregation)."""
 
-from collections.abc import Iterator
-
 from pdserve.config import EngineConfig, StorageConfig
-from pdserve.engine.request import RequestOutput, SamplingParams
+from pdserve.engine.request import SamplingParams
 from pdserve.instance.runtime import InstanceRuntime
 from pdserve.instance.streams import OutputStream
 from pdserve.kvcache.hashing import PromptHashes
@@ -55,26 +53,6 @@ class MixedInstance:
         if not finished:
             self.runtime.abort(request_id)
         self.runtime.close_stream(request_id, stream=stream)
-
-    def generate(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        hashes: PromptHashes | None = None,
-    ) -> Iterator[RequestOutput]:
-        """Every output of the request until it finishes (blocking); closing the iterator early
-        aborts it. Raises InvalidRequestError / PromptTooLongError before the first output, and
-        the error of a failed engine step (StepFailedError)."""
-        stream = self.runtime.open_stream(request_id)
-        finished = False
-        try:
-            self.submit(request_id, prompt_token_ids, params, hashes)
-            for output in stream:
-                finished = output.finished
-                yield output
-        finally:
-            self.end(request_id, stream, finished)
 
     def abort(self, request_id: str) -> bool:
         return self.runtime.abort(request_id)

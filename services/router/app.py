@@ -26,13 +26,9 @@ from starlette.concurrency import run_in_threadpool
 from pdserve.config import RouterConfig
 from pdserve.engine.request import SamplingParams, TokenLogprob
 from pdserve.errors import (
-    InvalidRequestError,
-    ModelNotFoundError,
-    NoCapacityError,
     PdserveError,
-    PromptTooLongError,
     RequestAbortedError,
-    ResourceExhaustedError,
+    http_error,
 )
 from pdserve.metrics import RouterMetrics
 from pdserve.model.tokenizer import Tokenizer
@@ -380,7 +376,8 @@ async def _sse(
         yield b"data: [DONE]\n\n"
     except PdserveError as e:
         state.finished = len(streams) == 1  # other choices may still run: the stream aborts them
-        yield _data({"error": _error_body(e)[1]["error"]})
+        error = http_error(e)
+        yield _data(_openai_error(error.message, error.type, error.code))
         yield b"data: [DONE]\n\n"
     finally:
         await (merged or streams[0]).aclose()
@@ -682,24 +679,6 @@ def _usage(num_prompt: int, finals: Sequence[Finished]) -> dict[str, int]:
 
 # -- errors --------------------------------------------------------------------------------------
 
-_STATUS: list[tuple[type[Exception], int, str, str | None]] = [
-    (ModelNotFoundError, 404, "invalid_request_error", "model_not_found"),
-    (PromptTooLongError, 400, "invalid_request_error", "context_length_exceeded"),
-    (InvalidRequestError, 400, "invalid_request_error", None),
-    (ResourceExhaustedError, 503, "server_overloaded", "no_capacity"),
-    (RequestAbortedError, 503, "server_error", "request_aborted"),
-    (NoCapacityError, 503, "server_overloaded", "no_capacity"),
-]
-
-
-def _error_body(error: Exception) -> tuple[int, dict[str, Any]]:
-    for kind, status, error_type, code in _STATUS:
-        if isinstance(error, kind):
-            return status, _openai_error(str(error), error_type, code)
-    if isinstance(error, PdserveError):
-        return 503, _openai_error(f"the request failed: {error}", "server_error", "upstream_error")
-    return 500, _openai_error("internal server error", "server_error", None)
-
 
 def _openai_error(
     message: str, error_type: str, code: str | None, param: str | None = None
@@ -723,12 +702,10 @@ def _install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(PdserveError)
     async def pdserve_error(_: Request, exc: PdserveError) -> JSONResponse:
-        status, body = _error_body(exc)
-        headers = {}
-        retry_after_ms = getattr(exc, "retry_after_ms", None)
-        if status == 503:
-            headers["Retry-After"] = str(max(1, round((retry_after_ms or 1000) / 1000)))
-        return JSONResponse(body, status, headers=headers)
+        error = http_error(exc)
+        headers = {} if error.retry_after_s is None else {"Retry-After": str(error.retry_after_s)}
+        body = _openai_error(error.message, error.type, error.code)
+        return JSONResponse(body, error.status, headers=headers)
 
 
 class _RequestGate:

@@ -6,7 +6,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from pdserve.engine.request import SamplingParams
-from pdserve.errors import InvalidRequestError, ModelNotFoundError, PromptTooLongError
+from pdserve.engine.validation import validate_request
+from pdserve.errors import InvalidRequestError, ModelNotFoundError
 from services.router.model_info import ModelInfo
 
 
@@ -39,23 +40,9 @@ class RequestEdge:
         return self.model.tokenizer.decode(token_ids)
 
     def validate(self, token_ids: Sequence[int], params: SamplingParams) -> None:
-        if not token_ids:
-            raise InvalidRequestError("the prompt is empty")
-        vocab = self.model.vocab_size
-        if any(not 0 <= t < vocab for t in token_ids):
-            raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})")
-        if any(t >= vocab for t, _ in params.logit_bias):
-            raise InvalidRequestError(f"logit_bias token ids must be in [0, {vocab})")
-        limit = self.model.max_model_len
-        if len(token_ids) >= limit:
-            raise PromptTooLongError(
-                f"this model's maximum context length is {limit} tokens; "
-                f"the prompt has {len(token_ids)} tokens (at least one is needed for output)"
-            )
-        if len(token_ids) + params.max_tokens > limit:
-            raise PromptTooLongError(
-                f"this model's maximum context length is {limit} tokens; you requested "
-                f"{len(token_ids) + params.max_tokens} ({len(token_ids)} in the prompt, "
-                f"{params.max_tokens} to generate): lower max_tokens to at most "
-                f"{limit - len(token_ids)}"
-            )
+        """Raise InvalidRequestError / PromptTooLongError unless the prompt and `max_tokens`
+        fit the model (`validate_request`)."""
+        model = self.model
+        validate_request(
+            token_ids, params, vocab_size=model.vocab_size, max_model_len=model.max_model_len
+        )

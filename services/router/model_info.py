@@ -28,16 +28,13 @@ def model_info(engine: EngineConfig, served_name: str | None) -> ModelInfo:
     model directory's name)."""
     path = Path(engine.model) if engine.model else default_model_dir()
     config = ModelConfig.from_dir(path)
-    context = min(
-        engine.max_model_len or config.max_position_embeddings, config.max_position_embeddings
-    )
     tokenizer = Tokenizer.from_dir(path)
     eos = eos_token_ids(config, tokenizer)
     return ModelInfo(
         model_id=served_name or path.name,
         tokenizer=tokenizer,
         hasher=BlockHasher.for_model(engine.block_size, model_tag(path, engine.dtype)),
-        max_model_len=context,
+        max_model_len=config.context_window(engine.max_model_len),
         vocab_size=config.vocab_size,
         eos_token_ids=eos,
         grammars=Grammars(tokenizer, config.vocab_size, eos),

@@ -8,58 +8,40 @@ import contextlib
 import json
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
 
 import httpx
 import pytest
 from credentials import SECRET
+from stacks import Stack, pd_stack
 from waiting import wait_for
 
-from pdserve.config import DecodeConfig, EngineConfig, PrefillConfig, RouterConfig
+from pdserve.config import EngineConfig
 from pdserve.engine.request import SamplingParams
 from pdserve.instance.convert import generate_request
 from pdserve.rpc.aio import AioChannelPool, AioClients
 from pdserve.rpc.server import instance_workers
-from services.decode.servicer import serve_decode
 from services.mixed.servicer import serve_mixed
-from services.prefill.servicer import serve_prefill
-from services.router.server import RunningRouter, serve_router
 
 
-@contextlib.contextmanager
-def pd_cluster(
+def limited(
     tiny_model_dir: Path, max_num_seqs: int, max_concurrent_requests: int = 4096
-) -> Iterator[tuple[RunningRouter, Any]]:
-    """A router over one prefill and one decode instance of `max_num_seqs`; (router, decode)."""
-    config = EngineConfig(model=str(tiny_model_dir), num_kv_blocks=1024, max_num_seqs=max_num_seqs)
-    p, p_server, p_port = serve_prefill(config, PrefillConfig(), secret=SECRET)
-    d, d_server, d_port = serve_decode(config, DecodeConfig(), secret=SECRET)
-    routing = RouterConfig(
-        port=0, model_name="tiny", max_concurrent_requests=max_concurrent_requests
+) -> contextlib.AbstractContextManager[Stack]:
+    """One prefill and one decode instance of `max_num_seqs`."""
+    return pd_stack(
+        tiny_model_dir,
+        engine={"num_kv_blocks": 1024, "max_num_seqs": max_num_seqs},
+        router={"max_concurrent_requests": max_concurrent_requests},
     )
-    running = serve_router(
-        routing, config, [f"127.0.0.1:{p_port}"], [f"127.0.0.1:{d_port}"], secret=SECRET
-    )
-    try:
-        yield running, d
-    finally:
-        running.stop()
-        for instance, server in ((p, p_server), (d, d_server)):
-            server.stop(0)
-            instance.check_integrity()
-            instance.stop()
 
 
 @pytest.fixture(scope="module")
-def router(tiny_model_dir: Path) -> Iterator[RunningRouter]:
-    with pd_cluster(tiny_model_dir, 64, max_concurrent_requests=2) as (running, _):
-        yield running
+def stack(tiny_model_dir: Path) -> Iterator[Stack]:
+    with limited(tiny_model_dir, 64, max_concurrent_requests=2) as stack:
+        yield stack
 
 
-def test_past_the_limit_requests_get_503_and_the_running_ones_finish(
-    router: RunningRouter,
-) -> None:
-    url = f"{router.url}/v1/completions"
+def test_past_the_limit_requests_get_503_and_the_running_ones_finish(stack: Stack) -> None:
+    url = f"{stack.url}/v1/completions"
     long = {"model": "tiny", "prompt": "a long story", "max_tokens": 400, "stream": True,
             "ignore_eos": True}  # fmt: skip
     with (
@@ -80,15 +62,15 @@ def test_past_the_limit_requests_get_503_and_the_running_ones_finish(
         assert two.status_code == 503  # choices count as generations
         events = [json.loads(line[6:]) for line in streams[0] if line.startswith("data: {")]
         assert events[-1]["choices"][0]["finish_reason"] == "length"
-    wait_for(lambda: router.router.num_running == 0)  # the closed stream is aborted
+    wait_for(lambda: stack.router.num_running == 0)  # the closed stream is aborted
     served = httpx.post(url, json={**long, "stream": False, "max_tokens": 4}, timeout=30)
     assert served.status_code == 200
-    metrics = httpx.get(f"{router.url}/metrics").text
+    metrics = httpx.get(f"{stack.url}/metrics").text
     assert "pdserve_router_rejected_requests_total 2.0" in metrics
 
 
 def concurrently(
-    router: RunningRouter, count: int, max_tokens: int, until: Callable[[], bool], first: int = 0
+    stack: Stack, count: int, max_tokens: int, until: Callable[[], bool], first: int = 0
 ) -> list[str]:
     """`count` greedy completions at once (prompts `go {first}` ...); returns their texts once
     all are done and `until` held while they ran."""
@@ -96,7 +78,7 @@ def concurrently(
 
     async def clients() -> list[str]:
         async with httpx.AsyncClient(timeout=120) as http:
-            url = f"{router.url}/v1/completions"
+            url = f"{stack.url}/v1/completions"
 
             async def one(n: int) -> str:
                 reply = await http.post(url, json={**body, "prompt": f"go {first + n}"})
@@ -115,8 +97,9 @@ def test_a_decode_instance_runs_max_num_seqs_streams_not_a_thread_pools_worth(
 ) -> None:
     """40 concurrent streams (more than the 32 handler threads servers used to have) all run
     on the decode engine at once: its `max_num_seqs` (40) is the limit."""
-    with pd_cluster(tiny_model_dir, 40) as (router, decode):
-        texts = concurrently(router, 40, 300, lambda: decode.stats().num_running == 40)
+    with limited(tiny_model_dir, 40) as stack:
+        decode = stack.decode[0].instance
+        texts = concurrently(stack, 40, 300, lambda: decode.stats().num_running == 40)
     assert len(texts) == 40
 
 
@@ -125,7 +108,8 @@ def test_handoffs_beyond_max_num_seqs_wait_their_turn_with_unchanged_output(
 ) -> None:
     """16 requests on a decode of max_num_seqs 8: 8 run, the others' KV waits (counted as
     waiting) and they join as places free up; every text equals the one it has alone."""
-    with pd_cluster(tiny_model_dir, 8) as (router, decode):
+    with limited(tiny_model_dir, 8) as stack:
+        decode = stack.decode[0].instance
         peak = 0
 
         def queued() -> bool:
@@ -134,8 +118,8 @@ def test_handoffs_beyond_max_num_seqs_wait_their_turn_with_unchanged_output(
             peak = max(peak, stats.num_running)
             return stats.num_running == 8 and stats.num_waiting >= 1
 
-        together = concurrently(router, 16, 120, queued)
-        alone = {n: concurrently(router, 1, 120, lambda: True, first=n)[0] for n in (0, 9, 15)}
+        together = concurrently(stack, 16, 120, queued)
+        alone = {n: concurrently(stack, 1, 120, lambda: True, first=n)[0] for n in (0, 9, 15)}
     assert peak == 8
     assert all(together[n] == text for n, text in alone.items()) and len(set(together)) > 1
 

@@ -7,41 +7,27 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from credentials import SECRET
 from pdserve_up import scrape_metrics
+from stacks import MODEL, Stack, pd_stack
 from waiting import wait_for
 
-from pdserve.config import EngineConfig, RouterConfig
+from pdserve.config import EngineConfig
 from pdserve.engine import LLMEngine, SamplingParams
-from services.mixed.instance import MixedInstance
-from services.mixed.servicer import serve_mixed
-from services.router.server import RunningRouter, serve_router
-
-MODEL = "tiny"
+from services.router.membership import Role
 
 
 @pytest.fixture(scope="module")
-def mixed_stack(tiny_model_dir: Path) -> Iterator[tuple[RunningRouter, list[MixedInstance]]]:
-    engine = EngineConfig(model=str(tiny_model_dir), num_kv_blocks=512, max_model_len=1024)
-    served = [serve_mixed(engine, secret=SECRET) for _ in range(2)]
-    config = RouterConfig(port=0, model_name=MODEL)
-    addresses = [f"127.0.0.1:{port}" for _, _, port in served]
-    router = serve_router(config, engine, [], [], mixed=addresses, secret=SECRET)
-    yield router, [instance for instance, _, _ in served]
-    router.stop()
-    for instance, server, _ in served:
-        server.stop(0)
-        instance.check_integrity()
-        stats = instance.stats()
-        assert stats.num_free_blocks == stats.num_blocks
-        instance.stop()
+def mixed_stack(tiny_model_dir: Path) -> Iterator[Stack]:
+    engine = {"num_kv_blocks": 512, "max_model_len": 1024}
+    with pd_stack(tiny_model_dir, mixed=2, engine=engine) as stack:
+        yield stack
 
 
 def test_mixed_pool_serves_the_same_tokens_as_one_engine(
-    mixed_stack: tuple[RunningRouter, list[MixedInstance]], tiny_model_dir: Path
+    mixed_stack: Stack, tiny_model_dir: Path
 ) -> None:
-    router, _ = mixed_stack
-    client = openai.OpenAI(base_url=f"{router.url}/v1", api_key="unused", max_retries=0)
+    stack = mixed_stack
+    client = openai.OpenAI(base_url=f"{stack.url}/v1", api_key="unused", max_retries=0)
     result = client.completions.create(
         model=MODEL, prompt="Hello there", max_tokens=10, temperature=0
     )
@@ -52,17 +38,18 @@ def test_mixed_pool_serves_the_same_tokens_as_one_engine(
 
 
 def test_mixed_follow_up_turn_goes_to_the_instance_with_the_prefix(
-    mixed_stack: tuple[RunningRouter, list[MixedInstance]],
+    mixed_stack: Stack,
 ) -> None:
-    router, instances = mixed_stack
-    client = openai.OpenAI(base_url=f"{router.url}/v1", api_key="unused", max_retries=0)
+    stack, instances = mixed_stack, [m.instance for m in mixed_stack.mixed]
+    client = openai.OpenAI(base_url=f"{stack.url}/v1", api_key="unused", max_retries=0)
     history = [
         {"role": "system", "content": "Answer briefly. " * 10},
         {"role": "user", "content": "Hi?"},
     ]
     first = client.chat.completions.create(model=MODEL, messages=history, max_tokens=6)  # type: ignore[arg-type]
-    index = router.router.index
-    wait_for(lambda: sum(index.num_blocks(a) for a in router.router.prefill) >= 4)
+    index = stack.router.kv_events.index
+    members = stack.router.membership.members(Role.PREFILL)
+    wait_for(lambda: sum(index.num_blocks(a) for a in members) >= 4)
     before = [i.stats().device_hit_tokens for i in instances]
     history += [
         {"role": "assistant", "content": first.choices[0].message.content or ""},
@@ -74,46 +61,51 @@ def test_mixed_follow_up_turn_goes_to_the_instance_with_the_prefix(
 
 
 def test_mixed_disconnect_aborts_the_request(
-    mixed_stack: tuple[RunningRouter, list[MixedInstance]],
+    mixed_stack: Stack,
 ) -> None:
-    router, instances = mixed_stack
+    stack, instances = mixed_stack, [m.instance for m in mixed_stack.mixed]
     body = {"model": MODEL, "prompt": "stream", "max_tokens": 900, "stream": True,
             "ignore_eos": True}  # fmt: skip
-    with httpx.stream("POST", f"{router.url}/v1/completions", json=body, timeout=30) as response:
+    with httpx.stream("POST", f"{stack.url}/v1/completions", json=body, timeout=30) as response:
         lines = response.iter_lines()  # kept: a discarded iterator closes the connection
         assert next(lines).startswith("data: ")
         assert sum(i.stats().num_running for i in instances) == 1
     wait_for(lambda: sum(i.stats().num_running for i in instances) == 0)
-    wait_for(lambda: router.router.load.num_live_leases() == 0)
+    wait_for(lambda: stack.router.attempts.load.snapshot() == {})
 
 
 def test_a_non_streaming_client_that_goes_away_aborts_its_request(
-    mixed_stack: tuple[RunningRouter, list[MixedInstance]],
+    mixed_stack: Stack,
 ) -> None:
-    router, instances = mixed_stack
+    stack, instances = mixed_stack, [m.instance for m in mixed_stack.mixed]
     before = sum(i.stats().num_computed_tokens for i in instances)
     body = {"model": MODEL, "prompt": [5, 6, 7], "max_tokens": 1000, "ignore_eos": True}
     with pytest.raises(httpx.TimeoutException):  # the client gives up and closes its connection
-        httpx.post(f"{router.url}/v1/completions", json=body, timeout=0.3)
+        httpx.post(f"{stack.url}/v1/completions", json=body, timeout=0.3)
     wait_for(lambda: sum(i.stats().num_running for i in instances) == 0)
     computed = sum(i.stats().num_computed_tokens for i in instances) - before
     assert computed < 1000  # aborted: the 1,000 tokens it asked for were never all generated
-    wait_for(lambda: router.router.load.num_live_leases() == 0)
+    wait_for(lambda: stack.router.attempts.load.snapshot() == {})
 
 
 def test_instance_metrics_count_exactly_the_hits_of_a_scripted_workload(
-    mixed_stack: tuple[RunningRouter, list[MixedInstance]],
+    mixed_stack: Stack,
 ) -> None:
     """Prompt tokens are counted once per request at admission; hits are whole cached blocks."""
-    _, instances = mixed_stack
+    instances = [m.instance for m in mixed_stack.mixed]
     instance = instances[0]
     url = f"http://{instance.runtime.metrics_address}"
     before = scrape_metrics(url)
     first = [(7 * i + 3) % 250 for i in range(70)]
     second = [*first[:50], 9, 9, 9, 9]  # shares 50 tokens: 3 whole blocks of 16
     params = SamplingParams(max_tokens=2, ignore_eos=True)
-    for n, prompt in enumerate((first, second, second)):
-        list(instance.generate(f"metrics-{n}", prompt, params))
+    other = mixed_stack.mixed[1].address
+    mixed_stack.router.membership.set_drained(other, True)  # every request on `instance`
+    try:
+        for prompt in (first, second, second):
+            mixed_stack.generate(prompt, params)
+    finally:
+        mixed_stack.router.membership.set_drained(other, False)
     after = scrape_metrics(url)
 
     def delta(name: str) -> float:
@@ -128,10 +120,10 @@ def test_instance_metrics_count_exactly_the_hits_of_a_scripted_workload(
 
 
 def test_every_metrics_endpoint_passes_promtool(
-    mixed_stack: tuple[RunningRouter, list[MixedInstance]],
+    mixed_stack: Stack,
 ) -> None:
-    router, instances = mixed_stack
-    urls = [router.url] + [f"http://{i.runtime.metrics_address}" for i in instances]
+    stack, instances = mixed_stack, [m.instance for m in mixed_stack.mixed]
+    urls = [stack.url] + [f"http://{i.runtime.metrics_address}" for i in instances]
     for url in urls:
         text = httpx.get(f"{url}/metrics", timeout=10).text
         check = subprocess.run(
