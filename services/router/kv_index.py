@@ -8,10 +8,10 @@ Data structure (chosen for the routing hot path): every instance gets a small in
 index maps a block hash to a bitmask of the slots holding it (`dict[BlockHash, int]`). `overlaps`
 walks the request's chain once, AND-ing each block's mask into the set of instances still matching,
 and stops as soon as that set is empty. A lookup is one dict probe and one integer AND per block,
-whatever the number of instances. A per-instance set of hashes makes `reset_instance` and
+whatever the number of instances. A per-instance set of hashes makes `replace_instance` and
 `drop_instance` proportional to that instance's blocks, not to the whole index.
 
-Locking: one `threading.Lock` guards every field. `apply`, `reset_instance` and `drop_instance`
+Locking: one `threading.Lock` guards every field. `apply`, `replace_instance` and `drop_instance`
 (called from the KV-event stream threads) and `overlaps` (called from request handlers) each hold
 it for their whole body, so a routing decision sees every event either entirely or not at all.
 No method does I/O or calls out while holding it.
@@ -59,14 +59,6 @@ class KVEventIndex:
             slot = self._slot_of(instance_id)
             self._clear(instance_id, slot)
             self._store(instance_id, slot, block_hashes)
-
-    def reset_instance(self, instance_id: str) -> None:
-        """Forget every block of `instance_id` but keep the instance known (its event stream
-        restarted and will repopulate it). Unknown ids are ignored. Takes the lock."""
-        with self._lock:
-            slot = self._slots.get(instance_id)
-            if slot is not None:
-                self._clear(instance_id, slot)
 
     def drop_instance(self, instance_id: str) -> None:
         """Forget `instance_id` and all its blocks (it died or left); its slot is reused.

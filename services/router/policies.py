@@ -223,10 +223,6 @@ class CacheAwarePolicy(RoutingPolicy):
         reason = RouteReason.CACHE_HIT if overlap else RouteReason.LOAD_OVER_CACHE
         return Decision(instance_id, reason, overlap)
 
-    def is_unbalanced(self, candidates: Sequence[str], loads: Mapping[str, InstanceLoad]) -> bool:
-        """Whether the candidates' in-flight request counts differ by more than both thresholds."""
-        return self._unbalanced([loads.get(c, IDLE).in_flight_requests for c in candidates])
-
     def _unbalanced(self, counts: Sequence[int]) -> bool:
         low, high = min(counts), max(counts)
         config = self.config
@@ -289,12 +285,10 @@ POLICIES: dict[str, type[RoutingPolicy]] = registry(
         PrefillPolicyName.CACHE_AWARE: CacheAwarePolicy,
     },
 )
-DEFAULT_POLICY = "cache_aware"
 
 DECODE_POLICIES: dict[str, type[DecodePolicy]] = {
     "least_kv_usage": LeastKVUsagePolicy,
 }
-DEFAULT_DECODE_POLICY = "least_kv_usage"
 
 
 def make_policy(name: str, config: PolicyConfig | None = None) -> RoutingPolicy:

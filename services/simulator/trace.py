@@ -9,7 +9,6 @@ cover a partial block.
 import itertools
 import json
 import random
-from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -50,14 +49,6 @@ def load_trace(path: Path, limit: int | None = None) -> list[TraceRecord]:
             if limit is not None and len(records) >= limit:
                 break
     return sorted(records, key=lambda r: r.timestamp_ms)
-
-
-def write_trace(path: Path, records: Iterable[TraceRecord]) -> None:
-    with path.open("w") as out:
-        for r in records:
-            item = {"timestamp": r.timestamp_ms, "input_length": r.input_length,
-                    "output_length": r.output_length, "hash_ids": list(r.hash_ids)}  # fmt: skip
-            out.write(json.dumps(item) + "\n")
 
 
 class _Ids:

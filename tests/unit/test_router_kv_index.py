@@ -99,13 +99,13 @@ def test_drop_instance_forgets_blocks_and_reuses_slot_when_instance_dies(
     assert index.instances() == (B, C)
 
 
-def test_reset_instance_clears_blocks_but_keeps_instance_when_stream_restarts(
+def test_an_empty_snapshot_clears_blocks_but_keeps_the_instance(
     index: KVEventIndex,
 ) -> None:
     hashes = chain(4)
     index.apply(A, BlockStored(tuple(hashes)))
     index.apply(B, BlockStored(tuple(hashes)))
-    index.reset_instance(A)
+    index.replace_instance(A, ())
     assert index.instances() == (A, B)
     assert index.overlaps(hashes, [A, B]) == {A: 0, B: 4}
     index.apply(A, BlockStored(tuple(hashes[:1])))
@@ -224,7 +224,7 @@ def test_overlaps_match_reference_model_under_random_events(
             index.apply(instance_id, BlockRemoved(hashes))
             model[instance_id] -= set(hashes)
         elif kind == "reset":
-            index.reset_instance(instance_id)
+            index.replace_instance(instance_id, ())
             model[instance_id] = set()
         else:
             index.drop_instance(instance_id)

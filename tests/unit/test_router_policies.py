@@ -4,12 +4,10 @@ from collections.abc import Mapping
 
 import pytest
 
+from pdserve.config import RouterConfig
 from pdserve.errors import ConfigError, NoCandidateError
 from services.router.load import InstanceLoad, LoadTracker
 from services.router.policies import (
-    DECODE_POLICIES,
-    DEFAULT_DECODE_POLICY,
-    DEFAULT_POLICY,
     POLICIES,
     CacheAwarePolicy,
     DecodeCapacity,
@@ -103,8 +101,10 @@ def test_cache_aware_keeps_cache_affinity_when_only_one_threshold_is_exceeded(
 def test_cache_aware_uses_sglang_thresholds_by_default() -> None:
     policy = make_policy("cache_aware")
     assert isinstance(policy, CacheAwarePolicy)
-    assert not policy.is_unbalanced((A, B), loads_of(a=0, b=32))
-    assert policy.is_unbalanced((A, B), loads_of(a=0, b=33))
+    balanced = policy.choose((A, B), REQUEST, loads_of(a=0, b=32), {B: 100})
+    assert (balanced.instance_id, balanced.reason) == (B, RouteReason.CACHE_HIT)
+    unbalanced = policy.choose((A, B), REQUEST, loads_of(a=0, b=33), {B: 100})
+    assert unbalanced.instance_id == A  # more than 32 apart and more than 1.5x: load wins
 
 
 def test_cache_aware_picks_least_load_with_reason_when_nothing_overlaps() -> None:
@@ -182,7 +182,7 @@ def test_every_policy_raises_when_no_candidates(name: str) -> None:
 
 def test_decode_policy_raises_when_no_candidates() -> None:
     with pytest.raises(NoCandidateError):
-        make_decode_policy(DEFAULT_DECODE_POLICY).choose((), REQUEST, {})
+        make_decode_policy("least_kv_usage").choose((), REQUEST, {})
 
 
 @pytest.mark.parametrize("name", sorted(POLICIES))
@@ -199,9 +199,8 @@ def test_make_policy_raises_config_error_naming_choices_when_name_unknown() -> N
         make_decode_policy("cache_aware")
 
 
-def test_registries_default_to_cache_aware_and_least_kv_usage() -> None:
-    assert isinstance(make_policy(DEFAULT_POLICY), CacheAwarePolicy)
-    assert DEFAULT_POLICY == "cache_aware" and DEFAULT_DECODE_POLICY in DECODE_POLICIES
+def test_the_default_prefill_policy_is_cache_aware() -> None:
+    assert isinstance(make_policy(RouterConfig().prefill_policy), CacheAwarePolicy)
 
 
 @pytest.mark.parametrize(
