@@ -21,6 +21,7 @@ then pushed again; stale entries are skipped by version. O(log n) per operation.
 """
 
 import heapq
+import logging
 import math
 import time
 from collections import OrderedDict
@@ -30,6 +31,8 @@ from typing import assert_never
 from pdserve.choices import EvictionPolicyName
 from pdserve.errors import IntegrityError
 from pdserve.kvcache.hashing import BlockHash
+
+logger = logging.getLogger(__name__)
 
 Clock = Callable[[], float]
 EVICTION_POLICIES = tuple(name.value for name in EvictionPolicyName)  # make_eviction_policy's
@@ -169,6 +172,11 @@ class EvictionPolicy:
         # every free cached block has a published child (held as a duplicate): take the lowest
         victim = min(self._free_cached, key=self.key)
         self.forced_evictions += 1
+        logger.debug(
+            "block %d evicted although a published block follows it (%d such evictions): "
+            "its followers are unreachable until they are evicted too",
+            victim, self.forced_evictions,
+        )  # fmt: skip
         self._rebuild()
         return victim
 

@@ -1,6 +1,6 @@
 """The admin gRPC API (proto/pdserve/v1/admin.proto), served by `pdserve up` next to the router.
 
-Every call needs `authorization: Bearer <token>`; health and reflection answer without it. The
+Every call needs `authorization: Bearer <token>`; only health answers without it. The
 token comes from `admin.token` (or `PDSERVE_ADMIN_TOKEN`); unset, one is generated and written
 with mode 0600 next to cluster.json, where `pdserve admin` finds it.
 """
