@@ -34,15 +34,18 @@ rounds of the transport's CPU per byte / its baseline's. When both processes sha
 keep them busy, GB/s follows CPU per byte: ratio ~ 1 / cpu_ratio.
 
 TTFT: one `--prompt-len`-token prompt (2,048; distinct every round: no prefix-cache hits) through
-in-process `serve_prefill` + `serve_decode` instances (tiny model, block size 16) with
-`PDClient.generate` (max 2 tokens): reserve, queue, prefill compute, KV transfer and handoff come
-from `PrefillResult.timings`; the client measures TTFT (call to first token) and the first decode
-step (first token to second; the step starts at the handoff, so it may partly overlap the
-StreamTokens call). `--threads` (default 1) sets torch threads: on the shared 2-core box two
-OpenMP threads slow a forward pass ~10x whenever another process holds a core.
+in-process `serve_prefill` + `serve_decode` instances (tiny model, block size 16) behind an
+in-process router (`serve_router`; `Router.generate` run on the router's event loop, the path of
+every HTTP request without the OpenAI formatting), max 2 tokens: reserve, queue, prefill compute,
+KV transfer and handoff come from `PrefillResult.timings` (the final event's `prefill`); the
+router's loop measures TTFT (call to first token) and the first decode step (first token to
+second; the step starts at the handoff, so it may partly overlap the StreamTokens call).
+`--threads` (default 1) sets torch threads: on the shared 2-core box two OpenMP threads slow a
+forward pass ~10x whenever another process holds a core.
 """
 
 import argparse
+import asyncio
 import contextlib
 import hashlib
 import json
@@ -53,6 +56,7 @@ import socket
 import tempfile
 import threading
 import time
+import uuid
 from collections.abc import Iterator, Sequence
 from concurrent import futures
 from dataclasses import asdict, dataclass
@@ -64,7 +68,7 @@ import numpy as np
 import torch
 from _common import finish, median, parse_args, print_table, repeats
 
-from pdserve.config import DecodeConfig, EngineConfig, PrefillConfig, TransferConfig
+from pdserve.config import DecodeConfig, EngineConfig, PrefillConfig, RouterConfig, TransferConfig
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.request import SamplingParams
 from pdserve.instance.convert import endpoints_from_proto, generate_request
@@ -81,7 +85,9 @@ from pdserve.v1 import common_pb2, common_pb2_grpc, decode_pb2, decode_pb2_grpc
 from services.decode.instance import DecodeInstance
 from services.decode.servicer import serve_decode
 from services.prefill.servicer import serve_prefill
-from services.router.pd_client import Finished, PDClient, TokenDelta
+from services.router.pd_client import Finished, TokenDelta
+from services.router.router import Router
+from services.router.server import RunningRouter, serve_router
 
 SECRET = new_secret()  # this run's cluster secret (given to the receiving process)
 
@@ -684,17 +690,33 @@ def bench_transfer(
 STAGES = ("reserve", "queue", "compute", "transfer", "handoff")
 
 
-def one_request(client: PDClient, prefill: str, decode: str, prompt: list[int]) -> dict[str, float]:
-    """Milliseconds of each stage of one request; the prefill's from its reported timings."""
-    params = SamplingParams(max_tokens=2, ignore_eos=True)
+async def timed_events(
+    router: Router, prompt: list[int], params: SamplingParams
+) -> tuple[float, list[float], Finished | None]:
+    """(start, each token's arrival, the final event) of one request, timed on the router's
+    event loop."""
     token_times: list[float] = []
     finished: Finished | None = None
     start = time.perf_counter()
-    for event in client.generate(prefill, decode, prompt, params):
-        if isinstance(event, TokenDelta):
-            token_times.extend(time.perf_counter() for _ in event.token_ids)
-        else:
-            finished = event
+    events = router.generate(uuid.uuid4().hex, prompt, params)
+    try:
+        async for event in events:
+            if isinstance(event, TokenDelta):
+                token_times.extend(time.perf_counter() for _ in event.token_ids)
+            else:
+                finished = event
+    finally:
+        await events.aclose()
+    return start, token_times, finished
+
+
+def one_request(running: RunningRouter, prompt: list[int]) -> dict[str, float]:
+    """Milliseconds of each stage of one request; the prefill's from its reported timings."""
+    params = SamplingParams(max_tokens=2, ignore_eos=True)
+    request = asyncio.run_coroutine_threadsafe(
+        timed_events(running.router, prompt, params), running.loop
+    )
+    start, token_times, finished = request.result(600)
     if finished is None or finished.prefill is None or len(token_times) != 2:
         raise RuntimeError(f"request ended with {len(token_times)} tokens, expected 2")
     timings = finished.prefill.timings
@@ -731,18 +753,22 @@ def bench_ttft(args: argparse.Namespace, repeat: int) -> TTFTFigures:
         decode_server.stop(0).wait()
         decode.stop()
         raise
-    client = PDClient(ChannelPool(SECRET))
+    running: RunningRouter | None = None
     prompts = Prompts()
     prefill_address, decode_address = f"127.0.0.1:{prefill_port}", f"127.0.0.1:{decode_port}"
-
-    def run() -> dict[str, float]:
-        return one_request(client, prefill_address, decode_address, prompts.take(args.prompt_len))
-
     try:
-        run()  # warm-up (channels, first forward passes)
-        rounds = [run() for _ in range(repeat)]
+        running = serve_router(
+            RouterConfig(port=0, model_name="tiny"),
+            engine_config,
+            [prefill_address],
+            [decode_address],
+            secret=SECRET,
+        )
+        one_request(running, prompts.take(args.prompt_len))  # warm-up: channels, first passes
+        rounds = [one_request(running, prompts.take(args.prompt_len)) for _ in range(repeat)]
     finally:
-        client.close()
+        if running is not None:
+            running.stop()
         prefill_server.stop(0).wait()
         decode_server.stop(0).wait()
         prefill.stop()
@@ -795,14 +821,14 @@ def report_ttft(ttft: TTFTFigures, threads: int, repeat: int) -> None:
         [name, figures[f"{name}_ms"], "PrefillResult.timings"] for name in STAGES
     ]
     rows += [
-        ["other", figures["other_ms"], "TTFT - stages: RPCs, StreamTokens, client"],
-        ["TTFT", figures["ttft_ms"], "client: generate() to first token"],
-        ["first decode step", figures["first_decode_step_ms"], "client: token 1 to token 2"],
+        ["other", figures["other_ms"], "TTFT - stages: router, RPCs, StreamTokens"],
+        ["TTFT", figures["ttft_ms"], "router: generate() to first token"],
+        ["first decode step", figures["first_decode_step_ms"], "router: token 1 to token 2"],
     ]
     kv_mib = figures["kv_bytes"] / 2**20
     print_table(
-        f"TTFT of a {ttft.prompt_len}-token prompt ({kv_mib:.1f} MiB of KV), prefill + decode "
-        f"in-process, tiny model, {threads} thread(s), median of {repeat}",
+        f"TTFT of a {ttft.prompt_len}-token prompt ({kv_mib:.1f} MiB of KV), router + prefill + "
+        f"decode in-process, tiny model, {threads} thread(s), median of {repeat}",
         ["stage", "ms", "source"],
         rows,
     )

@@ -443,7 +443,8 @@ def bench_proxy(args: argparse.Namespace) -> dict[str, Any]:
             order = ["bare", "proxy"] if round_index % 2 == 0 else ["proxy", "bare"]
             for side in order:
                 samples[side].append(drive(parent, sides[side], body, args.workers, seconds))
-        leases = router.router.load.num_live_leases()
+        loads = router.router.attempts.load.snapshot()  # instances with a live lease
+        leases = sum(load.in_flight_requests for load in loads.values())
     finally:  # the router first: its channels close before the fake servers go away
         if router is not None:
             router.stop()

@@ -75,10 +75,11 @@ cache_aware run, and the two ratios (cache_aware_vs_round_robin, cache_aware_vs_
 1 in both modes: one full run takes ~3 minutes (~55 s of load per configuration plus start-up),
 --quick ~80 s.
 
-The in-process router is instrumented (its policy object and its `PDClient.prefill` are wrapped,
-nothing is changed): the JSON has, per run, the routing decisions by reason, how often the chosen
-instance was not the one with the most cached blocks, and the router's predicted cached tokens
-(KV-event index overlap at decision time) against the instance's actual hit for each request.
+The in-process router is instrumented (its prefill policy object and its client's Prefill call
+are wrapped, nothing is changed): the JSON has, per run, the routing decisions by reason, how
+often the chosen instance was not the one with the most cached blocks, and the router's predicted
+cached tokens (KV-event index overlap at decision time) against the instance's actual hit for
+each request.
 
 `--url URL` skips the headline and runs the workload once against a running router (e.g. from
 `pdserve up`); `--prefill host:port,...` names the prefill instances whose counters give the hit
@@ -711,16 +712,19 @@ async def drive(
 
 
 class RoutingProbe:
-    """Wraps the router's prefill policy and `PDClient.prefill` (no behaviour change) to record,
-    per request, the decision (reason, chosen overlap, best overlap) and the actual hit."""
+    """Wraps the router's prefill policy (`Router.attempts`' own, a private attribute: the
+    router has no hook for it) and its client's Prefill call (`PDClient.aio.prefill`) with no
+    behaviour change, to record per request the decision (reason, chosen overlap, best
+    overlap) and the actual hit."""
 
     def __init__(self, router: Any) -> None:
         self.decisions: dict[str, dict[str, Any]] = {}
         self.results: dict[str, tuple[int, int]] = {}
-        policy = router.policy
-        client = router.client
+        attempts = router.attempts
+        policy = attempts._policy
+        aio = router.client.aio
         block_size = router.model.hasher.block_size
-        original_prefill = client.prefill
+        original_prefill = aio.prefill
         decisions, results = self.decisions, self.results
 
         class Policy:
@@ -747,14 +751,16 @@ class RoutingProbe:
                 }
                 return decision
 
-        def prefill(*a: Any, **kw: Any) -> Any:
-            result = original_prefill(*a, **kw)
-            request_id = kw.get("request_id", a[4] if len(a) > 4 else None)
-            results[str(request_id)] = (result.num_cached_tokens, result.num_prompt_tokens)
+        async def prefill(address: str, message: Any) -> Any:
+            result = await original_prefill(address, message)
+            results[message.request.request_id] = (
+                result.num_cached_tokens,
+                result.num_prompt_tokens,
+            )
             return result
 
-        router.policy = Policy()
-        client.prefill = prefill
+        attempts._policy = Policy()
+        aio.prefill = prefill
         self.block_size = block_size
 
     def summary(self) -> dict[str, Any]:
@@ -889,8 +895,8 @@ def run_config(
             )
         )
         result["routing"] = cluster.probe.summary()
-        live = cluster.router.router.load.num_live_leases()
-        result["live_leases_after"] = live
+        loads = cluster.router.router.attempts.load.snapshot()  # instances with a live lease
+        result["live_leases_after"] = sum(load.in_flight_requests for load in loads.values())
     finally:
         cluster.stop()
     result.update(

@@ -2,34 +2,21 @@
 waits for the engine's current step to end (hundreds of ms on a busy engine), so the request
 path keeps them to two per instance: prefill's admission and queueing, decode's reservation
 and first-token handoff. Building the request runs on the handler thread, the KV-ready output
-carries the block table, and prefill's release is not awaited."""
+carries the block table, and prefill's release is not awaited. The request goes through the
+router (`tests/stacks.py`), whose own calls on the instances are kept out of the count: its
+decode-load poll is set far beyond the test (each poll is a stats call on decode's engine
+thread), and its KV-event subscription to prefill (one call) is taken before counting."""
 
 from collections import Counter
-from collections.abc import Callable, Iterator
-from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
-import pytest
-from credentials import SECRET
+from stacks import Stack
+from waiting import wait_for
 
-from pdserve.config import DecodeConfig, EngineConfig, PrefillConfig
 from pdserve.engine.request import SamplingParams
-from pdserve.rpc.channels import ChannelPool
-from services.decode.servicer import serve_decode
-from services.prefill.servicer import serve_prefill
-from services.router.pd_client import Finished, PDClient
 
-
-@pytest.fixture
-def pair(tiny_model_dir: Path) -> Iterator[tuple[Any, Any, str, str]]:
-    config = EngineConfig(model=str(tiny_model_dir), num_kv_blocks=256)
-    p, p_server, p_port = serve_prefill(config, PrefillConfig(), secret=SECRET)
-    d, d_server, d_port = serve_decode(config, DecodeConfig(), secret=SECRET)
-    yield p, d, f"127.0.0.1:{p_port}", f"127.0.0.1:{d_port}"
-    for instance, server in ((p, p_server), (d, d_server)):
-        server.stop(0)
-        instance.check_integrity()
-        instance.stop()
+MakeStack = Callable[..., Stack]
 
 
 def count_calls(instance: Any, counts: Counter[str], name: str) -> None:
@@ -44,17 +31,16 @@ def count_calls(instance: Any, counts: Counter[str], name: str) -> None:
     loop.call = counted
 
 
-def test_a_pd_request_waits_on_each_engine_thread_at_most_twice(
-    pair: tuple[Any, Any, str, str],
-) -> None:
-    prefill, decode, prefill_address, decode_address = pair
-    client = PDClient(ChannelPool(SECRET))
+def test_a_pd_request_waits_on_each_engine_thread_at_most_twice(make_stack: MakeStack) -> None:
+    stack = make_stack(engine={"num_kv_blocks": 256}, router={"stats_interval_s": 3600.0})
+    prefill, decode = stack.prefill[0], stack.decode[0]
     params = SamplingParams(max_tokens=8, ignore_eos=True)
-    list(client.generate(prefill_address, decode_address, list(range(40, 120)), params))  # warm
+    stack.generate(list(range(40, 120)), params)  # warm
+    index = stack.router.kv_events.index  # the router follows prefill's KV events
+    wait_for(lambda: index.num_blocks(prefill.address) > 0)
     counts: Counter[str] = Counter()
-    count_calls(prefill, counts, "prefill")
-    count_calls(decode, counts, "decode")
-    events = list(client.generate(prefill_address, decode_address, list(range(50, 150)), params))
-    client.close()
-    assert isinstance(events[-1], Finished) and events[-1].num_output_tokens == 8
+    count_calls(prefill.instance, counts, "prefill")
+    count_calls(decode.instance, counts, "decode")
+    final = stack.generate(list(range(50, 150)), params).final
+    assert final.num_output_tokens == 8
     assert counts == {"prefill": 2, "decode": 2}

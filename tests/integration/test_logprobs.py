@@ -1,6 +1,6 @@
 """Output logprobs equal `log_softmax` of transformers' logits (fp32 tiny model), in one engine
-and across prefill + decode (the first token's from prefill, the rest from decode), and
-through the router's OpenAI shapes."""
+and across prefill + decode through the router (the first token's from prefill, the rest from
+decode), and in the router's OpenAI shapes."""
 
 from collections.abc import Iterator
 from pathlib import Path
@@ -8,36 +8,21 @@ from pathlib import Path
 import openai
 import pytest
 import torch
-from credentials import SECRET, channels
 from reference import hf_model
+from stacks import Stack, pd_stack
 
-from pdserve.config import DecodeConfig, EngineConfig, PrefillConfig, RouterConfig
+from pdserve.config import EngineConfig
 from pdserve.engine import LLMEngine, SamplingParams
-from services.decode.servicer import serve_decode
-from services.prefill.servicer import serve_prefill
-from services.router.pd_client import PDClient, TokenDelta
-from services.router.server import RunningRouter, serve_router
+from services.router.pd_client import TokenDelta
 
 PROMPT = [5, 17, 99, 42, 7, 7, 7, 250, 31, 8]
 STEPS = 8
 
 
 @pytest.fixture(scope="module")
-def pd(tiny_model_dir: Path) -> Iterator[tuple[PDClient, str, str, RunningRouter]]:
-    config = EngineConfig(model=str(tiny_model_dir), num_kv_blocks=64)
-    p, p_server, p_port = serve_prefill(config, PrefillConfig(), secret=SECRET)
-    d, d_server, d_port = serve_decode(config, DecodeConfig(), secret=SECRET)
-    prefill, decode = f"127.0.0.1:{p_port}", f"127.0.0.1:{d_port}"
-    router = serve_router(RouterConfig(port=0, model_name="tiny"), config, [prefill], [decode],
-                          secret=SECRET)  # fmt: skip
-    client = PDClient(channels())
-    yield client, prefill, decode, router
-    client.close()
-    router.stop()
-    for instance, server in ((p, p_server), (d, d_server)):
-        server.stop(0)
-        instance.check_integrity()
-        instance.stop()
+def pd(tiny_model_dir: Path) -> Iterator[Stack]:
+    with pd_stack(tiny_model_dir, engine={"num_kv_blocks": 64}) as stack:
+        yield stack
 
 
 @torch.no_grad()
@@ -59,7 +44,7 @@ def check(
 
 
 def test_output_logprobs_equal_transformers_in_one_engine_and_across_pd(
-    pd: tuple[PDClient, str, str, RunningRouter], tiny_model_dir: Path
+    pd: Stack, tiny_model_dir: Path
 ) -> None:
     model = hf_model(tiny_model_dir)
     params = SamplingParams(max_tokens=STEPS, ignore_eos=True, logprobs=5)
@@ -72,19 +57,15 @@ def test_output_logprobs_equal_transformers_in_one_engine_and_across_pd(
                 single += [(lp.token_id, lp.logprob, lp.top) for lp in out.new_logprobs]
     tokens = [t for t, _, _ in single]
     check(single, reference(model, tokens))
-    client, prefill, decode, _ = pd
     split = [(lp.token_id, lp.logprob, lp.top)
-             for e in client.generate(prefill, decode, list(PROMPT), params)
+             for e in pd.generate(list(PROMPT), params).events
              if isinstance(e, TokenDelta) for lp in e.logprobs]  # fmt: skip
     assert [t for t, _, _ in split] == tokens
     check(split, reference(model, tokens))
 
 
-def test_openai_shapes_for_completions_and_chat_streaming_or_not(
-    pd: tuple[PDClient, str, str, RunningRouter],
-) -> None:
-    *_, router = pd
-    api = openai.OpenAI(base_url=f"{router.url}/v1", api_key="unused", max_retries=0)
+def test_openai_shapes_for_completions_and_chat_streaming_or_not(pd: Stack) -> None:
+    api = openai.OpenAI(base_url=f"{pd.url}/v1", api_key="unused", max_retries=0)
     done = api.completions.create(model="tiny", prompt=PROMPT, max_tokens=STEPS, temperature=0,
                                   logprobs=3, extra_body={"ignore_eos": True})  # fmt: skip
     lp = done.choices[0].logprobs
@@ -110,13 +91,12 @@ def test_openai_shapes_for_completions_and_chat_streaming_or_not(
 
 
 def test_echo_returns_the_prompt_logprobs_computed_on_prefill(
-    pd: tuple[PDClient, str, str, RunningRouter], tiny_model_dir: Path
+    pd: Stack, tiny_model_dir: Path
 ) -> None:
     """`echo` + `logprobs` + `max_tokens: 0` (how lm-eval scores log-likelihoods): the prompt's
     per-token logprobs (the first token's null), equal to transformers' log_softmax, nothing
     generated; the prompt is computed in full even when it is cached."""
-    *_, router = pd
-    api = openai.OpenAI(base_url=f"{router.url}/v1", api_key="unused", max_retries=0)
+    api = openai.OpenAI(base_url=f"{pd.url}/v1", api_key="unused", max_retries=0)
     model = hf_model(tiny_model_dir)
     with torch.no_grad():
         table = torch.log_softmax(model(torch.tensor([PROMPT])).logits[0].float(), -1)

@@ -1,5 +1,9 @@
-"""PD disaggregation with instances as real Ray actors placed by the controller."""
+"""PD disaggregation with instances as real Ray actors placed by the controller, driven
+through a real router over their addresses (the production request path: the instances run
+in Ray's worker processes, not in this one, so `pd_stack` cannot start them; `routed` puts the
+router in front of them and `tests/stacks.py`'s `Stack` drives it)."""
 
+import contextlib
 import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -7,16 +11,18 @@ from pathlib import Path
 
 import pytest
 import ray
-from credentials import SECRET, channels
+from credentials import SECRET
 from reference import hf_greedy, hf_model
+from stacks import MODEL, Stack
 from waiting import wait_for
 
-from pdserve.config import ClusterConfig, DecodeConfig, EngineConfig, PrefillConfig
+from pdserve.config import ClusterConfig, DecodeConfig, EngineConfig, PrefillConfig, RouterConfig
 from pdserve.engine import LLMEngine, SamplingParams
 from pdserve.errors import PdserveError
+from pdserve.rpc.clients import InstanceClient
 from pdserve.v1 import common_pb2
 from services.controller.cluster import Cluster
-from services.router.pd_client import Finished, PDClient, TokenDelta
+from services.router.server import serve_router
 
 GREEDY = SamplingParams(max_tokens=20, ignore_eos=True)
 
@@ -37,8 +43,35 @@ def addresses(cluster: Cluster) -> dict[str, str]:
     return {info.role: info.address for info in cluster.instances}
 
 
-def decode_stats(client: PDClient, address: str) -> common_pb2.InstanceStats:
-    return client.instance(address).stats()
+@contextlib.contextmanager
+def routed(
+    engine: EngineConfig,
+    prefill: list[str],
+    decode: list[str],
+    mixed: list[str] | None = None,
+    **router: object,
+) -> Iterator[Stack]:
+    """A real router (HTTP on port 0, its own event loop) over instances started elsewhere;
+    `router` overrides RouterConfig's fields. The router is checked at rest (no request
+    running, no lease) before it stops; the instances are the caller's to check."""
+    config = RouterConfig(**{"port": 0, "model_name": MODEL, **router})  # type: ignore[arg-type]
+    running = serve_router(config, engine, prefill, decode, mixed, secret=SECRET)
+    stack = Stack(running)
+    try:
+        yield stack
+        stack.check()
+    finally:
+        stack.channels.close()
+        running.stop()
+
+
+def routed_cluster(cluster: Cluster, **router: object) -> contextlib.AbstractContextManager[Stack]:
+    where = addresses(cluster)
+    return routed(cluster.config.engine, [where["prefill"]], [where["decode"]], **router)
+
+
+def instance_stats(stack: Stack, address: str) -> common_pb2.InstanceStats:
+    return InstanceClient(address, stack.channels).stats()
 
 
 @pytest.fixture(scope="module")
@@ -49,36 +82,36 @@ def cluster(ray_session: None, tiny_model_dir: Path) -> Iterator[Cluster]:
     cluster.down()
 
 
+@pytest.fixture(scope="module")
+def router(cluster: Cluster) -> Iterator[Stack]:
+    with routed_cluster(cluster) as stack:
+        yield stack
+
+
 @pytest.fixture
-def client(cluster: Cluster) -> Iterator[PDClient]:
-    client = PDClient(channels())
-    yield client
-    client.close()
+def stack(cluster: Cluster, router: Stack) -> Iterator[Stack]:
+    """The router over the cluster; every instance's integrity is checked after the test."""
+    yield router
+    router.check()
     for info in cluster.instances:
         ray.get(cluster.actor(info.name).check_integrity.remote())
 
 
-def generate(client: PDClient, cluster: Cluster, prompt: list[int]) -> list[int]:
-    where = addresses(cluster)
-    tokens: list[int] = []
-    for event in client.generate(where["prefill"], where["decode"], prompt, GREEDY):
-        if isinstance(event, TokenDelta):
-            tokens.extend(event.token_ids)
-        else:
-            assert isinstance(event, Finished) and event.finish_reason == "length"
-    return tokens
+def generate(stack: Stack, prompt: list[int]) -> list[int]:
+    result = stack.generate(prompt, GREEDY)
+    assert result.final.finish_reason == "length"
+    return result.tokens
 
 
 def test_pd_on_ray_equals_mixed_and_transformers(
-    cluster: Cluster,
-    client: PDClient,
+    stack: Stack,
     tiny_model_dir: Path,
     make_engine: Callable[..., LLMEngine],
 ) -> None:
     shared = [(11 * i + 2) % 250 for i in range(48)]
     prompts = [shared + [(7 * i + n) % 250 for i in range(n)] for n in (3, 17, 40)]
     with ThreadPoolExecutor(3) as pool:
-        pd_outputs = list(pool.map(lambda p: generate(client, cluster, p), prompts))
+        pd_outputs = list(pool.map(lambda p: generate(stack, p), prompts))
     mixed = [list(c.token_ids) for c in make_engine().generate(prompts, GREEDY)]
     reference = hf_model(tiny_model_dir)
     assert pd_outputs == mixed
@@ -93,34 +126,34 @@ def test_cluster_reports_every_instance_alive(cluster: Cluster) -> None:
 def test_killed_prefill_leaves_no_reserved_blocks_on_decode(
     ray_session: None, tiny_model_dir: Path
 ) -> None:
-    """Not at the lease's end (30 s): as soon as the loss is known (the client's Prefill call
-    fails, and the client aborts the request on decode)."""
+    """Not at the lease's end (30 s): as soon as the loss is known (the router's Prefill call
+    fails, and the router's client aborts the request on decode). With the only prefill
+    instance gone, the router has nowhere to retry: the request fails."""
     config = cluster_config(tiny_model_dir, "pdserve-test-kill", reservation_timeout_s=30.0)
     cluster = Cluster(config, SECRET)
     cluster.up()
-    client = PDClient(channels())
     try:
-        where = addresses(cluster)
-        failure: list[BaseException] = []
+        decode = addresses(cluster)["decode"]
+        with routed_cluster(cluster) as stack:
+            failure: list[BaseException] = []
 
-        def long_request() -> None:
-            prompt = [(5 * i + 1) % 250 for i in range(3000)]
-            try:
-                list(client.generate(where["prefill"], where["decode"], prompt, GREEDY))
-            except PdserveError as e:
-                failure.append(e)
+            def long_request() -> None:
+                prompt = [(5 * i + 1) % 250 for i in range(3000)]
+                try:
+                    stack.generate(prompt, GREEDY)
+                except PdserveError as e:
+                    failure.append(e)
 
-        worker = threading.Thread(target=long_request)
-        worker.start()
-        wait_for(lambda: decode_stats(client, where["decode"]).num_reservations == 1)
-        ray.kill(cluster.actor("prefill-0"))
-        worker.join(60)
-        assert failure, "the request should fail when its prefill instance dies"
-        wait_for(lambda: decode_stats(client, where["decode"]).num_reservations == 0, 2.0)
-        stats = decode_stats(client, where["decode"])
-        assert stats.num_free_blocks == stats.num_blocks
+            worker = threading.Thread(target=long_request)
+            worker.start()
+            wait_for(lambda: instance_stats(stack, decode).num_reservations == 1)
+            ray.kill(cluster.actor("prefill-0"))
+            worker.join(60)
+            assert failure, "the request should fail when its prefill instance dies"
+            wait_for(lambda: instance_stats(stack, decode).num_reservations == 0, 2.0)
+            stats = instance_stats(stack, decode)
+            assert stats.num_free_blocks == stats.num_blocks
         ray.get(cluster.actor("decode-0").check_integrity.remote())
         assert cluster.dead_instances(timeout_s=5) == ["prefill-0"]
     finally:
-        client.close()
         cluster.down()

@@ -1,5 +1,6 @@
 """Sampling parameters change greedy output the way their definitions say, identically in one
-engine (mixed mode) and across prefill + decode instances (carried through the proto), and equal
+engine (mixed mode) and across prefill + decode instances behind the router (carried through the
+proto), and equal
 transformers' generation with the matching logits processors."""
 
 from collections.abc import Iterator
@@ -7,8 +8,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from credentials import SECRET, channels
 from reference import hf_model
+from stacks import Stack, pd_stack
 from transformers import (
     LogitsProcessorList,
     MinNewTokensLengthLogitsProcessor,
@@ -16,11 +17,9 @@ from transformers import (
     SequenceBiasLogitsProcessor,
 )
 
-from pdserve.config import DecodeConfig, EngineConfig, PrefillConfig
+from pdserve.config import EngineConfig
 from pdserve.engine import LLMEngine, SamplingParams
-from services.decode.servicer import serve_decode
-from services.prefill.servicer import serve_prefill
-from services.router.pd_client import Finished, PDClient, TokenDelta
+from services.router.pd_client import Finished, TokenDelta
 
 PROMPT = [5, 17, 99, 42, 7, 7, 7, 250, 31, 8]
 STEPS = 16
@@ -32,17 +31,9 @@ def engine(tiny_model_dir: Path) -> LLMEngine:
 
 
 @pytest.fixture(scope="module")
-def pd(tiny_model_dir: Path) -> Iterator[tuple[PDClient, str, str]]:
-    config = EngineConfig(model=str(tiny_model_dir), num_kv_blocks=64)
-    p, p_server, p_port = serve_prefill(config, PrefillConfig(), secret=SECRET)
-    d, d_server, d_port = serve_decode(config, DecodeConfig(), secret=SECRET)
-    client = PDClient(channels())
-    yield client, f"127.0.0.1:{p_port}", f"127.0.0.1:{d_port}"
-    client.close()
-    for instance, server in ((p, p_server), (d, d_server)):
-        server.stop(0)
-        instance.check_integrity()
-        instance.stop()
+def pd(tiny_model_dir: Path) -> Iterator[Stack]:
+    with pd_stack(tiny_model_dir, engine={"num_kv_blocks": 64}) as stack:
+        yield stack
 
 
 @torch.no_grad()
@@ -69,14 +60,10 @@ def hf_generate(model: torch.nn.Module, params: SamplingParams, eos: int | None)
     return ids[len(PROMPT) :]
 
 
-def pd_generate(pd: tuple[PDClient, str, str], params: SamplingParams) -> list[int]:
-    client, prefill, decode = pd
-    tokens: list[int] = []
-    for event in client.generate(prefill, decode, list(PROMPT), params):
-        if isinstance(event, TokenDelta):
-            tokens.extend(event.token_ids)
-        assert isinstance(event, TokenDelta | Finished)
-    return tokens
+def pd_generate(pd: Stack, params: SamplingParams) -> list[int]:
+    generation = pd.generate(list(PROMPT), params)
+    assert all(isinstance(event, TokenDelta | Finished) for event in generation.events)
+    return generation.tokens
 
 
 def run(engine: LLMEngine, params: SamplingParams) -> list[int]:
@@ -85,7 +72,7 @@ def run(engine: LLMEngine, params: SamplingParams) -> list[int]:
 
 
 def test_each_parameter_matches_transformers_in_one_engine_and_across_pd(
-    engine: LLMEngine, pd: tuple[PDClient, str, str], tiny_model_dir: Path
+    engine: LLMEngine, pd: Stack, tiny_model_dir: Path
 ) -> None:
     model = hf_model(tiny_model_dir)
     plain = run(engine, SamplingParams(max_tokens=STEPS, ignore_eos=True))

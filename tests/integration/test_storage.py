@@ -3,15 +3,16 @@ preemption and eviction, read-ahead, concurrency and faults."""
 
 import dataclasses
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from credentials import SECRET, channels
+from credentials import SECRET
+from stacks import Stack
 from waiting import wait_for
 
-from pdserve.config import DecodeConfig, EngineConfig, PrefillConfig, StorageConfig
+from pdserve.config import DecodeConfig, EngineConfig, StorageConfig
 from pdserve.engine import LLMEngine, SamplingParams
 from pdserve.errors import InstanceUnavailableError
 from pdserve.kvcache.hashing import BlockHash
@@ -20,17 +21,21 @@ from pdserve.storage.index import InvalidEntry, redis_client
 from pdserve.storage.keys import key_binding, new_key
 from pdserve.storage.redis_server import EmbeddedRedis
 from pdserve.storage.tier import make_store
-from services.decode.servicer import serve_decode
 from services.mixed.instance import MixedInstance
 from services.mixed.servicer import serve_mixed
-from services.prefill.servicer import serve_prefill
-from services.router.pd_client import PDClient, TokenDelta
 
+MakeStack = Callable[..., Stack]
 BLOCK = 100  # bytes of a test block (index and tier tests)
 
 
 def block_hash(n: int) -> BlockHash:
     return BlockHash(n.to_bytes(32, "big"))
+
+
+def stored(index: CacheIndex, hashes: list[BlockHash]) -> list[bool]:
+    """Whether each block has an entry in the index: EXISTS on its key, as a reader sees it
+    (no recency touch, no signature check)."""
+    return [bool(index.client.exists(f"{index.prefix}b:{h.hex()}")) for h in hashes]
 
 
 def index_entry(n: int, tag: str = "t", store: str = "dir:s") -> IndexEntry:
@@ -93,7 +98,7 @@ def test_capacity_evicts_the_least_recently_used_and_frees_bytes_after_grace(
     index.lookup([block_hash(0)])  # 0 is used again: 1 is now the least recently used
     result = index.publish(block_hash(3), entries[3], 3 * BLOCK, 60.0)
     assert (result.published, result.evicted) == (True, 1)
-    assert index.contains([block_hash(n) for n in range(4)]) == [True, False, True, True]
+    assert stored(index, [block_hash(n) for n in range(4)]) == [True, False, True, True]
     assert index.used_bytes("dir:s") == 3 * BLOCK
     assert index.take_garbage("dir:s") == []  # still within its grace period
     assert index.pending_garbage("dir:s") == {entries[1].key}
@@ -177,7 +182,7 @@ def test_a_forged_entry_is_returned_invalid_and_discarded_without_freeing_bytes(
     found = index.lookup([block_hash(0), block_hash(1)])
     assert found[0] == genuine and isinstance(found[1], InvalidEntry)  # the chain ends there
     assert index.discard(block_hash(1), found[1])
-    assert index.contains([block_hash(1)]) == [False]
+    assert stored(index, [block_hash(1)]) == [False]
     assert index.pending_garbage("dir:s") == set()  # what it named is not queued for deletion
     assert index.check_integrity("dir:s").keys() == {block_hash(0).hex()}
 
@@ -199,7 +204,7 @@ def test_discard_keeps_an_entry_published_since_the_lookup(redis_url: str) -> No
     index.client.delete(f"{index.prefix}b:{block_hash(1).hex()}")
     index.publish(block_hash(1), index_entry(1), 10 * BLOCK, 0.0)
     assert not index.discard(block_hash(1), found)
-    assert index.contains([block_hash(1)]) == [True]
+    assert stored(index, [block_hash(1)]) == [True]
 
 
 def victim_outside(tmp_path: Path) -> tuple[Path, Path, bytes]:
@@ -223,7 +228,7 @@ def test_an_index_entry_naming_a_file_outside_the_store_is_refused_counted_never
     forge(tier.index, block_hash(5), entry_fields(entry))
     assert tier.read_chain([block_hash(5)]) == []  # not the victim's bytes
     assert (tier.counters.invalid_entries, tier.counters.read_errors) == (1, 0)
-    assert tier.index.contains([block_hash(5)]) == [False]
+    assert stored(tier.index, [block_hash(5)]) == [False]
     tier.flush()  # a garbage collection has had its chance
     assert victim.read_bytes() == content
 
@@ -315,12 +320,12 @@ def test_corrupt_or_missing_bytes_are_detected_dropped_and_recomputed(
     corrupt.write_bytes(b"\x00" * BLOCK)  # same size, wrong bytes
     assert tier.read_chain([h for h, _ in items]) == [items[0][1]]
     assert tier.counters.read_errors == 1
-    assert tier.index.contains([h for h, _ in items]) == [True, False, True]
+    assert stored(tier.index, [h for h, _ in items]) == [True, False, True]
     missing = store.root / entries[0].key[:2] / entries[0].key
     missing.unlink()
     assert tier.read_chain([h for h, _ in items]) == []
     assert tier.counters.read_errors == 2
-    assert tier.index.contains([items[0][0]]) == [False]
+    assert stored(tier.index, [items[0][0]]) == [False]
 
 
 @pytest.mark.parametrize("target", ["another block", "another layout"])
@@ -339,8 +344,8 @@ def test_a_forged_entry_for_a_prompt_is_refused_and_the_prompt_recomputed_with_i
     prompt, other_prompt = prompts(2, 64, seed=50)
     params = SamplingParams(max_tokens=8)
     engine.generate([prompt, other_prompt], params)
-    assert engine.storage is not None
-    tier = engine.storage.tier
+    assert engine.storage_connector is not None
+    tier = engine.storage_connector.tier
     tier.flush()
     first, other = engine.hasher.hash_tokens(prompt)[0], engine.hasher.hash_tokens(other_prompt)[0]
     [genuine, other_entry] = [tier.index.lookup([h])[0] for h in (first, other)]
@@ -407,7 +412,7 @@ def storage_engine(
 ) -> LLMEngine:
     return LLMEngine.from_config(
         EngineConfig(model=str(tiny_model_dir), num_kv_blocks=num_kv_blocks),
-        storage=lambda tag: make_tier(config, tiers, tag),
+        storage_tier=lambda tag: make_tier(config, tiers, tag),
     )
 
 
@@ -425,7 +430,7 @@ def test_a_preempted_request_resumes_from_storage_with_identical_output(
     engine = storage_engine(tiny_model_dir, storage_config(redis_url, tmp_path), 20, tiers)
 
     assert [c.token_ids for c in engine.generate(batch, GREEDY)] == expected
-    stats, connector = engine.scheduler.stats, engine.storage
+    stats, connector = engine.scheduler.stats, engine.storage_connector
     assert connector is not None
     tier = connector.tier
     assert (
@@ -453,8 +458,8 @@ def test_a_prefix_evicted_from_the_device_is_served_from_storage(
     params = SamplingParams(max_tokens=8)
     engine.generate([first], params)
     assert engine.kv_cache.evict_cached_blocks() > 0  # written back on eviction
-    assert engine.storage is not None
-    engine.storage.tier.flush()
+    assert engine.storage_connector is not None
+    engine.storage_connector.tier.flush()
     before = dataclasses.replace(engine.scheduler.stats)
     [result] = engine.generate([second], params)
     [expected] = reference.generate([second], params)
@@ -471,9 +476,11 @@ def test_write_through_publishes_blocks_as_they_are_computed(
     config = storage_config(redis_url, tmp_path, device_write_policy="write_through")
     engine = storage_engine(tiny_model_dir, config, 64, tiers)
     engine.generate(prompts(1, 64, seed=5), SamplingParams(max_tokens=1))
-    assert engine.storage is not None
-    engine.storage.tier.flush()
-    assert engine.storage.tier.counters.blocks_written == 4  # the 64-token prompt: 4 full blocks
+    assert engine.storage_connector is not None
+    engine.storage_connector.tier.flush()
+    assert (
+        engine.storage_connector.tier.counters.blocks_written == 4
+    )  # the 64-token prompt: 4 full blocks
 
 
 def test_two_engines_sharing_a_store_under_pressure_never_corrupt_kv(
@@ -508,10 +515,13 @@ def test_two_engines_sharing_a_store_under_pressure_never_corrupt_kv(
     assert not errors
     assert results == {0: expected, 1: expected}
     for engine in engines:
-        assert engine.storage is not None
-        assert engine.storage.tier.counters.read_errors == 0
+        assert engine.storage_connector is not None
+        assert engine.storage_connector.tier.counters.read_errors == 0
         engine.check_integrity()
-    assert sum(e.storage.tier.counters.blocks_read for e in engines if e.storage) > 0
+    assert (
+        sum(e.storage_connector.tier.counters.blocks_read for e in engines if e.storage_connector)
+        > 0
+    )
 
 
 def test_serving_survives_redis_dying_and_uses_storage_again_when_it_returns(
@@ -522,7 +532,7 @@ def test_serving_survives_redis_dying_and_uses_storage_again_when_it_returns(
     try:
         config = storage_config(server.url, tmp_path, device_write_policy="write_through")
         engine = storage_engine(tiny_model_dir, config, 64, own)
-        tier = engine.storage.tier if engine.storage else None
+        tier = engine.storage_connector.tier if engine.storage_connector else None
         assert tier is not None
         params = SamplingParams(max_tokens=6)
         batch = prompts(3, 40, seed=21)
@@ -551,69 +561,46 @@ def test_serving_survives_redis_dying_and_uses_storage_again_when_it_returns(
 # -- prefill and decode instances ---------------------------------------------------------------
 
 
-def pd_tokens(client: PDClient, prefill: str, decode: str, prompt: list[int]) -> list[int]:
-    tokens: list[int] = []
-    for event in client.generate(prefill, decode, prompt, GREEDY):
-        if isinstance(event, TokenDelta):
-            tokens.extend(event.token_ids)
-    return tokens
-
-
 def test_pd_instances_resume_and_serve_prefixes_from_storage(
-    redis_url: str, tmp_path: Path, tiny_model_dir: Path, reference: LLMEngine
+    redis_url: str, tmp_path: Path, make_stack: MakeStack, reference: LLMEngine
 ) -> None:
     """Decode preempts under pressure and resumes from storage; a prefix evicted from the
-    prefill device cache is served from storage (counted in the storage tier's hits)."""
-    storage = storage_config(redis_url, tmp_path, shared_directory=True)
-    model = str(tiny_model_dir)
-    prefill, prefill_server, prefill_port = serve_prefill(
-        EngineConfig(model=model, num_kv_blocks=128),
-        PrefillConfig(),
-        storage=storage,
-        secret=SECRET,
+    prefill device cache is served from storage (counted in the storage tier's hits). Through
+    the router, as production runs them."""
+    stack = make_stack(
+        engine={"num_kv_blocks": 128},
+        decode_engine={"num_kv_blocks": 20},
+        decode_config=DecodeConfig(reserve_horizon_tokens=0),  # accept all: running ones preempt
+        storage=storage_config(redis_url, tmp_path, shared_directory=True),
     )
-    decode, decode_server, decode_port = serve_decode(
-        EngineConfig(model=model, num_kv_blocks=20),
-        DecodeConfig(reserve_horizon_tokens=0),  # accept all: running requests must preempt
-        storage=storage,
-        secret=SECRET,
-    )
-    client = PDClient(channels())
-    addresses = (f"127.0.0.1:{prefill_port}", f"127.0.0.1:{decode_port}")
-    try:
-        batch = prompts(3, 90, seed=30)
-        expected = [list(c.token_ids) for c in reference.generate(batch, GREEDY)]
-        with ThreadPoolExecutor(3) as pool:
-            outputs = list(pool.map(lambda p: pd_tokens(client, *addresses, p), batch))
-        assert outputs == expected
-        decode_stats = decode.stats()
-        assert decode_stats.num_preemptions > 0
-        assert decode_stats.storage.loaded_tokens > 0 and decode_stats.storage.blocks_read > 0
+    prefill, decode = stack.prefill[0].instance, stack.decode[0].instance
+    batch = prompts(3, 90, seed=30)
+    expected = [list(c.token_ids) for c in reference.generate(batch, GREEDY)]
+    with ThreadPoolExecutor(3) as pool:
+        outputs = list(pool.map(lambda p: stack.generate(p, GREEDY).tokens, batch))
+    assert outputs == expected
+    decode_stats = decode.stats()
+    assert decode_stats.num_preemptions > 0
+    assert decode_stats.storage.loaded_tokens > 0 and decode_stats.storage.blocks_read > 0
 
-        assert prefill.runtime.flush_device_cache() > 0
-        assert prefill.runtime.storage is not None
-        prefill.runtime.storage.flush()
-        follow_up = [*batch[0][:80], 33, 34, 35]
-        before = prefill.stats()
-        assert pd_tokens(client, *addresses, follow_up) == list(
-            reference.generate([follow_up], GREEDY)[0].token_ids
-        )
-        after = prefill.stats()
-        assert (
-            after.storage.storage_hit_tokens - before.storage.storage_hit_tokens == 80
-        )  # 5 whole blocks
-        assert after.device_hit_tokens == before.device_hit_tokens
-        for instance in (prefill, decode):  # no write in flight anywhere, then check
-            assert instance.runtime.storage is not None
-            instance.runtime.storage.flush()
-        for instance in (prefill, decode):
-            instance.check_integrity()
-    finally:
-        client.close()
-        for server in (prefill_server, decode_server):
-            server.stop(0).wait()
-        prefill.stop()
-        decode.stop()
+    assert prefill.runtime.flush_device_cache() > 0
+    assert prefill.runtime.storage_tier is not None
+    prefill.runtime.storage_tier.flush()
+    follow_up = [*batch[0][:80], 33, 34, 35]
+    before = prefill.stats()
+    assert stack.generate(follow_up, GREEDY).tokens == list(
+        reference.generate([follow_up], GREEDY)[0].token_ids
+    )
+    after = prefill.stats()
+    assert (
+        after.storage.storage_hit_tokens - before.storage.storage_hit_tokens == 80
+    )  # 5 whole blocks
+    assert after.device_hit_tokens == before.device_hit_tokens
+    for instance in (prefill, decode):  # no write in flight anywhere, then check
+        assert instance.runtime.storage_tier is not None
+        instance.runtime.storage_tier.flush()
+    for instance in (prefill, decode):
+        instance.check_integrity()
 
 
 def test_host_memory_blocks_are_read_by_a_peer_over_grpc(
@@ -629,9 +616,9 @@ def test_host_memory_blocks_are_read_by_a_peer_over_grpc(
         shared = prompts(1, 96, seed=40)[0]
         params = SamplingParams(max_tokens=4)
         list(owner.generate("first", [*shared, 1, 2], params))
-        assert owner.runtime.storage is not None
-        owner.runtime.storage.flush()
-        assert owner.runtime.storage.store.store_id == f"mem:127.0.0.1:{owner_port}"
+        assert owner.runtime.storage_tier is not None
+        owner.runtime.storage_tier.flush()
+        assert owner.runtime.storage_tier.store.store_id == f"mem:127.0.0.1:{owner_port}"
 
         second = [*shared, 3, 4]
         tokens = [t for out in peer.generate("second", second, params) for t in out.new_token_ids]

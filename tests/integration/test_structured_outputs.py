@@ -11,12 +11,7 @@ import httpx
 import jsonschema
 import openai
 import pytest
-from credentials import SECRET
-
-from pdserve.config import DecodeConfig, EngineConfig, PrefillConfig, RouterConfig
-from services.decode.servicer import serve_decode
-from services.prefill.servicer import serve_prefill
-from services.router.server import RunningRouter, serve_router
+from stacks import Stack, pd_stack
 
 SCHEMA = {
     "type": "object",
@@ -31,23 +26,12 @@ SCHEMA = {
 
 
 @pytest.fixture(scope="module")
-def router(tiny_model_dir: Path) -> Iterator[RunningRouter]:
-    config = EngineConfig(model=str(tiny_model_dir), num_kv_blocks=256)
-    p, p_server, p_port = serve_prefill(config, PrefillConfig(), secret=SECRET)
-    d, d_server, d_port = serve_decode(config, DecodeConfig(), secret=SECRET)
-    prefill, decode = [f"127.0.0.1:{p_port}"], [f"127.0.0.1:{d_port}"]
-    running = serve_router(
-        RouterConfig(port=0, model_name="tiny"), config, prefill, decode, secret=SECRET
-    )
-    yield running
-    running.stop()
-    for instance, server in ((p, p_server), (d, d_server)):
-        server.stop(0)
-        instance.check_integrity()
-        instance.stop()
+def router(tiny_model_dir: Path) -> Iterator[Stack]:
+    with pd_stack(tiny_model_dir, engine={"num_kv_blocks": 256}) as stack:
+        yield stack
 
 
-def test_twenty_json_schema_answers_all_parse_and_validate(router: RunningRouter) -> None:
+def test_twenty_json_schema_answers_all_parse_and_validate(router: Stack) -> None:
     api = openai.OpenAI(base_url=f"{router.url}/v1", api_key="unused", max_retries=0)
     response_format = {"type": "json_schema", "json_schema": {"name": "thing", "schema": SCHEMA}}
     for n in range(20):
@@ -61,7 +45,7 @@ def test_twenty_json_schema_answers_all_parse_and_validate(router: RunningRouter
     api.close()
 
 
-def test_json_object_regex_and_choice_are_enforced(router: RunningRouter) -> None:
+def test_json_object_regex_and_choice_are_enforced(router: Stack) -> None:
     url = f"{router.url}/v1/completions"
     base = {"model": "tiny", "prompt": "Answer:", "max_tokens": 40, "temperature": 1.0, "seed": 3}
     regex = httpx.post(url, json={**base, "guided_regex": "[a-c]{3}-[0-9]{2}"}, timeout=60)
@@ -82,7 +66,7 @@ def test_json_object_regex_and_choice_are_enforced(router: RunningRouter) -> Non
     jsonschema.validate(json.loads(streamed), SCHEMA)
 
 
-def test_a_grammar_that_does_not_compile_is_a_400(router: RunningRouter) -> None:
+def test_a_grammar_that_does_not_compile_is_a_400(router: Stack) -> None:
     url = f"{router.url}/v1/completions"
     bad = httpx.post(url, json={"model": "tiny", "prompt": "x", "guided_regex": "(unclosed"})
     assert bad.status_code == 400 and "does not compile" in bad.json()["error"]["message"]

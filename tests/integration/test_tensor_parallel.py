@@ -1,21 +1,23 @@
 """Tensor parallelism on CPU: two ranks (rank 0 in this process, rank 1 a worker process) over
 gloo, against one rank and against transformers — logits, greedy tokens with prefix hits,
-preemption and storage restores, PD mode over gRPC, and a rank that dies or hangs."""
+preemption and storage restores, PD mode through the router, and a rank that dies or hangs."""
 
 import dataclasses
 import os
 import signal
 import subprocess
 import sys
-import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
+import psutil
 import pytest
-import ray
 import torch
-from credentials import SECRET, channels
+from credentials import SECRET
 from reference import hf_greedy, hf_model
+from stacks import Stack
+from test_pd_ray import routed
 from test_storage import GREEDY as LONG_GREEDY
 from test_storage import make_tier, storage_config
 from test_storage import prompts as storage_prompts
@@ -36,10 +38,8 @@ from pdserve.errors import ConfigError, TensorParallelError
 from pdserve.model.runner import SequenceChunk
 from pdserve.storage import StorageTier
 from services.controller.cluster import Cluster
-from services.decode.servicer import serve_decode
-from services.prefill.servicer import serve_prefill
-from services.router.pd_client import PDClient, TokenDelta
 
+MakeStack = Callable[..., Stack]
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0)
 
 
@@ -112,12 +112,19 @@ def test_a_step_too_large_for_the_shared_memory_slots_goes_through_gloo_with_the
         ]
         group = made[1].runner.tp.group  # type: ignore[union-attr]
         before = dataclasses.replace(group.stats)
+        fast, paths = group._fast, []  # each collective's path: shared memory, or None (gloo)
+
+        def counted(x: torch.Tensor) -> Any:
+            paths.append(fast(x))
+            return paths[-1]
+
+        group._fast = counted  # type: ignore[method-assign]
         one, two = (engine.runner.execute(chunks) for engine in made)
         assert (two - one).abs().max().item() <= 1e-5 * one.abs().max().item()
         assert torch.equal(two.argmax(-1), one.argmax(-1))
         calls = group.stats.calls - before.calls
-        shared = group.stats.shared_memory_calls - before.shared_memory_calls
-        assert calls == 11 and shared == 2  # the payload and the logits gather only
+        shared = sum(path is not None for path in paths)
+        assert calls == len(paths) == 11 and shared == 2  # the payload and the logits gather only
     finally:
         for engine in made:
             engine.close()
@@ -164,11 +171,11 @@ def test_tp2_preempts_and_resumes_from_storage_with_identical_output(
 
     engine = LLMEngine.from_config(
         EngineConfig(model=str(tiny_model_dir), num_kv_blocks=20, tensor_parallel_size=2),
-        storage=tier,
+        storage_tier=tier,
     )
     try:
         assert [c.token_ids for c in engine.generate(batch, LONG_GREEDY)] == expected
-        connector = engine.storage
+        connector = engine.storage_connector
         assert connector is not None and tags[0].endswith("/tp2")  # never a TP=1 engine's
         assert engine.scheduler.stats.num_preemptions > 0
         assert connector.tier.counters.blocks_read > 0 and connector.loaded_tokens > 0
@@ -178,7 +185,7 @@ def test_tp2_preempts_and_resumes_from_storage_with_identical_output(
         # one rank, the same store: the TP=2 blocks are another layout, never read
         one = LLMEngine.from_config(
             EngineConfig(model=str(tiny_model_dir), num_kv_blocks=64),
-            storage=lambda tag: make_tier(config, tiers, tag),
+            storage_tier=lambda tag: make_tier(config, tiers, tag),
         )
         try:
             assert [c.token_ids for c in one.generate(batch[:1], LONG_GREEDY)] == expected[:1]
@@ -194,52 +201,33 @@ def test_tp2_preempts_and_resumes_from_storage_with_identical_output(
 
 @pytest.mark.parametrize("transport", ["grpc", "shm", "mooncake"])
 def test_tp2_prefill_to_tp2_decode_equals_one_rank_over_every_transport(
-    transport: str, tiny_model_dir: Path, engines: dict[int, LLMEngine]
+    transport: str, make_stack: MakeStack, engines: dict[int, LLMEngine]
 ) -> None:
     """Decode's Reserve reply names each rank's cache; over shm and Mooncake prefill writes
     each rank's slice into decode's same rank (then commits once), over gRPC decode's rank 0
     spreads the slices."""
-    engine = EngineConfig(
-        model=str(tiny_model_dir), num_kv_blocks=128, tensor_parallel_size=2, torch_threads=1
+    stack = make_stack(
+        engine={"num_kv_blocks": 128, "tensor_parallel_size": 2, "torch_threads": 1},
+        transfer=TransferConfig(transport=transport),
     )
-    transfer = TransferConfig(transport=transport)
-    prefill, prefill_server, prefill_port = serve_prefill(
-        engine, PrefillConfig(), transfer=transfer, secret=SECRET
-    )
-    decode, decode_server, decode_port = serve_decode(
-        engine, DecodeConfig(), transfer=transfer, secret=SECRET
-    )
-    client = PDClient(channels())
+    prefill, decode = stack.prefill[0].instance, stack.decode[0].instance
     shared = prompts(1, 64, seed=11)[0]
-    try:
-        for prompt in ([*shared, 4, 5], [*shared, 6]):
-            tokens: list[int] = []
-            for event in client.generate(
-                f"127.0.0.1:{prefill_port}", f"127.0.0.1:{decode_port}", prompt, GREEDY
-            ):
-                if isinstance(event, TokenDelta):
-                    tokens.extend(event.token_ids)
-                else:
-                    assert event.prefill is not None and event.prefill.transport == transport
-            [expected] = engines[1].generate([prompt], GREEDY)
-            assert tokens == list(expected.token_ids)
-        ranks = decode.endpoints.ranks
-        assert len(ranks) == 2 and decode.endpoints.shm_name == ""  # no write into the whole
-        assert ranks[0].kv_bytes == ranks[1].kv_bytes == decode.runtime.stager.total_bytes // 2
-        stats = decode.stats()
-        assert stats.kv_blocks_received == 5 + 1  # the second prompt: its new block
-        assert stats.tensor_parallel_size == 2  # and its collectives, for /metrics
-        assert stats.tp_collective_seconds > 0 and stats.tp_collectives >= 11 * 9  # 9 steps each
-        assert prefill.stats().device_hit_tokens == 64  # the second prompt's shared prefix
-        wait_for(lambda: decode.stats().num_running == 0)
-        prefill.check_integrity()
-        decode.check_integrity()
-    finally:
-        client.close()
-        for server in (prefill_server, decode_server):
-            server.stop(0).wait()
-        prefill.stop()
-        decode.stop()
+    for prompt in ([*shared, 4, 5], [*shared, 6]):
+        result = stack.generate(prompt, GREEDY)
+        assert result.final.prefill is not None and result.final.prefill.transport == transport
+        [expected] = engines[1].generate([prompt], GREEDY)
+        assert result.tokens == list(expected.token_ids)
+    ranks = decode.endpoints.ranks
+    assert len(ranks) == 2 and decode.endpoints.shm_name == ""  # no write into the whole
+    assert ranks[0].kv_bytes == ranks[1].kv_bytes == decode.runtime.stager.total_bytes // 2
+    stats = decode.stats()
+    assert stats.kv_blocks_received == 5 + 1  # the second prompt: its new block
+    assert stats.tensor_parallel_size == 2  # and its collectives, for /metrics
+    assert stats.tp_collective_seconds > 0 and stats.tp_collectives >= 11 * 9  # 9 steps each
+    assert prefill.stats().device_hit_tokens == 64  # the second prompt's shared prefix
+    wait_for(lambda: decode.stats().num_running == 0)
+    prefill.check_integrity()
+    decode.check_integrity()
 
 
 def _worker(engine: LLMEngine) -> int:
@@ -329,17 +317,28 @@ def test_a_size_that_does_not_split_the_heads_is_refused_before_any_worker_start
         LLMEngine.from_config(EngineConfig(model=str(tiny_model_dir), tensor_parallel_size=3))
 
 
-def _mixed_tokens(address: str, prompt: list[int]) -> list[int]:
-    client = PDClient(channels())
+def _mixed_tokens(engine: EngineConfig, address: str, prompt: list[int]) -> list[int]:
+    """The greedy tokens of `prompt` through a router over the mixed instance at `address`."""
+    with routed(engine, [], [], [address]) as stack:
+        return stack.generate(prompt, GREEDY).tokens
+
+
+def _title(process: psutil.Process) -> str:
     try:
-        return [
-            token
-            for event in client.generate_mixed(address, prompt, GREEDY, uuid.uuid4().hex)
-            if isinstance(event, TokenDelta)
-            for token in event.token_ids
-        ]
-    finally:
-        client.close()
+        return " ".join(process.cmdline())
+    except psutil.Error:  # gone, or not ours to read
+        return ""
+
+
+def _ray_worker_rank(rank0: int) -> int:
+    """The process of rank 1 of the tensor-parallel instance whose rank 0 is the actor process
+    `rank0`: a `TPWorkerActor` (Ray titles its process `ray::TPWorkerActor...`) started by the
+    same raylet (this test session's own Ray; this instance is its only tensor-parallel one)."""
+    raylet = psutil.Process(rank0).parent()
+    assert raylet is not None
+    workers = [p.pid for p in raylet.children() if _title(p).startswith("ray::TPWorkerActor")]
+    assert len(workers) == 1, workers
+    return workers[0]
 
 
 def test_a_tp2_instance_on_ray_takes_a_bundle_per_rank_and_restarts_when_a_rank_dies(
@@ -360,15 +359,14 @@ def test_a_tp2_instance_on_ray_takes_a_bundle_per_rank_and_restarts_when_a_rank_
     prompt = prompts(1, 40, seed=8)[0]
     [expected] = engines[1].generate([prompt], GREEDY)
     try:
-        assert _mixed_tokens(info.address, prompt) == list(expected.token_ids)
+        assert _mixed_tokens(engine, info.address, prompt) == list(expected.token_ids)
         group = cluster._instance_groups[info.name]  # its own: rank 0's bundle, rank 1's
         assert cluster._placement_group is None and len(group.bundle_specs) == 2
-        actor = cluster.actor(info.name)
-        rank0, worker = ray.get(actor.rank_pids.remote())
-        assert rank0 == info.pid != worker
+        worker = _ray_worker_rank(info.pid)
+        assert worker != info.pid
         os.kill(worker, signal.SIGKILL)
         wait_for(lambda: cluster.dead_instances() == [info.name], timeout_s=60)
         restarted = cluster.restart_instance(info.name)
-        assert _mixed_tokens(restarted.address, prompt) == list(expected.token_ids)
+        assert _mixed_tokens(engine, restarted.address, prompt) == list(expected.token_ids)
     finally:
         cluster.down()

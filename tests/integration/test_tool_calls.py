@@ -13,13 +13,7 @@ import httpx
 import jsonschema
 import openai
 import pytest
-from credentials import SECRET
-
-from pdserve.config import DecodeConfig, EngineConfig, PrefillConfig, RouterConfig
-from services.decode.servicer import serve_decode
-from services.mixed.servicer import serve_mixed
-from services.prefill.servicer import serve_prefill
-from services.router.server import RunningRouter, serve_router
+from stacks import Stack, pd_stack
 
 WEATHER = {
     "type": "object",
@@ -42,28 +36,18 @@ ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 
 @pytest.fixture(scope="module")
-def routers(tiny_model_dir: Path) -> Iterator[tuple[RunningRouter, RunningRouter]]:
-    """(a PD router, a mixed router) over the same model."""
-    config = EngineConfig(model=str(tiny_model_dir), num_kv_blocks=256)
-    p, p_server, p_port = serve_prefill(config, PrefillConfig(), secret=SECRET)
-    d, d_server, d_port = serve_decode(config, DecodeConfig(), secret=SECRET)
-    m, m_server, m_port = serve_mixed(config, secret=SECRET)
-    router_config = RouterConfig(port=0, model_name="tiny")
-    pd = serve_router(
-        router_config, config, [f"127.0.0.1:{p_port}"], [f"127.0.0.1:{d_port}"], secret=SECRET
-    )
-    mixed = serve_router(router_config, config, [], [], [f"127.0.0.1:{m_port}"], secret=SECRET)
-    yield pd, mixed
-    for router in (pd, mixed):
-        router.stop()
-    for instance, server in ((p, p_server), (d, d_server), (m, m_server)):
-        server.stop(0)
-        instance.check_integrity()
-        instance.stop()
+def routers(tiny_model_dir: Path) -> Iterator[tuple[Stack, Stack]]:
+    """(a PD stack, a mixed stack) over the same model."""
+    engine = {"num_kv_blocks": 256}
+    with (
+        pd_stack(tiny_model_dir, engine=engine) as pd,
+        pd_stack(tiny_model_dir, mixed=1, engine=engine) as mixed,
+    ):
+        yield pd, mixed
 
 
 @pytest.fixture(scope="module")
-def client(routers: tuple[RunningRouter, RunningRouter]) -> Iterator[openai.OpenAI]:
+def client(routers: tuple[Stack, Stack]) -> Iterator[openai.OpenAI]:
     api = openai.OpenAI(base_url=f"{routers[0].url}/v1", api_key="unused", max_retries=0)
     yield api
     api.close()
@@ -177,7 +161,7 @@ def test_a_conversation_carries_its_calls_and_results_back(client: openai.OpenAI
 
 
 def test_pd_and_mixed_make_the_same_greedy_call(
-    routers: tuple[RunningRouter, RunningRouter],
+    routers: tuple[Stack, Stack],
 ) -> None:
     body = {"model": "tiny", "messages": ASK, "tools": TOOLS, "tool_choice": "required",
             "temperature": 0, "max_tokens": 120}  # fmt: skip
@@ -202,7 +186,7 @@ def test_pd_and_mixed_make_the_same_greedy_call(
     ],
 )  # fmt: skip
 def test_tools_the_server_cannot_honour_get_400(
-    routers: tuple[RunningRouter, RunningRouter], extra: dict[str, Any], fragment: str
+    routers: tuple[Stack, Stack], extra: dict[str, Any], fragment: str
 ) -> None:
     body = {"model": "tiny", "messages": ASK, "tools": TOOLS, **extra}
     reply = httpx.post(f"{routers[0].url}/v1/chat/completions", json=body, timeout=30)
