@@ -13,7 +13,7 @@ import asyncio
 import contextlib
 import queue
 import uuid
-from collections.abc import AsyncGenerator, Iterator
+from collections.abc import AsyncGenerator, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -180,8 +180,6 @@ def pd_stack(
     engine_config = EngineConfig(**settings)
     decode_engine_config = EngineConfig(**{**settings, **(decode_engine or {})})
     members: dict[str, list[Member]] = {"prefill": [], "decode": [], "mixed": []}
-    running: RunningRouter | None = None
-    pool = channels()
     try:
         for _ in range(mixed):
             members["mixed"].append(
@@ -197,25 +195,38 @@ def pd_stack(
                 decode_engine_config, decode_config or DecodeConfig(), storage=storage,
                 transfer=transfer, secret=SECRET,
             )))  # fmt: skip
-        routing = RouterConfig(
-            **{"port": 0, "model_name": MODEL, "stats_interval_s": 0.1, **(router or {})}
-        )
         addresses = {role: [m.address for m in group] for role, group in members.items()}
-        running = serve_router(
-            routing,
-            engine_config,
-            addresses["prefill"],
-            addresses["decode"],
-            addresses["mixed"],
-            secret=SECRET,
-        )
-        stack = Stack(running, **members, channels=pool)
-        yield stack
-        stack.check()
+        with routed(engine_config, **addresses, router=router, members=members) as stack:
+            yield stack
     finally:
-        pool.close()
-        if running is not None:
-            running.stop()
         for member in (m for group in members.values() for m in group if not m.stopped):
             member.server.stop(0)
             member.instance.stop()
+
+
+@contextlib.contextmanager
+def routed(
+    engine_config: EngineConfig,
+    prefill: Sequence[str] = (),
+    decode: Sequence[str] = (),
+    mixed: Sequence[str] = (),
+    *,
+    router: dict[str, Any] | None = None,
+    members: dict[str, list[Member]] | None = None,
+) -> Iterator[Stack]:
+    """A router over the instances at these addresses: `members` when this process runs them
+    (`pd_stack`), else started elsewhere (Ray actors; the caller checks them). Checks the stack
+    at rest (`Stack.check`) before stopping the router."""
+    routing = RouterConfig(
+        **{"port": 0, "model_name": MODEL, "stats_interval_s": 0.1, **(router or {})}
+    )
+    running = serve_router(
+        routing, engine_config, list(prefill), list(decode), list(mixed), secret=SECRET
+    )
+    stack = Stack(running, **(members or {}))
+    try:
+        yield stack
+        stack.check()
+    finally:
+        stack.channels.close()
+        running.stop()

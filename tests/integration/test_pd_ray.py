@@ -1,7 +1,7 @@
 """PD disaggregation with instances as real Ray actors placed by the controller, driven
-through a real router over their addresses (the production request path: the instances run
-in Ray's worker processes, not in this one, so `pd_stack` cannot start them; `routed` puts the
-router in front of them and `tests/stacks.py`'s `Stack` drives it)."""
+through a real router over their addresses (the production request path: the instances run in
+Ray's worker processes, not in this one, so `pd_stack` cannot start them; `stacks.routed` puts
+the router in front of them and `Stack` drives it)."""
 
 import contextlib
 import threading
@@ -13,16 +13,15 @@ import pytest
 import ray
 from credentials import SECRET
 from reference import hf_greedy, hf_model
-from stacks import MODEL, Stack
+from stacks import Stack, routed
 from waiting import wait_for
 
-from pdserve.config import ClusterConfig, DecodeConfig, EngineConfig, PrefillConfig, RouterConfig
+from pdserve.config import ClusterConfig, DecodeConfig, EngineConfig, PrefillConfig
 from pdserve.engine import LLMEngine, SamplingParams
 from pdserve.errors import PdserveError
 from pdserve.rpc.clients import InstanceClient
 from pdserve.v1 import common_pb2
 from services.controller.cluster import Cluster
-from services.router.server import serve_router
 
 GREEDY = SamplingParams(max_tokens=20, ignore_eos=True)
 
@@ -43,31 +42,9 @@ def addresses(cluster: Cluster) -> dict[str, str]:
     return {info.role: info.address for info in cluster.instances}
 
 
-@contextlib.contextmanager
-def routed(
-    engine: EngineConfig,
-    prefill: list[str],
-    decode: list[str],
-    mixed: list[str] | None = None,
-    **router: object,
-) -> Iterator[Stack]:
-    """A real router (HTTP on port 0, its own event loop) over instances started elsewhere;
-    `router` overrides RouterConfig's fields. The router is checked at rest (no request
-    running, no lease) before it stops; the instances are the caller's to check."""
-    config = RouterConfig(**{"port": 0, "model_name": MODEL, **router})  # type: ignore[arg-type]
-    running = serve_router(config, engine, prefill, decode, mixed, secret=SECRET)
-    stack = Stack(running)
-    try:
-        yield stack
-        stack.check()
-    finally:
-        stack.channels.close()
-        running.stop()
-
-
 def routed_cluster(cluster: Cluster, **router: object) -> contextlib.AbstractContextManager[Stack]:
     where = addresses(cluster)
-    return routed(cluster.config.engine, [where["prefill"]], [where["decode"]], **router)
+    return routed(cluster.config.engine, [where["prefill"]], [where["decode"]], router=router)
 
 
 def instance_stats(stack: Stack, address: str) -> common_pb2.InstanceStats:

@@ -16,8 +16,7 @@ import pytest
 import torch
 from credentials import SECRET
 from reference import hf_greedy, hf_model
-from stacks import Stack
-from test_pd_ray import routed
+from stacks import Stack, routed
 from test_storage import GREEDY as LONG_GREEDY
 from test_storage import make_tier, storage_config
 from test_storage import prompts as storage_prompts
@@ -319,7 +318,7 @@ def test_a_size_that_does_not_split_the_heads_is_refused_before_any_worker_start
 
 def _mixed_tokens(engine: EngineConfig, address: str, prompt: list[int]) -> list[int]:
     """The greedy tokens of `prompt` through a router over the mixed instance at `address`."""
-    with routed(engine, [], [], [address]) as stack:
+    with routed(engine, mixed=[address]) as stack:
         return stack.generate(prompt, GREEDY).tokens
 
 
