@@ -7,6 +7,7 @@ names live here, below every one of them. Each implementing registry is keyed by
 checked against it when its module is imported (`registry`, or an exhaustive `match` that mypy
 checks):
 
+* `DTypeName`: `engine.dtype`, `pdserve.model.config.parse_dtype` (every name but `auto`);
 * `EvictionPolicyName`: `engine.eviction_policy`, built by
   `pdserve.kvcache.eviction.make_eviction_policy`;
 * `AttentionBackendName`: `engine.attention_backend`, `pdserve.model.attention.make_backend`;
@@ -21,6 +22,15 @@ usable as a metric label.
 from collections.abc import Mapping
 from enum import StrEnum
 from typing import TypeVar
+
+
+class DTypeName(StrEnum):
+    """The dtype of a model's weights and KV cache; `auto` takes the checkpoint's."""
+
+    AUTO = "auto"
+    FLOAT32 = "float32"
+    BFLOAT16 = "bfloat16"
+    FLOAT16 = "float16"
 
 
 class EvictionPolicyName(StrEnum):

@@ -40,6 +40,7 @@ import yaml
 
 from pdserve.choices import (
     AttentionBackendName,
+    DTypeName,
     EvictionPolicyName,
     PrefillPolicyName,
     ToolParserName,
@@ -57,7 +58,7 @@ ATTENTION_BACKENDS = tuple(AttentionBackendName)
 TRANSPORTS = tuple(TransportName)
 PREFILL_POLICIES = tuple(PrefillPolicyName)
 TOOL_PARSERS = tuple(ToolParserName)
-DTYPES = ("auto", "float32", "bfloat16", "float16")
+DTYPES = tuple(DTypeName)
 PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")  # Ray's
 MOONCAKE_PROTOCOLS = ("tcp", "rdma")
 STORES = ("directory", "memory")

@@ -8,9 +8,18 @@ from typing import Any
 
 import torch
 
+from pdserve.choices import DTypeName, registry
 from pdserve.errors import ModelLoadError
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_DTYPES = registry(
+    DTypeName,
+    {
+        DTypeName.AUTO: None,  # resolved from the checkpoint before parsing
+        DTypeName.FLOAT32: torch.float32,
+        DTypeName.BFLOAT16: torch.bfloat16,
+        DTypeName.FLOAT16: torch.float16,
+    },
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -159,7 +168,8 @@ def parse_dtype(name: str) -> torch.dtype:
 def _parse_dtype(name: str) -> torch.dtype:
     dtype = _DTYPES.get(str(name).removeprefix("torch."))
     if dtype is None:
-        raise ModelLoadError(f"unsupported dtype {name!r}; use one of {', '.join(_DTYPES)}")
+        names = ", ".join(n for n, d in _DTYPES.items() if d is not None)
+        raise ModelLoadError(f"unsupported dtype {name!r}; use one of {names}")
     return dtype
 
 
