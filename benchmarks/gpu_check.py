@@ -76,7 +76,7 @@ NAME = "gpu_check"
 ROOT = Path(__file__).resolve().parent.parent
 HBM_BYTES_PER_S = 4.8e12  # H200 HBM3e, the vendor's datasheet
 HBM_SOURCE = "NVIDIA H200 HBM3e, 4.8 TB/s (datasheet)"
-LOAD_PEAK_TARGET = 1.1  # issue 16: a load's peak device memory <= 1.1 x the weights
+LOAD_PEAK_TARGET = 1.1  # a load's peak device memory must stay <= 1.1 x the weights
 BLOCK_SIZE = 16
 SEED = 1234
 BOS, EOS = 1, 2
