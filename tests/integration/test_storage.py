@@ -604,35 +604,31 @@ def test_pd_instances_resume_and_serve_prefixes_from_storage(
 
 
 def test_host_memory_blocks_are_read_by_a_peer_over_grpc(
-    redis_url: str, tiny_model_dir: Path, reference: LLMEngine
+    redis_url: str, make_stack: Callable[..., Stack], reference: LLMEngine
 ) -> None:
     storage = StorageConfig(
         redis_url=redis_url, store="memory", device_write_policy="write_through"
     )
-    engine = EngineConfig(model=str(tiny_model_dir), num_kv_blocks=64)
-    served = [serve_mixed(engine, storage=storage, secret=SECRET) for _ in range(2)]
-    (owner, _, owner_port), (peer, _, _) = served
-    try:
-        shared = prompts(1, 96, seed=40)[0]
-        params = SamplingParams(max_tokens=4)
-        list(owner.generate("first", [*shared, 1, 2], params))
-        assert owner.runtime.storage_tier is not None
-        owner.runtime.storage_tier.flush()
-        assert owner.runtime.storage_tier.store.store_id == f"mem:127.0.0.1:{owner_port}"
+    stack = make_stack(mixed=2, engine={"num_kv_blocks": 64}, storage=storage)
+    owner, peer = stack.mixed
+    drain = stack.router.membership.set_drained
+    shared = prompts(1, 96, seed=40)[0]
+    params = SamplingParams(max_tokens=4)
+    drain(peer.address, True)  # the first request runs on the owner
+    stack.generate([*shared, 1, 2], params)
+    tier = owner.instance.runtime.storage_tier
+    assert tier is not None
+    tier.flush()
+    assert tier.store.store_id == f"mem:{owner.address}"
 
-        second = [*shared, 3, 4]
-        tokens = [t for out in peer.generate("second", second, params) for t in out.new_token_ids]
-        assert tokens == list(reference.generate([second], params)[0].token_ids)
-        stats = peer.stats().storage
-        assert (
-            stats.storage_hit_tokens == 96 and stats.blocks_read == 6
-        )  # read from the owner's memory
-        for instance, _, _ in served:
-            instance.runtime.check_integrity()
-    finally:
-        for instance, server, _ in served:
-            server.stop(0).wait()
-            instance.stop()
+    drain(peer.address, False)
+    drain(owner.address, True)  # the second on the peer, which holds none of it
+    second = [*shared, 3, 4]
+    assert stack.generate(second, params).tokens == list(
+        reference.generate([second], params)[0].token_ids
+    )
+    stats = peer.instance.stats().storage
+    assert stats.storage_hit_tokens == 96 and stats.blocks_read == 6  # from the owner's memory
 
 
 def test_flushing_storage_while_redis_is_down_is_a_clear_unavailable_error(
