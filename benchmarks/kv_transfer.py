@@ -39,7 +39,7 @@ in-process router (`serve_router`; `Router.generate` run on the router's event l
 every HTTP request without the OpenAI formatting), max 2 tokens: reserve, queue, prefill compute,
 KV transfer and handoff come from `PrefillResult.timings` (the final event's `prefill`); the
 router's loop measures TTFT (call to first token) and the first decode step (first token to
-second; the step starts at the handoff, so it may partly overlap the StreamTokens call).
+second; the step starts at the handoff, so it may partly overlap the first token's delivery).
 `--threads` (default 1) sets torch threads: on the shared 2-core box two OpenMP threads slow a
 forward pass ~10x whenever another process holds a core.
 """
@@ -821,7 +821,7 @@ def report_ttft(ttft: TTFTFigures, threads: int, repeat: int) -> None:
         [name, figures[f"{name}_ms"], "PrefillResult.timings"] for name in STAGES
     ]
     rows += [
-        ["other", figures["other_ms"], "TTFT - stages: router, RPCs, StreamTokens"],
+        ["other", figures["other_ms"], "TTFT - stages: router, RPCs, output delivery"],
         ["TTFT", figures["ttft_ms"], "router: generate() to first token"],
         ["first decode step", figures["first_decode_step_ms"], "router: token 1 to token 2"],
     ]

@@ -13,14 +13,15 @@ machine's baseline.
 
 `proxy_rps`: requests/s the OpenAI HTTP router (`serve_router`, the real app, `cache_aware` policy)
 proxies to instant fake instances. The fakes are minimal gRPC servers built on the generated
-servicer bases and `create_server`: 2 PrefillService (Prefill answers a PrefillResult at once) and
-1 DecodeService (StreamTokens answers one TokenChunk then TokenFinal), each with an
-InstanceService (GetStats reports free blocks; SubscribeKVEvents sends an empty snapshot and holds
-the stream open until cancelled; Abort). A client of `--workers` (16) concurrent httpx workers posts
-non-streaming `/v1/completions` with a `--proxy-prompt-tokens` (64) token-id prompt, max_tokens 2,
-for `--proxy-seconds` (5; quick 2) after a 1 s warm-up; only 200 responses are counted. Every
-request costs the router: JSON parsing and validation, hashing the prompt, a routing decision,
-the Prefill and StreamTokens RPCs, two leases, and the JSON response.
+servicer bases and `create_server`: 2 PrefillService (Prefill answers a PrefillResult at once) and 1
+DecodeService, each with an InstanceService (GetStats reports free blocks; SubscribeKVEvents sends
+an empty snapshot and holds the stream open until cancelled; Abort; the decode fake's
+SubscribeOutputs sends each request's one token and its end, queued by the fake Prefill). A client
+of `--workers` (16) concurrent httpx workers posts non-streaming `/v1/completions` with a
+`--proxy-prompt-tokens` (64) token-id prompt, max_tokens 2, for `--proxy-seconds` (5; quick 2) after
+a 1 s warm-up; only 200 responses are counted. Every request costs the router: JSON parsing and
+validation, hashing the prompt, a routing decision, the Prefill RPC and its output on the
+subscription, two leases, and the JSON response.
 
 Process layout (2-core box): the router runs alone in this process; the fakes and the client run
 in a child process (`multiprocessing` spawn), so the router does not share its GIL with them.
@@ -38,6 +39,7 @@ import argparse
 import asyncio
 import multiprocessing
 import os
+import queue
 import random
 import socket
 import statistics
@@ -62,7 +64,6 @@ from pdserve.rpc.server import create_server
 from pdserve.v1 import (
     common_pb2,
     common_pb2_grpc,
-    decode_pb2,
     decode_pb2_grpc,
     prefill_pb2,
     prefill_pb2_grpc,
@@ -221,20 +222,47 @@ def bench_events(setup: Setup, repeat: int, number: int) -> float:
 # -- proxy_rps: the HTTP router in front of instant fake instances ---------------------------------
 
 
+class _Outputs:
+    """What the fake prefill hands the fake decode (same process): each request's one output,
+    queued for its router's output subscription."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._queues: dict[str, queue.SimpleQueue[common_pb2.RequestOutputs]] = {}
+
+    def of(self, subscriber: str) -> "queue.SimpleQueue[common_pb2.RequestOutputs]":
+        with self._lock:
+            return self._queues.setdefault(subscriber, queue.SimpleQueue())
+
+
+OUTPUTS = _Outputs()
+
+
 class FakePrefill(prefill_pb2_grpc.PrefillServiceServicer):
-    """Answers at once with the result (first token FAKE_TOKEN)."""
+    """Answers at once with the result (first token FAKE_TOKEN); the request's output (that
+    token, and the end) goes to its router's subscription on the fake decode."""
 
     def Prefill(
         self, request: prefill_pb2.PrefillRequest, context: grpc.ServicerContext
     ) -> prefill_pb2.PrefillResult:
+        generate = request.request
+        output = common_pb2.RequestOutputs(
+            request_id=generate.request_id,
+            attempt=generate.attempt,
+            chunk=common_pb2.TokenChunk(token_ids=[FAKE_TOKEN], text="B"),
+            final=common_pb2.TokenFinal(
+                finish_reason=common_pb2.FINISH_REASON_LENGTH, num_output_tokens=1
+            ),
+        )
+        OUTPUTS.of(generate.subscriber).put(output)
         return prefill_pb2.PrefillResult(
-            first_token_id=FAKE_TOKEN, num_prompt_tokens=len(request.request.prompt_token_ids)
+            first_token_id=FAKE_TOKEN, num_prompt_tokens=len(generate.prompt_token_ids)
         )
 
 
 class FakeInstance(common_pb2_grpc.InstanceServiceServicer):
     """InstanceService of a fake: empty KV-event snapshot then nothing until cancelled; stats
-    report free blocks; Abort finds nothing."""
+    report free blocks; Abort finds nothing; the output subscription sends what is queued."""
 
     def __init__(self, role: str) -> None:
         self.role = role
@@ -260,18 +288,24 @@ class FakeInstance(common_pb2_grpc.InstanceServiceServicer):
         while not ended.wait(0.5) and context.is_active():
             pass
 
+    def SubscribeOutputs(
+        self, request: common_pb2.OutputsRequest, context: grpc.ServicerContext
+    ) -> Iterator[common_pb2.StepOutputs]:
+        yield common_pb2.StepOutputs()
+        outputs = OUTPUTS.of(request.subscriber)
+        while context.is_active():
+            try:
+                first = outputs.get(timeout=0.5)
+            except queue.Empty:
+                continue
+            step = common_pb2.StepOutputs(outputs=[first])
+            while not outputs.empty():  # everything ready goes in one message, as a step's
+                step.outputs.append(outputs.get())
+            yield step
+
 
 class FakeDecode(decode_pb2_grpc.DecodeServiceServicer):
-    """StreamTokens answers one chunk (the first token) and the final reply at once."""
-
-    def StreamTokens(
-        self, request: decode_pb2.StreamTokensRequest, context: grpc.ServicerContext
-    ) -> Iterator[common_pb2.TokenReply]:
-        yield common_pb2.TokenReply(chunk=common_pb2.TokenChunk(token_ids=[FAKE_TOKEN], text="B"))
-        final = common_pb2.TokenFinal(
-            finish_reason=common_pb2.FINISH_REASON_LENGTH, num_output_tokens=1
-        )
-        yield common_pb2.TokenReply(final=final)
+    """The handoff's calls are never made (the fake prefill makes none)."""
 
 
 def start_fake(

@@ -4,10 +4,11 @@
 
 Only the router is measured: behind it stand a fake prefill and a fake decode instance, real
 `grpc.aio` servers (checking the cluster secret, as real instances do) that answer Prefill at
-once and stream a request's `max_tokens` tokens at a fixed rate from StreamTokens (each token's
-text is its send time in ns). A fake of the *other* side of the router's interface: what the
-router does with each request (schema, hashing, routing, leases, Prefill and StreamTokens over
-gRPC, transcript, SSE formatting) is all real.
+once and advance every running request by one token per step at a fixed rate, sending each
+step's tokens as one message on the router's output subscription (each token's text is its send
+time in ns). A fake of the *other* side of the router's interface: what the router does with
+each request (schema, hashing, routing, leases, Prefill and the output subscription over gRPC,
+transcript, SSE formatting) is all real.
 
 Processes (2-core box): the router alone in a child process (`serve_router`, the real app), the
 fakes in another, the client here: raw asyncio HTTP/1.1 connections (cheaper than an HTTP client
@@ -92,21 +93,40 @@ def _raise_fd_limit() -> None:
 
 
 class _Fakes:
-    """Both fake instances in one process: prefill records each request's max_tokens for
-    decode's StreamTokens, which (like a real decode instance) waits for the reservation of
-    its attempt when the router opens it alongside Prefill."""
+    """Both fake instances in one process. Prefill starts each request on the fake decode
+    engine, which (like a real one) advances every running request by one token per step, at
+    the stage's rate, and sends each step's outputs as one message on the router's output
+    subscription."""
 
     def __init__(self, secret: str) -> None:
         self.expected = (AUTHORIZATION, f"Bearer {secret}")
-        self.max_tokens: dict[str, int] = {}
-        self.reserved: dict[str, asyncio.Event] = {}  # by attempt
+        # subscriber -> (request id, attempt) -> [tokens left, tokens in all]
+        self.running: dict[str, dict[tuple[str, str], list[int]]] = {}
         self.interval_s = 0.05  # set by the benchmark before each stage
-
-    def reservation(self, attempt: str) -> asyncio.Event:
-        return self.reserved.setdefault(attempt, asyncio.Event())
 
     def check(self, context: Any) -> bool:
         return self.expected in tuple(context.invocation_metadata() or ())
+
+    def start(self, generate: common_pb2.GenerateRequest) -> None:
+        count = max(1, generate.sampling.max_tokens)
+        requests = self.running.setdefault(generate.subscriber, {})
+        requests[(generate.request_id, generate.attempt)] = [count, count]
+
+    def step(self, subscriber: str) -> common_pb2.StepOutputs:
+        """One token for each running request of `subscriber` (its text: the send time)."""
+        requests = self.running.setdefault(subscriber, {})
+        text = f"{time.time_ns()};"
+        step = common_pb2.StepOutputs()
+        for key, progress in list(requests.items()):
+            output = step.outputs.add(request_id=key[0], attempt=key[1])
+            output.chunk.token_ids.append(FAKE_TOKEN)
+            output.chunk.text = text
+            progress[0] -= 1
+            if not progress[0]:
+                output.final.finish_reason = common_pb2.FINISH_REASON_LENGTH
+                output.final.num_output_tokens = progress[1]
+                del requests[key]
+        return step
 
 
 class FakePrefill(prefill_pb2_grpc.PrefillServiceServicer):
@@ -116,21 +136,14 @@ class FakePrefill(prefill_pb2_grpc.PrefillServiceServicer):
     async def Prefill(self, request: Any, context: Any) -> prefill_pb2.PrefillResult:
         if not self.fakes.check(context):
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, "no secret")
-        generate = request.request
-        self.fakes.max_tokens[generate.request_id] = generate.sampling.max_tokens
-        if generate.attempt:
-            self.fakes.reservation(generate.attempt).set()
+        self.fakes.start(request.request)
         return prefill_pb2.PrefillResult(
-            first_token_id=FAKE_TOKEN, num_prompt_tokens=len(generate.prompt_token_ids)
+            first_token_id=FAKE_TOKEN, num_prompt_tokens=len(request.request.prompt_token_ids)
         )
 
 
 class FakeDecode(decode_pb2_grpc.DecodeServiceServicer):
-    """Answers the handoff's calls at once (only the fake prefill would make them) and streams
-    tokens at the stage's rate."""
-
-    def __init__(self, fakes: _Fakes) -> None:
-        self.fakes = fakes
+    """Answers the handoff's calls at once (only the fake prefill would make them)."""
 
     async def Reserve(self, request: Any, context: Any) -> decode_pb2.ReserveReply:
         return decode_pb2.ReserveReply()
@@ -146,34 +159,16 @@ class FakeDecode(decode_pb2_grpc.DecodeServiceServicer):
     async def StartDecode(self, request: Any, context: Any) -> decode_pb2.StartDecodeReply:
         return decode_pb2.StartDecodeReply()
 
-    async def StreamTokens(self, request: Any, context: Any) -> AsyncIterator[Any]:
-        if not self.fakes.check(context):
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "no secret")
-        if request.attempt:
-            try:
-                await self.fakes.reservation(request.attempt).wait()
-            finally:
-                self.fakes.reserved.pop(request.attempt, None)
-        count = self.fakes.max_tokens.pop(request.request_id, 1)
-        interval = self.fakes.interval_s
-        start = time.monotonic()
-        for i in range(count):
-            delay = start + i * interval - time.monotonic()
-            if delay > 0:
-                await asyncio.sleep(delay)
-            chunk = common_pb2.TokenChunk(token_ids=[FAKE_TOKEN], text=f"{time.time_ns()};")
-            yield common_pb2.TokenReply(chunk=chunk)
-        final = common_pb2.TokenFinal(
-            finish_reason=common_pb2.FINISH_REASON_LENGTH, num_output_tokens=count
-        )
-        yield common_pb2.TokenReply(final=final)
-
 
 class FakeInstance(common_pb2_grpc.InstanceServiceServicer):
-    def __init__(self, role: str) -> None:
+    def __init__(self, role: str, fakes: _Fakes) -> None:
         self.role = role
+        self.fakes = fakes
 
     async def Abort(self, request: Any, context: Any) -> common_pb2.AbortReply:
+        for requests in self.fakes.running.values():
+            if requests.pop((request.request_id, request.attempt), None) is not None:
+                return common_pb2.AbortReply(found=True)
         return common_pb2.AbortReply(found=False)
 
     async def GetStats(self, request: Any, context: Any) -> common_pb2.InstanceStats:
@@ -184,6 +179,21 @@ class FakeInstance(common_pb2_grpc.InstanceServiceServicer):
     async def SubscribeKVEvents(self, request: Any, context: Any) -> AsyncIterator[Any]:
         yield common_pb2.KVEvent(snapshot=common_pb2.BlocksStored())
         await asyncio.Event().wait()  # held open until the router cancels it
+
+    async def SubscribeOutputs(self, request: Any, context: Any) -> AsyncIterator[Any]:
+        """Decode's engine steps, at the stage's rate: one message per step."""
+        if not self.fakes.check(context):
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "no secret")
+        yield common_pb2.StepOutputs()
+        due = time.monotonic()
+        while True:
+            due += self.fakes.interval_s
+            delay = due - time.monotonic()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            step = self.fakes.step(request.subscriber)
+            if step.outputs:
+                yield step
 
 
 async def _serve_fakes(conn: Connection, secret: str) -> None:
@@ -196,8 +206,8 @@ async def _serve_fakes(conn: Connection, secret: str) -> None:
         if role == "prefill":
             prefill_pb2_grpc.add_PrefillServiceServicer_to_server(FakePrefill(fakes), server)
         else:
-            decode_pb2_grpc.add_DecodeServiceServicer_to_server(FakeDecode(fakes), server)
-        common_pb2_grpc.add_InstanceServiceServicer_to_server(FakeInstance(role), server)
+            decode_pb2_grpc.add_DecodeServiceServicer_to_server(FakeDecode(), server)
+        common_pb2_grpc.add_InstanceServiceServicer_to_server(FakeInstance(role, fakes), server)
         ports.append(server.add_insecure_port(f"{HOST}:0"))
         await server.start()
         servers.append(server)

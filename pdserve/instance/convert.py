@@ -1,8 +1,11 @@
 """Proto <-> dataclass conversion for the instance services: the one place where pdserve's typed
 objects meet generated messages (errors: `pdserve.rpc.status`)."""
 
-from pdserve.engine.request import RequestOutput, SamplingParams, TokenLogprob
+from pdserve.engine.request import SamplingParams, TokenLogprob
+from pdserve.errors import PdserveError
+from pdserve.instance.streams import Item, OutputStream
 from pdserve.kvcache.hashing import BlockHash, PromptHashes
+from pdserve.rpc.status import error_reply
 from pdserve.transfer.base import KVEndpoints
 from pdserve.v1 import common_pb2, decode_pb2
 
@@ -73,12 +76,14 @@ def generate_request(
     params: SamplingParams,
     hashes: PromptHashes | None = None,
     attempt: str = "",
+    subscriber: str = "",
 ) -> common_pb2.GenerateRequest:
     message = common_pb2.GenerateRequest(
         request_id=request_id,
         prompt_token_ids=prompt_token_ids,
         sampling=sampling_to_proto(params),
         attempt=attempt,
+        subscriber=subscriber,
     )
     if hashes is not None:
         message.hash_root = hashes.root
@@ -95,30 +100,33 @@ def hashes_from_proto(message: common_pb2.GenerateRequest) -> PromptHashes | Non
     return PromptHashes(BlockHash(message.hash_root), message.hash_block_size, chain)
 
 
-def token_replies(output: RequestOutput) -> list[common_pb2.TokenReply]:
-    """One engine output as stream replies: a chunk, then a final reply when finished."""
-    replies = [
-        common_pb2.TokenReply(
-            chunk=common_pb2.TokenChunk(
-                token_ids=list(output.new_token_ids),
-                text=output.new_text,
-                logprobs=[logprob_to_proto(lp) for lp in output.new_logprobs],
-                prompt_logprobs=[logprob_to_proto(lp) for lp in output.prompt_logprobs],
+def request_outputs(stream: OutputStream, item: Item) -> common_pb2.RequestOutputs:
+    """One request's output (or its error) as its part of a step's message."""
+    message = common_pb2.RequestOutputs(request_id=stream.request_id, attempt=stream.attempt)
+    if isinstance(item, PdserveError):
+        message.error.CopyFrom(error_reply(item))
+        return message
+    message.chunk.CopyFrom(
+        common_pb2.TokenChunk(
+            token_ids=item.new_token_ids,
+            text=item.new_text,
+            logprobs=[logprob_to_proto(lp) for lp in item.new_logprobs],
+            prompt_logprobs=[logprob_to_proto(lp) for lp in item.prompt_logprobs],
+        )
+    )
+    if item.finished:
+        message.final.CopyFrom(
+            common_pb2.TokenFinal(
+                finish_reason=FINISH_REASONS.get(
+                    item.finish_reason or "", common_pb2.FINISH_REASON_UNSPECIFIED
+                ),
+                stop_reason="" if item.stop_reason is None else str(item.stop_reason),
+                num_prompt_tokens=item.num_prompt_tokens,
+                num_output_tokens=item.num_output_tokens,
+                num_cached_tokens=item.num_cached_tokens,
             )
         )
-    ]
-    if output.finished:
-        final = common_pb2.TokenFinal(
-            finish_reason=FINISH_REASONS.get(
-                output.finish_reason or "", common_pb2.FINISH_REASON_UNSPECIFIED
-            ),
-            stop_reason="" if output.stop_reason is None else str(output.stop_reason),
-            num_prompt_tokens=output.num_prompt_tokens,
-            num_output_tokens=output.num_output_tokens,
-            num_cached_tokens=output.num_cached_tokens,
-        )
-        replies.append(common_pb2.TokenReply(final=final))
-    return replies
+    return message
 
 
 def endpoints_to_proto(endpoints: KVEndpoints) -> decode_pb2.KVEndpoints:

@@ -10,7 +10,6 @@ Threads: the engine loop thread owns the engine; the gRPC server's executor thre
 `deliver` runs on the engine thread and only puts into streams.
 """
 
-import asyncio
 import logging
 import queue
 import threading
@@ -28,8 +27,15 @@ from pdserve.engine.engine import LLMEngine, StorageTierFactory
 from pdserve.engine.loop import EngineLoop, Mailbox
 from pdserve.engine.request import Request, RequestOutput, SamplingParams
 from pdserve.engine.tensor_parallel import RankZero
-from pdserve.errors import DuplicateRequestError, InstanceUnavailableError, RequestNotFoundError
-from pdserve.instance.streams import OutputStream, aborted_output, wake
+from pdserve.errors import (
+    DuplicateRequestError,
+    InstanceUnavailableError,
+    InvalidRequestError,
+    PdserveError,
+    RequestNotFoundError,
+)
+from pdserve.instance.convert import request_outputs
+from pdserve.instance.streams import Item, OutputStream, Subscription, aborted_output
 from pdserve.kvcache.events import BlockStored, KVEvent, KVEventBroadcaster
 from pdserve.kvcache.hashing import BlockHash, PromptHashes
 from pdserve.metrics import InstanceCollector, serve_metrics
@@ -44,7 +50,9 @@ from pdserve.rpc.server import (
     host_port,
     instance_workers,
     is_loopback,
+    post,
 )
+from pdserve.rpc.status import abort_with_async
 from pdserve.rpc.tls import TlsFiles
 from pdserve.storage.remote import SERVICE_NAME as STORAGE_SERVICE
 from pdserve.storage.remote import StorageServicer
@@ -151,8 +159,8 @@ class InstanceRuntime:
         self.metrics_address = ""  # host:port of /metrics once `serve` started it
         self._metrics_server: Any = None
         self._streams: dict[str, OutputStream] = {}
-        self._awaiting: dict[str, list[asyncio.Future[None]]] = {}  # `attach` waits, by id
-        self._streams_lock = threading.Lock()
+        self._subscriptions: dict[str, Subscription] = {}  # by subscriber
+        self._streams_lock = threading.Lock()  # guards both
         self.loop = EngineLoop(engine, self.deliver, mailbox, on_tick=on_tick)
 
     @classmethod
@@ -342,40 +350,54 @@ class InstanceRuntime:
 
     # -- output streams ---------------------------------------------------------------------------
 
-    def open_stream(self, request_id: str, attempt: str = "") -> OutputStream:
-        """Register the stream that will carry the request's outputs (for the router's
-        `attempt`, which readers waiting in `attach` match). Raises DuplicateRequestError when
-        one is open."""
+    def open_stream(self, request_id: str, attempt: str = "", subscriber: str = "") -> OutputStream:
+        """Register the stream that will carry the request's outputs: to the `subscriber`'s
+        subscription when given (which must be open here), else to its own reader. Raises
+        DuplicateRequestError when one is open, InstanceUnavailableError when the subscription
+        is not."""
         with self._streams_lock:
             if request_id in self._streams:
                 raise DuplicateRequestError(f"request id {request_id!r} is already in flight")
-            stream = self._streams[request_id] = OutputStream(request_id, attempt)
-            waiting = self._awaiting.pop(request_id, [])
-        for future in waiting:
-            wake(future)
+            subscription = self._subscriptions.get(subscriber) if subscriber else None
+            if subscriber and subscription is None:
+                raise InstanceUnavailableError(
+                    f"no output subscription {subscriber!r} is open on this {self.role} "
+                    "instance (its router lost it): retry",
+                    100,
+                )
+            stream = OutputStream(request_id, attempt, subscription)
+            self._streams[request_id] = stream
         return stream
 
-    async def attach(self, request_id: str, attempt: str) -> OutputStream:
-        """The stream of the request's `attempt`, awaited on the caller's loop until it is
-        opened (a reader may come before the reservation it reads). Waits until cancelled:
-        callers bound it with their call's deadline."""
-        loop = asyncio.get_running_loop()
-        while True:
-            future = loop.create_future()
-            with self._streams_lock:
-                stream = self._streams.get(request_id)
-                if stream is not None and stream.attempt == attempt:
-                    return stream
-                self._awaiting.setdefault(request_id, []).append(future)
-            try:
-                await future
-            finally:
-                with self._streams_lock:
-                    waiting = self._awaiting.get(request_id, [])
-                    if future in waiting:
-                        waiting.remove(future)
-                    if not waiting:
-                        self._awaiting.pop(request_id, None)
+    def subscribe(self, subscriber: str) -> Subscription:
+        """Open `subscriber`'s output subscription (a newer one replaces it: the older one
+        ends, see `unsubscribe`)."""
+        subscription = Subscription(subscriber)
+        with self._streams_lock:
+            older = self._subscriptions.get(subscriber)
+            self._subscriptions[subscriber] = subscription
+        if older is not None:
+            older.close()
+        return subscription
+
+    def unsubscribe(self, subscription: Subscription) -> list[str]:
+        """Close `subscription`; returns the ids of its requests that had not ended (their
+        outputs have nowhere to go: the caller aborts them)."""
+        subscription.close()
+        with self._streams_lock:
+            if self._subscriptions.get(subscription.subscriber) is subscription:
+                del self._subscriptions[subscription.subscriber]
+            return [
+                request_id
+                for request_id, stream in self._streams.items()
+                if stream.subscription is subscription and not stream.ended
+            ]
+
+    def serves(self, request_id: str, attempt: str) -> bool:
+        """Whether the request's open stream carries the outputs of the router's `attempt`."""
+        with self._streams_lock:
+            stream = self._streams.get(request_id)
+        return stream is not None and stream.attempt == attempt
 
     def stream(self, request_id: str) -> OutputStream:
         """The open stream of a request; raises RequestNotFoundError."""
@@ -403,13 +425,23 @@ class InstanceRuntime:
             current.put(final)
 
     def deliver(self, outputs: Sequence[RequestOutput]) -> None:
-        """Hand each output to its request's stream (never blocks). The stream stays registered
-        until its reader closes it: a reader may attach after the request finished."""
-        for output in outputs:
-            with self._streams_lock:
-                stream = self._streams.get(output.request_id)
-            if stream is not None:
+        """Hand each output to its request's stream (never blocks); a subscription gets one
+        step's outputs of its requests at once. A stream stays registered until it is closed
+        (`close_stream`: by its reader, or once a subscription sent its end)."""
+        batches: dict[Subscription, list[tuple[OutputStream, Item]]] = {}
+        with self._streams_lock:
+            streams = [(self._streams.get(output.request_id), output) for output in outputs]
+        for stream, output in streams:
+            if stream is None:
+                continue
+            if stream.subscription is None:
                 stream.put(output)
+                continue
+            item = stream.accept(output)
+            if item is not None:
+                batches.setdefault(stream.subscription, []).append((stream, item))
+        for subscription, items in batches.items():
+            subscription.push(items)
 
     def abort(self, request_id: str) -> bool:
         """Abort a live request on the engine thread and end its stream with an `abort` output;
@@ -586,6 +618,8 @@ class InstanceServicer(common_pb2_grpc.InstanceServiceServicer):
     def Abort(
         self, request: common_pb2.AbortRequest, context: grpc.ServicerContext
     ) -> common_pb2.AbortReply:
+        if request.attempt and not self.runtime.serves(request.request_id, request.attempt):
+            return common_pb2.AbortReply(found=False)
         return common_pb2.AbortReply(found=self.role.abort(request.request_id))
 
     def GetStats(
@@ -598,3 +632,24 @@ class InstanceServicer(common_pb2_grpc.InstanceServiceServicer):
     ) -> AsyncIterator[common_pb2.KVEvent]:
         async for event in self.runtime.kv_event_stream():  # an async generator, for grpc.aio
             yield event
+
+    async def SubscribeOutputs(
+        self, request: common_pb2.OutputsRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> AsyncIterator[common_pb2.StepOutputs]:
+        """An empty message once open, then one per batch of outputs (a step's, or several
+        steps' when this reader lags). An ended request's stream is closed once its end is
+        sent; when the subscription ends (the router went away, or a newer one replaced it)
+        its unfinished requests are aborted."""
+        if not request.subscriber:
+            await abort_with_async(context, InvalidRequestError("subscriber is required"))
+        subscription = self.runtime.subscribe(request.subscriber)
+        try:
+            yield common_pb2.StepOutputs()
+            async for batch in subscription.batches():
+                yield common_pb2.StepOutputs(outputs=[request_outputs(s, i) for s, i in batch])
+                for stream, item in batch:
+                    if isinstance(item, PdserveError) or item.finished:
+                        self.runtime.close_stream(stream.request_id, stream=stream)
+        finally:
+            for request_id in self.runtime.unsubscribe(subscription):
+                post(self.role.abort, request_id)

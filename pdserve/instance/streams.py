@@ -1,10 +1,13 @@
-"""OutputStream: one request's outputs, from the engine thread to the RPC that serves them.
+"""OutputStream: one request's outputs, from the engine thread to the RPC that serves them;
+Subscription: the outputs of every request one router named, batched per engine step.
 
-Every role uses it: a prefill instance waits on it for the request's KV to be ready, a decode
-instance's StreamTokens and a mixed instance's Generate read its tokens. Any thread may `put` or
-`fail` (never blocking); one reader iterates, blocking (`get`, `for`) or on an event loop
-(`aget`, `async for`: it holds no thread while it waits). A stream ends after its finished
-output or its error. Thread-safe.
+A prefill instance waits on a request's OutputStream for its KV to be ready (`get`). On a
+decode or mixed instance the stream is bound to the router's Subscription: each output goes on
+to it, and the runtime hands a whole step's outputs to a subscription at once (`push`), so the
+subscription's reader (`InstanceService.SubscribeOutputs`) sends one message per step. Any
+thread may `put`, `fail` or `push` (never blocking); one reader iterates a stream (`get`, `for`,
+`aget`, `async for`) or a subscription (`batches`), holding no thread while it waits on an event
+loop. A stream ends after its finished output or its error. Thread-safe.
 """
 
 import asyncio
@@ -33,11 +36,17 @@ def aborted_output(request_id: str) -> RequestOutput:
     )
 
 
+Item = RequestOutput | PdserveError
+
+
 class OutputStream:
-    def __init__(self, request_id: str, attempt: str = "") -> None:
+    def __init__(
+        self, request_id: str, attempt: str = "", subscription: "Subscription | None" = None
+    ) -> None:
         self.request_id = request_id
         self.attempt = attempt  # the router's attempt it serves (GenerateRequest.attempt)
-        self._items: queue.SimpleQueue[RequestOutput | PdserveError] = queue.SimpleQueue()
+        self.subscription = subscription  # None: read here (`get`, `aget`)
+        self._items: queue.SimpleQueue[Item] = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._ended = False
         self._waiter: asyncio.Future[None] | None = None  # an `aget` waiting for an item
@@ -50,16 +59,9 @@ class OutputStream:
     def put(self, output: RequestOutput) -> None:
         """Add an output; a final one (finished) ends the stream. An output whose engine step
         failed (`output.error`) ends it with StepFailedError. Ignored once ended."""
-        if output.error is not None:
-            self.fail(StepFailedError(output.error))
-            return
-        with self._lock:
-            if self._ended:
-                return
-            self._ended = output.finished
-            self._items.put(output)
-            waiter, self._waiter = self._waiter, None
-        wake(waiter)
+        item = self.accept(output)
+        if item is not None:
+            self._hand_on(item)
 
     def fail(self, error: PdserveError) -> None:
         """End the stream with `error` (the reader raises it). Ignored once ended."""
@@ -67,7 +69,25 @@ class OutputStream:
             if self._ended:
                 return
             self._ended = True
-            self._items.put(error)
+        self._hand_on(error)
+
+    def accept(self, output: RequestOutput) -> Item | None:
+        """Mark the stream ended when `output` ends it, and return what its reader gets (None
+        once the stream has ended). The caller hands it on: `put` does, and the runtime
+        pushes a whole step's to a subscription at once."""
+        item: Item = output if output.error is None else StepFailedError(output.error)
+        with self._lock:
+            if self._ended:
+                return None
+            self._ended = isinstance(item, PdserveError) or output.finished
+        return item
+
+    def _hand_on(self, item: Item) -> None:
+        if self.subscription is not None:
+            self.subscription.push([(self, item)])
+            return
+        with self._lock:
+            self._items.put(item)
             waiter, self._waiter = self._waiter, None
         wake(waiter)
 
@@ -108,6 +128,52 @@ class OutputStream:
             yield output
             if output.finished:
                 return
+
+
+class Subscription:
+    """The outputs of the requests bound to one router's subscription, in batches."""
+
+    def __init__(self, subscriber: str) -> None:
+        self.subscriber = subscriber
+        self._pending: list[tuple[OutputStream, Item]] = []
+        self._lock = threading.Lock()
+        self._closed = False
+        self._waiter: asyncio.Future[None] | None = None
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def push(self, items: list[tuple[OutputStream, Item]]) -> None:
+        """Queue items for the reader (dropped once the subscription is closed)."""
+        with self._lock:
+            if self._closed:
+                return
+            self._pending.extend(items)
+            waiter, self._waiter = self._waiter, None
+        wake(waiter)
+
+    async def batches(self) -> AsyncIterator[list[tuple[OutputStream, Item]]]:
+        """Everything pushed since the last batch, as soon as there is some; ends at `close`."""
+        while True:
+            with self._lock:
+                batch, self._pending = self._pending, []
+                if not batch:
+                    if self._closed:
+                        return
+                    future = asyncio.get_running_loop().create_future()
+                    self._waiter = future
+            if batch:
+                yield batch
+            else:
+                await future
+
+    def close(self) -> None:
+        """No more items: the reader's `batches` ends (after what is queued)."""
+        with self._lock:
+            self._closed = True
+            waiter, self._waiter = self._waiter, None
+        wake(waiter)
 
 
 def wake(waiter: "asyncio.Future[None] | None") -> None:

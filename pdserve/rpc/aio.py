@@ -1,26 +1,24 @@
-"""Asyncio clients for the router's request path (`grpc.aio`): a request's Prefill call and its
-token stream are awaited on the event loop, so an open stream holds no thread and a token costs
-no thread hop. Same deadlines, credentials and typed errors as the blocking clients of
-`pdserve.rpc.clients`.
+"""Asyncio clients for the router's request path (`grpc.aio`): a request's Prefill or Submit call
+and the instance's output subscription are awaited on the event loop, so an open stream holds
+no thread and a step's outputs cost no thread hop. Same deadlines, credentials and typed errors
+as the blocking clients of `pdserve.rpc.clients`.
 
 Channels belong to the event loop that created them: an `AioChannelPool` is used from one
 loop (the router's HTTP server's).
 """
 
 from collections.abc import AsyncIterator
-from typing import Any
 
 import grpc
 
 from pdserve.rpc.auth import AUTHORIZATION
 from pdserve.rpc.channels import CHANNEL_OPTIONS
 from pdserve.rpc.clients import DEFAULT_DEADLINES, Deadlines
-from pdserve.rpc.status import error_from_reply, error_from_rpc
+from pdserve.rpc.status import error_from_rpc
 from pdserve.rpc.tls import TlsFiles
 from pdserve.v1 import (
     common_pb2,
-    decode_pb2,
-    decode_pb2_grpc,
+    common_pb2_grpc,
     mixed_pb2_grpc,
     prefill_pb2,
     prefill_pb2_grpc,
@@ -73,51 +71,44 @@ class AioClients:
             raise error_from_rpc(e, address) from e
         return result
 
-    def stream_tokens(
-        self, address: str, request_id: str, attempt: str = ""
-    ) -> AsyncIterator[common_pb2.TokenChunk | common_pb2.TokenFinal]:
-        """Decode's token stream of a request (with `attempt`: opened before its reservation,
-        which it waits for)."""
-        stub = decode_pb2_grpc.DecodeServiceStub(self.channels.get(address))
-        call = stub.StreamTokens(
-            decode_pb2.StreamTokensRequest(request_id=request_id, attempt=attempt),
-            timeout=self.deadlines.stream_s,
-            metadata=self.channels.metadata,
-        )
-        return token_replies(call, address)
-
-    def generate_mixed(
-        self, address: str, message: common_pb2.GenerateRequest
-    ) -> AsyncIterator[common_pb2.TokenChunk | common_pb2.TokenFinal]:
+    async def submit(self, address: str, message: common_pb2.GenerateRequest) -> None:
+        """Queue a request on a mixed instance (its outputs go to its subscription)."""
         stub = mixed_pb2_grpc.MixedServiceStub(self.channels.get(address))
-        call = stub.Generate(
-            message, timeout=self.deadlines.stream_s, metadata=self.channels.metadata
+        try:
+            await stub.Submit(
+                message, timeout=self.deadlines.control_s, metadata=self.channels.metadata
+            )
+        except grpc.RpcError as e:
+            raise error_from_rpc(e, address) from e
+
+    async def abort(self, address: str, request_id: str, attempt: str = "") -> bool:
+        """Abort a request on an instance (only that attempt of it, when given); whether it
+        held it."""
+        stub = common_pb2_grpc.InstanceServiceStub(self.channels.get(address))
+        try:
+            reply = await stub.Abort(
+                common_pb2.AbortRequest(request_id=request_id, attempt=attempt),
+                timeout=self.deadlines.control_s,
+                metadata=self.channels.metadata,
+            )
+        except grpc.RpcError as e:
+            raise error_from_rpc(e, address) from e
+        return bool(reply.found)
+
+    async def subscribe_outputs(
+        self, address: str, subscriber: str
+    ) -> AsyncIterator[common_pb2.StepOutputs]:
+        """The instance's output subscription for `subscriber`: an empty message once it is
+        open, then one per step. A broken stream raises the typed exception; leaving the loop
+        (or closing the iterator) cancels the call."""
+        stub = common_pb2_grpc.InstanceServiceStub(self.channels.get(address))
+        call = stub.SubscribeOutputs(  # no deadline: it lives as long as the router
+            common_pb2.OutputsRequest(subscriber=subscriber), metadata=self.channels.metadata
         )
-        return token_replies(call, address)
-
-
-async def token_replies(
-    call: Any, peer: str
-) -> AsyncIterator[common_pb2.TokenChunk | common_pb2.TokenFinal]:
-    """A token stream's chunks and final reply; an error reply or a broken stream raises the
-    typed exception. Leaving the loop (or closing the iterator) cancels the call."""
-    try:
-        async for reply in call:
-            item = reply_item(reply)
-            yield item
-            if isinstance(item, common_pb2.TokenFinal):
-                return
-    except grpc.RpcError as e:
-        raise error_from_rpc(e, peer) from e
-    finally:
-        call.cancel()
-
-
-def reply_item(reply: common_pb2.TokenReply) -> common_pb2.TokenChunk | common_pb2.TokenFinal:
-    """A token stream reply's chunk or final reply; raises the typed error of an error reply."""
-    kind = reply.WhichOneof("reply")
-    if kind == "chunk":
-        return reply.chunk
-    if kind == "final":
-        return reply.final
-    raise error_from_reply(reply.error)
+        try:
+            async for message in call:
+                yield message
+        except grpc.RpcError as e:
+            raise error_from_rpc(e, address) from e
+        finally:
+            call.cancel()

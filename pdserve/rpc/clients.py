@@ -1,12 +1,13 @@
 """Blocking clients of the instance services: control calls (abort, stats, KV events) and the
-prefill instance's calls to decode. A request's own calls (Prefill, the token streams) are the
-asyncio clients of `pdserve.rpc.aio`.
+prefill instance's calls to decode. A request's own calls (Prefill, Submit, the output
+subscriptions) are the asyncio clients of `pdserve.rpc.aio`.
 
-Each call has a deadline (`Deadlines`); token streams, which last as long as a generation, have
-a long deadline and rely on the channels' keepalive pings to notice a dead peer. A failed call
-raises the exception the server raised (`pdserve.rpc.status`), or InstanceUnavailableError when
-the peer could not be reached. The clients speak protobuf messages: converting them to
-pdserve's dataclasses is the caller's job (`pdserve.instance.convert`). Thread-safe.
+Each call has a deadline (`Deadlines`); streams that last as long as their peer (KV events,
+output subscriptions) have none and rely on the channels' keepalive pings to notice a dead
+peer. A failed call raises the exception the server raised (`pdserve.rpc.status`), or
+InstanceUnavailableError when the peer could not be reached. The clients speak protobuf
+messages: converting them to pdserve's dataclasses is the caller's job
+(`pdserve.instance.convert`). Thread-safe.
 """
 
 from dataclasses import dataclass
@@ -28,10 +29,9 @@ from pdserve.v1 import (
 class Deadlines:
     """Seconds each kind of call may take before it fails with InstanceUnavailableError."""
 
-    control_s: float = 10.0  # Abort, GetStats, CommitKV, StartDecode
+    control_s: float = 10.0  # Abort, GetStats, CommitKV, StartDecode, Submit
     reserve_s: float = 30.0  # Reserve (decode reads the storage tier before answering)
     prefill_s: float = 900.0  # Prefill: queueing, compute, reservation backoff and transfer
-    stream_s: float = 24 * 3600.0  # token streams; keepalive notices a dead peer much sooner
 
 
 DEFAULT_DEADLINES = Deadlines()

@@ -72,7 +72,7 @@ def _reflect_and_bind(
 
 class AioServer:
     """An instance's gRPC server: `grpc.aio` on an event loop thread of its own, so that an
-    open token stream (StreamTokens, Generate, SubscribeKVEvents: async handlers) holds no
+    open stream (SubscribeOutputs, SubscribeKVEvents: async handlers) holds no
     thread, while the blocking work of a call (a Prefill, a reservation, a KV write) runs on
     `executor` — which also serves the handlers that are plain functions (the loop's default
     executor and the server's migration pool).

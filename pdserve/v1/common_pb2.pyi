@@ -223,6 +223,7 @@ class GenerateRequest(_message.Message):
     HASH_BLOCK_SIZE_FIELD_NUMBER: _builtins.int
     BLOCK_HASHES_FIELD_NUMBER: _builtins.int
     ATTEMPT_FIELD_NUMBER: _builtins.int
+    SUBSCRIBER_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     hash_root: _builtins.bytes
     """The prompt's block hash chain (pdserve.kvcache.hashing) as the sender computed it, with the
@@ -231,9 +232,12 @@ class GenerateRequest(_message.Message):
     """
     hash_block_size: _builtins.int
     attempt: _builtins.str
-    """The router's id of this attempt at the request (it retries under the same request_id).
-    Prefill forwards it in its Reserve; decode's StreamTokens with the same attempt waits for
-    that reservation, so the router opens the token stream as it calls Prefill.
+    """The router's id of this attempt at the request (it retries under the same request_id);
+    the request's outputs carry it. Prefill forwards it, and `subscriber`, in its Reserve.
+    """
+    subscriber: _builtins.str
+    """The output subscription (InstanceService.SubscribeOutputs) that carries the request's
+    outputs on the decode or mixed instance; it must be open there.
     """
     @_builtins.property
     def prompt_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
@@ -251,10 +255,11 @@ class GenerateRequest(_message.Message):
         hash_block_size: _builtins.int = ...,
         block_hashes: _abc.Iterable[_builtins.bytes] | None = ...,
         attempt: _builtins.str = ...,
+        subscriber: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["sampling", b"sampling"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "block_hashes", b"block_hashes", "hash_block_size", b"hash_block_size", "hash_root", b"hash_root", "prompt_token_ids", b"prompt_token_ids", "request_id", b"request_id", "sampling", b"sampling"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "block_hashes", b"block_hashes", "hash_block_size", b"hash_block_size", "hash_root", b"hash_root", "prompt_token_ids", b"prompt_token_ids", "request_id", b"request_id", "sampling", b"sampling", "subscriber", b"subscriber"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -385,14 +390,20 @@ class TokenFinal(_message.Message):
 Global___TokenFinal: _TypeAlias = TokenFinal  # noqa: Y015
 
 @_typing.final
-class TokenReply(_message.Message):
-    """One request's generated tokens as a stream: chunks, then a final reply (or an error)."""
+class RequestOutputs(_message.Message):
+    """What one request produced since its last output: new tokens, and its end (`final`, or
+    `error` when it failed; then no chunk).
+    """
 
     DESCRIPTOR: _descriptor.Descriptor
 
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
+    ATTEMPT_FIELD_NUMBER: _builtins.int
     CHUNK_FIELD_NUMBER: _builtins.int
     FINAL_FIELD_NUMBER: _builtins.int
     ERROR_FIELD_NUMBER: _builtins.int
+    request_id: _builtins.str
+    attempt: _builtins.str
     @_builtins.property
     def chunk(self) -> Global___TokenChunk: ...
     @_builtins.property
@@ -402,34 +413,82 @@ class TokenReply(_message.Message):
     def __init__(
         self,
         *,
+        request_id: _builtins.str = ...,
+        attempt: _builtins.str = ...,
         chunk: Global___TokenChunk | None = ...,
         final: Global___TokenFinal | None = ...,
         error: Global___Error | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["chunk", b"chunk", "error", b"error", "final", b"final", "reply", b"reply"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["chunk", b"chunk", "error", b"error", "final", b"final"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunk", b"chunk", "error", b"error", "final", b"final", "reply", b"reply"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "chunk", b"chunk", "error", b"error", "final", b"final", "request_id", b"request_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_reply: _TypeAlias = _typing.Literal["chunk", "final", "error"]  # noqa: Y015
-    _WhichOneofArgType_reply: _TypeAlias = _typing.Literal["reply", b"reply"]  # noqa: Y015
-    def WhichOneof(self, oneof_group: _WhichOneofArgType_reply) -> _WhichOneofReturnType_reply | None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
 
-Global___TokenReply: _TypeAlias = TokenReply  # noqa: Y015
+Global___RequestOutputs: _TypeAlias = RequestOutputs  # noqa: Y015
+
+@_typing.final
+class StepOutputs(_message.Message):
+    """The outputs of one subscriber's requests that one engine step (or several) advanced."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    OUTPUTS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def outputs(self) -> _containers.RepeatedCompositeFieldContainer[Global___RequestOutputs]: ...
+    def __init__(
+        self,
+        *,
+        outputs: _abc.Iterable[Global___RequestOutputs] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["outputs", b"outputs"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___StepOutputs: _TypeAlias = StepOutputs  # noqa: Y015
+
+@_typing.final
+class OutputsRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SUBSCRIBER_FIELD_NUMBER: _builtins.int
+    subscriber: _builtins.str
+    """the router's id, named by its requests (GenerateRequest.subscriber)"""
+    def __init__(
+        self,
+        *,
+        subscriber: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["subscriber", b"subscriber"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___OutputsRequest: _TypeAlias = OutputsRequest  # noqa: Y015
 
 @_typing.final
 class AbortRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     REQUEST_ID_FIELD_NUMBER: _builtins.int
+    ATTEMPT_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
+    attempt: _builtins.str
+    """Non-empty: only while the request's outputs are those of this attempt (a late abort of an
+    earlier attempt leaves a retry under the same request_id alone).
+    """
     def __init__(
         self,
         *,
         request_id: _builtins.str = ...,
+        attempt: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["request_id", b"request_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "request_id", b"request_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

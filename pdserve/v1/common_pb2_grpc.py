@@ -50,6 +50,11 @@ class InstanceServiceStub:
                 request_serializer=pdserve_dot_v1_dot_common__pb2.KVEventsRequest.SerializeToString,
                 response_deserializer=pdserve_dot_v1_dot_common__pb2.KVEvent.FromString,
                 _registered_method=True)
+        self.SubscribeOutputs = channel.unary_stream(
+                '/pdserve.v1.InstanceService/SubscribeOutputs',
+                request_serializer=pdserve_dot_v1_dot_common__pb2.OutputsRequest.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_common__pb2.StepOutputs.FromString,
+                _registered_method=True)
 
 
 class InstanceServiceServicer:
@@ -76,6 +81,16 @@ class InstanceServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SubscribeOutputs(self, request, context):
+        """The outputs of every request that names this subscriber (GenerateRequest.subscriber): one
+        message per engine step with every such request the step advanced (several steps in one
+        when the reader lags). The first message is empty: the subscription is open. A router
+        opens one per instance and keeps it; when it ends, the instance aborts those requests.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_InstanceServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -93,6 +108,11 @@ def add_InstanceServiceServicer_to_server(servicer, server):
                     servicer.SubscribeKVEvents,
                     request_deserializer=pdserve_dot_v1_dot_common__pb2.KVEventsRequest.FromString,
                     response_serializer=pdserve_dot_v1_dot_common__pb2.KVEvent.SerializeToString,
+            ),
+            'SubscribeOutputs': grpc.unary_stream_rpc_method_handler(
+                    servicer.SubscribeOutputs,
+                    request_deserializer=pdserve_dot_v1_dot_common__pb2.OutputsRequest.FromString,
+                    response_serializer=pdserve_dot_v1_dot_common__pb2.StepOutputs.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -177,6 +197,33 @@ class InstanceService:
             '/pdserve.v1.InstanceService/SubscribeKVEvents',
             pdserve_dot_v1_dot_common__pb2.KVEventsRequest.SerializeToString,
             pdserve_dot_v1_dot_common__pb2.KVEvent.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SubscribeOutputs(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/pdserve.v1.InstanceService/SubscribeOutputs',
+            pdserve_dot_v1_dot_common__pb2.OutputsRequest.SerializeToString,
+            pdserve_dot_v1_dot_common__pb2.StepOutputs.FromString,
             options,
             channel_credentials,
             insecure,

@@ -38,6 +38,12 @@ class InstanceServiceStub:
     GetStats: _grpc.UnaryUnaryMultiCallable[_common_pb2.StatsRequest, _common_pb2.InstanceStats]
     SubscribeKVEvents: _grpc.UnaryStreamMultiCallable[_common_pb2.KVEventsRequest, _common_pb2.KVEvent]
     """Every block the instance publishes now (one `snapshot` event), then live events."""
+    SubscribeOutputs: _grpc.UnaryStreamMultiCallable[_common_pb2.OutputsRequest, _common_pb2.StepOutputs]
+    """The outputs of every request that names this subscriber (GenerateRequest.subscriber): one
+    message per engine step with every such request the step advanced (several steps in one
+    when the reader lags). The first message is empty: the subscription is open. A router
+    opens one per instance and keeps it; when it ends, the instance aborts those requests.
+    """
 
 @_typing.type_check_only
 class InstanceServiceAsyncStub(InstanceServiceStub):
@@ -49,6 +55,12 @@ class InstanceServiceAsyncStub(InstanceServiceStub):
     GetStats: _aio.UnaryUnaryMultiCallable[_common_pb2.StatsRequest, _common_pb2.InstanceStats]  # type: ignore[assignment]
     SubscribeKVEvents: _aio.UnaryStreamMultiCallable[_common_pb2.KVEventsRequest, _common_pb2.KVEvent]  # type: ignore[assignment]
     """Every block the instance publishes now (one `snapshot` event), then live events."""
+    SubscribeOutputs: _aio.UnaryStreamMultiCallable[_common_pb2.OutputsRequest, _common_pb2.StepOutputs]  # type: ignore[assignment]
+    """The outputs of every request that names this subscriber (GenerateRequest.subscriber): one
+    message per engine step with every such request the step advanced (several steps in one
+    when the reader lags). The first message is empty: the subscription is open. A router
+    opens one per instance and keeps it; when it ends, the instance aborts those requests.
+    """
 
 class InstanceServiceServicer(metaclass=_abc_1.ABCMeta):
     """Served once by every instance (prefill, decode, mixed) next to its role's service."""
@@ -75,5 +87,17 @@ class InstanceServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_abc.Iterator[_common_pb2.KVEvent], _abc.AsyncIterator[_common_pb2.KVEvent]]:
         """Every block the instance publishes now (one `snapshot` event), then live events."""
+
+    @_abc_1.abstractmethod
+    def SubscribeOutputs(
+        self,
+        request: _common_pb2.OutputsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_common_pb2.StepOutputs], _abc.AsyncIterator[_common_pb2.StepOutputs]]:
+        """The outputs of every request that names this subscriber (GenerateRequest.subscriber): one
+        message per engine step with every such request the step advanced (several steps in one
+        when the reader lags). The first message is empty: the subscription is open. A router
+        opens one per instance and keeps it; when it ends, the instance aborts those requests.
+        """
 
 def add_InstanceServiceServicer_to_server(servicer: InstanceServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

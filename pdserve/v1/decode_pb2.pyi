@@ -288,28 +288,3 @@ class StartDecodeReply(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___StartDecodeReply: _TypeAlias = StartDecodeReply  # noqa: Y015
-
-@_typing.final
-class StreamTokensRequest(_message.Message):
-    DESCRIPTOR: _descriptor.Descriptor
-
-    REQUEST_ID_FIELD_NUMBER: _builtins.int
-    ATTEMPT_FIELD_NUMBER: _builtins.int
-    request_id: _builtins.str
-    attempt: _builtins.str
-    """Non-empty: wait (until the call's deadline or cancellation) for the reservation of this
-    attempt (GenerateRequest.attempt) instead of answering NOT_FOUND when none is held yet.
-    """
-    def __init__(
-        self,
-        *,
-        request_id: _builtins.str = ...,
-        attempt: _builtins.str = ...,
-    ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
-    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "request_id", b"request_id"]  # noqa: Y015
-    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
-
-Global___StreamTokensRequest: _TypeAlias = StreamTokensRequest  # noqa: Y015

@@ -3,7 +3,6 @@
 import grpc
 import warnings
 
-from pdserve.v1 import common_pb2 as pdserve_dot_v1_dot_common__pb2
 from pdserve.v1 import decode_pb2 as pdserve_dot_v1_dot_decode__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
@@ -57,11 +56,6 @@ class DecodeServiceStub:
                 request_serializer=pdserve_dot_v1_dot_decode__pb2.StartDecodeRequest.SerializeToString,
                 response_deserializer=pdserve_dot_v1_dot_decode__pb2.StartDecodeReply.FromString,
                 _registered_method=True)
-        self.StreamTokens = channel.unary_stream(
-                '/pdserve.v1.DecodeService/StreamTokens',
-                request_serializer=pdserve_dot_v1_dot_decode__pb2.StreamTokensRequest.SerializeToString,
-                response_deserializer=pdserve_dot_v1_dot_common__pb2.TokenReply.FromString,
-                _registered_method=True)
 
 
 class DecodeServiceServicer:
@@ -91,14 +85,8 @@ class DecodeServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def StartDecode(self, request, context):
-        """First-token handoff: the KV is complete; the request joins the running batch.
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def StreamTokens(self, request, context):
-        """Every output of a request from its first token on, buffered until read.
+        """First-token handoff: the KV is complete; the request joins the running batch. Its outputs
+        go to the subscription its GenerateRequest named (InstanceService.SubscribeOutputs).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -126,11 +114,6 @@ def add_DecodeServiceServicer_to_server(servicer, server):
                     servicer.StartDecode,
                     request_deserializer=pdserve_dot_v1_dot_decode__pb2.StartDecodeRequest.FromString,
                     response_serializer=pdserve_dot_v1_dot_decode__pb2.StartDecodeReply.SerializeToString,
-            ),
-            'StreamTokens': grpc.unary_stream_rpc_method_handler(
-                    servicer.StreamTokens,
-                    request_deserializer=pdserve_dot_v1_dot_decode__pb2.StreamTokensRequest.FromString,
-                    response_serializer=pdserve_dot_v1_dot_common__pb2.TokenReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -243,33 +226,6 @@ class DecodeService:
             '/pdserve.v1.DecodeService/StartDecode',
             pdserve_dot_v1_dot_decode__pb2.StartDecodeRequest.SerializeToString,
             pdserve_dot_v1_dot_decode__pb2.StartDecodeReply.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def StreamTokens(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_stream(
-            request,
-            target,
-            '/pdserve.v1.DecodeService/StreamTokens',
-            pdserve_dot_v1_dot_decode__pb2.StreamTokensRequest.SerializeToString,
-            pdserve_dot_v1_dot_common__pb2.TokenReply.FromString,
             options,
             channel_credentials,
             insecure,

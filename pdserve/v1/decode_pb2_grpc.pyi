@@ -5,7 +5,6 @@ The decode instance: reserves blocks, receives KV, generates and streams tokens.
 
 from collections import abc as _abc
 from grpc import aio as _aio
-from pdserve.v1 import common_pb2 as _common_pb2
 from pdserve.v1 import decode_pb2 as _decode_pb2
 import abc as _abc_1
 import grpc as _grpc
@@ -43,9 +42,9 @@ class DecodeServiceStub:
     CommitKV: _grpc.UnaryUnaryMultiCallable[_decode_pb2.CommitKVRequest, _decode_pb2.CommitKVReply]
     """A direct-write transport (shared memory, Mooncake) wrote these blocks of a reservation."""
     StartDecode: _grpc.UnaryUnaryMultiCallable[_decode_pb2.StartDecodeRequest, _decode_pb2.StartDecodeReply]
-    """First-token handoff: the KV is complete; the request joins the running batch."""
-    StreamTokens: _grpc.UnaryStreamMultiCallable[_decode_pb2.StreamTokensRequest, _common_pb2.TokenReply]
-    """Every output of a request from its first token on, buffered until read."""
+    """First-token handoff: the KV is complete; the request joins the running batch. Its outputs
+    go to the subscription its GenerateRequest named (InstanceService.SubscribeOutputs).
+    """
 
 @_typing.type_check_only
 class DecodeServiceAsyncStub(DecodeServiceStub):
@@ -61,9 +60,9 @@ class DecodeServiceAsyncStub(DecodeServiceStub):
     CommitKV: _aio.UnaryUnaryMultiCallable[_decode_pb2.CommitKVRequest, _decode_pb2.CommitKVReply]  # type: ignore[assignment]
     """A direct-write transport (shared memory, Mooncake) wrote these blocks of a reservation."""
     StartDecode: _aio.UnaryUnaryMultiCallable[_decode_pb2.StartDecodeRequest, _decode_pb2.StartDecodeReply]  # type: ignore[assignment]
-    """First-token handoff: the KV is complete; the request joins the running batch."""
-    StreamTokens: _aio.UnaryStreamMultiCallable[_decode_pb2.StreamTokensRequest, _common_pb2.TokenReply]  # type: ignore[assignment]
-    """Every output of a request from its first token on, buffered until read."""
+    """First-token handoff: the KV is complete; the request joins the running batch. Its outputs
+    go to the subscription its GenerateRequest named (InstanceService.SubscribeOutputs).
+    """
 
 class DecodeServiceServicer(metaclass=_abc_1.ABCMeta):
     """Abort, GetStats and SubscribeKVEvents: InstanceService (common.proto). Unary errors are gRPC
@@ -100,14 +99,8 @@ class DecodeServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _decode_pb2.StartDecodeRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_decode_pb2.StartDecodeReply, _abc.Awaitable[_decode_pb2.StartDecodeReply]]:
-        """First-token handoff: the KV is complete; the request joins the running batch."""
-
-    @_abc_1.abstractmethod
-    def StreamTokens(
-        self,
-        request: _decode_pb2.StreamTokensRequest,
-        context: _ServicerContext,
-    ) -> _typing.Union[_abc.Iterator[_common_pb2.TokenReply], _abc.AsyncIterator[_common_pb2.TokenReply]]:
-        """Every output of a request from its first token on, buffered until read."""
+        """First-token handoff: the KV is complete; the request joins the running batch. Its outputs
+        go to the subscription its GenerateRequest named (InstanceService.SubscribeOutputs).
+        """
 
 def add_DecodeServiceServicer_to_server(servicer: DecodeServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

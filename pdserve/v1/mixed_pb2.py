@@ -25,13 +25,15 @@ _sym_db = _symbol_database.Default()
 from pdserve.v1 import common_pb2 as pdserve_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16pdserve/v1/mixed.proto\x12\npdserve.v1\x1a\x17pdserve/v1/common.proto2Q\n\x0cMixedService\x12\x41\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x16.pdserve.v1.TokenReply0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16pdserve/v1/mixed.proto\x12\npdserve.v1\x1a\x17pdserve/v1/common.proto\"\r\n\x0bSubmitReply2N\n\x0cMixedService\x12>\n\x06Submit\x12\x1b.pdserve.v1.GenerateRequest\x1a\x17.pdserve.v1.SubmitReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'pdserve.v1.mixed_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_MIXEDSERVICE']._serialized_start=63
-  _globals['_MIXEDSERVICE']._serialized_end=144
+  _globals['_SUBMITREPLY']._serialized_start=63
+  _globals['_SUBMITREPLY']._serialized_end=76
+  _globals['_MIXEDSERVICE']._serialized_start=78
+  _globals['_MIXEDSERVICE']._serialized_end=156
 # @@protoc_insertion_point(module_scope)

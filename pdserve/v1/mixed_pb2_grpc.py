@@ -4,6 +4,7 @@ import grpc
 import warnings
 
 from pdserve.v1 import common_pb2 as pdserve_dot_v1_dot_common__pb2
+from pdserve.v1 import mixed_pb2 as pdserve_dot_v1_dot_mixed__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -35,10 +36,10 @@ class MixedServiceStub:
         Args:
             channel: A grpc.Channel.
         """
-        self.Generate = channel.unary_stream(
-                '/pdserve.v1.MixedService/Generate',
+        self.Submit = channel.unary_unary(
+                '/pdserve.v1.MixedService/Submit',
                 request_serializer=pdserve_dot_v1_dot_common__pb2.GenerateRequest.SerializeToString,
-                response_deserializer=pdserve_dot_v1_dot_common__pb2.TokenReply.FromString,
+                response_deserializer=pdserve_dot_v1_dot_mixed__pb2.SubmitReply.FromString,
                 _registered_method=True)
 
 
@@ -46,8 +47,9 @@ class MixedServiceServicer:
     """Abort, GetStats and SubscribeKVEvents: InstanceService (common.proto).
     """
 
-    def Generate(self, request, context):
-        """Generate from a tokenized prompt; token chunks, then a final reply (or an error).
+    def Submit(self, request, context):
+        """Queue a tokenized prompt; its outputs go to the subscription it names
+        (GenerateRequest.subscriber, InstanceService.SubscribeOutputs).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -56,10 +58,10 @@ class MixedServiceServicer:
 
 def add_MixedServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
-            'Generate': grpc.unary_stream_rpc_method_handler(
-                    servicer.Generate,
+            'Submit': grpc.unary_unary_rpc_method_handler(
+                    servicer.Submit,
                     request_deserializer=pdserve_dot_v1_dot_common__pb2.GenerateRequest.FromString,
-                    response_serializer=pdserve_dot_v1_dot_common__pb2.TokenReply.SerializeToString,
+                    response_serializer=pdserve_dot_v1_dot_mixed__pb2.SubmitReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -74,7 +76,7 @@ class MixedService:
     """
 
     @staticmethod
-    def Generate(request,
+    def Submit(request,
             target,
             options=(),
             channel_credentials=None,
@@ -84,12 +86,12 @@ class MixedService:
             wait_for_ready=None,
             timeout=None,
             metadata=None):
-        return grpc.experimental.unary_stream(
+        return grpc.experimental.unary_unary(
             request,
             target,
-            '/pdserve.v1.MixedService/Generate',
+            '/pdserve.v1.MixedService/Submit',
             pdserve_dot_v1_dot_common__pb2.GenerateRequest.SerializeToString,
-            pdserve_dot_v1_dot_common__pb2.TokenReply.FromString,
+            pdserve_dot_v1_dot_mixed__pb2.SubmitReply.FromString,
             options,
             channel_credentials,
             insecure,

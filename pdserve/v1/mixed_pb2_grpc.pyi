@@ -8,6 +8,7 @@ baseline every PD measurement is compared to, served behind the same router.
 from collections import abc as _abc
 from grpc import aio as _aio
 from pdserve.v1 import common_pb2 as _common_pb2
+from pdserve.v1 import mixed_pb2 as _mixed_pb2
 import abc as _abc_1
 import grpc as _grpc
 import sys
@@ -35,26 +36,32 @@ class MixedServiceStub:
     def __new__(cls, channel: _grpc.Channel) -> _Self: ...
     @_typing.overload
     def __new__(cls, channel: _aio.Channel) -> MixedServiceAsyncStub: ...
-    Generate: _grpc.UnaryStreamMultiCallable[_common_pb2.GenerateRequest, _common_pb2.TokenReply]
-    """Generate from a tokenized prompt; token chunks, then a final reply (or an error)."""
+    Submit: _grpc.UnaryUnaryMultiCallable[_common_pb2.GenerateRequest, _mixed_pb2.SubmitReply]
+    """Queue a tokenized prompt; its outputs go to the subscription it names
+    (GenerateRequest.subscriber, InstanceService.SubscribeOutputs).
+    """
 
 @_typing.type_check_only
 class MixedServiceAsyncStub(MixedServiceStub):
     """Abort, GetStats and SubscribeKVEvents: InstanceService (common.proto)."""
 
     def __init__(self, channel: _aio.Channel) -> None: ...
-    Generate: _aio.UnaryStreamMultiCallable[_common_pb2.GenerateRequest, _common_pb2.TokenReply]  # type: ignore[assignment]
-    """Generate from a tokenized prompt; token chunks, then a final reply (or an error)."""
+    Submit: _aio.UnaryUnaryMultiCallable[_common_pb2.GenerateRequest, _mixed_pb2.SubmitReply]  # type: ignore[assignment]
+    """Queue a tokenized prompt; its outputs go to the subscription it names
+    (GenerateRequest.subscriber, InstanceService.SubscribeOutputs).
+    """
 
 class MixedServiceServicer(metaclass=_abc_1.ABCMeta):
     """Abort, GetStats and SubscribeKVEvents: InstanceService (common.proto)."""
 
     @_abc_1.abstractmethod
-    def Generate(
+    def Submit(
         self,
         request: _common_pb2.GenerateRequest,
         context: _ServicerContext,
-    ) -> _typing.Union[_abc.Iterator[_common_pb2.TokenReply], _abc.AsyncIterator[_common_pb2.TokenReply]]:
-        """Generate from a tokenized prompt; token chunks, then a final reply (or an error)."""
+    ) -> _typing.Union[_mixed_pb2.SubmitReply, _abc.Awaitable[_mixed_pb2.SubmitReply]]:
+        """Queue a tokenized prompt; its outputs go to the subscription it names
+        (GenerateRequest.subscriber, InstanceService.SubscribeOutputs).
+        """
 
 def add_MixedServiceServicer_to_server(servicer: MixedServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -21,7 +21,7 @@ from pdserve.errors import (
     ResourceExhaustedError,
 )
 from pdserve.instance.runtime import InstanceRuntime
-from pdserve.instance.streams import OutputStream, aborted_output
+from pdserve.instance.streams import aborted_output
 from pdserve.kvcache.hashing import PromptHashes
 from pdserve.rpc.tls import TlsFiles
 from pdserve.transfer.base import KVEndpoints, host_id
@@ -118,18 +118,25 @@ class DecodeInstance:
         params: SamplingParams,
         hashes: PromptHashes | None = None,
         attempt: str = "",
+        subscriber: str = "",
     ) -> ReservationGrant:
         """Reserve blocks for the prompt if the growth headroom of the running requests
-        survives it (its output stream, for the router's `attempt`, opens with it).
+        survives it. Its output stream opens with it, to the router's `subscriber` (empty:
+        read here), its outputs tagged with the router's `attempt`.
 
         Raises ResourceExhaustedError (with a retry-after) when it would not,
         InvalidRequestError / PromptTooLongError for a bad request and DuplicateRequestError
         for an id in flight here.
         """
+        if not subscriber:
+            raise InvalidRequestError(
+                "subscriber is required: a decode instance sends a request's outputs to its "
+                "router's subscription (InstanceService.SubscribeOutputs)"
+            )
         request = self.runtime.make_request(
             prompt_token_ids, params, request_id, block_hashes=hashes
         )
-        stream = self.runtime.open_stream(request_id, attempt)
+        stream = self.runtime.open_stream(request_id, attempt, subscriber)
         try:
             self.runtime.read_ahead(request)  # blocks this instance lacks but storage has
             return self.runtime.loop.call(lambda engine: self._reserve(engine, request))
@@ -252,22 +259,6 @@ class DecodeInstance:
             raise InvalidRequestError(f"first token id {first_token_id} is outside the vocabulary")
         output = engine.admit_prefilled(reservation.request, first_token_id, first_logprob)
         self.runtime.loop.emit([output])  # its text is added on the loop's output thread
-
-    async def output_stream(self, request_id: str, attempt: str = "") -> OutputStream:
-        """The stream of the request's outputs, from its first token on (its reader closes
-        it: `runtime.close_stream`). With the router's `attempt`, awaits that attempt's
-        reservation (until cancelled); without, raises RequestNotFoundError when none is
-        held."""
-        if attempt:
-            return await self.runtime.attach(request_id, attempt)
-        return self.runtime.stream(request_id)
-
-    def end(self, request_id: str, stream: OutputStream, finished: bool) -> None:
-        """The reader is done with the request's stream: unregister it, and abort the request
-        unless it finished (its reader went away). Blocking."""
-        self.runtime.close_stream(request_id, stream=stream)
-        if not finished:
-            self.abort(request_id)
 
     def abort(self, request_id: str) -> bool:
         reservation = self.reservations.pop(request_id)

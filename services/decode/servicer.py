@@ -15,13 +15,12 @@ from pdserve.instance.convert import (
     hashes_from_proto,
     logprob_from_proto,
     sampling_from_proto,
-    token_replies,
 )
-from pdserve.rpc.server import AioServer, blocking, post
-from pdserve.rpc.status import abort_with, abort_with_async, error_reply
+from pdserve.rpc.server import AioServer, blocking
+from pdserve.rpc.status import abort_with, abort_with_async
 from pdserve.rpc.tls import TlsFiles
 from pdserve.transfer.wire import KVChunkView, parse_kv_chunk
-from pdserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc
+from pdserve.v1 import decode_pb2, decode_pb2_grpc
 from services.decode.instance import DecodeInstance
 
 logger = logging.getLogger(__name__)
@@ -31,8 +30,9 @@ SERVICE_NAME = "pdserve.v1.DecodeService"
 
 class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
     """Thin: delegates to the thread-safe DecodeInstance. Reserve, CommitKV and StartDecode
-    are plain functions (the server runs them on its executor); PushKV and StreamTokens are
-    coroutines on the server's event loop, which must see a broken stream at once."""
+    are plain functions (the server runs them on its executor); PushKV is a coroutine on the
+    server's event loop, which must see a broken stream at once. The outputs go out on the
+    router's subscription (InstanceService.SubscribeOutputs)."""
 
     def __init__(self, instance: DecodeInstance) -> None:
         self.instance = instance
@@ -48,6 +48,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
                 sampling_from_proto(generate.sampling),
                 hashes_from_proto(generate),
                 generate.attempt,
+                generate.subscriber,
             )
         except Exception as e:  # a refusal is RESOURCE_EXHAUSTED with decode's retry-after
             _log_unexpected(e, "Reserve", generate.request_id)
@@ -120,31 +121,6 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
             _log_unexpected(e, "StartDecode", request.request_id)
             abort_with(context, e)
         return decode_pb2.StartDecodeReply()
-
-    async def StreamTokens(
-        self, request: decode_pb2.StreamTokensRequest, context: grpc.aio.ServicerContext[Any, Any]
-    ) -> AsyncIterator[common_pb2.TokenReply]:
-        """Every output of the request from its first token on, read on the event loop (an
-        open stream holds no thread); with an `attempt`, opened before its reservation exists
-        (the router calls it alongside Prefill). A client that goes away aborts the request
-        (unless it never got one)."""
-        request_id = request.request_id
-        try:
-            stream = await self.instance.output_stream(request_id, request.attempt)
-        except PdserveError as e:
-            yield common_pb2.TokenReply(error=error_reply(e))
-            return
-        finished = False
-        try:
-            async for output in stream:
-                finished = output.finished
-                for reply in token_replies(output):
-                    yield reply
-        except PdserveError as e:
-            finished = True
-            yield common_pb2.TokenReply(error=error_reply(e))
-        finally:  # not finished: cancelled (the client went away or its deadline passed)
-            post(self.instance.end, request_id, stream, finished)
 
 
 def _log_unexpected(error: Exception, method: str, request_id: str) -> None:

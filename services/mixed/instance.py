@@ -2,8 +2,8 @@
 
 from pdserve.config import EngineConfig, StorageConfig
 from pdserve.engine.request import SamplingParams
+from pdserve.errors import InvalidRequestError
 from pdserve.instance.runtime import InstanceRuntime
-from pdserve.instance.streams import OutputStream
 from pdserve.kvcache.hashing import PromptHashes
 from pdserve.rpc.tls import TlsFiles
 from pdserve.v1 import common_pb2
@@ -38,21 +38,27 @@ class MixedInstance:
         prompt_token_ids: list[int],
         params: SamplingParams,
         hashes: PromptHashes | None = None,
+        attempt: str = "",
+        subscriber: str = "",
     ) -> None:
-        """Build the request and queue it; its outputs go to the stream opened for it
-        (`runtime.open_stream`). Raises InvalidRequestError / PromptTooLongError. Blocking:
-        one engine-thread round trip."""
-        request = self.runtime.make_request(
-            prompt_token_ids, params, request_id, block_hashes=hashes
-        )
-        self.runtime.loop.call(lambda engine: engine.submit(request))
-
-    def end(self, request_id: str, stream: OutputStream, finished: bool) -> None:
-        """The reader is done with the request's stream: abort the request unless it finished,
-        and unregister the stream. Blocking."""
-        if not finished:
-            self.runtime.abort(request_id)
-        self.runtime.close_stream(request_id, stream=stream)
+        """Build the request and queue it; its outputs go to the router's `subscriber`
+        subscription, tagged with its `attempt`. Raises InvalidRequestError /
+        PromptTooLongError, DuplicateRequestError, InstanceUnavailableError (the subscription
+        is not open). Blocking: one engine-thread round trip."""
+        if not subscriber:
+            raise InvalidRequestError(
+                "subscriber is required: a mixed instance sends a request's outputs to its "
+                "router's subscription (InstanceService.SubscribeOutputs)"
+            )
+        stream = self.runtime.open_stream(request_id, attempt, subscriber)
+        try:
+            request = self.runtime.make_request(
+                prompt_token_ids, params, request_id, block_hashes=hashes
+            )
+            self.runtime.loop.call(lambda engine: engine.submit(request))
+        except BaseException:
+            self.runtime.close_stream(request_id, stream=stream)
+            raise
 
     def abort(self, request_id: str) -> bool:
         return self.runtime.abort(request_id)

@@ -125,9 +125,10 @@ class PrefillInstance:
         decode_address: str,
         hashes: PromptHashes | None = None,
         attempt: str = "",
+        subscriber: str = "",
     ) -> PrefillOutcome:
-        """Run one request's prefill and handoff (`attempt`: the router's, sent to decode with
-        the reservation).
+        """Run one request's prefill and handoff (`attempt` and `subscriber`: the router's
+        attempt and output subscription, sent to decode with the reservation).
 
         Raises InvalidRequestError (bad input, here or on decode), ResourceExhaustedError
         (decode refused until the backoff ran out), KVTransferError, InstanceUnavailableError,
@@ -143,7 +144,7 @@ class PrefillInstance:
         decode_reserved = False
         try:
             try:
-                reservation = self.preallocate_resource_in_p(request, decode, attempt)
+                reservation = self.preallocate_resource_in_p(request, decode, attempt, subscriber)
             except InstanceUnavailableError:  # decode may still grant it: release it there
                 self._abort_on_decode(request_id, decode)
                 raise
@@ -181,7 +182,11 @@ class PrefillInstance:
         outcome.first_token_id = first_token_id
 
     def preallocate_resource_in_p(
-        self, request: Request, decode: DecodeClient, router_attempt: str = ""
+        self,
+        request: Request,
+        decode: DecodeClient,
+        router_attempt: str = "",
+        subscriber: str = "",
     ) -> DecodeReservation:
         """Admit the prompt here (device prefix hit, storage blocks staged after it, blocks for
         the rest; when the pool is short the scheduler admits it later) and ask the decode
@@ -195,6 +200,7 @@ class PrefillInstance:
                 request.sampling_params,
                 request.prompt_hashes(),  # decode takes them after a check: no second hashing
                 router_attempt,
+                subscriber,
             )
         )
         attempts = self.config.reserve_max_attempts

@@ -37,6 +37,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
             outcome = await blocking(
                 self.instance.prefill, generate.request_id, list(generate.prompt_token_ids),
                 params, request.decode_address, hashes_from_proto(generate), generate.attempt,
+                generate.subscriber,
             )  # fmt: skip
         except PdserveError as e:
             logger.info(

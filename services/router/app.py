@@ -73,7 +73,8 @@ def create_app(
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         yield
-        await router.client.aio.channels.close()  # they belong to this event loop
+        await router.client.outputs.close()  # the subscriptions and channels belong to this loop
+        await router.client.aio.channels.close()
 
     app = FastAPI(title="pdserve", docs_url=None, redoc_url=None, lifespan=lifespan)
     _install_error_handlers(app)

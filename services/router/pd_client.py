@@ -1,28 +1,31 @@
 """PDClient: drives one request through a prefill instance and a decode instance over gRPC.
 
-Prefill.Prefill (reservation on decode, prefill, KV transfer, first-token handoff) and
-Decode.StreamTokens, which replays every output from the first token on: the router opens it
-alongside Prefill (it waits on decode for the attempt's reservation). A request's calls are
-`grpc.aio` calls on the router's event loop (`pdserve.rpc.aio`); abort, stats and KV events are
-blocking calls from other threads. Every call goes through the per-service clients: deadlines
-on every RPC, errors raised as the class the instance raised.
+Prefill.Prefill (reservation on decode, prefill, KV transfer, first-token handoff); the request's
+outputs come on decode's output subscription (`OutputSubscriptions`: one stream per instance,
+one message per engine step, every request of this router on it), registered under the
+attempt before Prefill starts. A mixed instance takes Submit and answers on its subscription
+the same way. A request's calls are `grpc.aio` calls on the router's event loop
+(`pdserve.rpc.aio`); abort, stats and KV events are blocking calls from other threads. Every
+call goes through the per-service clients: deadlines on every RPC, errors raised as the class
+the instance raised; a lost output subscription is DecodeUnavailableError.
 """
 
 import asyncio
 import logging
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from pdserve.engine.request import SamplingParams, TokenLogprob
-from pdserve.errors import DecodeUnavailableError, InstanceUnavailableError, PdserveError
+from pdserve.errors import PdserveError
 from pdserve.instance.convert import FINISH_REASON_NAMES, generate_request, logprob_from_proto
 from pdserve.kvcache.hashing import PromptHashes
 from pdserve.rpc.aio import AioChannelPool, AioClients
 from pdserve.rpc.channels import ChannelPool
 from pdserve.rpc.clients import DEFAULT_DEADLINES, Deadlines, InstanceClient
 from pdserve.v1 import common_pb2, prefill_pb2
+from services.router.outputs import OutputSubscriptions, RequestReplies
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +57,8 @@ class PDClient:
         self.channels = channels or ChannelPool()
         self.deadlines = deadlines
         self.aio = AioClients(AioChannelPool(self.channels.secret, self.channels.tls), deadlines)
+        self.outputs = OutputSubscriptions(self.aio)  # on the event loop of `aio`
+        self._aborting: set[asyncio.Task[None]] = set()
 
     def instance(self, address: str) -> InstanceClient:
         """InstanceService of any instance (abort, stats, KV events)."""
@@ -69,42 +74,48 @@ class PDClient:
         hashes: PromptHashes | None = None,
     ) -> AsyncGenerator[TokenDelta | Finished, None]:
         """Yield token deltas, then one Finished (`hashes`: the prompt's chain, sent along);
-        raises the typed error of a failed step. Decode's token stream is opened alongside
-        Prefill, for this attempt's reservation, so the first token reaches the caller as soon
-        as decode emits it (with prompt logprobs asked for, once Prefill's reply brought them).
-        A Prefill that fails before the first token fails the request with its own error
-        (decode's side is aborted); one that fails after it costs only its report
-        (`Finished.prefill` None)."""
+        raises the typed error of a failed step. The attempt's outputs come on decode's output
+        subscription, registered before Prefill starts, so the first token reaches the caller
+        as soon as decode emits it (with prompt logprobs asked for, once Prefill's reply
+        brought them). A Prefill that fails before the first token fails the request with its
+        own error (decode's side is aborted first); one that fails after it costs only its
+        report (`Finished.prefill` None). Left unfinished, the attempt is aborted on decode."""
         attempt = uuid.uuid4().hex
-        message = _prefill_request(
-            decode_address, prompt_token_ids, params, request_id, hashes, attempt
-        )
-        prefill = asyncio.ensure_future(self.aio.prefill(prefill_address, message))
-        replies = self.aio.stream_tokens(decode_address, request_id, attempt)
-        events = _Events(None)
-        delivered = False
+        finished = False
+        prefill: asyncio.Future[prefill_pb2.PrefillResult] | None = None
         try:
-            first = await _first_reply(replies, prefill)
-            if params.prompt_logprobs is not None or isinstance(first, common_pb2.TokenFinal):
+            replies = await self.outputs.register(decode_address, request_id, attempt)
+            message = _prefill_request(
+                decode_address, prompt_token_ids, params, request_id, hashes, attempt,
+                self.outputs.subscriber,
+            )  # fmt: skip
+            prefill = asyncio.ensure_future(self.aio.prefill(prefill_address, message))
+            try:
+                first = await _first_reply(replies, prefill)
+            except PdserveError:
+                if _failed(prefill):  # the outputs never came because Prefill failed
+                    await self._abort(decode_address, request_id, attempt)
+                    raise prefill.exception() from None  # type: ignore[misc]
+                raise
+            events = _Events(None)
+            if first.HasField("final") or params.prompt_logprobs is not None:
                 events.attach(await prefill)
-            yield events.of(first)
-            delivered = True
-            async for reply in replies:
-                if isinstance(reply, common_pb2.TokenFinal):
+            reply = first
+            while True:
+                for event in events.of(reply):
+                    yield event
+                if reply.HasField("final"):
+                    finished = True
+                    return
+                reply = await replies.get()
+                if reply.HasField("final"):
                     events.attach(await _report(prefill, request_id))
-                yield events.of(reply)
-        except PdserveError as error:
-            if not delivered and _failed(prefill):  # the stream ended because Prefill failed
-                await asyncio.to_thread(self._abort_quietly, decode_address, request_id)
-                raise prefill.exception() from None  # type: ignore[misc]
-            if isinstance(error, InstanceUnavailableError) and not isinstance(
-                error, DecodeUnavailableError
-            ):  # the token stream broke: decode's side
-                raise DecodeUnavailableError(str(error), error.retry_after_ms) from error
-            raise
         finally:
-            prefill.cancel()  # a no-op once it answered; else the call (and its prefill) ends
-            await replies.aclose()  # type: ignore[attr-defined]
+            if prefill is not None:
+                prefill.cancel()  # a no-op once it answered; else the call (and its prefill) ends
+            self.outputs.unregister(decode_address, request_id, attempt)
+            if not finished:
+                self._abort_later(decode_address, request_id, attempt)
 
     async def generate_mixed(
         self,
@@ -114,11 +125,26 @@ class PDClient:
         request_id: str,
         hashes: PromptHashes | None = None,
     ) -> AsyncGenerator[TokenDelta | Finished, None]:
-        """One request on a mixed instance (both phases on one engine)."""
-        message = generate_request(request_id, prompt_token_ids, params, hashes)
-        events = _Events(None)
-        async for reply in self.aio.generate_mixed(address, message):
-            yield events.of(reply)
+        """One request on a mixed instance (both phases on one engine), its outputs on the
+        instance's output subscription. Left unfinished, the attempt is aborted there."""
+        attempt = uuid.uuid4().hex
+        finished = False
+        try:
+            replies = await self.outputs.register(address, request_id, attempt)
+            message = generate_request(
+                request_id, prompt_token_ids, params, hashes, attempt, self.outputs.subscriber
+            )
+            await self.aio.submit(address, message)
+            events = _Events(None)
+            while not finished:
+                reply = await replies.get()
+                for event in events.of(reply):
+                    yield event
+                finished = reply.HasField("final")
+        finally:
+            self.outputs.unregister(address, request_id, attempt)
+            if not finished:
+                self._abort_later(address, request_id, attempt)
 
     def abort(self, prefill_address: str, decode_address: str | None, request_id: str) -> None:
         """Abort the request on the instances that may hold it (best effort: they may be gone).
@@ -132,11 +158,20 @@ class PDClient:
             except PdserveError as e:
                 logger.warning("abort of request %s on %s failed: %s", request_id, address, e)
 
-    def _abort_quietly(self, address: str, request_id: str) -> None:
+    async def _abort(self, address: str, request_id: str, attempt: str) -> None:
+        """Abort the attempt on `address`, best effort: it may be gone too, and then nothing
+        of the request is left there to free."""
         try:
-            self.instance(address).abort(request_id)
-        except PdserveError as e:  # gone too: nothing of the request is left there to free
+            await self.aio.abort(address, request_id, attempt)
+        except PdserveError as e:
             logger.info("abort of request %s on %s failed: %s", request_id, address, e)
+
+    def _abort_later(self, address: str, request_id: str, attempt: str) -> None:
+        """`_abort` without waiting for it (it names the attempt: a retry under the same
+        request id is left alone)."""
+        task = asyncio.ensure_future(self._abort(address, request_id, attempt))
+        self._aborting.add(task)
+        task.add_done_callback(self._aborting.discard)
 
     def close(self) -> None:
         self.channels.close()
@@ -147,22 +182,22 @@ def _prefill_request(
     prompt_token_ids: list[int],
     params: SamplingParams,
     request_id: str,
-    hashes: PromptHashes | None = None,
-    attempt: str = "",
+    hashes: PromptHashes | None,
+    attempt: str,
+    subscriber: str,
 ) -> prefill_pb2.PrefillRequest:
     return prefill_pb2.PrefillRequest(
-        request=generate_request(request_id, prompt_token_ids, params, hashes, attempt),
+        request=generate_request(request_id, prompt_token_ids, params, hashes, attempt, subscriber),
         decode_address=decode_address,
     )
 
 
 async def _first_reply(
-    replies: AsyncIterator[common_pb2.TokenChunk | common_pb2.TokenFinal],
-    prefill: "asyncio.Future[prefill_pb2.PrefillResult]",
-) -> common_pb2.TokenChunk | common_pb2.TokenFinal:
-    """The token stream's first reply; Prefill's error when Prefill fails first (the stream
-    would wait for a reservation that never comes)."""
-    first = asyncio.ensure_future(anext(replies))
+    replies: RequestReplies, prefill: "asyncio.Future[prefill_pb2.PrefillResult]"
+) -> common_pb2.RequestOutputs:
+    """The attempt's first output; Prefill's error when Prefill fails first (decode would wait
+    for a first token that never comes)."""
+    first = asyncio.ensure_future(replies.get())
     try:
         await asyncio.wait((first, prefill), return_when=asyncio.FIRST_COMPLETED)
         if not first.done() and _failed(prefill):
@@ -189,29 +224,44 @@ async def _report(
 
 
 class _Events:
-    """Token replies as events. The prompt's logprobs (from prefill's result, or a mixed
-    instance's first chunk) ride on the first delta."""
+    """An attempt's outputs as events. The prompt's logprobs (from prefill's result, or a
+    mixed instance's first chunk) ride on the first delta."""
 
     def __init__(self, prefill: prefill_pb2.PrefillResult | None) -> None:
-        self._prefill: prefill_pb2.PrefillResult | None = None
-        self._prompt: Sequence[common_pb2.TokenLogprob] = ()
-        self.attach(prefill)
+        self._prefill = prefill
+        self._first = True
 
     def attach(self, prefill: prefill_pb2.PrefillResult | None) -> None:
-        """Prefill's result, once it came (its prompt logprobs go on the next delta)."""
+        """Prefill's result, once it came."""
         self._prefill = prefill
-        self._prompt = prefill.prompt_logprobs if prefill is not None else ()
 
-    def of(self, reply: common_pb2.TokenChunk | common_pb2.TokenFinal) -> TokenDelta | Finished:
-        if isinstance(reply, common_pb2.TokenChunk):
-            logprobs = tuple(logprob_from_proto(lp) for lp in reply.logprobs)
-            prompt = tuple(logprob_from_proto(lp) for lp in self._prompt or reply.prompt_logprobs)
-            self._prompt = ()
-            return TokenDelta(tuple(reply.token_ids), reply.text, logprobs, prompt)
-        return Finished(
-            FINISH_REASON_NAMES.get(reply.finish_reason, "unknown"),
-            reply.stop_reason,
-            reply.num_prompt_tokens,
-            reply.num_output_tokens,
-            self._prefill,
-        )
+    def of(self, reply: common_pb2.RequestOutputs) -> list[TokenDelta | Finished]:
+        """The delta of a step's output, then the final event when it ends the request."""
+        chunk = reply.chunk
+        events: list[TokenDelta | Finished] = []
+        if reply.HasField("chunk"):
+            prompt: Sequence[common_pb2.TokenLogprob] = ()
+            if self._first:
+                from_prefill = self._prefill.prompt_logprobs if self._prefill else ()
+                prompt = from_prefill or chunk.prompt_logprobs
+                self._first = False
+            events.append(
+                TokenDelta(
+                    tuple(chunk.token_ids),
+                    chunk.text,
+                    tuple(logprob_from_proto(lp) for lp in chunk.logprobs),
+                    tuple(logprob_from_proto(lp) for lp in prompt),
+                )
+            )
+        if reply.HasField("final"):
+            final = reply.final
+            events.append(
+                Finished(
+                    FINISH_REASON_NAMES.get(final.finish_reason, "unknown"),
+                    final.stop_reason,
+                    final.num_prompt_tokens,
+                    final.num_output_tokens,
+                    self._prefill,
+                )
+            )
+        return events

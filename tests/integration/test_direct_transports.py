@@ -24,6 +24,7 @@ from services.decode.servicer import serve_decode
 
 BLOCK_SIZE = 16
 NUM_BLOCKS = 64
+SUBSCRIBER = "router-1"
 
 
 @pytest.fixture
@@ -51,6 +52,12 @@ class Sender:
         self.address = address
         self.channels = channels()
         self.stub = decode_pb2_grpc.DecodeServiceStub(self.channels.get(address))
+        # the output subscription a router holds there: reservations name it
+        instance = common_pb2_grpc.InstanceServiceStub(self.channels.get(address))
+        self.outputs = instance.SubscribeOutputs(
+            common_pb2.OutputsRequest(subscriber=SUBSCRIBER), timeout=120
+        )
+        assert not next(self.outputs).outputs  # open
         self.source = bytearray(random.Random(7).randbytes(NUM_BLOCKS * block_bytes))
         view = memoryview(self.source)
         self.blocks = [view[i * block_bytes : (i + 1) * block_bytes] for i in range(NUM_BLOCKS)]
@@ -68,11 +75,9 @@ class Sender:
     def reserve(self, request_id: str, num_blocks: int) -> KVTarget:
         self.serial += 1
         prompt = [32 + (self.serial * 31 + 7 * i) % 90 for i in range(num_blocks * BLOCK_SIZE)]
-        reply = self.stub.Reserve(
-            decode_pb2.ReserveRequest(
-                request=generate_request(request_id, prompt, SamplingParams(max_tokens=1))
-            )
-        )
+        params = SamplingParams(max_tokens=1)
+        request = generate_request(request_id, prompt, params, subscriber=SUBSCRIBER)
+        reply = self.stub.Reserve(decode_pb2.ReserveRequest(request=request))
         assert reply.num_blocks == num_blocks
         return KVTarget(
             self.address,
@@ -89,6 +94,7 @@ class Sender:
         )
 
     def close(self) -> None:
+        self.outputs.cancel()
         self.transport.close()
         if self.engine is not None:
             self.engine.close()

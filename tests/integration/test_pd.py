@@ -5,9 +5,11 @@ Each stack is checked at rest at teardown: `check_integrity()` on every instance
 free or cached, no reservation and no lease left.
 """
 
+import contextlib
 import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import grpc
 import pytest
@@ -18,7 +20,14 @@ from pdserve.config import DecodeConfig, PrefillConfig, TransferConfig
 from pdserve.engine import LLMEngine, SamplingParams
 from pdserve.errors import NoCapacityError
 from pdserve.instance.convert import generate_request
-from pdserve.v1 import decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
+from pdserve.v1 import (
+    common_pb2,
+    common_pb2_grpc,
+    decode_pb2,
+    decode_pb2_grpc,
+    prefill_pb2,
+    prefill_pb2_grpc,
+)
 from services.router.pd_client import Finished, TokenDelta
 
 MakeStack = Callable[..., Stack]
@@ -33,6 +42,27 @@ GREEDY = SamplingParams(max_tokens=24, ignore_eos=True)
 
 def decode_stub(stack: Stack) -> decode_pb2_grpc.DecodeServiceStub:
     return decode_pb2_grpc.DecodeServiceStub(stack.channels.get(stack.decode[0].address))
+
+
+SUBSCRIBER = "test"
+
+
+@contextlib.contextmanager
+def subscribed(stack: Stack) -> Iterator[Any]:
+    """An output subscription on the decode instance (its first, empty message read: open),
+    as a router holds one; the requests below name it."""
+    stub = common_pb2_grpc.InstanceServiceStub(stack.channels.get(stack.decode[0].address))
+    call = stub.SubscribeOutputs(common_pb2.OutputsRequest(subscriber=SUBSCRIBER), timeout=120)
+    assert not next(call).outputs
+    try:
+        yield call
+    finally:
+        call.cancel()
+
+
+def reserve_request(request_id: str, tokens: list[int]) -> decode_pb2.ReserveRequest:
+    request = generate_request(request_id, tokens, GREEDY, subscriber=SUBSCRIBER)
+    return decode_pb2.ReserveRequest(request=request)
 
 
 def test_pd_output_equals_mixed_output_for_concurrent_shared_prefixes(
@@ -129,26 +159,31 @@ def test_full_decode_refuses_a_request_that_would_eat_the_reserve(make_stack: Ma
 def test_expired_reservation_frees_its_blocks(make_stack: MakeStack) -> None:
     stack = make_stack(decode_config=DecodeConfig(reservation_timeout_s=0.2))
     decode = stack.decode[0].instance
-    message = decode_pb2.ReserveRequest(request=generate_request("r1", prompt(50), GREEDY))
-    reply = decode_stub(stack).Reserve(message)
-    assert reply.num_blocks == 4
-    assert decode.stats().num_reserved_blocks == 4
-    wait_for(lambda: decode.stats().num_expired_reservations == 1)
-    stats = decode.stats()
-    assert (stats.num_reservations, stats.num_free_blocks) == (0, stats.num_blocks)
-    start = decode_pb2.StartDecodeRequest(request_id="r1", first_token_id=5)
-    with pytest.raises(grpc.RpcError) as late:
-        decode_stub(stack).StartDecode(start)
-    assert late.value.code() == grpc.StatusCode.NOT_FOUND
+    with subscribed(stack):
+        reply = decode_stub(stack).Reserve(reserve_request("r1", prompt(50)))
+        assert reply.num_blocks == 4
+        assert decode.stats().num_reserved_blocks == 4
+        wait_for(lambda: decode.stats().num_expired_reservations == 1)
+        stats = decode.stats()
+        assert (stats.num_reservations, stats.num_free_blocks) == (0, stats.num_blocks)
+        start = decode_pb2.StartDecodeRequest(request_id="r1", first_token_id=5)
+        with pytest.raises(grpc.RpcError) as late:
+            decode_stub(stack).StartDecode(start)
+        assert late.value.code() == grpc.StatusCode.NOT_FOUND
 
 
 def test_broken_kv_stream_releases_the_reservation_at_once(make_stack: MakeStack) -> None:
     stack = make_stack(decode_config=DecodeConfig(reservation_timeout_s=600))
     decode = stack.decode[0].instance
     stub = decode_stub(stack)
-    reply = stub.Reserve(
-        decode_pb2.ReserveRequest(request=generate_request("r2", prompt(50), GREEDY))
-    )
+    with subscribed(stack):
+        reply = stub.Reserve(reserve_request("r2", prompt(50)))
+        push_until_cancelled(stub, decode, reply)
+    assert decode.stats().num_expired_reservations == 0
+
+
+def push_until_cancelled(stub: Any, decode: Any, reply: decode_pb2.ReserveReply) -> None:
+    """Push the first of r2's blocks, then keep the stream open until it is cancelled."""
     first_sent, hang = threading.Event(), threading.Event()
 
     def chunks() -> Iterator[decode_pb2.KVChunk]:
@@ -166,33 +201,33 @@ def test_broken_kv_stream_releases_the_reservation_at_once(make_stack: MakeStack
         wait_for(lambda: decode.stats().num_reservations == 0)
     finally:
         hang.set()
-    assert decode.stats().num_expired_reservations == 0
 
 
 def test_kv_chunk_outside_the_reservation_is_rejected(make_stack: MakeStack) -> None:
     stack = make_stack()
     stub = decode_stub(stack)
-    reply = stub.Reserve(
-        decode_pb2.ReserveRequest(request=generate_request("r3", prompt(20), GREEDY))
-    )
-    bad = decode_pb2.KVChunk(
-        request_id="r3", first_block=5, num_blocks=1, data=bytes(reply.block_bytes), last=True
-    )
-    with pytest.raises(grpc.RpcError) as rejected:
-        stub.PushKV(iter([bad]))
-    assert rejected.value.code() == grpc.StatusCode.FAILED_PRECONDITION
-    assert stack.decode[0].instance.stats().num_reservations == 0
+    with subscribed(stack):
+        reply = stub.Reserve(reserve_request("r3", prompt(20)))
+        bad = decode_pb2.KVChunk(
+            request_id="r3", first_block=5, num_blocks=1, data=bytes(reply.block_bytes), last=True
+        )
+        with pytest.raises(grpc.RpcError) as rejected:
+            stub.PushKV(iter([bad]))
+        assert rejected.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert stack.decode[0].instance.stats().num_reservations == 0
 
 
 def test_invalid_request_is_reported_and_nothing_is_reserved(make_stack: MakeStack) -> None:
     stack = make_stack()
     with pytest.raises(Exception, match="outside the vocabulary"):
         stack.generate([1, 2, 10_000], GREEDY)
-    with pytest.raises(grpc.RpcError) as invalid:
-        decode_stub(stack).Reserve(
-            decode_pb2.ReserveRequest(request=generate_request("x", [], GREEDY))
-        )
-    assert invalid.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    with subscribed(stack):
+        for request_id, tokens, subscriber in (("x", [], SUBSCRIBER), ("y", prompt(20), "")):
+            message = reserve_request(request_id, tokens)
+            message.request.subscriber = subscriber  # none: nowhere to send its outputs
+            with pytest.raises(grpc.RpcError) as refused:
+                decode_stub(stack).Reserve(message)
+            assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
 
 
 def test_abort_on_decode_ends_the_token_stream(make_stack: MakeStack) -> None:
@@ -233,34 +268,30 @@ def test_a_decode_that_disappears_mid_transfer_leaves_nothing_pinned_on_prefill(
     # the stack's teardown checks prefill: every block free, nothing running
 
 
-def test_a_token_stream_opened_before_its_reservation_serves_that_attempt_only(
+def test_outputs_go_to_the_named_subscription_and_a_stale_attempts_abort_spares_them(
     make_stack: MakeStack,
 ) -> None:
-    """The router opens decode's StreamTokens alongside Prefill: a stream for attempt `a1`
-    waits for that reservation and then streams the request; a stream for another attempt
-    (an earlier one's leftover) stays unattached, and its cancellation aborts nothing."""
+    """A router's request names its output subscription and its attempt: decode sends each
+    step's outputs there, tagged with the attempt; an abort naming another attempt (an
+    earlier one's, arriving late) leaves the request alone."""
     stack = make_stack()
     expected = stack.generate(prompt(40, offset=3), GREEDY).tokens
-    stub = decode_stub(stack)
-    early = stub.StreamTokens(
-        decode_pb2.StreamTokensRequest(request_id="early", attempt="a1"), timeout=60
+    request = generate_request(
+        "early", prompt(40, offset=3), GREEDY, attempt="a1", subscriber=SUBSCRIBER
     )
-    stale = stub.StreamTokens(
-        decode_pb2.StreamTokensRequest(request_id="early", attempt="a0"), timeout=60
-    )
-    waiting = stack.decode[0].instance.runtime._awaiting
-    wait_for(lambda: len(waiting.get("early", ())) == 2)  # both wait on decode: no reservation
-    message = prefill_pb2.PrefillRequest(
-        request=generate_request("early", prompt(40, offset=3), GREEDY, attempt="a1"),
-        decode_address=stack.decode[0].address,
-    )
+    message = prefill_pb2.PrefillRequest(request=request, decode_address=stack.decode[0].address)
     prefill = prefill_pb2_grpc.PrefillServiceStub(stack.channels.get(stack.prefill[0].address))
-    result = prefill.Prefill(message, timeout=60)
-    stale.cancel()
-    tokens = [t for reply in early if reply.HasField("chunk") for t in reply.chunk.token_ids]
+    instance = common_pb2_grpc.InstanceServiceStub(stack.channels.get(stack.decode[0].address))
+    with subscribed(stack) as outputs:
+        result = prefill.Prefill(message, timeout=60)
+        stale = instance.Abort(common_pb2.AbortRequest(request_id="early", attempt="a0"))
+        assert not stale.found
+        tokens: list[int] = []
+        for step in outputs:
+            for output in step.outputs:
+                assert (output.request_id, output.attempt) == ("early", "a1")
+                tokens += output.chunk.token_ids
+            if any(output.HasField("final") for output in step.outputs):
+                break
     assert result.first_token_id == expected[0]
     assert tokens == expected
-    with pytest.raises(grpc.RpcError) as cancelled:
-        next(stale)
-    assert cancelled.value.code() == grpc.StatusCode.CANCELLED
-    wait_for(lambda: not waiting)

@@ -124,14 +124,18 @@ def test_handoffs_beyond_max_num_seqs_wait_their_turn_with_unchanged_output(
     assert all(together[n] == text for n, text in alone.items()) and len(set(together)) > 1
 
 
-def test_open_streams_hold_no_thread_of_the_instance_server(tiny_model_dir: Path) -> None:
-    """More open Generate streams than the instance server has threads all reach the engine at
-    once (a thread-per-stream server tops out at its pool), other calls are still answered
-    meanwhile, and streams whose clients go away are aborted and unregistered."""
+def test_requests_beyond_the_server_threads_all_run_and_a_lost_subscription_aborts_them(
+    tiny_model_dir: Path,
+) -> None:
+    """More requests than the instance server has threads all reach the engine at once on one
+    output subscription (it holds no thread), which carries each step's outputs of its requests
+    in one message; when the subscription ends (its router went away) every request on it is
+    aborted and unregistered."""
     config = EngineConfig(model=str(tiny_model_dir), num_kv_blocks=1024, max_num_seqs=2)
     streams = instance_workers(config.max_num_seqs) + 12
     instance, server, port = serve_mixed(config, secret=SECRET)
     clients = AioClients(AioChannelPool(SECRET))
+    address = f"127.0.0.1:{port}"
     params = SamplingParams(max_tokens=900, ignore_eos=True)
 
     def in_engine() -> int:
@@ -139,18 +143,19 @@ def test_open_streams_hold_no_thread_of_the_instance_server(tiny_model_dir: Path
         return stats.num_running + stats.num_waiting
 
     async def hold_then_leave() -> None:
-        async def one(n: int) -> None:
-            message = generate_request(f"held-{n}", [1, 2, 3 + n], params)
-            async for _ in clients.generate_mixed(f"127.0.0.1:{port}", message):
-                pass
-
-        tasks = [asyncio.ensure_future(one(n)) for n in range(streams)]
+        outputs = clients.subscribe_outputs(address, "router-1")
+        assert not (await anext(outputs)).outputs  # open
         try:
+            for n in range(streams):
+                message = generate_request(
+                    f"held-{n}", [1, 2, 3 + n], params, subscriber="router-1"
+                )
+                await clients.submit(address, message)
             await asyncio.to_thread(wait_for, lambda: in_engine() == streams, 60)
+            steps = [await anext(outputs) for _ in range(5)]
+            assert max(len(step.outputs) for step in steps) == 2  # a step's 2 requests, at once
         finally:
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+            await outputs.aclose()  # type: ignore[attr-defined]
             await clients.channels.close()
 
     try:

@@ -79,9 +79,13 @@ def decode_instance(tiny_model_dir: Path) -> Iterator[tuple[DecodeInstance, str]
     instance.stop()
 
 
+ROUTER = "router-1"  # the real router's output subscription
+
+
 def reserve_message(request_id: str) -> decode_pb2.ReserveRequest:
     params = SamplingParams(max_tokens=4)
-    return decode_pb2.ReserveRequest(request=generate_request(request_id, [5] * 40, params))
+    request = generate_request(request_id, [5] * 40, params, subscriber=ROUTER)
+    return decode_pb2.ReserveRequest(request=request)
 
 
 def calls(channel: grpc.Channel) -> dict[str, Callable[[], object]]:
@@ -108,6 +112,9 @@ def calls(channel: grpc.Channel) -> dict[str, Callable[[], object]]:
         "SubscribeKVEvents": lambda: next(
             iter(instance.SubscribeKVEvents(common_pb2.KVEventsRequest(), timeout=10))
         ),
+        "SubscribeOutputs": lambda: next(  # would take over the router's outputs
+            iter(instance.SubscribeOutputs(common_pb2.OutputsRequest(subscriber=ROUTER)))
+        ),
     }
 
 
@@ -117,7 +124,10 @@ def test_instance_rpcs_without_the_cluster_secret_are_refused_and_change_nothing
 ) -> None:
     instance, address = decode_instance
     own = channels()
+    router = common_pb2_grpc.InstanceServiceStub(own.get(address))
+    outputs = router.SubscribeOutputs(common_pb2.OutputsRequest(subscriber=ROUTER), timeout=120)
     try:
+        assert not next(outputs).outputs  # the real router's subscription is open
         # a live reservation of the real client: what an intruder's Abort or PushKV would hit
         DecodeClient(address, own).reserve(reserve_message("victim"))
         before = instance.stats()
@@ -138,6 +148,7 @@ def test_instance_rpcs_without_the_cluster_secret_are_refused_and_change_nothing
         assert health.Check(health_pb2.HealthCheckRequest(), timeout=10).status == 1  # SERVING
         assert InstanceClient(address, own).abort("victim")  # the secret's holder may
     finally:
+        outputs.cancel()
         own.close()
 
 
