@@ -102,10 +102,10 @@ class PDClient:
                 events.attach(await prefill)
             reply = first
             while True:
+                finished = reply.HasField("final")  # before the caller may stop at its event
                 for event in events.of(reply):
                     yield event
-                if reply.HasField("final"):
-                    finished = True
+                if finished:
                     return
                 reply = await replies.get()
                 if reply.HasField("final"):
@@ -138,9 +138,9 @@ class PDClient:
             events = _Events(None)
             while not finished:
                 reply = await replies.get()
+                finished = reply.HasField("final")  # before the caller may stop at its event
                 for event in events.of(reply):
                     yield event
-                finished = reply.HasField("final")
         finally:
             self.outputs.unregister(address, request_id, attempt)
             if not finished:
