@@ -73,8 +73,7 @@ def create_app(
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         yield
-        await router.client.outputs.close()  # the subscriptions and channels belong to this loop
-        await router.client.aio.channels.close()
+        await router.client.aclose()  # its subscriptions and channels belong to this loop
 
     app = FastAPI(title="pdserve", docs_url=None, redoc_url=None, lifespan=lifespan)
     _install_error_handlers(app)

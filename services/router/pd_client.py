@@ -173,6 +173,13 @@ class PDClient:
         self._aborting.add(task)
         task.add_done_callback(self._aborting.discard)
 
+    async def aclose(self) -> None:
+        """End the output subscriptions, let pending aborts finish, close the asyncio channels
+        (on their event loop, before it stops)."""
+        await self.outputs.close()
+        await asyncio.gather(*self._aborting, return_exceptions=True)
+        await self.aio.channels.close()
+
     def close(self) -> None:
         self.channels.close()
 
