@@ -110,8 +110,8 @@ class InstanceUnavailableError(RetryableError):
 
 class DecodeUnavailableError(InstanceUnavailableError):
     """The decode instance of a request cannot be reached: raised by a prefill instance for its
-    calls to decode, and by the router's client for the token stream. The router blames decode,
-    not the prefill instance that reported it."""
+    calls to decode, and by the router's client when an instance's output subscription is lost.
+    The router blames decode, not the prefill instance that reported it."""
 
 
 class StepFailedError(RetryableError):

@@ -6,8 +6,9 @@ narrow operations callers need (KV endpoints, a request's block table, cache flu
 compose it and add their own RPCs; they never reach into the engine's collaborators.
 
 Threads: the engine loop thread owns the engine; the gRPC server's executor threads call
-`loop.call` for engine work; its event loop reads OutputStreams (token streams hold no thread);
-`deliver` runs on the engine thread and only puts into streams.
+`loop.call` for engine work; its event loop reads the output subscriptions (an open one holds
+no thread); `deliver` runs on the loop's output thread and only puts into streams and pushes to
+subscriptions.
 """
 
 import logging

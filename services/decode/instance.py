@@ -1,8 +1,9 @@
 """DecodeInstance: reserves blocks for incoming prompts, receives their KV and generates.
 
 Threads: gRPC handlers validate, reserve (on the engine thread) and write KV bytes (on the
-server's executor, into blocks the reservation owns exclusively); token streams are read on the
-server's event loop; the engine thread decodes, expires leases and frees blocks. The
+server's executor, into blocks the reservation owns exclusively); the outputs go to the router's
+subscription, read on the server's event loop; the engine thread decodes, expires leases and
+frees blocks. The
 reservation table is thread-safe.
 """
 
