@@ -149,6 +149,10 @@ class Cluster:
     def _connect(self) -> None:
         if ray.is_initialized():
             return
+        # Ray starts its workers at niceness 15 (batch jobs yield to the node); an instance's
+        # engine is the node's main work. A Ray started here (no address) starts them at 0;
+        # a cluster joined must have been started so (deploy/ray/cluster.yaml does).
+        os.environ.setdefault("RAY_worker_niceness", "0")
         ray.init(
             address=self.config.ray_address,
             namespace=self.config.namespace,

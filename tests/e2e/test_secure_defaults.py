@@ -83,6 +83,9 @@ def test_a_default_up_listens_on_loopback_and_lets_no_stranger_in(
             p.pid for _, _, p in found if "InstanceActor" in " ".join(p.cmdline())
         }
         assert len(drivers) == 3
+        # the instances' engines run at normal priority (Ray's workers default to niceness 15)
+        instances = {p for _, _, p in found if "InstanceActor" in " ".join(p.cmdline())}
+        assert len(instances) == 2 and all(p.nice() == 0 for p in instances)
         for pid in drivers:
             assert sum(1 for _, _, p in wide if p.pid == pid) <= 1, (pid, wide)
         strangers = [
