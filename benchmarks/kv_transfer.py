@@ -454,6 +454,10 @@ class Senders:
         self.address = f"127.0.0.1:{receiver.decode_port}"
         self.channels = ChannelPool(SECRET)
         self.stub = decode_pb2_grpc.DecodeServiceStub(self.channels.get(self.address))
+        # the output subscription a router holds on decode: its reservations name it
+        instance = common_pb2_grpc.InstanceServiceStub(self.channels.get(self.address))
+        self.outputs = instance.SubscribeOutputs(common_pb2.OutputsRequest(subscriber=SUBSCRIBER))
+        next(self.outputs)  # its first, empty message: open
         self.prompts = Prompts()
         self.source = random_bytes(plan.total_bytes)
         view = memoryview(self.source)
@@ -534,11 +538,9 @@ class Senders:
         for i, blocks in enumerate(self.plan.blocks_per_request):
             request_id = f"kv-{self.rounds}-{i}"
             length = blocks * self.plan.block_size
-            reply = self.stub.Reserve(
-                decode_pb2.ReserveRequest(
-                    request=generate_request(request_id, self.prompts.take(length), params)
-                )
-            )
+            prompt = self.prompts.take(length)
+            request = generate_request(request_id, prompt, params, subscriber=SUBSCRIBER)
+            reply = self.stub.Reserve(decode_pb2.ReserveRequest(request=request))
             if reply.num_blocks != blocks or reply.num_cached_tokens:
                 raise RuntimeError(f"reservation {request_id}: {reply}, expected {blocks} blocks")
             endpoints = endpoints_from_proto(reply.endpoints)
@@ -581,10 +583,12 @@ class Senders:
             self.mooncake.close()
         self.tcp.close()
         self.grpcio_channel.close()
+        self.outputs.cancel()
         self.channels.close()
 
 
 BASELINES = {"grpc": "grpcio", "mooncake": "tcp", "shm": "memcpy"}
+SUBSCRIBER = "kv-transfer-bench"
 
 
 @dataclass(frozen=True, slots=True)
