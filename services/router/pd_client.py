@@ -97,7 +97,7 @@ class PDClient:
                     await self._abort(decode_address, request_id, attempt)
                     raise prefill.exception() from None  # type: ignore[misc]
                 raise
-            events = _Events(None)
+            events = _Events()
             if first.HasField("final") or params.prompt_logprobs is not None:
                 events.attach(await prefill)
             reply = first
@@ -135,7 +135,7 @@ class PDClient:
                 request_id, prompt_token_ids, params, hashes, attempt, self.outputs.subscriber
             )
             await self.aio.submit(address, message)
-            events = _Events(None)
+            events = _Events()
             while not finished:
                 reply = await replies.get()
                 finished = reply.HasField("final")  # before the caller may stop at its event
@@ -234,8 +234,8 @@ class _Events:
     """An attempt's outputs as events. The prompt's logprobs (from prefill's result, or a
     mixed instance's first chunk) ride on the first delta."""
 
-    def __init__(self, prefill: prefill_pb2.PrefillResult | None) -> None:
-        self._prefill = prefill
+    def __init__(self) -> None:
+        self._prefill: prefill_pb2.PrefillResult | None = None  # `attach`ed once it came
         self._first = True
 
     def attach(self, prefill: prefill_pb2.PrefillResult | None) -> None:
