@@ -1,6 +1,8 @@
 """Proto <-> dataclass conversion for the instance services: the one place where pdserve's typed
 objects meet generated messages (errors: `pdserve.rpc.status`)."""
 
+from collections.abc import Sequence
+
 from pdserve.engine.request import SamplingParams, TokenLogprob
 from pdserve.errors import PdserveError
 from pdserve.instance.streams import Item, OutputStream
@@ -100,33 +102,33 @@ def hashes_from_proto(message: common_pb2.GenerateRequest) -> PromptHashes | Non
     return PromptHashes(BlockHash(message.hash_root), message.hash_block_size, chain)
 
 
-def request_outputs(stream: OutputStream, item: Item) -> common_pb2.RequestOutputs:
-    """One request's output (or its error) as its part of a step's message."""
-    message = common_pb2.RequestOutputs(request_id=stream.request_id, attempt=stream.attempt)
-    if isinstance(item, PdserveError):
-        message.error.CopyFrom(error_reply(item))
-        return message
-    message.chunk.CopyFrom(
-        common_pb2.TokenChunk(
-            token_ids=item.new_token_ids,
-            text=item.new_text,
-            logprobs=[logprob_to_proto(lp) for lp in item.new_logprobs],
-            prompt_logprobs=[logprob_to_proto(lp) for lp in item.prompt_logprobs],
-        )
-    )
-    if item.finished:
-        message.final.CopyFrom(
-            common_pb2.TokenFinal(
-                finish_reason=FINISH_REASONS.get(
-                    item.finish_reason or "", common_pb2.FINISH_REASON_UNSPECIFIED
-                ),
-                stop_reason="" if item.stop_reason is None else str(item.stop_reason),
-                num_prompt_tokens=item.num_prompt_tokens,
-                num_output_tokens=item.num_output_tokens,
-                num_cached_tokens=item.num_cached_tokens,
+def step_outputs(batch: Sequence[tuple[OutputStream, Item]]) -> common_pb2.StepOutputs:
+    """A batch of requests' outputs (or errors) as one message, each built in place in it."""
+    step = common_pb2.StepOutputs()
+    add = step.outputs.add
+    for stream, item in batch:
+        message = add(request_id=stream.request_id, attempt=stream.attempt)
+        if isinstance(item, PdserveError):
+            message.error.CopyFrom(error_reply(item))
+            continue
+        chunk = message.chunk
+        chunk.SetInParent()  # present even when empty (a final output without new text)
+        chunk.token_ids.extend(item.new_token_ids)
+        chunk.text = item.new_text
+        if item.new_logprobs:
+            chunk.logprobs.extend(logprob_to_proto(lp) for lp in item.new_logprobs)
+        if item.prompt_logprobs:
+            chunk.prompt_logprobs.extend(logprob_to_proto(lp) for lp in item.prompt_logprobs)
+        if item.finished:
+            final = message.final
+            final.finish_reason = FINISH_REASONS.get(
+                item.finish_reason or "", common_pb2.FINISH_REASON_UNSPECIFIED
             )
-        )
-    return message
+            final.stop_reason = "" if item.stop_reason is None else str(item.stop_reason)
+            final.num_prompt_tokens = item.num_prompt_tokens
+            final.num_output_tokens = item.num_output_tokens
+            final.num_cached_tokens = item.num_cached_tokens
+    return step
 
 
 def endpoints_to_proto(endpoints: KVEndpoints) -> decode_pb2.KVEndpoints:

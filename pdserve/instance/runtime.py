@@ -35,7 +35,7 @@ from pdserve.errors import (
     PdserveError,
     RequestNotFoundError,
 )
-from pdserve.instance.convert import request_outputs
+from pdserve.instance.convert import step_outputs
 from pdserve.instance.streams import Item, OutputStream, Subscription, aborted_output
 from pdserve.kvcache.events import BlockStored, KVEvent, KVEventBroadcaster
 from pdserve.kvcache.hashing import BlockHash, PromptHashes
@@ -647,7 +647,7 @@ class InstanceServicer(common_pb2_grpc.InstanceServiceServicer):
         try:
             yield common_pb2.StepOutputs()
             async for batch in subscription.batches():
-                yield common_pb2.StepOutputs(outputs=[request_outputs(s, i) for s, i in batch])
+                yield step_outputs(batch)
                 for stream, item in batch:
                     if isinstance(item, PdserveError) or item.finished:
                         self.runtime.close_stream(stream.request_id, stream=stream)

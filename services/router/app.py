@@ -7,7 +7,6 @@ for the caller's mistakes and 503 (with Retry-After) when the cluster has no cap
 
 import asyncio
 import contextlib
-import json
 import logging
 import time
 import uuid
@@ -16,6 +15,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 import anyio
+import orjson
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
@@ -415,7 +415,7 @@ async def _merged(
 
 
 def _data(payload: dict[str, Any]) -> bytes:
-    return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n".encode()
+    return b"data: " + orjson.dumps(payload) + b"\n\n"
 
 
 class _Format:
@@ -430,6 +430,7 @@ class _Format:
         self.tokenizer = tokenizer
         self.created = int(time.time())
         self._text_offsets: dict[int, int] = {}
+        self._envelopes: dict[tuple[str, bool], dict[str, Any]] = {}
 
     def _token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
@@ -437,14 +438,15 @@ class _Format:
     def envelope(
         self, request_id: str, choices: list[dict[str, Any]], chunk: bool
     ) -> dict[str, Any]:
-        suffix = ".chunk" if chunk else ""
-        return {
-            "id": f"{self.prefix}-{request_id}",
-            "object": f"{self.object_name}{suffix}",
-            "created": self.created,
-            "model": self.model_id,
-            "choices": choices,
-        }
+        fields = self._envelopes.get((request_id, chunk))
+        if fields is None:  # one per response: a stream's chunks share it
+            fields = self._envelopes[(request_id, chunk)] = {
+                "id": f"{self.prefix}-{request_id}",
+                "object": f"{self.object_name}{'.chunk' if chunk else ''}",
+                "created": self.created,
+                "model": self.model_id,
+            }
+        return {**fields, "choices": choices}
 
     def choice_start(self, index: int) -> dict[str, Any] | None:
         return None

@@ -42,18 +42,27 @@ class RequestReplies:
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
 
-    async def get(self) -> common_pb2.RequestOutputs:
-        """The next output; raises the request's error (an error reply, or the subscription's
-        end)."""
-        while not self._items:
+    async def get(self) -> list[common_pb2.RequestOutputs]:
+        """Every output that came since the last call (at least one: a reader that falls
+        behind takes its backlog at once); raises the request's error (an error reply, or the
+        subscription's end) once the outputs before it were taken."""
+        items = self._items
+        while not items:
             self._waiter = asyncio.get_running_loop().create_future()
             await self._waiter
-        item = self._items.popleft()
-        if isinstance(item, PdserveError):
-            raise item
-        if item.HasField("error"):
-            raise error_from_reply(item.error)
-        return item
+        taken: list[common_pb2.RequestOutputs] = []
+        while items:
+            item = items[0]
+            failed = isinstance(item, PdserveError) or item.HasField("error")
+            if failed and taken:
+                break  # raised by the next call
+            items.popleft()
+            if isinstance(item, PdserveError):
+                raise item
+            if failed:
+                raise error_from_reply(item.error)
+            taken.append(item)
+        return taken
 
 
 class _Subscription:

@@ -91,24 +91,23 @@ class PDClient:
             )  # fmt: skip
             prefill = asyncio.ensure_future(self.aio.prefill(prefill_address, message))
             try:
-                first = await _first_reply(replies, prefill)
+                replied = await _first_replies(replies, prefill)
             except PdserveError:
                 if _failed(prefill):  # the outputs never came because Prefill failed
                     await self._abort(decode_address, request_id, attempt)
                     raise prefill.exception() from None  # type: ignore[misc]
                 raise
             events = _Events()
-            if first.HasField("final") or params.prompt_logprobs is not None:
+            if _ends(replied) or params.prompt_logprobs is not None:
                 events.attach(await prefill)
-            reply = first
             while True:
-                finished = reply.HasField("final")  # before the caller may stop at its event
-                for event in events.of(reply):
+                finished = _ends(replied)  # before the caller may stop at its event
+                for event in events.of(replied):
                     yield event
                 if finished:
                     return
-                reply = await replies.get()
-                if reply.HasField("final"):
+                replied = await replies.get()
+                if _ends(replied):
                     events.attach(await _report(prefill, request_id))
         finally:
             if prefill is not None:
@@ -137,9 +136,9 @@ class PDClient:
             await self.aio.submit(address, message)
             events = _Events()
             while not finished:
-                reply = await replies.get()
-                finished = reply.HasField("final")  # before the caller may stop at its event
-                for event in events.of(reply):
+                replied = await replies.get()
+                finished = _ends(replied)  # before the caller may stop at its event
+                for event in events.of(replied):
                     yield event
         finally:
             self.outputs.unregister(address, request_id, attempt)
@@ -199,11 +198,11 @@ def _prefill_request(
     )
 
 
-async def _first_reply(
+async def _first_replies(
     replies: RequestReplies, prefill: "asyncio.Future[prefill_pb2.PrefillResult]"
-) -> common_pb2.RequestOutputs:
-    """The attempt's first output; Prefill's error when Prefill fails first (decode would wait
-    for a first token that never comes)."""
+) -> list[common_pb2.RequestOutputs]:
+    """The attempt's first outputs; Prefill's error when Prefill fails first (decode would
+    wait for a first token that never comes)."""
     first = asyncio.ensure_future(replies.get())
     try:
         await asyncio.wait((first, prefill), return_when=asyncio.FIRST_COMPLETED)
@@ -212,6 +211,11 @@ async def _first_reply(
         return await first
     finally:
         first.cancel()  # a no-op once it is done
+
+
+def _ends(replies: Sequence[common_pb2.RequestOutputs]) -> bool:
+    """Whether the request's final output is among `replies` (it is the last of them)."""
+    return replies[-1].HasField("final")
 
 
 def _failed(future: "asyncio.Future[Any]") -> bool:
@@ -242,26 +246,16 @@ class _Events:
         """Prefill's result, once it came."""
         self._prefill = prefill
 
-    def of(self, reply: common_pb2.RequestOutputs) -> list[TokenDelta | Finished]:
-        """The delta of a step's output, then the final event when it ends the request."""
-        chunk = reply.chunk
+    def of(self, replies: Sequence[common_pb2.RequestOutputs]) -> list[TokenDelta | Finished]:
+        """One delta for the chunks of the outputs that came together (a reader that fell
+        behind catches up in one event), then the final event when they end the request."""
         events: list[TokenDelta | Finished] = []
-        if reply.HasField("chunk"):
-            prompt: Sequence[common_pb2.TokenLogprob] = ()
-            if self._first:
-                from_prefill = self._prefill.prompt_logprobs if self._prefill else ()
-                prompt = from_prefill or chunk.prompt_logprobs
-                self._first = False
-            events.append(
-                TokenDelta(
-                    tuple(chunk.token_ids),
-                    chunk.text,
-                    tuple(logprob_from_proto(lp) for lp in chunk.logprobs),
-                    tuple(logprob_from_proto(lp) for lp in prompt),
-                )
-            )
-        if reply.HasField("final"):
-            final = reply.final
+        chunks = [reply.chunk for reply in replies if reply.HasField("chunk")]
+        if chunks:
+            events.append(self._delta(chunks))
+        last = replies[-1]
+        if last.HasField("final"):
+            final = last.final
             events.append(
                 Finished(
                     FINISH_REASON_NAMES.get(final.finish_reason, "unknown"),
@@ -272,3 +266,23 @@ class _Events:
                 )
             )
         return events
+
+    def _delta(self, chunks: Sequence[common_pb2.TokenChunk]) -> TokenDelta:
+        prompt: Sequence[common_pb2.TokenLogprob] = ()
+        if self._first:
+            from_prefill = self._prefill.prompt_logprobs if self._prefill else ()
+            prompt = from_prefill or chunks[0].prompt_logprobs
+            self._first = False
+        if len(chunks) == 1:
+            chunk = chunks[0]
+            token_ids, text, logprobs = tuple(chunk.token_ids), chunk.text, chunk.logprobs
+        else:
+            token_ids = tuple(t for chunk in chunks for t in chunk.token_ids)
+            text = "".join(chunk.text for chunk in chunks)
+            logprobs = [lp for chunk in chunks for lp in chunk.logprobs]
+        return TokenDelta(
+            token_ids,
+            text,
+            tuple(logprob_from_proto(lp) for lp in logprobs) if logprobs else (),
+            tuple(logprob_from_proto(lp) for lp in prompt) if prompt else (),
+        )

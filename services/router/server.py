@@ -2,6 +2,7 @@
 loop (the loop every request of the router runs on)."""
 
 import asyncio
+import gc
 import logging
 import socket
 import threading
@@ -76,6 +77,7 @@ def serve_router(
             app, loop="none", http="httptools", log_level="warning", timeout_graceful_shutdown=5
         )
     )
+    _settle_gc()
     loop = uvloop.new_event_loop()
     thread = threading.Thread(target=_serve, args=(loop, server, sock), daemon=True)
     thread.start()
@@ -85,6 +87,17 @@ def serve_router(
     port = sock.getsockname()[1]
     logger.info("router serving on http://%s:%d", config.host, port)
     return RunningRouter(router, server, loop, thread, config.host, port)
+
+
+def _settle_gc() -> None:
+    """Fewer, cheaper garbage collections while streaming: what exists at startup (modules,
+    the app, the tokenizer) is never scanned again, and the youngest generation is collected
+    after 20,000 allocations instead of 700. Every token allocates a few short-lived objects;
+    with CPython's defaults the collector took ~11 % of the router's CPU at 1,000 streams."""
+    gc.collect()
+    gc.freeze()
+    _, older, oldest = gc.get_threshold()
+    gc.set_threshold(max(gc.get_threshold()[0], 20_000), older, oldest)
 
 
 def _serve(loop: asyncio.AbstractEventLoop, server: uvicorn.Server, sock: socket.socket) -> None:

@@ -11,7 +11,8 @@ from services.router.pd_client import Finished, PDClient
 
 
 class FakeInstance:
-    """Submit queues the request's outputs (two steps, the second ending it); Abort records."""
+    """Submit queues the request's first step; its second (ending it) comes one loop turn
+    later, so that the caller reads them one at a time. Abort records."""
 
     def __init__(self) -> None:
         self.replies = RequestReplies()
@@ -26,13 +27,18 @@ class FakeInstance:
         pass
 
     async def submit(self, address: str, message: common_pb2.GenerateRequest) -> None:
-        for step, last in ((1, False), (2, True)):
-            output = common_pb2.RequestOutputs(request_id=message.request_id, attempt=self.attempt)
-            output.chunk.token_ids.append(step)
-            if last:
-                output.final.finish_reason = common_pb2.FINISH_REASON_LENGTH
-                output.final.num_output_tokens = 2
-            self.replies.push(output)
+        self.replies.push(self._output(message.request_id, 1))
+        asyncio.get_running_loop().call_soon(
+            self.replies.push, self._output(message.request_id, 2, last=True)
+        )
+
+    def _output(self, request_id: str, token: int, last: bool = False) -> common_pb2.RequestOutputs:
+        output = common_pb2.RequestOutputs(request_id=request_id, attempt=self.attempt)
+        output.chunk.token_ids.append(token)
+        if last:
+            output.final.finish_reason = common_pb2.FINISH_REASON_LENGTH
+            output.final.num_output_tokens = 2
+        return output
 
     async def abort(self, address: str, request_id: str, attempt: str = "") -> bool:
         self.aborted.append((address, request_id, attempt))
@@ -75,3 +81,43 @@ def test_a_request_left_before_its_end_is_aborted_by_its_attempt() -> None:
     fake = FakeInstance()
     run(fake, stop_after=1)
     assert fake.aborted == [("m0", "r", fake.attempt)]
+
+
+def test_a_reader_behind_takes_its_backlog_at_once_and_an_error_after_it_next() -> None:
+    async def drive() -> tuple[list[list[int]], Exception | None]:
+        replies = RequestReplies()
+        for token in (1, 2):
+            output = common_pb2.RequestOutputs(request_id="r")
+            output.chunk.token_ids.append(token)
+            replies.push(output)
+        replies.push(common_pb2.RequestOutputs(error=common_pb2.Error(message="step failed")))
+        taken = [[t for o in await replies.get() for t in o.chunk.token_ids]]
+        try:
+            await replies.get()
+        except Exception as e:  # the error reply, raised once the outputs before it are out
+            return taken, e
+        return taken, None
+
+    taken, error = asyncio.run(drive())
+    assert taken == [[1, 2]]
+    assert error is not None and "step failed" in str(error)
+
+
+def test_outputs_read_together_make_one_delta_with_every_token_and_its_text() -> None:
+    fake = FakeInstance()
+
+    async def drive() -> list[Any]:
+        events = client_over(fake).generate_mixed("m0", [5, 6], SamplingParams(), "r")
+        await asyncio.sleep(0)  # nothing read yet: the generator has not started
+        return [event async for event in events]
+
+    async def submit(address: str, message: common_pb2.GenerateRequest) -> None:
+        for token, text, last in ((1, "a", False), (2, "b", False), (3, "c", True)):
+            output = fake._output(message.request_id, token, last)
+            output.chunk.text = text
+            fake.replies.push(output)  # all three before the reader wakes
+
+    fake.submit = submit  # type: ignore[method-assign]
+    events = asyncio.run(drive())
+    assert [(e.token_ids, e.text) for e in events[:-1]] == [((1, 2, 3), "abc")]
+    assert isinstance(events[-1], Finished) and events[-1].num_output_tokens == 2
