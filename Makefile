@@ -76,6 +76,7 @@ bench: install
 	$(PY) benchmarks/kv_transfer.py
 	$(PY) benchmarks/router_overhead.py
 	$(PY) benchmarks/router_scale.py
+	$(PY) benchmarks/engine_gil.py
 	$(PY) benchmarks/storage_io.py
 	$(PY) benchmarks/serve_load.py --trace benchmarks/workloads/documents_trace.jsonl \
 		--block-tokens 64 --time-scale 0.5 --kv-fraction 0.3

@@ -158,6 +158,11 @@ def _engine_families(s: common_pb2.InstanceStats) -> list[Family]:
          {(): s.num_preemptions}),
         ("counter", "pdserve_computed_tokens", "Tokens run through forward passes.", (),
          {(): s.num_computed_tokens}),
+        ("counter", "pdserve_engine_steps", "Engine steps run (one batch each).", (),
+         {(): s.num_steps}),
+        ("counter", "pdserve_engine_step_seconds",
+         "Wall seconds of the engine's steps (schedule, forward pass, update).", (),
+         {(): s.step_seconds}),
         ("gauge", "pdserve_kv_blocks",
          "KV blocks: used (referenced by requests), free (reusable, cached ones included), "
          "cached (published in the prefix cache, used or not).", ("state",),

@@ -386,7 +386,11 @@ class LLMEngine:
         their text when `inline_text` is on (else `add_text` is the caller's, in order).
 
         A forward pass that raises fails only its batch (`_recover`); the engine goes on."""
+        started = time.perf_counter()
         outputs = self._step()
+        stats = self.scheduler.stats
+        stats.num_steps += 1
+        stats.step_seconds += time.perf_counter() - started
         return self.add_text(outputs) if self.inline_text else outputs
 
     def add_text(self, outputs: list[RequestOutput]) -> list[RequestOutput]:

@@ -52,6 +52,8 @@ class SchedulerStats:
     device_hit_tokens: int = 0  # of which were found in the device prefix cache
     storage_hit_tokens: int = 0  # of which were loaded from the storage tier
     num_computed_tokens: int = 0  # tokens run through forward passes
+    num_steps: int = 0  # engine steps run (`LLMEngine.step`)
+    step_seconds: float = 0.0  # their wall time: schedule, forward pass, update
 
 
 class Scheduler:

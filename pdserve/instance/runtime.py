@@ -477,6 +477,8 @@ class InstanceRuntime:
                 prefix_cache_queries=scheduler.stats.prefix_cache_queries,
                 device_hit_tokens=scheduler.stats.device_hit_tokens,
                 num_computed_tokens=scheduler.stats.num_computed_tokens,
+                num_steps=scheduler.stats.num_steps,
+                step_seconds=scheduler.stats.step_seconds,
                 tensor_parallel_size=engine.loaded.model.shard.size,
                 **extra,
             )

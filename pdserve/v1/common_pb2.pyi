@@ -640,6 +640,8 @@ class InstanceStats(_message.Message):
     TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _builtins.int
     TP_COLLECTIVE_SECONDS_FIELD_NUMBER: _builtins.int
     TP_COLLECTIVES_FIELD_NUMBER: _builtins.int
+    NUM_STEPS_FIELD_NUMBER: _builtins.int
+    STEP_SECONDS_FIELD_NUMBER: _builtins.int
     role: _builtins.str
     num_blocks: _builtins.int
     num_free_blocks: _builtins.int
@@ -667,6 +669,10 @@ class InstanceStats(_message.Message):
     """rank 0's time in collectives (step broadcast,"""
     tp_collectives: _builtins.int
     """all-reduces, logits gather); 0 with one rank"""
+    num_steps: _builtins.int
+    """engine steps run"""
+    step_seconds: _builtins.float
+    """their wall time (schedule, forward pass, update)"""
     @_builtins.property
     def storage(self) -> Global___StorageStats:
         """absent when the instance runs without the storage tier"""
@@ -710,10 +716,12 @@ class InstanceStats(_message.Message):
         tensor_parallel_size: _builtins.int = ...,
         tp_collective_seconds: _builtins.float = ...,
         tp_collectives: _builtins.int = ...,
+        num_steps: _builtins.int = ...,
+        step_seconds: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["storage", b"storage"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "device_hit_tokens", b"device_hit_tokens", "kv_blocks_received", b"kv_blocks_received", "kv_blocks_sent", b"kv_blocks_sent", "kv_blocks_sent_by_transport", b"kv_blocks_sent_by_transport", "kv_bytes_received", b"kv_bytes_received", "kv_bytes_sent", b"kv_bytes_sent", "kv_bytes_sent_by_transport", b"kv_bytes_sent_by_transport", "kv_transfer_failures_by_transport", b"kv_transfer_failures_by_transport", "kv_transfer_seconds_by_transport", b"kv_transfer_seconds_by_transport", "num_blocks", b"num_blocks", "num_cached_blocks", b"num_cached_blocks", "num_computed_tokens", b"num_computed_tokens", "num_expired_reservations", b"num_expired_reservations", "num_free_blocks", b"num_free_blocks", "num_preemptions", b"num_preemptions", "num_reservations", b"num_reservations", "num_reserved_blocks", b"num_reserved_blocks", "num_running", b"num_running", "num_waiting", b"num_waiting", "prefix_cache_queries", b"prefix_cache_queries", "role", b"role", "storage", b"storage", "tensor_parallel_size", b"tensor_parallel_size", "tp_collective_seconds", b"tp_collective_seconds", "tp_collectives", b"tp_collectives"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "device_hit_tokens", b"device_hit_tokens", "kv_blocks_received", b"kv_blocks_received", "kv_blocks_sent", b"kv_blocks_sent", "kv_blocks_sent_by_transport", b"kv_blocks_sent_by_transport", "kv_bytes_received", b"kv_bytes_received", "kv_bytes_sent", b"kv_bytes_sent", "kv_bytes_sent_by_transport", b"kv_bytes_sent_by_transport", "kv_transfer_failures_by_transport", b"kv_transfer_failures_by_transport", "kv_transfer_seconds_by_transport", b"kv_transfer_seconds_by_transport", "num_blocks", b"num_blocks", "num_cached_blocks", b"num_cached_blocks", "num_computed_tokens", b"num_computed_tokens", "num_expired_reservations", b"num_expired_reservations", "num_free_blocks", b"num_free_blocks", "num_preemptions", b"num_preemptions", "num_reservations", b"num_reservations", "num_reserved_blocks", b"num_reserved_blocks", "num_running", b"num_running", "num_steps", b"num_steps", "num_waiting", b"num_waiting", "prefix_cache_queries", b"prefix_cache_queries", "role", b"role", "step_seconds", b"step_seconds", "storage", b"storage", "tensor_parallel_size", b"tensor_parallel_size", "tp_collective_seconds", b"tp_collective_seconds", "tp_collectives", b"tp_collectives"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -1,6 +1,9 @@
 """pdserve's fused CPU kernels against the torch ops they replace: the rotary embedding bit for
 bit, silu(gate) * up within float32 rounding, and the shapes and dtypes they leave to torch."""
 
+import itertools
+import threading
+import time
 from pathlib import Path
 
 import torch
@@ -48,3 +51,37 @@ def test_silu_and_mul_matches_torch_and_leaves_other_shapes_to_it() -> None:
     half = gate_up.bfloat16()
     assert ops.silu_and_mul(half) is None  # type: ignore[attr-defined]
     assert silu_and_mul(half).dtype == torch.bfloat16
+
+
+def test_the_attention_kernel_lets_other_threads_run() -> None:
+    """paged_decode runs without the GIL: a Python thread keeps counting while one long call
+    computes. Held, the counter would stop for the whole call (a gap as long as the call)."""
+    ops = kernels()
+    generator = torch.Generator().manual_seed(2)
+    seqs, heads, dim, block, blocks_per_seq = 256, 4, 64, 32, 128
+    q = torch.randn(seqs, heads, dim, generator=generator)
+    kv = torch.randn(blocks_per_seq, 2, block, heads, dim, generator=generator)
+    tables = torch.arange(blocks_per_seq).repeat(seqs, 1)  # every sequence reads the same blocks
+    lens = torch.full((seqs,), block * blocks_per_seq)
+    ticks: list[float] = []
+    stop = threading.Event()
+
+    def count() -> None:
+        while not stop.is_set():
+            ticks.append(time.perf_counter())
+
+    counter = threading.Thread(target=count)
+    counter.start()
+    try:
+        while not ticks:  # the counter runs
+            time.sleep(0.001)
+        began = time.perf_counter()
+        ops.paged_decode(q, kv, tables, lens, dim**-0.5)  # type: ignore[attr-defined]
+        ended = time.perf_counter()
+    finally:
+        stop.set()
+        counter.join()
+    during = [began, *(t for t in ticks if began < t < ended), ended]
+    longest_gap = max(b - a for a, b in itertools.pairwise(during))
+    assert ended - began > 0.02  # long enough to tell (a held GIL: one gap of all of it)
+    assert longest_gap < (ended - began) / 2

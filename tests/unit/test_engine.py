@@ -151,6 +151,18 @@ def test_max_tokens_finishes_with_length(make_engine: MakeEngine) -> None:
     assert completion.finish_reason == "length"
 
 
+def test_steps_are_counted_with_their_time(make_engine: MakeEngine) -> None:
+    engine = make_engine()
+    engine.add_request(prompt(10), greedy(5))
+    steps = 0
+    while engine.has_unfinished_requests():
+        engine.step()
+        steps += 1
+    stats = engine.scheduler.stats
+    assert stats.num_steps == steps >= 5  # a prefill step, then one per further token
+    assert stats.step_seconds > 0
+
+
 def test_stop_token_id_ends_generation_and_is_not_in_text(make_engine: MakeEngine) -> None:
     engine = make_engine()
     [free_run] = engine.generate([prompt(12)], greedy(20))

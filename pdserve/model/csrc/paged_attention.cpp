@@ -603,9 +603,14 @@ torch::Tensor rotate(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
 #endif
 }
 
+// The kernels run without the GIL (their arguments are converted before, their results after):
+// while one runs, the instance's other threads (the output thread, gRPC) go on.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode", &paged_decode, "paged decode attention (CPU)");
-  m.def("paged_prefill", &paged_prefill, "paged causal prefill attention, every chunk (CPU)");
-  m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up of a fused gate/up projection (CPU)");
-  m.def("rotate", &rotate, "half-split rotary embedding (CPU)");
+  using no_gil = pybind11::call_guard<pybind11::gil_scoped_release>;
+  m.def("paged_decode", &paged_decode, "paged decode attention (CPU)", no_gil());
+  m.def("paged_prefill", &paged_prefill, "paged causal prefill attention, every chunk (CPU)",
+        no_gil());
+  m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up of a fused gate/up projection (CPU)",
+        no_gil());
+  m.def("rotate", &rotate, "half-split rotary embedding (CPU)", no_gil());
 }
