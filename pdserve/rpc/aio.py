@@ -8,6 +8,7 @@ loop (the router's HTTP server's).
 """
 
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
 import grpc
 
@@ -25,15 +26,40 @@ from pdserve.v1 import (
 )
 
 
+@dataclass(frozen=True, slots=True)
+class Stubs:
+    """The services of one peer, on its channel (built once: a stub builds a callable per
+    method)."""
+
+    prefill: prefill_pb2_grpc.PrefillServiceStub
+    mixed: mixed_pb2_grpc.MixedServiceStub
+    instance: common_pb2_grpc.InstanceServiceStub
+
+
 class AioChannelPool:
-    """One `grpc.aio` channel per peer, created on first use (inside the loop)."""
+    """One `grpc.aio` channel per peer, and its stubs, created on first use (inside the
+    loop)."""
 
     def __init__(self, secret: str | None = None, tls: TlsFiles | None = None) -> None:
         self._tls = tls
         self._channels: dict[str, grpc.aio.Channel] = {}
-        self.metadata: tuple[tuple[str, str], ...] = (
-            ((AUTHORIZATION, f"Bearer {secret}"),) if secret else ()
+        self._stubs: dict[str, Stubs] = {}
+        # every call's metadata: one object, not converted from tuples call after call
+        self.metadata = grpc.aio.Metadata(
+            *(((AUTHORIZATION, f"Bearer {secret}"),) if secret else ())
         )
+
+    def stubs(self, address: str) -> Stubs:
+        stubs = self._stubs.get(address)
+        if stubs is None:
+            channel = self.get(address)
+            stubs = Stubs(
+                prefill_pb2_grpc.PrefillServiceStub(channel),
+                mixed_pb2_grpc.MixedServiceStub(channel),
+                common_pb2_grpc.InstanceServiceStub(channel),
+            )
+            self._stubs[address] = stubs
+        return stubs
 
     def get(self, address: str) -> grpc.aio.Channel:
         channel = self._channels.get(address)
@@ -47,6 +73,7 @@ class AioChannelPool:
         return channel
 
     async def close(self) -> None:
+        self._stubs = {}
         channels, self._channels = list(self._channels.values()), {}
         for channel in channels:
             await channel.close()
@@ -62,9 +89,8 @@ class AioClients:
     async def prefill(
         self, address: str, message: prefill_pb2.PrefillRequest
     ) -> prefill_pb2.PrefillResult:
-        stub = prefill_pb2_grpc.PrefillServiceStub(self.channels.get(address))
         try:
-            result: prefill_pb2.PrefillResult = await stub.Prefill(
+            result: prefill_pb2.PrefillResult = await self.channels.stubs(address).prefill.Prefill(
                 message, timeout=self.deadlines.prefill_s, metadata=self.channels.metadata
             )
         except grpc.RpcError as e:
@@ -73,9 +99,8 @@ class AioClients:
 
     async def submit(self, address: str, message: common_pb2.GenerateRequest) -> None:
         """Queue a request on a mixed instance (its outputs go to its subscription)."""
-        stub = mixed_pb2_grpc.MixedServiceStub(self.channels.get(address))
         try:
-            await stub.Submit(
+            await self.channels.stubs(address).mixed.Submit(
                 message, timeout=self.deadlines.control_s, metadata=self.channels.metadata
             )
         except grpc.RpcError as e:
@@ -84,9 +109,8 @@ class AioClients:
     async def abort(self, address: str, request_id: str, attempt: str = "") -> bool:
         """Abort a request on an instance (only that attempt of it, when given); whether it
         held it."""
-        stub = common_pb2_grpc.InstanceServiceStub(self.channels.get(address))
         try:
-            reply = await stub.Abort(
+            reply = await self.channels.stubs(address).instance.Abort(
                 common_pb2.AbortRequest(request_id=request_id, attempt=attempt),
                 timeout=self.deadlines.control_s,
                 metadata=self.channels.metadata,
@@ -101,8 +125,9 @@ class AioClients:
         """The instance's output subscription for `subscriber`: an empty message once it is
         open, then one per step. A broken stream raises the typed exception; leaving the loop
         (or closing the iterator) cancels the call."""
-        stub = common_pb2_grpc.InstanceServiceStub(self.channels.get(address))
-        call = stub.SubscribeOutputs(  # no deadline: it lives as long as the router
+        call = self.channels.stubs(
+            address
+        ).instance.SubscribeOutputs(  # no deadline: it lives as long as the router
             common_pb2.OutputsRequest(subscriber=subscriber), metadata=self.channels.metadata
         )
         try:
