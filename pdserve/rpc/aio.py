@@ -31,9 +31,9 @@ class Stubs:
     """The services of one peer, on its channel (built once: a stub builds a callable per
     method)."""
 
-    prefill: prefill_pb2_grpc.PrefillServiceStub
-    mixed: mixed_pb2_grpc.MixedServiceStub
-    instance: common_pb2_grpc.InstanceServiceStub
+    prefill: prefill_pb2_grpc.PrefillServiceAsyncStub
+    mixed: mixed_pb2_grpc.MixedServiceAsyncStub
+    instance: common_pb2_grpc.InstanceServiceAsyncStub
 
 
 class AioChannelPool:
@@ -44,9 +44,8 @@ class AioChannelPool:
         self._tls = tls
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._stubs: dict[str, Stubs] = {}
-        # every call's metadata: one object, not converted from tuples call after call
-        self.metadata = grpc.aio.Metadata(
-            *(((AUTHORIZATION, f"Bearer {secret}"),) if secret else ())
+        self.metadata: tuple[tuple[str, str], ...] = (
+            ((AUTHORIZATION, f"Bearer {secret}"),) if secret else ()
         )
 
     def stubs(self, address: str) -> Stubs:

@@ -273,6 +273,7 @@ class _Events:
             from_prefill = self._prefill.prompt_logprobs if self._prefill else ()
             prompt = from_prefill or chunks[0].prompt_logprobs
             self._first = False
+        logprobs: Sequence[common_pb2.TokenLogprob]
         if len(chunks) == 1:
             chunk = chunks[0]
             token_ids, text, logprobs = tuple(chunk.token_ids), chunk.text, chunk.logprobs
