@@ -31,9 +31,10 @@ class Stubs:
     """The services of one peer, on its channel (built once: a stub builds a callable per
     method)."""
 
-    prefill: prefill_pb2_grpc.PrefillServiceAsyncStub
-    mixed: mixed_pb2_grpc.MixedServiceAsyncStub
-    instance: common_pb2_grpc.InstanceServiceAsyncStub
+    # the async stub types exist only in the generated .pyi files
+    prefill: "prefill_pb2_grpc.PrefillServiceAsyncStub"
+    mixed: "mixed_pb2_grpc.MixedServiceAsyncStub"
+    instance: "common_pb2_grpc.InstanceServiceAsyncStub"
 
 
 class AioChannelPool:
