@@ -28,6 +28,7 @@ class ArchitectureTraits:
 
     qkv_bias_key: str | None  # config key that switches q/k/v bias, None = always on
     o_bias_key: str | None  # config key that switches o_proj bias, None = always off
+    qk_norm: bool = False  # an RMSNorm over each q and k head before the rotation (Qwen3)
 
 
 ARCHITECTURES: dict[str, ArchitectureTraits] = {
@@ -35,6 +36,9 @@ ARCHITECTURES: dict[str, ArchitectureTraits] = {
         qkv_bias_key="attention_bias", o_bias_key="attention_bias"
     ),
     "Qwen2ForCausalLM": ArchitectureTraits(qkv_bias_key=None, o_bias_key=None),
+    "Qwen3ForCausalLM": ArchitectureTraits(
+        qkv_bias_key="attention_bias", o_bias_key="attention_bias", qk_norm=True
+    ),
 }
 
 
@@ -88,6 +92,7 @@ class ModelConfig:
     qkv_bias: bool
     o_bias: bool
     mlp_bias: bool
+    qk_norm: bool
     dtype: torch.dtype
     eos_token_ids: tuple[int, ...]
 
@@ -150,6 +155,7 @@ class ModelConfig:
             qkv_bias=traits.qkv_bias_key is None or bool(raw.get(traits.qkv_bias_key, False)),
             o_bias=traits.o_bias_key is not None and bool(raw.get(traits.o_bias_key, False)),
             mlp_bias=bool(raw.get("mlp_bias", False)),
+            qk_norm=traits.qk_norm,
             dtype=_parse_dtype(raw.get("dtype") or raw.get("torch_dtype") or "float32"),
             eos_token_ids=tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,)),
         )

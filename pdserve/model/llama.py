@@ -1,4 +1,5 @@
-"""Llama-family decoder (Llama 2/3, Qwen2 via bias switches) over a paged KV cache.
+"""Llama-family decoder (Llama 2/3, Qwen2 via bias switches, Qwen3 with per-head q/k norms) over
+a paged KV cache.
 
 Module and parameter names mirror Hugging Face's so a checkpoint's state dict loads unchanged.
 """
@@ -109,6 +110,11 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(config.hidden_size, kv_size, bias=config.qkv_bias)
         self.v_proj = nn.Linear(config.hidden_size, kv_size, bias=config.qkv_bias)
         self.o_proj = nn.Linear(q_size, config.hidden_size, bias=config.o_bias)
+        self.q_norm: RMSNorm | None = None  # Qwen3: each q and k head normalized
+        self.k_norm: RMSNorm | None = None
+        if config.qk_norm:
+            self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
         self.qkv_proj: nn.Linear | None = None  # q, k and v in one multiply (`fuse`)
         self.group: TPGroup | None = None  # tensor parallel: sums o_proj over the ranks
 
@@ -132,7 +138,11 @@ class Attention(nn.Module):
         qk_size = self.sizes[0] + self.sizes[1]
         # q and k side by side are rotated together (one rotation's ops for both)
         heads = (self.num_heads, self.num_kv_heads)
-        qk = rotation(qkv[:, :qk_size].view(num_tokens, sum(heads), self.head_dim))
+        qk = qkv[:, :qk_size].view(num_tokens, sum(heads), self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = torch.split(qk, list(heads), dim=1)
+            qk = torch.cat((self.q_norm(q), self.k_norm(k)), dim=1)
+        qk = rotation(qk)
         q, k = torch.split(qk, list(heads), dim=1)
         v = qkv[:, qk_size:].view(num_tokens, self.num_kv_heads, self.head_dim)
         step.write_kv(kv_layer, k, v)

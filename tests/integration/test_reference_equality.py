@@ -2,8 +2,8 @@
 
 Logits must agree within 1e-4 and greedy tokens must be identical: for one prompt, a batch of
 prompts of different lengths, chunked prefill, a continuation that hits the prefix cache and 200
-decode steps; for Llama (tied and untied), Qwen2 (q/k/v bias), llama3 RoPE scaling, and a
-checkpoint written by `transformers` itself.
+decode steps; for Llama (tied and untied), Qwen2 (q/k/v bias), llama3 RoPE scaling, a
+checkpoint written by `transformers` itself, and Qwen3 (per-head q and k norms).
 """
 
 from collections.abc import Callable
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from reference import hf_greedy, hf_logits, hf_model
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 from pdserve.engine import LLMEngine, SamplingParams
 from pdserve.model.loader import load_model
@@ -177,3 +177,40 @@ def test_checkpoint_written_by_transformers_loads_and_matches(
     runner = runner_for(tmp_path)
     logits = runner.execute([SequenceChunk(tokens, 0, list(range(13)), needs_logits=True)])
     torch.testing.assert_close(logits[0], hf_logits(reference, tokens)[-1], atol=ATOL, rtol=0)
+
+
+def test_a_qwen3_checkpoint_matches_with_its_per_head_q_and_k_norms(
+    tmp_path: Path, tiny_model_dir: Path, make_engine: Callable[..., LLMEngine]
+) -> None:
+    """Qwen3: an RMSNorm over every q and k head before the rotation, heads wider than
+    hidden / heads, no q/k/v bias. Written by transformers' own classes; the norms' weights are
+    drawn at random (initialized, they are ones: the test would not see them)."""
+    torch.manual_seed(7)
+    config = Qwen3Config(
+        vocab_size=262,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=48,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+    )
+    reference = Qwen3ForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, parameter in reference.named_parameters():
+            if name.endswith(("q_norm.weight", "k_norm.weight")):
+                parameter.uniform_(0.5, 1.5)
+    reference.save_pretrained(tmp_path)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (tmp_path / name).write_bytes((tiny_model_dir / name).read_bytes())
+    tokens = prompt(100)
+    logits = runner_for(tmp_path).execute(
+        [SequenceChunk(tokens, 0, list(range(7)), needs_logits=True)]
+    )
+    torch.testing.assert_close(logits[0], hf_logits(reference, tokens)[-1], atol=ATOL, rtol=0)
+    prompts = [prompt(n, offset=n) for n in (9, 40)]
+    completions = make_engine(model=str(tmp_path), block_size=BLOCK).generate(prompts, greedy(60))
+    for tokens, completion in zip(prompts, completions, strict=True):
+        assert list(completion.token_ids) == hf_greedy(reference, tokens, 60)
