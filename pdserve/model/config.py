@@ -127,6 +127,11 @@ class ModelConfig:
             raise ModelLoadError(
                 f"unsupported architecture {architecture!r}; supported: {', '.join(ARCHITECTURES)}"
             )
+        if raw.get("use_sliding_window"):
+            raise ModelLoadError(
+                f"{architecture} with sliding-window attention (use_sliding_window: true) is not "
+                "supported: every layer here attends to the whole context"
+            )
         try:
             return cls._parse(raw, architecture, traits)
         except KeyError as e:

@@ -62,6 +62,17 @@ def test_loader_rejects_unsupported_architecture(tmp_path: Path, tiny_model_dir:
         load_model(tmp_path)
 
 
+@pytest.mark.parametrize("architecture", ["Qwen2ForCausalLM", "Qwen3ForCausalLM"])
+def test_loader_refuses_sliding_window_attention_when_enabled(
+    tmp_path: Path, tiny_model_dir: Path, architecture: str
+) -> None:
+    config = json.loads((tiny_model_dir / "config.json").read_text())
+    config.update(architectures=[architecture], use_sliding_window=True, sliding_window=64)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelLoadError, match=f"{architecture} with sliding-window attention"):
+        load_model(tmp_path)
+
+
 def test_loader_rejects_weights_that_do_not_fit_the_config(
     tmp_path: Path, tiny_model_dir: Path
 ) -> None:
