@@ -112,6 +112,11 @@ def _random_weights(config: dict[str, int | float | bool], seed: int) -> dict[st
                 p + "self_attn.k_proj.bias": 0.1 * torch.randn(kv, generator=gen),
                 p + "self_attn.v_proj.bias": 0.1 * torch.randn(kv, generator=gen),
             }
+        if config.get("qk_norm"):
+            weights |= {
+                p + "self_attn.q_norm.weight": 1.0 + 0.1 * torch.randn(head_dim, generator=gen),
+                p + "self_attn.k_norm.weight": 1.0 + 0.1 * torch.randn(head_dim, generator=gen),
+            }
     weights["model.norm.weight"] = norm()
     if not config.get("tie_word_embeddings", True):
         lm_head = 0.5 * torch.randn(int(config["vocab_size"]), hidden, generator=gen)
@@ -125,21 +130,26 @@ def write_tiny_model(
 ) -> Path:
     """Write a complete HF model directory to `path` (atomically) and return `path`.
 
-    `architecture` is `LlamaForCausalLM` or `Qwen2ForCausalLM` (q/k/v biases); `tied` shares the
-    embedding with the LM head. The same arguments always give byte-identical weights.
+    `architecture` is `LlamaForCausalLM`, `Qwen2ForCausalLM` (q/k/v biases) or
+    `Qwen3ForCausalLM` (per-head q and k norms); `tied` shares the embedding with the LM head.
+    The same arguments always give byte-identical weights.
     """
     tokenizer = _byte_level_tokenizer()
     vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
-    qwen = architecture == "Qwen2ForCausalLM"
+    model_type = {"Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}.get(
+        architecture, "llama"
+    )
     config: dict[str, int | float | bool] = {
         **TINY_ARCH,
         "vocab_size": vocab_size,
         "tie_word_embeddings": tied,
+        "head_dim": TINY_ARCH["hidden_size"] // TINY_ARCH["num_attention_heads"],
     }
-    weights = _random_weights({**config, "qkv_bias": qwen}, seed)
+    traits = {"qkv_bias": model_type == "qwen2", "qk_norm": model_type == "qwen3"}
+    weights = _random_weights({**config, **traits}, seed)
     hf_config = {
         "architectures": [architecture],
-        "model_type": "qwen2" if qwen else "llama",
+        "model_type": model_type,
         **config,
         "attention_bias": False,
         "hidden_act": "silu",

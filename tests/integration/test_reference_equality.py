@@ -129,7 +129,13 @@ def test_greedy_tokens_match_reference_on_prefix_cache_hit(
 
 @pytest.mark.parametrize(
     ("architecture", "tied"),
-    [("LlamaForCausalLM", True), ("Qwen2ForCausalLM", False), ("Qwen2ForCausalLM", True)],
+    [
+        ("LlamaForCausalLM", True),
+        ("Qwen2ForCausalLM", False),
+        ("Qwen2ForCausalLM", True),
+        ("Qwen3ForCausalLM", False),
+        ("Qwen3ForCausalLM", True),
+    ],
 )
 def test_model_variants_match_reference(tmp_path: Path, architecture: str, tied: bool) -> None:
     path = write_tiny_model(tmp_path / "m", seed=3, architecture=architecture, tied=tied)
