@@ -36,6 +36,35 @@ def reference(tiny_model_dir: Path) -> torch.nn.Module:
     return hf_model(tiny_model_dir)
 
 
+# the shapes of the checkpoints written here by transformers' own classes
+SMALL: dict[str, object] = {
+    "vocab_size": 262,
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 512,
+    "tie_word_embeddings": False,
+}
+
+
+def save_with_tokenizer(reference: torch.nn.Module, path: Path, tiny_model_dir: Path) -> None:
+    """A model directory: `reference`'s checkpoint and the tiny model's tokenizer."""
+    reference.save_pretrained(path)  # type: ignore[operator]
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (path / name).write_bytes((tiny_model_dir / name).read_bytes())
+
+
+def assert_last_logits_match(
+    path: Path, reference: torch.nn.Module, tokens: list[int], blocks: int
+) -> None:
+    logits = runner_for(path).execute(
+        [SequenceChunk(tokens, 0, list(range(blocks)), needs_logits=True)]
+    )
+    torch.testing.assert_close(logits[0], hf_logits(reference, tokens)[-1], atol=ATOL, rtol=0)
+
+
 def runner_for(path: Path, num_blocks: int = 64) -> ModelRunner:
     loaded = load_model(path)
     return ModelRunner.create(loaded.model, num_blocks, BLOCK, loaded.dtype)
@@ -164,25 +193,9 @@ def test_checkpoint_written_by_transformers_loads_and_matches(
     tmp_path: Path, tiny_model_dir: Path, rope: dict[str, object]
 ) -> None:
     torch.manual_seed(5)
-    config = LlamaConfig(
-        vocab_size=262,
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        rope_parameters=rope,
-        tie_word_embeddings=False,
-    )
-    reference = LlamaForCausalLM(config).eval()
-    reference.save_pretrained(tmp_path)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        (tmp_path / name).write_bytes((tiny_model_dir / name).read_bytes())
-    tokens = prompt(200)
-    runner = runner_for(tmp_path)
-    logits = runner.execute([SequenceChunk(tokens, 0, list(range(13)), needs_logits=True)])
-    torch.testing.assert_close(logits[0], hf_logits(reference, tokens)[-1], atol=ATOL, rtol=0)
+    reference = LlamaForCausalLM(LlamaConfig(**SMALL, rope_parameters=rope)).eval()
+    save_with_tokenizer(reference, tmp_path, tiny_model_dir)
+    assert_last_logits_match(tmp_path, reference, prompt(200), blocks=13)
 
 
 def test_a_qwen3_checkpoint_matches_with_its_per_head_q_and_k_norms(
@@ -192,30 +205,13 @@ def test_a_qwen3_checkpoint_matches_with_its_per_head_q_and_k_norms(
     hidden / heads, no q/k/v bias. Written by transformers' own classes; the norms' weights are
     drawn at random (initialized, they are ones: the test would not see them)."""
     torch.manual_seed(7)
-    config = Qwen3Config(
-        vocab_size=262,
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=48,
-        max_position_embeddings=512,
-        tie_word_embeddings=False,
-    )
-    reference = Qwen3ForCausalLM(config).eval()
+    reference = Qwen3ForCausalLM(Qwen3Config(**SMALL, head_dim=48)).eval()
     with torch.no_grad():
         for name, parameter in reference.named_parameters():
             if name.endswith(("q_norm.weight", "k_norm.weight")):
                 parameter.uniform_(0.5, 1.5)
-    reference.save_pretrained(tmp_path)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        (tmp_path / name).write_bytes((tiny_model_dir / name).read_bytes())
-    tokens = prompt(100)
-    logits = runner_for(tmp_path).execute(
-        [SequenceChunk(tokens, 0, list(range(7)), needs_logits=True)]
-    )
-    torch.testing.assert_close(logits[0], hf_logits(reference, tokens)[-1], atol=ATOL, rtol=0)
+    save_with_tokenizer(reference, tmp_path, tiny_model_dir)
+    assert_last_logits_match(tmp_path, reference, prompt(100), blocks=7)
     prompts = [prompt(n, offset=n) for n in (9, 40)]
     completions = make_engine(model=str(tmp_path), block_size=BLOCK).generate(prompts, greedy(60))
     for tokens, completion in zip(prompts, completions, strict=True):
