@@ -186,6 +186,12 @@ class EngineConfig:
 
     It must divide the model's attention and KV heads. Every role shares it (a KV block's layout
     depends on it)."""
+    expert_parallel_size: int = 1
+    """Ranks a mixture-of-experts model's experts are spread over, whole experts each.
+
+    1: every rank holds a `1 / tensor_parallel_size` slice of every expert (as of the dense
+    MLPs). Else it must equal `tensor_parallel_size` (the experts share the instance's ranks,
+    whose attention stays split by heads) and divide the model's experts."""
     tp_timeout_s: float = 60.0
     """Longest wait of one tensor-parallel collective before the instance's requests fail.
 
@@ -205,6 +211,7 @@ class EngineConfig:
             "max_num_batched_tokens",
             "kv_staging_bytes",
             "tensor_parallel_size",
+            "expert_parallel_size",
         )
         optional = ("kv_cache_bytes", "num_kv_blocks", "max_model_len", "torch_threads")
         for name in (*positive, *optional):
@@ -226,6 +233,12 @@ class EngineConfig:
         for name in ("tp_timeout_s", "tp_start_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"engine.{name} must be positive, got {getattr(self, name)}")
+        if self.expert_parallel_size not in (1, self.tensor_parallel_size):
+            raise ConfigError(
+                f"engine.expert_parallel_size {self.expert_parallel_size} must be 1 or "
+                f"engine.tensor_parallel_size ({self.tensor_parallel_size}): the experts are "
+                "spread over the instance's tensor-parallel ranks"
+            )
         if self.cuda_graphs and self.tensor_parallel_size > 1:
             raise ConfigError(
                 "engine.cuda_graphs is not supported with tensor_parallel_size > 1 yet: leave "

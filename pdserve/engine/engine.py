@@ -29,12 +29,14 @@ from pdserve.engine.tensor_parallel import (
     RankZero,
     WorkerLauncher,
     default_launcher,
+    rank_shard,
     start_rank_zero,
 )
 from pdserve.engine.validation import validate_prompt
 from pdserve.errors import (
     ConfigError,
     IntegrityError,
+    ModelLoadError,
     RequestNotFoundError,
 )
 from pdserve.kvcache.events import KVEventSink
@@ -54,7 +56,7 @@ from pdserve.model.memory import (
     size_kv_cache,
     weight_bytes,
 )
-from pdserve.model.parallel import Shard, TPGroup, check_divides
+from pdserve.model.parallel import TPGroup, check_divides
 from pdserve.model.runner import ModelRunner, SequenceChunk
 from pdserve.model.tiny import default_model_dir
 from pdserve.storage.tier import StorageTier
@@ -148,7 +150,7 @@ class LLMEngine:
         (default: `tensor_parallel.use_launcher`'s, else local processes on 127.0.0.1)."""
         tp = None
         if config.tensor_parallel_size > 1:
-            _check_split(config)  # before any worker starts
+            check_model(config)  # before any worker starts
             tp = start_rank_zero(config, *(tp_workers or default_launcher()))
         try:
             return cls._build(
@@ -687,11 +689,16 @@ def _runner(
     return runner
 
 
-def _check_split(config: EngineConfig) -> None:
-    """ConfigError unless `tensor_parallel_size` splits the model's heads and MLP evenly."""
-    model = ModelConfig.from_dir(Path(config.model or default_model_dir()).expanduser())
-    shard = Shard(0, config.tensor_parallel_size)
-    check_divides(shard, model.num_heads, model.num_kv_heads, model.intermediate_size)
+def check_model(config: EngineConfig) -> None:
+    """ConfigError (one line, naming the setting) unless `engine.model` is a model directory
+    pdserve can load, and `tensor_parallel_size` / `expert_parallel_size` split its heads, MLP
+    and experts evenly. Reads `config.json` only: run before any worker starts."""
+    path = Path(config.model or default_model_dir()).expanduser()
+    try:
+        model = ModelConfig.from_dir(path)
+    except ModelLoadError as e:
+        raise ConfigError(f"engine.model {str(path)!r}: {e}") from e
+    check_divides(rank_shard(config, 0), model)
 
 
 def _cuda_graphs(config: EngineConfig, device: torch.device) -> bool:

@@ -217,6 +217,12 @@ class RankZero:
         self.group.close()
 
 
+def rank_shard(config: EngineConfig, rank: int) -> Shard:
+    """Rank `rank`'s part of the model: its heads, and its experts whole (expert parallel) or
+    sliced."""
+    return Shard(rank, config.tensor_parallel_size, config.expert_parallel_size > 1)
+
+
 def start_rank_zero(
     config: EngineConfig, launch: WorkerLauncher, host: str = "127.0.0.1"
 ) -> RankZero:
@@ -228,10 +234,11 @@ def start_rank_zero(
     listener = Listener((host, 0), authkey=authkey)
     rendezvous = Rendezvous(host, store.port, listener.address[1], authkey, size)
     workers = launch(config, rendezvous)
-    phases = StartPhases(store, Shard(0, size), config.tp_start_timeout_s)
+    shard = rank_shard(config, 0)
+    phases = StartPhases(store, shard, config.tp_start_timeout_s)
     try:
         phases.reach("started", workers.alive)
-        group = join_group(Shard(0, size), store, torch.device(config.device), config.tp_timeout_s)
+        group = join_group(shard, store, torch.device(config.device), config.tp_timeout_s)
         connections = _accept(listener, size - 1, config.tp_timeout_s)
     except TensorParallelError:
         workers.stop(timeout_s=1.0)
@@ -335,7 +342,7 @@ def serve_worker(config: EngineConfig, rank: int, rendezvous: Rendezvous) -> Non
     store = TCPStore(
         rendezvous.host, rendezvous.store_port, rendezvous.size, is_master=False, timeout=timeout
     )
-    shard = Shard(rank, rendezvous.size)
+    shard = rank_shard(config, rank)
     phases = StartPhases(store, shard, config.tp_start_timeout_s)
     phases.reach("started")
     group = join_group(shard, store, torch.device(config.device), config.tp_timeout_s)

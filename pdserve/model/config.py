@@ -2,6 +2,7 @@
 
 import json
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,12 +24,68 @@ _DTYPES = registry(
 
 
 @dataclass(frozen=True, slots=True)
+class MoEConfig:
+    """A mixture-of-experts model's sparse layers: each token's `top_k` of `num_experts` experts
+    (SwiGLU MLPs of width `intermediate_size`), weighted by the router's softmax over all of them
+    (renormalised over the chosen `top_k` when `normalize_top_k`)."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int
+    normalize_top_k: bool
+    round_weights: bool  # the top-k weights rounded to the model's dtype (else kept in float32)
+    sparse_layers: frozenset[int]  # the layers with experts; the others have a dense MLP
+
+
+@dataclass(frozen=True, slots=True)
+class MoELayout:
+    """How a family writes its experts: the layer's MoE module in the checkpoint, each expert's
+    gate, up and down weights, and the config keys (`parse`)."""
+
+    block: str
+    projections: tuple[str, str, str]
+    parse: Callable[[dict[str, Any], int], MoEConfig]
+
+
+def _qwen3_moe(raw: dict[str, Any], num_layers: int) -> MoEConfig:
+    """Qwen3-MoE: experts in every `decoder_sparse_step`-th layer but `mlp_only_layers`."""
+    step = int(raw.get("decoder_sparse_step") or 1)
+    dense = {int(i) for i in raw.get("mlp_only_layers") or ()}
+    key = "num_local_experts" if "num_local_experts" in raw else "num_experts"
+    num_experts = int(raw[key])
+    return MoEConfig(
+        num_experts=num_experts,
+        top_k=int(raw["num_experts_per_tok"]),
+        intermediate_size=int(raw["moe_intermediate_size"]),
+        normalize_top_k=bool(raw.get("norm_topk_prob", False)),
+        round_weights=True,
+        sparse_layers=frozenset(
+            i for i in range(num_layers) if i not in dense and num_experts and (i + 1) % step == 0
+        ),
+    )
+
+
+def _mixtral(raw: dict[str, Any], num_layers: int) -> MoEConfig:
+    """Mixtral: experts in every layer, the top-k weights always renormalised."""
+    return MoEConfig(
+        num_experts=int(raw["num_local_experts"]),
+        top_k=int(raw["num_experts_per_tok"]),
+        intermediate_size=int(raw["intermediate_size"]),
+        normalize_top_k=True,
+        round_weights=False,
+        sparse_layers=frozenset(range(num_layers)),
+    )
+
+
+@dataclass(frozen=True, slots=True)
 class ArchitectureTraits:
     """What distinguishes a supported architecture from plain Llama."""
 
     qkv_bias_key: str | None  # config key that switches q/k/v bias, None = always on
     o_bias_key: str | None  # config key that switches o_proj bias, None = always off
     qk_norm: bool = False  # an RMSNorm over each q and k head before the rotation (Qwen3)
+    moe: MoELayout | None = None
+    sliding_window_key: str = "use_sliding_window"  # set (truthy): refused
 
 
 ARCHITECTURES: dict[str, ArchitectureTraits] = {
@@ -38,6 +95,18 @@ ARCHITECTURES: dict[str, ArchitectureTraits] = {
     "Qwen2ForCausalLM": ArchitectureTraits(qkv_bias_key=None, o_bias_key=None),
     "Qwen3ForCausalLM": ArchitectureTraits(
         qkv_bias_key="attention_bias", o_bias_key="attention_bias", qk_norm=True
+    ),
+    "Qwen3MoeForCausalLM": ArchitectureTraits(
+        qkv_bias_key="attention_bias",
+        o_bias_key="attention_bias",
+        qk_norm=True,
+        moe=MoELayout("mlp", ("gate_proj", "up_proj", "down_proj"), _qwen3_moe),
+    ),
+    "MixtralForCausalLM": ArchitectureTraits(
+        qkv_bias_key="attention_bias",
+        o_bias_key="attention_bias",
+        moe=MoELayout("block_sparse_moe", ("w1", "w3", "w2"), _mixtral),
+        sliding_window_key="sliding_window",
     ),
 }
 
@@ -95,6 +164,11 @@ class ModelConfig:
     qk_norm: bool
     dtype: torch.dtype
     eos_token_ids: tuple[int, ...]
+    moe: MoEConfig | None = None  # mixture-of-experts layers (None: every MLP dense)
+
+    def is_sparse(self, layer: int) -> bool:
+        """Layer `layer` has experts (a mixture-of-experts block) instead of a dense MLP."""
+        return self.moe is not None and layer in self.moe.sparse_layers
 
     def context_window(
         self, max_model_len: int | None = None, kv_cache_tokens: int | None = None
@@ -127,10 +201,12 @@ class ModelConfig:
             raise ModelLoadError(
                 f"unsupported architecture {architecture!r}; supported: {', '.join(ARCHITECTURES)}"
             )
-        if raw.get("use_sliding_window"):
+        window = raw.get(traits.sliding_window_key)
+        if window:
             raise ModelLoadError(
-                f"{architecture} with sliding-window attention (use_sliding_window: true) is not "
-                "supported: every layer here attends to the whole context"
+                f"{architecture} with sliding-window attention ({traits.sliding_window_key}: "
+                f"{json.dumps(window)}) is not supported: every layer here attends to the whole "
+                "context"
             )
         try:
             return cls._parse(raw, architecture, traits)
@@ -143,13 +219,14 @@ class ModelConfig:
     ) -> "ModelConfig":
         num_heads = int(raw["num_attention_heads"])
         hidden = int(raw["hidden_size"])
+        num_layers = int(raw["num_hidden_layers"])
         eos = raw.get("eos_token_id")
         return cls(
             architecture=architecture,
             vocab_size=int(raw["vocab_size"]),
             hidden_size=hidden,
             intermediate_size=int(raw["intermediate_size"]),
-            num_layers=int(raw["num_hidden_layers"]),
+            num_layers=num_layers,
             num_heads=num_heads,
             num_kv_heads=int(raw.get("num_key_value_heads") or num_heads),
             head_dim=int(raw.get("head_dim") or hidden // num_heads),
@@ -163,6 +240,7 @@ class ModelConfig:
             qk_norm=traits.qk_norm,
             dtype=_parse_dtype(raw.get("dtype") or raw.get("torch_dtype") or "float32"),
             eos_token_ids=tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,)),
+            moe=traits.moe.parse(raw, num_layers) if traits.moe is not None else None,
         )
 
     def kv_bytes_per_token(self, dtype: torch.dtype) -> int:

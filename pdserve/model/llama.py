@@ -1,10 +1,13 @@
-"""Llama-family decoder (Llama 2/3, Qwen2 via bias switches, Qwen3 with per-head q/k norms) over
+"""Llama-family decoder (Llama 2/3, Qwen2 via bias switches, Qwen3 with per-head q/k norms, and
+the mixture-of-experts Qwen3-MoE and Mixtral, whose sparse layers are `pdserve.model.moe`'s) over
 a paged KV cache.
 
-Module and parameter names mirror Hugging Face's so a checkpoint's state dict loads unchanged.
+Module and parameter names mirror Hugging Face's so a checkpoint's state dict loads unchanged,
+but for the experts: stacked per layer here, one tensor per expert in a checkpoint (the loader
+maps them, and Mixtral's `block_sparse_moe` is this `mlp`).
 """
 
-from typing import Any, cast
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -17,7 +20,8 @@ from pdserve.model.attention import (
     ReferenceBackend,
 )
 from pdserve.model.config import ModelConfig
-from pdserve.model.cpu_kernels import paged_ops
+from pdserve.model.linear import PackedLinear, cpu_kernels_for, silu_and_mul
+from pdserve.model.moe import SparseMoE
 from pdserve.model.parallel import SINGLE, Shard, TPGroup, VocabParallelEmbedding
 
 
@@ -59,7 +63,7 @@ class Rotation:
 
     def __init__(self, cos: torch.Tensor, sin: torch.Tensor) -> None:
         self.cos, self.sin = cos, sin
-        self._kernel = _cpu_kernels(cos)
+        self._kernel = cpu_kernels_for(cos)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self._kernel is not None:
@@ -67,26 +71,6 @@ class Rotation:
             if rotated is not None:
                 return rotated
         return x * self.cos + _rotate_half(x) * self.sin
-
-
-def _cpu_kernels(like: torch.Tensor) -> Any:
-    """pdserve's compiled CPU kernels for float32 CPU tensors like `like` (None elsewhere, or
-    where they cannot be built)."""
-    if like.device.type != "cpu" or like.dtype != torch.float32:
-        return None
-    return paged_ops()
-
-
-def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """silu(gate) * up of a fused gate/up output `[..., 2 x width]`: one pass of pdserve's CPU
-    kernel where it has a path (float32, AVX-512), else torch's ops."""
-    kernel = _cpu_kernels(gate_up)
-    if kernel is not None and gate_up.dim() == 2:
-        fused: torch.Tensor | None = kernel.silu_and_mul(gate_up)
-        if fused is not None:
-            return fused
-    gate, up = gate_up.chunk(2, dim=-1)
-    return F.silu(gate) * up
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -178,43 +162,6 @@ class MLP(nn.Module):
         return out if self.group is None else self.group.all_reduce(out)
 
 
-class PackedLinear(nn.Module):
-    """A Linear whose weight oneDNN packed for this CPU's matrix kernels once, at load: 2-4x
-    faster here than `F.linear` (MKL) from one row to a 512-token chunk (measured). The packed
-    weight is an opaque oneDNN tensor, used only through `_linear_pointwise`."""
-
-    def __init__(self, linear: nn.Linear) -> None:
-        super().__init__()
-        weight = linear.weight.detach()
-        self.shape = tuple(weight.shape)
-        self.packed: torch.Tensor
-        self.register_buffer("packed", _pack(weight), persistent=False)
-        self.bias = linear.bias
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(
-            x, self.packed, self.bias, "none", [], ""
-        )
-        return out
-
-
-def _pack(weight: torch.Tensor) -> torch.Tensor:
-    packed: torch.Tensor = torch.ops.mkldnn._reorder_linear_weight(weight)
-    return packed
-
-
-def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
-    """oneDNN's packed linear is there for `dtype`: a CPU torch built with it, and for 16-bit
-    weights a CPU with their instructions (bf16: AVX-512 BW/VL/DQ or AVX-NE-CONVERT; not AVX2)."""
-    if device.type != "cpu" or not torch.backends.mkldnn.is_available():  # type: ignore[no-untyped-call]
-        return False
-    if dtype == torch.bfloat16:
-        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    if dtype == torch.float16:
-        return bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
-    return dtype == torch.float32
-
-
 def _fused(*parts: nn.Linear) -> nn.Linear:
     """One Linear computing `parts` side by side (their outputs concatenated, in order)."""
     weight = torch.cat([p.weight for p in parts])
@@ -228,10 +175,14 @@ def _fused(*parts: nn.Linear) -> nn.Linear:
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, shard: Shard) -> None:
+    def __init__(self, config: ModelConfig, shard: Shard, index: int) -> None:
         super().__init__()
         self.self_attn = Attention(config, shard)
-        self.mlp = MLP(config, shard)
+        self.mlp: MLP | SparseMoE = (
+            SparseMoE(config.hidden_size, config.moe, shard)
+            if config.moe is not None and config.is_sparse(index)
+            else MLP(config, shard)
+        )
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -256,7 +207,9 @@ class DecoderModel(nn.Module):
             if shard.size == 1
             else VocabParallelEmbedding(config.vocab_size, config.hidden_size, shard, None)
         )
-        self.layers = nn.ModuleList(DecoderLayer(config, shard) for _ in range(config.num_layers))
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, shard, index) for index in range(config.num_layers)
+        )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def decoder_layers(self) -> list[DecoderLayer]:
@@ -305,6 +258,8 @@ class CausalLM(nn.Module):
                 for name, child in list(module.named_children()):
                     if isinstance(child, nn.Linear):
                         setattr(module, name, PackedLinear(child))
+            if isinstance(layer.mlp, SparseMoE):
+                layer.mlp.experts.pack()
         if not self.config.tie_word_embeddings:
             self.lm_head = PackedLinear(self.lm_head)  # type: ignore[assignment]
 

@@ -3,6 +3,7 @@
 import hashlib
 import json
 import logging
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -11,8 +12,10 @@ import torch
 from safetensors import safe_open
 
 from pdserve.errors import ModelLoadError
-from pdserve.model.config import ModelConfig, parse_dtype
-from pdserve.model.llama import CausalLM, RotaryEmbedding, can_pack
+from pdserve.model.config import ARCHITECTURES, ModelConfig, parse_dtype
+from pdserve.model.linear import can_pack
+from pdserve.model.llama import CausalLM, RotaryEmbedding
+from pdserve.model.moe import Experts
 from pdserve.model.parallel import Shard, TPGroup, check_divides
 from pdserve.model.tokenizer import Tokenizer
 
@@ -64,7 +67,7 @@ def load_model(
     context = config.context_window(max_model_len)
     torch_device = torch.device(device)
     shard = group.shard if group is not None else Shard()
-    check_divides(shard, config.num_heads, config.num_kv_heads, config.intermediate_size)
+    check_divides(shard, config)
     with torch.device("meta"):  # no memory: each parameter is materialised by its weight
         model = CausalLM(config, context, shard)
     _load_weights(model, model_dir, torch_dtype, torch_device)
@@ -113,33 +116,115 @@ def _load_weights(
 ) -> None:
     """Replace each (meta) parameter by its checkpoint tensor, read onto `device` (safetensors
     reads a CUDA target's shards straight to the GPU) and cast there one tensor at a time: no
-    fp32 copy of the model, no full host copy for a GPU."""
+    fp32 copy of the model, no full host copy for a GPU. Experts are copied into their layer's
+    stacked weights (`_ExpertWeights`)."""
     params = dict(model.named_parameters(remove_duplicate=False))
+    layout = ARCHITECTURES[model.config.architecture].moe
+    experts = _ExpertWeights(model, layout.projections if layout else (), dtype, device)
     loaded: set[str] = set()
     for file in _weight_files(model_dir):
         with safe_open(str(file), framework="pt", device=str(device)) as shard:
-            for name in shard.keys():  # noqa: SIM118  (safe_open is not a dict)
+            for stored in shard.keys():  # noqa: SIM118  (safe_open is not a dict)
+                name = stored
+                if layout is not None and layout.block != "mlp":
+                    name = stored.replace(f".{layout.block}.", ".mlp.")
+                if experts.take(shard, stored, name):
+                    continue
                 if name not in params or (
                     name == "lm_head.weight" and model.config.tie_word_embeddings
                 ):
                     if "rotary_emb" in name or name == "lm_head.weight":
                         continue
-                    raise ModelLoadError(f"unexpected weight {name!r} in {file.name}")
-                tensor = _read(shard, name, model.shard, model.config.vocab_size)
+                    raise ModelLoadError(f"unexpected weight {stored!r} in {file.name}")
+                tensor = _read(shard, stored, model.shard, model.config.vocab_size)
                 if tensor.shape != params[name].shape:
                     raise ModelLoadError(
-                        f"weight {name!r} has shape {tuple(tensor.shape)}, "
+                        f"weight {stored!r} has shape {tuple(tensor.shape)}, "
                         f"config.json implies {tuple(params[name].shape)}"
                     )
                 owner, _, leaf = name.rpartition(".")
                 weight = torch.nn.Parameter(tensor.to(dtype=dtype), requires_grad=False)
                 setattr(model.get_submodule(owner), leaf, weight)
                 loaded.add(name)
+    loaded |= experts.complete()
     if model.config.tie_word_embeddings:
         loaded.add("lm_head.weight")  # the same Parameter as the embedding
     missing = sorted(set(params) - loaded)
     if missing:
         raise ModelLoadError(f"checkpoint lacks {len(missing)} weights, e.g. {missing[0]!r}")
+
+
+_EXPERT = re.compile(r"(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(\w+)\.weight")
+
+
+class _ExpertWeights:
+    """Fills every layer's stacked expert weights (`Experts`) from the checkpoint's per-expert
+    tensors (`projections`: the family's gate, up and down names): only this rank's experts are
+    read, and of each only the width this rank holds."""
+
+    def __init__(
+        self,
+        model: CausalLM,
+        projections: tuple[str, ...],
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        self.model = model
+        self.projections = projections
+        self.dtype = dtype
+        self.device = device
+        self.copied: dict[str, int] = {}  # layer's Experts path -> expert tensors copied
+
+    def take(self, file: Any, stored: str, name: str) -> bool:
+        """Copy `stored` (module name `name`) if it is an expert's weight; False if it is not."""
+        match = _EXPERT.fullmatch(name)
+        if match is None:
+            return False
+        path, expert, projection = match.group(1), int(match.group(2)), match.group(3)
+        try:
+            experts = self.model.get_submodule(path)
+        except AttributeError:
+            experts = None
+        if not isinstance(experts, Experts) or projection not in self.projections:
+            raise ModelLoadError(f"unexpected weight {stored!r}: config.json implies none")
+        part = experts.part
+        if not part.owns(expert):
+            return True  # another rank's: never read
+        which = self.projections.index(projection)
+        columns = slice(part.width_start, part.width_start + part.width)
+        source = file.get_slice(stored)
+        tensor = source[columns] if which < 2 else source[:, columns]
+        if experts.gate_up.is_meta:
+            self._materialize(experts)
+        local = expert - part.first
+        target = (
+            experts.gate_up[local, which * part.width : (which + 1) * part.width]
+            if which < 2
+            else experts.down[local]
+        )
+        if tensor.shape != target.shape:
+            raise ModelLoadError(
+                f"weight {stored!r} has shape {tuple(source.get_shape())}, config.json implies "
+                f"{'a width' if which < 2 else 'a hidden size'} that does not match"
+            )
+        with torch.no_grad():
+            target.copy_(tensor)
+        self.copied[path] = self.copied.get(path, 0) + 1
+        return True
+
+    def _materialize(self, experts: Experts) -> None:
+        for leaf in ("gate_up", "down"):
+            shape = getattr(experts, leaf).shape
+            empty = torch.empty(shape, dtype=self.dtype, device=self.device)
+            setattr(experts, leaf, torch.nn.Parameter(empty, requires_grad=False))
+
+    def complete(self) -> set[str]:
+        """The stacked weights every expert of which was copied."""
+        done = set()
+        for path, module in self.model.named_modules():
+            if isinstance(module, Experts) and self.copied.get(path, 0) == 3 * module.part.count:
+                done |= {f"{path}.gate_up", f"{path}.down"}
+        return done
 
 
 _COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")  # split by rows

@@ -39,6 +39,7 @@ from torch import nn
 from torch.distributed import TCPStore  # type: ignore[attr-defined]
 
 from pdserve.errors import ConfigError, TensorParallelError
+from pdserve.model.config import ModelConfig, MoEConfig
 from pdserve.model.shm_collectives import ShmCollectives
 from pdserve.model.shm_collectives import supported as shm_supported
 
@@ -49,10 +50,12 @@ T = TypeVar("T")
 
 @dataclass(frozen=True, slots=True)
 class Shard:
-    """Rank `rank` of `size`."""
+    """Rank `rank` of `size`; with `expert_parallel` each rank holds whole experts of a
+    mixture-of-experts layer (`pdserve.model.moe.ExpertPart`), else a slice of every one."""
 
     rank: int = 0
     size: int = 1
+    expert_parallel: bool = False
 
     def split(self, total: int, what: str) -> tuple[int, int]:
         """(start, length) of this rank's equal part of `total`; ConfigError unless it divides."""
@@ -74,12 +77,45 @@ class Shard:
 SINGLE = Shard()  # one rank: the whole model
 
 
-def check_divides(shard: Shard, num_heads: int, num_kv_heads: int, intermediate: int) -> None:
-    """Refuse a size that does not split whole heads and MLP columns (KV heads are split, not
-    replicated: every rank must hold at least one)."""
-    shard.split(num_heads, "attention heads")
-    shard.split(num_kv_heads, "KV heads")
-    shard.split(intermediate, "MLP width (intermediate_size)")
+def check_divides(shard: Shard, config: ModelConfig) -> None:
+    """Refuse a size that does not split whole heads, MLP columns and experts (KV heads are
+    split, not replicated: every rank must hold at least one)."""
+    shard.split(config.num_heads, "attention heads")
+    shard.split(config.num_kv_heads, "KV heads")
+    if config.moe is None or len(config.moe.sparse_layers) < config.num_layers:
+        shard.split(config.intermediate_size, "MLP width (intermediate_size)")
+    if config.moe is not None:
+        expert_part(shard, config.moe)
+
+
+@dataclass(frozen=True, slots=True)
+class ExpertPart:
+    """The experts one rank holds: `count` of the model's `num_experts` from `first`, and of each
+    the width columns `width_start .. width_start + width`."""
+
+    num_experts: int
+    first: int
+    count: int
+    width_start: int
+    width: int
+
+    def owns(self, expert: int) -> bool:
+        return self.first <= expert < self.first + self.count
+
+
+def expert_part(shard: Shard, moe: MoEConfig) -> ExpertPart:
+    """The experts `shard`'s rank holds: whole experts with expert parallelism, else a slice of
+    every expert's width; ConfigError when the ranks do not divide them."""
+    if shard.expert_parallel:
+        if moe.num_experts % shard.size:
+            raise ConfigError(
+                f"engine.expert_parallel_size {shard.size} does not divide the model's "
+                f"{moe.num_experts} experts: choose a size that divides it"
+            )
+        count = moe.num_experts // shard.size
+        return ExpertPart(moe.num_experts, shard.rank * count, count, 0, moe.intermediate_size)
+    start, width = shard.split(moe.intermediate_size, "experts' width (moe_intermediate_size)")
+    return ExpertPart(moe.num_experts, 0, moe.num_experts, start, width)
 
 
 @dataclass(slots=True)

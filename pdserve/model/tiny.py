@@ -10,12 +10,15 @@ import logging
 import math
 import os
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import platformdirs
 import torch
 from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
+
+from pdserve.model.config import ARCHITECTURES, ModelConfig
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +46,26 @@ TINY_ARCH = {
     "max_position_embeddings": 4096,
     "rms_norm_eps": 1e-5,
     "rope_theta": 10000.0,
+}
+MODEL_TYPES = {
+    "LlamaForCausalLM": "llama",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "MixtralForCausalLM": "mixtral",
+}
+# The mixture-of-experts families: 8 experts of width 128, each token's top 2; the Qwen3-MoE
+# has a dense MLP in its second layer (`mlp_only_layers`) and experts in the others.
+TINY_EXPERTS: dict[str, dict[str, object]] = {
+    "qwen3_moe": {
+        "num_experts": 8,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 128,
+        "norm_topk_prob": True,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [1],
+    },
+    "mixtral": {"num_local_experts": 8, "num_experts_per_tok": 2, "intermediate_size": 128},
 }
 
 
@@ -76,7 +99,9 @@ def _byte_of(char: str) -> int:
     return code
 
 
-def _random_weights(config: dict[str, int | float | bool], seed: int) -> dict[str, torch.Tensor]:
+def _random_weights(
+    config: dict[str, int | float | bool], model: ModelConfig, seed: int
+) -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
     hidden, inter = int(config["hidden_size"]), int(config["intermediate_size"])
     head_dim = hidden // int(config["num_attention_heads"])
@@ -100,9 +125,16 @@ def _random_weights(config: dict[str, int | float | bool], seed: int) -> dict[st
             p + "self_attn.k_proj.weight": linear(kv, hidden),
             p + "self_attn.v_proj.weight": linear(kv, hidden),
             p + "self_attn.o_proj.weight": linear(hidden, hidden),
-            p + "mlp.gate_proj.weight": linear(inter, hidden),
-            p + "mlp.up_proj.weight": linear(inter, hidden),
-            p + "mlp.down_proj.weight": linear(hidden, inter),
+        }
+        if model.is_sparse(i):
+            weights |= _random_experts(p, model, linear)
+        else:
+            weights |= {
+                p + "mlp.gate_proj.weight": linear(inter, hidden),
+                p + "mlp.up_proj.weight": linear(inter, hidden),
+                p + "mlp.down_proj.weight": linear(hidden, inter),
+            }
+        weights |= {
             p + "input_layernorm.weight": norm(),
             p + "post_attention_layernorm.weight": norm(),
         }
@@ -125,38 +157,57 @@ def _random_weights(config: dict[str, int | float | bool], seed: int) -> dict[st
     return weights
 
 
+def _random_experts(
+    prefix: str, model: ModelConfig, linear: Callable[[int, int], torch.Tensor]
+) -> dict[str, torch.Tensor]:
+    """A sparse layer's router and experts, named as the family's checkpoints name them."""
+    moe, layout = model.moe, ARCHITECTURES[model.architecture].moe
+    assert moe is not None and layout is not None
+    hidden, width = model.hidden_size, moe.intermediate_size
+    block = prefix + layout.block
+    gate, up, down = layout.projections
+    weights = {f"{block}.gate.weight": 4.0 * linear(moe.num_experts, hidden)}  # decisive routes
+    for e in range(moe.num_experts):
+        weights |= {
+            f"{block}.experts.{e}.{gate}.weight": linear(width, hidden),
+            f"{block}.experts.{e}.{up}.weight": linear(width, hidden),
+            f"{block}.experts.{e}.{down}.weight": linear(hidden, width),
+        }
+    return weights
+
+
 def write_tiny_model(
     path: Path, *, seed: int = TINY_SEED, architecture: str = "LlamaForCausalLM", tied: bool = False
 ) -> Path:
     """Write a complete HF model directory to `path` (atomically) and return `path`.
 
-    `architecture` is `LlamaForCausalLM`, `Qwen2ForCausalLM` (q/k/v biases) or
-    `Qwen3ForCausalLM` (per-head q and k norms); `tied` shares the embedding with the LM head.
+    `architecture` is `LlamaForCausalLM`, `Qwen2ForCausalLM` (q/k/v biases), `Qwen3ForCausalLM`
+    (per-head q and k norms), or a mixture of experts, `Qwen3MoeForCausalLM` or
+    `MixtralForCausalLM` (`TINY_EXPERTS`); `tied` shares the embedding with the LM head.
     The same arguments always give byte-identical weights.
     """
     tokenizer = _byte_level_tokenizer()
     vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
-    model_type = {"Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}.get(
-        architecture, "llama"
-    )
+    model_type = MODEL_TYPES[architecture]
     config: dict[str, int | float | bool] = {
         **TINY_ARCH,
         "vocab_size": vocab_size,
         "tie_word_embeddings": tied,
         "head_dim": TINY_ARCH["hidden_size"] // TINY_ARCH["num_attention_heads"],
     }
-    traits = {"qkv_bias": model_type == "qwen2", "qk_norm": model_type == "qwen3"}
-    weights = _random_weights({**config, **traits}, seed)
     hf_config = {
         "architectures": [architecture],
         "model_type": model_type,
         **config,
+        **TINY_EXPERTS.get(model_type, {}),
         "attention_bias": False,
         "hidden_act": "silu",
         "torch_dtype": "float32",
         "bos_token_id": tokenizer.token_to_id("<s>"),
         "eos_token_id": tokenizer.token_to_id("</s>"),
     }
+    traits = {"qkv_bias": model_type == "qwen2", "qk_norm": model_type.startswith("qwen3")}
+    weights = _random_weights({**config, **traits}, ModelConfig.from_hf_dict(hf_config), seed)
     tokenizer_config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "bos_token": "<s>",

@@ -27,6 +27,7 @@ import grpc
 
 from pdserve.config import ClusterConfig, load_cluster_config, load_engine_config
 from pdserve.engine import LLMEngine, SamplingParams
+from pdserve.engine.engine import check_model
 from pdserve.errors import ClusterError, PdserveError
 from pdserve.model.tokenizer import Tokenizer
 from pdserve.storage.redis_server import redacted
@@ -185,6 +186,7 @@ def _up(args: argparse.Namespace) -> int:
     )
     if args.redis_url:  # replace() re-runs StorageConfig's checks on the URL
         config = replace(config, storage=replace(config.storage, redis_url=args.redis_url))
+    check_model(config.engine)  # the model's config.json against the engine's: one line, exit 2
     ray_token = _prepare_ray_auth(config)  # before Ray is imported: it reads its auth mode then
     from services.controller.cluster import Cluster, cluster_secret
     from services.controller.state import state_path

@@ -1,10 +1,12 @@
 """`pdserve generate` as a user runs it: a real subprocess, real stdout and stderr."""
 
+import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from platformdirs import user_cache_dir
 
 KERNELS = os.environ.get("PDSERVE_KERNEL_CACHE", user_cache_dir("pdserve"))
@@ -69,3 +71,44 @@ def test_generate_with_bad_sampling_parameters_is_one_clear_line(
     assert result.stderr.strip().splitlines() == [
         "pdserve: error: top_p must be in (0, 1], got 2.0"
     ]
+
+
+@pytest.mark.parametrize(
+    ("change", "engine", "reason"),
+    [
+        ({"architectures": ["GPT2LMHeadModel"]}, "", "unsupported architecture 'GPT2LMHeadModel'"),
+        (
+            {"architectures": ["Qwen3MoeForCausalLM"], "num_experts": 8, "num_experts_per_tok": 2},
+            "",
+            "config.json lacks required key 'moe_intermediate_size'",
+        ),
+        (
+            {
+                "architectures": ["MixtralForCausalLM"],
+                "num_local_experts": 6,
+                "num_experts_per_tok": 2,
+            },
+            "  tensor_parallel_size: 4\n  expert_parallel_size: 4\n",
+            "engine.expert_parallel_size 4 does not divide the model's 6 experts",
+        ),
+    ],
+    ids=["unknown-architecture", "missing-field", "experts-not-divisible"],
+)
+def test_up_refuses_a_model_it_cannot_serve_in_one_line_before_starting_anything(
+    tmp_path: Path, tiny_model_dir: Path, change: dict[str, object], engine: str, reason: str
+) -> None:
+    model = tmp_path / "model"
+    model.mkdir()
+    config = json.loads((tiny_model_dir / "config.json").read_text())
+    config |= {"num_experts_per_tok": 2, **change}
+    (model / "config.json").write_text(json.dumps(config))
+    (tmp_path / "pdserve.yaml").write_text(f"engine:\n  model: {model}\n{engine}")
+    state = tmp_path / "state"
+    result = run_cli(
+        "up", "--config", str(tmp_path / "pdserve.yaml"), "--state-dir", str(state), cache=tmp_path
+    )
+    assert result.returncode == 2, result.stderr
+    [line] = result.stderr.strip().splitlines()
+    assert line.startswith("pdserve: error: engine.") and reason in line, line
+    assert "starting pdserve" not in result.stdout  # before Ray, Redis, any instance
+    assert not state.exists() or not any(state.iterdir())

@@ -12,7 +12,17 @@ from pathlib import Path
 import pytest
 import torch
 from reference import hf_greedy, hf_logits, hf_model
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    MixtralConfig,
+    MixtralForCausalLM,
+    PretrainedConfig,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
+)
 
 from pdserve.engine import LLMEngine, SamplingParams
 from pdserve.model.loader import load_model
@@ -164,6 +174,8 @@ def test_greedy_tokens_match_reference_on_prefix_cache_hit(
         ("Qwen2ForCausalLM", True),
         ("Qwen3ForCausalLM", False),
         ("Qwen3ForCausalLM", True),
+        ("Qwen3MoeForCausalLM", False),
+        ("MixtralForCausalLM", True),
     ],
 )
 def test_model_variants_match_reference(tmp_path: Path, architecture: str, tied: bool) -> None:
@@ -216,3 +228,66 @@ def test_a_qwen3_checkpoint_matches_with_its_per_head_q_and_k_norms(
     completions = make_engine(model=str(tmp_path), block_size=BLOCK).generate(prompts, greedy(60))
     for tokens, completion in zip(prompts, completions, strict=True):
         assert list(completion.token_ids) == hf_greedy(reference, tokens, 60)
+
+
+EXPERTS: dict[str, object] = {"num_experts_per_tok": 2}
+
+
+@pytest.mark.parametrize(
+    ("family", "config"),
+    [
+        # experts in every second layer, top-k weights as the softmax gave them
+        (
+            Qwen3MoeForCausalLM,
+            Qwen3MoeConfig(
+                **SMALL,
+                **EXPERTS,
+                num_experts=8,
+                moe_intermediate_size=64,
+                decoder_sparse_step=2,
+                norm_topk_prob=False,
+            ),
+        ),
+        # experts in every layer but the first (`mlp_only_layers`), top-k weights renormalised
+        (
+            Qwen3MoeForCausalLM,
+            Qwen3MoeConfig(
+                **SMALL,
+                **EXPERTS,
+                num_experts=8,
+                moe_intermediate_size=64,
+                mlp_only_layers=[0],
+                norm_topk_prob=True,
+            ),
+        ),
+        (
+            MixtralForCausalLM,
+            MixtralConfig(**{**SMALL, "intermediate_size": 64}, **EXPERTS, num_local_experts=4),
+        ),
+    ],
+    ids=["qwen3-moe-sparse-step-2", "qwen3-moe-mlp-only-layers", "mixtral"],
+)
+def test_a_mixture_of_experts_checkpoint_matches(
+    tmp_path: Path,
+    tiny_model_dir: Path,
+    make_engine: Callable[..., LLMEngine],
+    family: type[torch.nn.Module],
+    config: PretrainedConfig,
+) -> None:
+    """Qwen3-MoE and Mixtral checkpoints written by transformers' own classes. The routers'
+    weights are drawn wide (initialized, every expert scores alike and routes would hang on
+    rounding), the norms' at random."""
+    torch.manual_seed(11)
+    reference = family(config).eval()  # type: ignore[call-arg]
+    with torch.no_grad():
+        for name, parameter in reference.named_parameters():
+            if name.endswith("gate.weight"):
+                parameter.normal_(0.0, 0.5)
+            elif "norm" in name:
+                parameter.uniform_(0.5, 1.5)
+    save_with_tokenizer(reference, tmp_path, tiny_model_dir)
+    assert_last_logits_match(tmp_path, reference, prompt(100), blocks=7)
+    prompts = [prompt(n, offset=n) for n in (9, 40)]
+    completions = make_engine(model=str(tmp_path), block_size=BLOCK).generate(prompts, greedy(40))
+    for tokens, completion in zip(prompts, completions, strict=True):
+        assert list(completion.token_ids) == hf_greedy(reference, tokens, 40)

@@ -10,7 +10,8 @@ import torch
 import torch.nn.functional as F
 
 from pdserve.model.cpu_kernels import paged_ops
-from pdserve.model.llama import Rotation, _rotate_half, silu_and_mul
+from pdserve.model.linear import silu_and_mul
+from pdserve.model.llama import Rotation, _rotate_half
 
 
 def kernels() -> object:

@@ -13,8 +13,18 @@ import torch
 from safetensors import safe_open
 
 from pdserve.errors import ConfigError
+from pdserve.model.config import ModelConfig
 from pdserve.model.loader import _read
-from pdserve.model.parallel import Shard, StepInputs, check_divides, pack, payload_size, unpack
+from pdserve.model.parallel import (
+    ExpertPart,
+    Shard,
+    StepInputs,
+    check_divides,
+    expert_part,
+    pack,
+    payload_size,
+    unpack,
+)
 from pdserve.model.shm_collectives import PeerGone, ShmCollectives
 
 VOCAB = 262  # the tiny model's
@@ -63,13 +73,56 @@ def test_each_rank_reads_only_slices_which_together_are_the_checkpoint(
         assert sorted(set(proxy.sliced)) == sorted(names)
 
 
+def model_config(architecture: str = "LlamaForCausalLM", **extra: object) -> ModelConfig:
+    return ModelConfig.from_hf_dict(
+        {
+            "architectures": [architecture],
+            "vocab_size": VOCAB,
+            "hidden_size": 256,
+            "intermediate_size": 704,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 8,
+            "num_key_value_heads": 4,
+            **extra,
+        }
+    )
+
+
 def test_a_size_must_split_heads_kv_heads_and_the_mlp() -> None:
-    check_divides(Shard(0, 4), 8, 4, 704)
+    check_divides(Shard(0, 4), model_config())
     with pytest.raises(ConfigError, match="does not divide the model's KV heads"):
-        check_divides(Shard(0, 8), 8, 4, 704)  # KV heads are split, never replicated
+        check_divides(Shard(0, 8), model_config())  # KV heads are split, never replicated
     with pytest.raises(ConfigError, match="attention heads"):
-        check_divides(Shard(0, 3), 8, 4, 704)
+        check_divides(Shard(0, 3), model_config())
     assert Shard(3, 4).vocab_rows(VOCAB) == (198, 66)
+
+
+def test_experts_split_by_width_or_whole_and_a_size_must_divide_them() -> None:
+    moe = model_config(
+        "Qwen3MoeForCausalLM",
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        num_experts=12,
+        num_experts_per_tok=2,
+        moe_intermediate_size=96,
+        mlp_only_layers=[1],
+    )
+    assert moe.moe is not None
+    check_divides(Shard(0, 4), moe)  # 96 / 4 columns of every expert
+    assert expert_part(Shard(1, 4), moe.moe) == ExpertPart(12, 0, 12, 24, 24)
+    assert expert_part(Shard(1, 4, expert_parallel=True), moe.moe) == ExpertPart(12, 3, 3, 0, 96)
+    with pytest.raises(ConfigError, match=r"engine\.expert_parallel_size 8 does not divide .* 12"):
+        check_divides(Shard(0, 8, expert_parallel=True), moe)
+    with pytest.raises(ConfigError, match=r"tensor_parallel_size 4 does not divide .*moe_inter"):
+        check_divides(
+            Shard(0, 4),
+            model_config(
+                "MixtralForCausalLM",
+                num_local_experts=4,
+                num_experts_per_tok=2,
+                intermediate_size=90,
+            ),
+        )
 
 
 def test_step_inputs_travel_as_one_payload_and_come_back_equal() -> None:

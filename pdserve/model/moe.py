@@ -1,0 +1,113 @@
+"""Mixture-of-experts layers (Qwen3-MoE, Mixtral): a router picks each token's top-k experts, and
+the experts run grouped — the token rows sorted by expert, one matrix multiply per *active* expert
+and projection, never a loop over tokens nor a multiply by every expert.
+
+An instance's ranks split the experts one of two ways (`pdserve.model.parallel.ExpertPart`):
+tensor parallel (every rank holds every expert, a `1 / size` slice of each one's width) or
+expert parallel (every rank holds `num_experts / size` whole experts). Either way every rank has
+every token (attention ends in an all-reduce), computes what its experts contribute, and one
+all-reduce sums the partial outputs: the dispatch is free, the combine one collective, as the
+dense MLP's.
+
+On CPU each expert's two weights are packed for oneDNN at load (as every dense projection); on
+CUDA one Triton grouped-GEMM kernel (`triton_moe`) runs each projection for every expert at once.
+"""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pdserve.model.config import MoEConfig
+from pdserve.model.linear import pack_weight, silu_and_mul
+from pdserve.model.parallel import ExpertPart, Shard, TPGroup, expert_part
+
+
+def route(logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights, expert ids), `[tokens, top_k]` each: the softmax over every expert in float32,
+    its `top_k` largest, renormalised to sum to one when `normalize`."""
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if normalize:
+        weights /= weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
+class Experts(nn.Module):
+    """This rank's experts, stacked: `gate_up` `[count, 2 x width, hidden]` (each expert's gate
+    rows, then its up rows) and `down` `[count, hidden, width]`. The loader fills them expert by
+    expert from the checkpoint's per-expert tensors."""
+
+    def __init__(self, part: ExpertPart, hidden: int) -> None:
+        super().__init__()
+        self.part = part
+        self.gate_up = nn.Parameter(torch.empty(part.count, 2 * part.width, hidden))
+        self.down = nn.Parameter(torch.empty(part.count, hidden, part.width))
+        self._packed: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def pack(self) -> None:
+        """Pack each expert's two weights for oneDNN (CPU); the stacked weights are dropped."""
+        self._packed = [
+            (pack_weight(self.gate_up[e].detach()), pack_weight(self.down[e].detach()))
+            for e in range(self.part.count)
+        ]
+        del self.gate_up, self.down
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """Sum over each token's chosen experts held here of weight x expert(token): `[tokens,
+        hidden]` (zero rows for tokens none of whose experts are here)."""
+        if x.is_cuda:
+            from pdserve.model.triton_moe import fused_experts
+
+            return fused_experts(x, self.gate_up, self.down, ids, weights, self.part.first)
+        return self._grouped(x, ids, weights)
+
+    def _grouped(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        top_k = ids.shape[1]
+        flat = ids.reshape(-1)
+        order = torch.argsort(flat, stable=True)  # every (token, choice) grouped by expert
+        rows = order // top_k  # the token of each
+        scales = weights.reshape(-1)[order, None]
+        counts = torch.bincount(flat, minlength=self.part.num_experts).tolist()
+        out = torch.zeros_like(x)
+        start = sum(counts[: self.part.first])
+        for local in range(self.part.count):
+            n = counts[self.part.first + local]
+            if n == 0:
+                continue
+            tokens = rows[start : start + n]
+            hidden = silu_and_mul(self._project(local, 0, x[tokens]))
+            y = self._project(local, 1, hidden) * scales[start : start + n]
+            out.index_add_(0, tokens, y.to(out.dtype))
+            start += n
+        return out
+
+    def _project(self, expert: int, which: int, x: torch.Tensor) -> torch.Tensor:
+        """Expert `expert`'s gate/up (`which` 0) or down (1) projection of rows `x`."""
+        if self._packed:
+            out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(
+                x, self._packed[expert][which], None, "none", [], ""
+            )
+            return out
+        return F.linear(x, (self.gate_up if which == 0 else self.down)[expert])
+
+
+class SparseMoE(nn.Module):
+    """A mixture-of-experts block in place of a layer's MLP: the router (`gate`, replicated on
+    every rank), this rank's experts, and with a group the all-reduce of their partial sums."""
+
+    def __init__(self, hidden: int, moe: MoEConfig, shard: Shard) -> None:
+        super().__init__()
+        self.gate = nn.Linear(hidden, moe.num_experts, bias=False)
+        self.experts = Experts(expert_part(shard, moe), hidden)
+        self.moe = moe
+        self.group: TPGroup | None = None
+
+    def fuse(self) -> None:
+        """Nothing to fuse: the loader stacks each expert's gate and up rows already."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = route(self.gate(x), self.moe.top_k, self.moe.normalize_top_k)
+        if self.moe.round_weights:
+            weights = weights.to(x.dtype)
+        out: torch.Tensor = self.experts(x, ids, weights)
+        return out if self.group is None else self.group.all_reduce(out)
