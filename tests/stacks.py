@@ -230,3 +230,5 @@ def routed(
     finally:
         stack.channels.close()
         running.stop()
+        # its KV-event subscriptions end with it, not at their next event
+        assert not running.router.kv_events.alive(), "a KV-event follower outlived the router"

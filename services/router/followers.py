@@ -11,6 +11,7 @@ that instance's view until it answers again.
 
 import threading
 from collections.abc import Callable
+from typing import Any
 
 import grpc
 
@@ -41,6 +42,9 @@ class _Threads:
         for thread in self._threads:
             thread.join(5)
 
+    def alive(self) -> bool:
+        return any(thread.is_alive() for thread in self._threads)
+
 
 class KVEventFollower:
     """Keeps `index` equal to the KV caches of the followed instances."""
@@ -55,6 +59,8 @@ class KVEventFollower:
         self._membership = membership
         self._client = client
         self._threads = _Threads()
+        self._streams: dict[str, Any] = {}  # each followed instance's open stream
+        self._lock = threading.Lock()
 
     def follow(self, address: str) -> None:
         """Mirror `address`'s KV events until it stops being a member (or `stop`)."""
@@ -65,7 +71,16 @@ class KVEventFollower:
         self.index.drop_instance(address)
 
     def stop(self) -> None:
+        """End every subscription now (a thread waiting for its next event is woken)."""
+        self._threads.stopped.set()
+        with self._lock:
+            for stream in self._streams.values():
+                stream.cancel()
         self._threads.stop()
+
+    def alive(self) -> bool:
+        """Some subscription's thread still runs."""
+        return self._threads.alive()
 
     def _following(self, address: str) -> bool:
         return not self._threads.stopped.is_set() and self._membership.is_member(address)
@@ -75,6 +90,10 @@ class KVEventFollower:
         On disconnect drop the view and resubscribe."""
         while self._following(address):
             stream = self._client.instance(address).kv_events()
+            with self._lock:
+                self._streams[address] = stream
+            if self._threads.stopped.is_set():
+                stream.cancel()  # `stop` came between the check and the registration
             try:
                 for event in stream:
                     self._apply(address, event)
@@ -82,6 +101,8 @@ class KVEventFollower:
                         stream.cancel()
             except grpc.RpcError:
                 pass
+            with self._lock:
+                self._streams.pop(address, None)
             self.index.drop_instance(address)
             self._threads.stopped.wait(RESUBSCRIBE_S)
 
