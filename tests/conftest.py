@@ -5,7 +5,7 @@ import contextlib
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -31,6 +31,32 @@ torch.set_num_threads(1)  # two cores shared with other processes: avoid OpenMP 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_tiny_model(tmp_path_factory.mktemp("models") / "tiny", seed=0)
+
+
+# The families every path's equality tests run on: the tiny model (Llama) and its Qwen3 and
+# mixture-of-experts siblings (same attention shape, same tokenizer).
+FAMILIES = {
+    "llama": "LlamaForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "qwen3-moe": "Qwen3MoeForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+}
+
+
+@pytest.fixture(scope="session")
+def family_dirs(
+    tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Callable[[str], Path]:
+    """The tiny model of a family (`FAMILIES`), written on first use."""
+    written = {"llama": tiny_model_dir}
+
+    def model_dir(family: str) -> Path:
+        if family not in written:
+            root = tmp_path_factory.mktemp("models") / family
+            written[family] = write_tiny_model(root, seed=0, architecture=FAMILIES[family])
+        return written[family]
+
+    return model_dir
 
 
 @pytest.fixture

@@ -9,6 +9,7 @@ import contextlib
 import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -80,15 +81,23 @@ def test_pd_output_equals_mixed_output_for_concurrent_shared_prefixes(
         assert result.final.num_output_tokens == 24
 
 
+@pytest.mark.parametrize("family", ["llama", "qwen3", "qwen3-moe", "mixtral"])
 @pytest.mark.parametrize("transport", ["grpc", "shm", "mooncake"])
 def test_pd_output_is_identical_over_every_transport(
-    transport: str, make_stack: MakeStack, make_engine: Callable[..., LLMEngine]
+    transport: str,
+    family: str,
+    family_dirs: Callable[[str], Path],
+    make_stack: MakeStack,
+    make_engine: Callable[..., LLMEngine],
 ) -> None:
-    stack = make_stack(transfer=TransferConfig(transport=transport))
+    """Every family over every transport, the second prompt hitting the first's prefix on
+    both sides, equals one engine (whose equality to transformers the reference tests show)."""
+    model = str(family_dirs(family))
+    stack = make_stack(engine={"model": model}, transfer=TransferConfig(transport=transport))
     system = prompt(40)
     prompts = [system + prompt(n, offset=n) for n in (3, 30)]
     results = [stack.generate(p, GREEDY) for p in prompts]
-    mixed = make_engine().generate(prompts, GREEDY)
+    mixed = make_engine(model=model).generate(prompts, GREEDY)
     assert [r.tokens for r in results] == [list(m.token_ids) for m in mixed]
     first, second = (r.final.prefill for r in results)
     assert first.transport == transport and first.kv_blocks_sent == 3  # ceil(43 / 16)
@@ -295,3 +304,30 @@ def test_outputs_go_to_the_named_subscription_and_a_stale_attempts_abort_spares_
                 break
     assert result.first_token_id == expected[0]
     assert tokens == expected
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3-moe", "mixtral"])
+def test_a_stream_whose_decode_dies_migrates_and_ends_as_the_undisturbed_one(
+    family: str,
+    family_dirs: Callable[[str], Path],
+    make_stack: MakeStack,
+    make_engine: Callable[..., LLMEngine],
+) -> None:
+    """The decode instance serving a greedy stream is stopped after 15 tokens: the router
+    resubmits prompt + output to the other decode, and the client sees exactly one engine's
+    tokens."""
+    model = str(family_dirs(family))
+    stack = make_stack(decode=2, engine={"model": model})
+    params = SamplingParams(max_tokens=48, ignore_eos=True)
+    tokens = prompt(37)
+    [expected] = make_engine(model=model).generate([tokens], params)
+    received: list[int] = []
+    stopped = None
+    for event in stack.stream(tokens, params):
+        if isinstance(event, TokenDelta):
+            received += event.token_ids
+        if stopped is None and len(received) >= 15:
+            [stopped] = [m for m in stack.decode if m.instance.stats().num_running]
+            stopped.stop()
+    assert received == list(expected.token_ids)
+    assert stack.router.metrics.migrations.labels("instance_lost")._value.get() == 1

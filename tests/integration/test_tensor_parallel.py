@@ -129,9 +129,34 @@ def test_a_step_too_large_for_the_shared_memory_slots_goes_through_gloo_with_the
             engine.close()
 
 
+@pytest.mark.parametrize(
+    ("family", "expert_parallel_size"),
+    [("llama", 1), ("qwen3-moe", 1), ("qwen3-moe", 2), ("mixtral", 2)],
+    ids=["llama", "qwen3-moe-sliced-experts", "qwen3-moe-ep2", "mixtral-ep2"],
+)
 def test_tp2_greedy_equals_tp1_and_transformers_with_prefix_hits(
-    engines: dict[int, LLMEngine], tiny_model_dir: Path
+    family: str,
+    expert_parallel_size: int,
+    family_dirs: Callable[[str], Path],
+    make_engine: Callable[..., LLMEngine],
 ) -> None:
+    """Two ranks, experts sliced by width (tensor parallel) or whole on each (expert
+    parallel): logits within 1e-5 of their scale, and greedy tokens, equal one rank's and
+    transformers'."""
+    model_dir = family_dirs(family)
+    engines = {
+        size: make_engine(
+            model=str(model_dir),
+            num_kv_blocks=64,
+            tensor_parallel_size=size,
+            expert_parallel_size=min(size, expert_parallel_size),
+            torch_threads=1,
+        )
+        for size in (1, 2)
+    }
+    chunks = [SequenceChunk(list(range(5, 45)), 0, [0, 1, 2], True)]
+    one, two = (engines[size].runner.execute(chunks) for size in (1, 2))
+    assert (two - one).abs().max().item() <= 1e-5 * one.abs().max().item()
     shared = prompts(1, 48, seed=5)[0]
     batch = [[*shared, 1, 2, 3], [*shared, 9], prompts(1, 30, seed=9)[0]]
     first = {size: engine.generate(batch[:1], GREEDY) for size, engine in engines.items()}
@@ -139,7 +164,7 @@ def test_tp2_greedy_equals_tp1_and_transformers_with_prefix_hits(
     assert [c.token_ids for c in first[2]] == [c.token_ids for c in first[1]]
     assert [c.token_ids for c in rest[2]] == [c.token_ids for c in rest[1]]
     assert rest[2][0].num_cached_tokens == 48  # the shared prefix hit rank 0's prefix cache
-    model = hf_model(tiny_model_dir)
+    model = hf_model(model_dir)
     assert list(rest[2][0].token_ids) == hf_greedy(model, batch[1], GREEDY.max_tokens)
 
 
@@ -198,23 +223,45 @@ def test_tp2_preempts_and_resumes_from_storage_with_identical_output(
             tier.close()
 
 
-@pytest.mark.parametrize("transport", ["grpc", "shm", "mooncake"])
+@pytest.mark.parametrize(
+    ("transport", "family", "expert_parallel_size"),
+    [
+        ("grpc", "llama", 1),
+        ("shm", "llama", 1),
+        ("mooncake", "llama", 1),
+        ("shm", "qwen3-moe", 2),
+        ("grpc", "mixtral", 2),
+    ],
+)
 def test_tp2_prefill_to_tp2_decode_equals_one_rank_over_every_transport(
-    transport: str, make_stack: MakeStack, engines: dict[int, LLMEngine]
+    transport: str,
+    family: str,
+    expert_parallel_size: int,
+    family_dirs: Callable[[str], Path],
+    make_stack: MakeStack,
+    make_engine: Callable[..., LLMEngine],
 ) -> None:
     """Decode's Reserve reply names each rank's cache; over shm and Mooncake prefill writes
     each rank's slice into decode's same rank (then commits once), over gRPC decode's rank 0
-    spreads the slices."""
+    spreads the slices. The mixture-of-experts models with their experts spread (EP=2)."""
+    model = str(family_dirs(family))
     stack = make_stack(
-        engine={"num_kv_blocks": 128, "tensor_parallel_size": 2, "torch_threads": 1},
+        engine={
+            "model": model,
+            "num_kv_blocks": 128,
+            "tensor_parallel_size": 2,
+            "expert_parallel_size": expert_parallel_size,
+            "torch_threads": 1,
+        },
         transfer=TransferConfig(transport=transport),
     )
+    one_rank = make_engine(model=model, num_kv_blocks=64)
     prefill, decode = stack.prefill[0].instance, stack.decode[0].instance
     shared = prompts(1, 64, seed=11)[0]
     for prompt in ([*shared, 4, 5], [*shared, 6]):
         result = stack.generate(prompt, GREEDY)
         assert result.final.prefill is not None and result.final.prefill.transport == transport
-        [expected] = engines[1].generate([prompt], GREEDY)
+        [expected] = one_rank.generate([prompt], GREEDY)
         assert result.tokens == list(expected.token_ids)
     ranks = decode.endpoints.ranks
     assert len(ranks) == 2 and decode.endpoints.shm_name == ""  # no write into the whole

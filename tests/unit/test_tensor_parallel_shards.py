@@ -14,7 +14,8 @@ from safetensors import safe_open
 
 from pdserve.errors import ConfigError
 from pdserve.model.config import ModelConfig
-from pdserve.model.loader import _read
+from pdserve.model.llama import CausalLM
+from pdserve.model.loader import _ExpertWeights, _read
 from pdserve.model.parallel import (
     ExpertPart,
     Shard,
@@ -26,6 +27,7 @@ from pdserve.model.parallel import (
     unpack,
 )
 from pdserve.model.shm_collectives import PeerGone, ShmCollectives
+from pdserve.model.tiny import write_tiny_model
 
 VOCAB = 262  # the tiny model's
 
@@ -71,6 +73,44 @@ def test_each_rank_reads_only_slices_which_together_are_the_checkpoint(
             else:  # norms: every rank holds them whole
                 assert all(torch.equal(p, whole) for p in parts)
         assert sorted(set(proxy.sliced)) == sorted(names)
+
+
+@pytest.mark.parametrize("expert_parallel", [False, True], ids=["sliced", "whole"])
+def test_each_rank_reads_only_its_experts_or_its_columns_of_each(
+    tmp_path: Path, expert_parallel: bool
+) -> None:
+    """Two ranks of a Qwen3-MoE (8 experts of width 128): expert parallel, rank r reads experts
+    4r..4r+3 whole and never looks at the others; else every rank reads its 64 columns of
+    every expert. Together they hold the checkpoint's experts exactly."""
+    path = write_tiny_model(tmp_path / "moe", seed=0, architecture="Qwen3MoeForCausalLM")
+    config = ModelConfig.from_dir(path)
+    projections = ("gate_proj", "up_proj", "down_proj")
+    with safe_open(str(path / "model.safetensors"), framework="pt") as file:
+        names = [name for name in file.keys() if ".experts." in name]  # noqa: SIM118
+        ranks = []
+        for rank in range(2):
+            with torch.device("meta"):
+                model = CausalLM(config, 16, Shard(rank, 2, expert_parallel))
+            proxy = SlicesOnly(file)
+            weights = _ExpertWeights(model, projections, torch.float32, torch.device("cpu"))
+            assert all(weights.take(proxy, name, name) for name in names)
+            stacked = {n for n, _ in model.named_parameters() if n.endswith(("gate_up", "down"))}
+            assert weights.complete() == stacked
+            ranks.append((model.get_submodule("model.layers.2.mlp.experts"), proxy.sliced))
+        gate, up, down = (
+            file.get_tensor(f"model.layers.2.mlp.experts.5.{p}.weight") for p in projections
+        )
+    (first, read_first), (second, read_second) = ranks
+    if expert_parallel:
+        assert not any(".experts.5." in name for name in read_first)  # rank 0: experts 0-3
+        assert len(read_first) == len(read_second) == len(names) // 2
+        assert torch.equal(second.gate_up[1], torch.cat([gate, up]))
+        assert torch.equal(second.down[1], down)
+    else:
+        assert sorted(read_first) == sorted(read_second) == sorted(names)
+        assert torch.equal(torch.cat([first.gate_up[5, :64], second.gate_up[5, :64]]), gate)
+        assert torch.equal(torch.cat([first.gate_up[5, 64:], second.gate_up[5, 64:]]), up)
+        assert torch.equal(torch.cat([first.down[5], second.down[5]], dim=1), down)
 
 
 def model_config(architecture: str = "LlamaForCausalLM", **extra: object) -> ModelConfig:
