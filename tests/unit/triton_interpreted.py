@@ -4,7 +4,7 @@ file is not named test_*, so the session never collects it: triton must not be i
 in interpreter mode). Decode rows of ragged lengths (one context split or several), prefill
 chunks after a prefix hit (block-aligned or not), a prompt prefilled in two chunks, prefill and
 decode mixed, GQA and MHA, head sizes 32, 64 and 48 (padded), strided queries, bfloat16 and
-float16."""
+float16. And the fused mixture-of-experts kernel against the grouped CPU path."""
 
 import dataclasses
 import os
@@ -15,7 +15,10 @@ import torch
 from test_attention_backends import BLOCK, metadata
 
 from pdserve.model.attention import AttentionMetadata, ReferenceBackend
+from pdserve.model.moe import Experts, route
+from pdserve.model.parallel import ExpertPart
 from pdserve.model.triton_attention import TritonBackend, TritonConfig
+from pdserve.model.triton_moe import Tiles, fused_experts
 
 assert os.environ.get("TRITON_INTERPRET") == "1", "run by tests/unit/test_triton_attention.py"
 
@@ -141,3 +144,55 @@ def test_a_decode_plan_for_the_longest_context_attends_each_rows_own_length() ->
     expected = ReferenceBackend().plan(meta).attend(q, kv_layer, scale)
     got = TritonBackend(SMALL).plan(planned).attend(q, kv_layer, scale)
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+
+
+# -- the fused mixture-of-experts kernel -----------------------------------------------------
+
+MOE_TILES = Tiles(block_m=16, block_n=32, block_k=32)
+
+
+def experts_of(part: ExpertPart, hidden: int, seed: int) -> Experts:
+    """Random experts (the stacked weights the loader fills), unpacked: the grouped reference."""
+    experts = Experts(part, hidden)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for weight in (experts.gate_up, experts.down):
+            weight.copy_(torch.randn(weight.shape, generator=generator) / weight.shape[-1] ** 0.5)
+    return experts
+
+
+@pytest.mark.parametrize("tokens", [1, 7, 40])
+@pytest.mark.parametrize(("first", "count"), [(0, 8), (4, 4)], ids=["all-experts", "ep-rank-1"])
+def test_the_fused_experts_equal_the_grouped_reference(tokens: int, first: int, count: int) -> None:
+    """8 experts of width 48 (not a tile multiple), hidden size 40, each token's top 3; on an
+    expert-parallel rank (experts 4-7) the choices of other experts contribute nothing."""
+    hidden, width, top_k = 40, 48, 3
+    experts = experts_of(ExpertPart(8, first, count, 0, width), hidden, seed=tokens + first)
+    generator = torch.Generator().manual_seed(tokens)
+    x = torch.randn(tokens, hidden, generator=generator)
+    weights, ids = route(torch.randn(tokens, 8, generator=generator), top_k, normalize=True)
+    expected = experts._grouped(x, ids, weights)
+    got = fused_experts(x, experts.gate_up, experts.down, ids, weights, first, MOE_TILES)
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+    if first:
+        untouched = ~((ids >= first) & (ids < first + count)).any(dim=1)
+        assert not got[untouched].any()
+
+
+def test_the_fused_experts_in_bfloat16() -> None:
+    hidden, width = 64, 32
+    experts = experts_of(ExpertPart(4, 0, 4, 0, width), hidden, seed=3)
+    generator = torch.Generator().manual_seed(4)
+    x = torch.randn(9, hidden, generator=generator)
+    weights, ids = route(torch.randn(9, 4, generator=generator), 2, normalize=False)
+    expected = experts._grouped(x, ids, weights)
+    got = fused_experts(
+        x.bfloat16(),
+        experts.gate_up.detach().bfloat16(),
+        experts.down.detach().bfloat16(),
+        ids,
+        weights,
+        0,
+        MOE_TILES,
+    )
+    torch.testing.assert_close(got.float(), expected, rtol=3e-2, atol=3e-2)
