@@ -49,6 +49,7 @@ file: `benchmarks/results/gpu_check.json` holds GPU runs only. The last stdout l
 import argparse
 import contextlib
 import dataclasses
+import functools
 import gc
 import hashlib
 import importlib
@@ -1178,6 +1179,160 @@ def cuda_ipc(ctx: Context) -> dict[str, Any]:
     return exercise_cuda_ipc(timeout_s=80.0)
 
 
+# -- 9. the other families: Qwen3, Qwen3-MoE, Mixtral ----------------------------------------
+
+# Shapes of a real member of each family (fewer layers: `FAMILY_LAYERS`), and `--smoke`'s.
+FAMILIES: dict[str, dict[str, Any]] = {
+    "Qwen3ForCausalLM": {  # Qwen3-8B
+        "hidden_size": 4096, "intermediate_size": 12288, "num_attention_heads": 32,
+        "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151936,
+    },
+    "Qwen3MoeForCausalLM": {  # Qwen3-30B-A3B
+        "hidden_size": 2048, "intermediate_size": 6144, "moe_intermediate_size": 768,
+        "num_experts": 128, "num_experts_per_tok": 8, "norm_topk_prob": True,
+        "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128,
+        "vocab_size": 151936,
+    },
+    "MixtralForCausalLM": {  # Mixtral-8x7B
+        "hidden_size": 4096, "intermediate_size": 14336, "num_local_experts": 8,
+        "num_experts_per_tok": 2, "num_attention_heads": 32, "num_key_value_heads": 8,
+        "head_dim": 128, "vocab_size": 32000,
+    },
+}  # fmt: skip
+SMOKE_FAMILY = {  # every key of FAMILIES, at smoke sizes
+    "hidden_size": 256, "intermediate_size": 512, "moe_intermediate_size": 128, "num_experts": 8,
+    "num_local_experts": 8, "num_experts_per_tok": 2, "norm_topk_prob": True,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64, "vocab_size": 32000,
+}  # fmt: skip
+FAMILY_LAYERS = 2
+MOE_KERNEL_TOKENS = (1, 64, 512)
+
+
+def families(ctx: Context) -> dict[str, Any]:
+    """Per family: a random checkpoint written by `transformers` in the run's dtype (routers'
+    weights drawn wide, as the CPU tests do, so that routes do not hang on rounding), greedy
+    tokens of `LLMEngine` against `generate`, ms per decode step at the smallest and largest
+    batch; for the mixture-of-experts families the fused Triton experts (`triton_moe`) against
+    the grouped reference path on the first layer's experts: max difference and ms."""
+    result: dict[str, Any] = {}
+    for architecture in FAMILIES:
+        result[architecture] = attempt(lambda a=architecture: family_figures(ctx, a))
+        release(ctx)
+    return result
+
+
+def family_figures(ctx: Context, architecture: str) -> dict[str, Any]:
+    import transformers
+
+    s = ctx.sizes
+    shape = FAMILIES[architecture]
+    if ctx.args.smoke:  # the family's own keys, at smoke sizes
+        shape = {key: SMOKE_FAMILY[key] for key in shape}
+    config_class = getattr(transformers, architecture.replace("ForCausalLM", "Config"))
+    config = config_class(
+        **shape,
+        num_hidden_layers=FAMILY_LAYERS,
+        max_position_embeddings=4096,
+        tie_word_embeddings=False,
+        attn_implementation="eager",
+        bos_token_id=BOS,
+        eos_token_id=EOS,
+    )
+    torch.manual_seed(SEED)
+    with default_dtype(ctx.dtype), ctx.device:
+        reference = getattr(transformers, architecture)(config).eval()
+        with torch.no_grad():
+            for name, parameter in reference.named_parameters():
+                if name.endswith("gate.weight"):
+                    parameter.normal_(0.0, 0.5)
+    path = ctx.work / architecture
+    reference.save_pretrained(path)
+    write_tokenizer(path, int(shape["vocab_size"]))
+    reference.generation_config.eos_token_id = None
+    vocab = int(shape["vocab_size"])
+    prompts = random_prompts(s.prompts, s.prompt_len, vocab, SEED)
+    figures: dict[str, Any] = {
+        "params": sum(p.numel() for p in reference.parameters()),
+        "layers": FAMILY_LAYERS,
+    }
+    figures["greedy"] = attempt(functools.partial(greedy_agreement, ctx, reference, path, prompts))
+    del reference
+    release(ctx)
+    engine = family_engine(ctx, path)
+    figures["decode_ms"] = {
+        str(batch): median(
+            engine_decode_ms(ctx, engine, random_prompts(batch, s.decode_prompt_len, vocab, batch))
+        )
+        for batch in (min(s.batches), max(s.batches))
+    }
+    if engine.loaded.config.moe is not None:
+        figures["fused_moe"] = attempt(lambda: fused_moe_check(ctx, engine.loaded.model))
+    log(ctx, f"families: {architecture}: {figures['decode_ms']} ms per step")
+    return figures
+
+
+def family_engine(ctx: Context, path: Path) -> Any:
+    from pdserve.config import EngineConfig
+    from pdserve.engine.engine import LLMEngine
+
+    s = ctx.sizes
+    biggest = max(s.batches)
+    config = EngineConfig(
+        model=str(path),
+        device=str(ctx.device),
+        dtype=s.dtype,
+        block_size=BLOCK_SIZE,
+        num_kv_blocks=biggest * decode_blocks_per_seq(ctx) + 16,
+        max_num_seqs=biggest,
+        max_num_batched_tokens=s.prefill_budget,
+    )
+    return LLMEngine.from_config(config)
+
+
+def fused_moe_check(ctx: Context, model: Any) -> dict[str, Any]:
+    """The first sparse layer's experts on random rows routed by its own router: the fused
+    Triton kernel against the grouped per-expert path (both on the device)."""
+    if not ctx.cuda:
+        return dict(NO_CUDA)
+    from pdserve.model.moe import SparseMoE, route
+    from pdserve.model.triton_moe import fused_experts
+
+    block = next(layer.mlp for layer in model.model.layers if isinstance(layer.mlp, SparseMoE))
+    experts, moe = block.experts, block.moe
+    figures: dict[str, Any] = {}
+    for tokens in MOE_KERNEL_TOKENS:
+        x = torch.randn(tokens, experts.gate_up.shape[2], device=ctx.device, dtype=ctx.dtype)
+        weights, ids = route(block.gate(x), moe.top_k, moe.normalize_top_k)
+        fused = fused_experts(x, experts.gate_up, experts.down, ids, weights, experts.part.first)
+        grouped = experts._grouped(x, ids, weights)
+
+        def run_fused(x: torch.Tensor = x, ids: Any = ids, weights: Any = weights) -> object:
+            return fused_experts(x, experts.gate_up, experts.down, ids, weights, experts.part.first)
+
+        def run_grouped(x: torch.Tensor = x, ids: Any = ids, weights: Any = weights) -> object:
+            return experts._grouped(x, ids, weights)
+
+        figures[str(tokens)] = {
+            "maxdiff": float((fused.float() - grouped.float()).abs().max()),
+            "absmax": float(grouped.float().abs().max()),
+            "fused_ms": median(timed_ms(ctx, run_fused)),
+            "grouped_ms": median(timed_ms(ctx, run_grouped)),
+        }
+    return figures
+
+
+def timed_ms(ctx: Context, work: Callable[[], object], repeat: int = 10) -> list[float]:
+    work()
+    samples = []
+    for _ in range(repeat):
+        ctx.sync()
+        start = time.perf_counter()
+        work()
+        ctx.sync()
+        samples.append(1e3 * (time.perf_counter() - start))
+    return samples
+
+
 SECTIONS: tuple[tuple[str, Callable[[Context], dict[str, Any]], float], ...] = (
     ("environment", environment, 30.0),
     ("correctness", correctness, 150.0),
@@ -1187,6 +1342,7 @@ SECTIONS: tuple[tuple[str, Callable[[Context], dict[str, Any]], float], ...] = (
     ("cuda_ipc", cuda_ipc, 90.0),
     ("memory", memory, 60.0),
     ("tensor_parallel", tensor_parallel, 120.0),
+    ("families", families, 180.0),
 )
 
 
@@ -1285,7 +1441,29 @@ def headline(ctx: Context, results: Mapping[str, Any]) -> dict[str, float | None
         f"tp_tok_s_ratio_b{low}": dig(results, "tensor_parallel", f"tok_s_ratio_b{low}"),
         f"tp_tok_s_ratio_b{high}": dig(results, "tensor_parallel", f"tok_s_ratio_b{high}"),
         f"tp_comm_ms_b{high}": dig(results, "tensor_parallel", f"tp{TP_SIZE}", "comm_ms", high),
+        **family_headline(results.get("families"), low, high),
     }
+
+
+def family_headline(families: object, low: str, high: str) -> dict[str, float | None]:
+    """Per family (short names): greedy agreement, decode ms, the fused MoE kernel's largest
+    difference relative to the output scale and its speedup over the grouped path at 512 rows."""
+    metrics: dict[str, float | None] = {}
+    for architecture in FAMILIES:
+        short = architecture.removesuffix("ForCausalLM").lower()
+        figures = families.get(architecture, {}) if isinstance(families, Mapping) else {}
+        metrics[f"{short}_greedy_agree"] = dig(figures, "greedy", "greedy_agree")
+        metrics[f"{short}_decode_ms_b{low}"] = dig(figures, "decode_ms", low)
+        metrics[f"{short}_decode_ms_b{high}"] = dig(figures, "decode_ms", high)
+        if "Moe" in architecture or "Mixtral" in architecture:
+            big = str(MOE_KERNEL_TOKENS[-1])
+            diff, scale = (dig(figures, "fused_moe", big, k) for k in ("maxdiff", "absmax"))
+            fused, grouped = (dig(figures, "fused_moe", big, k) for k in ("fused_ms", "grouped_ms"))
+            metrics[f"{short}_fused_moe_reldiff"] = (
+                diff / scale if diff is not None and scale else None
+            )
+            metrics[f"{short}_fused_moe_speedup"] = grouped / fused if fused and grouped else None
+    return metrics
 
 
 def ipc_headline(ipc: object) -> dict[str, float | None]:
@@ -1352,7 +1530,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--out-dir", default=None, help=f"write {NAME}.json into this folder")
     parser.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     parser.add_argument("--layers", type=int, default=None, help="decoder layers (4; smoke 2)")
-    parser.add_argument("--budget-s", type=float, default=360.0, help="the whole run's budget")
+    parser.add_argument("--budget-s", type=float, default=480.0, help="the whole run's budget")
     parser.add_argument("--limit-scale", type=float, default=1.0, help="x each section's limit")
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
     parser.add_argument("--commit", default=None, help="pdserve commit (default: git rev-parse)")

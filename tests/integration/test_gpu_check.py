@@ -1,6 +1,6 @@
 """`benchmarks/gpu_check.py --smoke` on CPU: every section runs, CUDA-only figures are marked
-skipped, pdserve agrees with `transformers` in float32 and TP=2 with TP=1 (two CPU ranks), so
-the GPU run has no silly failure left to find."""
+skipped, pdserve agrees with `transformers` in float32 (every family) and TP=2 with TP=1 (two
+CPU ranks), so the GPU run has no silly failure left to find."""
 
 import importlib.util
 import json
@@ -23,6 +23,7 @@ SECTIONS = (
     "cuda_ipc",
     "memory",
     "tensor_parallel",
+    "families",
 )
 CUDA_ONLY = ("cuda_ipc",)
 NO_CUDA = {"skipped": "no CUDA"}
@@ -48,7 +49,7 @@ def smoke(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], str
         [*command, "--out", str(out)],
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=240,
         check=False,
         env={**os.environ, "HF_HUB_OFFLINE": "1"},
     )
@@ -116,6 +117,20 @@ def test_tensor_parallel_runs_two_cpu_ranks_in_smoke_mode(
     round_trip = tp["tp2"]["kv_round_trip"]
     assert round_trip["ranks"] == 2
     assert round_trip["whole_equal"] and round_trip["ranks_equal"] and round_trip["copy_out_equal"]
+
+
+def test_every_family_matches_transformers_in_float32(smoke: tuple[dict[str, Any], str]) -> None:
+    """Qwen3, Qwen3-MoE and Mixtral: greedy tokens identical to transformers', decode steps
+    timed; the fused MoE kernel needs CUDA."""
+    families = dict(smoke[0]["results"]["families"])
+    del families["seconds"]
+    assert list(families) == ["Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "MixtralForCausalLM"]
+    for name, figures in families.items():
+        assert figures["greedy"]["exact"] is True, name
+        assert figures["decode_ms"]["1"] > 0 and figures["decode_ms"]["4"] > 0
+        assert ("fused_moe" in figures) == (name != "Qwen3ForCausalLM")
+        assert figures.get("fused_moe", NO_CUDA) == NO_CUDA
+    assert "qwen3moe_fused_moe_speedup=na" in smoke[1]
 
 
 def test_tensor_parallel_is_skipped_without_two_gpus(tmp_path: Path) -> None:
