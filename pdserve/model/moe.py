@@ -45,11 +45,13 @@ class Experts(nn.Module):
         self._packed: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def pack(self) -> None:
-        """Pack each expert's two weights for oneDNN (CPU); the stacked weights are dropped."""
-        self._packed = [
-            (pack_weight(self.gate_up[e].detach()), pack_weight(self.down[e].detach()))
-            for e in range(self.part.count)
-        ]
+        """Pack each expert's two weights for oneDNN (CPU); the stacked weights are dropped.
+        The packed ones are buffers too (the module's bytes count them)."""
+        for e in range(self.part.count):
+            pair = (pack_weight(self.gate_up[e].detach()), pack_weight(self.down[e].detach()))
+            self.register_buffer(f"packed_gate_up_{e}", pair[0], persistent=False)
+            self.register_buffer(f"packed_down_{e}", pair[1], persistent=False)
+            self._packed.append(pair)
         del self.gate_up, self.down
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:

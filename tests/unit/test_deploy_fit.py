@@ -1,21 +1,32 @@
 """The shipped GPU deploy configs fit the machines deploy/ray/cluster.yaml starts: for every
 role, weights + activations + KV cache <= the GPU memory of the node type meant for the config
-(per tensor-parallel rank: each rank holds 1/TP of the weights and of every KV block), the KV
-cache holds a request of max_model_len tokens, TP divides the model's attention and KV heads,
-the ranks of one instance fit one node and the instances fit the node type's nodes, and each
-config names a model whose size is known here."""
+(per tensor-parallel rank: each rank holds 1/TP of the weights and of every KV block; of a
+mixture-of-experts model, 1/TP of the attention and vocabulary and 1/EP of the experts, with
+the router and norms on every rank), the KV cache holds a request of max_model_len tokens, TP
+divides the model's attention and KV heads (and EP its experts: pdserve's own check, for a
+model whose config.json is here), the ranks of one instance fit one node and the instances fit
+the node type's nodes, and each config names a model whose size is known here."""
 
 import math
+import weakref
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 import yaml
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from pdserve.config import ClusterConfig, EngineConfig, load_cluster_config
 from pdserve.errors import ConfigError
+from pdserve.model.config import ModelConfig
 from pdserve.model.memory import MemoryReport, check_context, plan_kv_cache
+from pdserve.model.moe import Experts, SparseMoE
+from pdserve.model.parallel import Shard, check_divides
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 MIB = 2**20
@@ -28,6 +39,7 @@ INSTANCE_TYPES = {
     "g6e.xlarge": (46068 * MIB, 1, 4),  # L40S
     "p4d.24xlarge": (40960 * MIB, 8, 96),  # A100 40 GB
     "p5.48xlarge": (81559 * MIB, 8, 192),  # H100 80 GB
+    "p5en.48xlarge": (143771 * MIB, 8, 192),  # H200 141 GB
 }
 RESERVED_AT_START = 512 * MIB  # held before an instance starts (driver, ECC pages)
 CUDA_CONTEXT = 1024 * MIB  # CUDA context, cuBLAS workspaces: beyond torch's allocator
@@ -37,7 +49,28 @@ NODE_TYPES = {
     "1p1d-8b.yaml": "gpu_worker",
     "2p2d-8b.yaml": "gpu_worker",
     "2p2d-70b-tp4.yaml": "gpu_worker_8x",
+    "2p2d-235b-a22b-tp4-ep4.yaml": "gpu_worker_8x_h200",
 }
+
+
+BLOCK_M = 16  # pdserve.model.triton_moe.Tiles.block_m: each expert's rows padded to a tile
+DECODE_SPLITS = 16  # pdserve.model.triton_attention.TritonConfig.max_splits
+
+
+@dataclass(frozen=True)
+class ExpertShape:
+    """The experts of a mixture-of-experts model, in every layer (Qwen3-MoE with
+    decoder_sparse_step 1 and no mlp_only_layers): `count` SwiGLU MLPs of width `width`, `top_k`
+    of them per token, chosen by a router (`hidden x count`, replicated on every rank)."""
+
+    count: int
+    top_k: int
+    width: int
+
+    def here(self, tp: int, ep: int) -> tuple[int, int]:
+        """(experts, width of each) on one rank: `count / ep` whole experts with expert
+        parallelism (ep == tp), else a `width / tp` slice of every one (ep == 1)."""
+        return (self.count // ep, self.width) if ep > 1 else (self.count, self.width // tp)
 
 
 @dataclass(frozen=True)
@@ -45,32 +78,186 @@ class ModelShape:
     parameters: int
     layers: int
     hidden: int
-    intermediate: int
+    intermediate: int  # the dense MLP's width (none of a model whose every layer has experts)
     heads: int
     kv_heads: int
     head_dim: int
     vocab: int
+    experts: ExpertShape | None = None
+    qk_norm: bool = False  # Qwen3: an RMSNorm (head_dim) over each q and k head
+
+    def count_parameters(self) -> int:
+        """The parameters this shape has (untied embedding and LM head): attention, the MLP or
+        the experts and the router, two norms per layer (and Qwen3's q/k norms), the final
+        norm."""
+        return self.layers * (
+            self._attention() + self._mlp() + 2 * self.hidden + self._qk_norms()
+        ) + (2 * self.vocab * self.hidden + self.hidden)
+
+    def _qk_norms(self) -> int:
+        return 2 * self.head_dim if self.qk_norm else 0
+
+    def _attention(self) -> int:
+        """q, k, v and o of one layer."""
+        return 2 * (self.heads + self.kv_heads) * self.head_dim * self.hidden
+
+    def _mlp(self) -> int:
+        """One layer's dense MLP, or its experts and router."""
+        if self.experts is None:
+            return 3 * self.hidden * self.intermediate
+        experts = self.experts
+        return experts.count * 3 * self.hidden * experts.width + self.hidden * experts.count
+
+    def weight_bytes(self, dtype_bytes: int, tp: int = 1, ep: int = 1, context: int = 0) -> int:
+        """Of one rank. Dense: 1/tp of every parameter (the replicated norms are negligible).
+        With experts, what `pdserve.model.memory.weight_bytes` counts: 1/tp of the attention heads and
+        of the vocabulary rows (`ceil(vocab / tp)`) of the embedding and LM head, the experts
+        `here` (whole ones or slices: the same bytes), the router and the norms whole, and the
+        rotary tables (fp32 cos and sin of `context` positions)."""
+        if self.experts is None:
+            return self.parameters * dtype_bytes // tp
+        count, width = self.experts.here(tp, ep)
+        per_layer = (
+            self._attention() // tp
+            + count * 3 * self.hidden * width
+            + self.hidden * self.experts.count
+            + 2 * self.hidden
+            + self._qk_norms()
+        )
+        vocab_rows = -(-self.vocab // tp)
+        parameters = self.layers * per_layer + 2 * vocab_rows * self.hidden + self.hidden
+        return parameters * dtype_bytes + 2 * context * self.head_dim * 4
 
     def kv_bytes_per_token(self, dtype_bytes: int, tp: int = 1) -> int:
         """Of one rank: it holds kv_heads / tp heads of every block."""
         return self.layers * 2 * (self.kv_heads // tp) * self.head_dim * dtype_bytes
 
-    def activation_peak(self, tokens: int, seqs: int, dtype_bytes: int, tp: int = 1) -> int:
+    def activation_peak(
+        self, tokens: int, seqs: int, dtype_bytes: int, tp: int = 1, ep: int = 1
+    ) -> int:
         """A bound on one forward's transient memory on rank 0: the residual stream (full on
         every rank), the attention and MLP projections of every token (split over the ranks), and
-        fp32 logits (plus their softmax) per sequence (rank 0 gathers the full vocabulary)."""
+        fp32 logits (plus their softmax) per sequence (rank 0 gathers the full vocabulary). With
+        experts, `moe_activation_peak`."""
+        if self.experts is not None:
+            return self.moe_activation_peak(tokens, seqs, dtype_bytes, tp, ep)
         per_token = (
             2 * self.hidden + (2 * self.hidden + 3 * self.intermediate) // tp
         ) * dtype_bytes
         return tokens * per_token + seqs * self.vocab * 4 * 2
 
+    def moe_activation_peak(
+        self, tokens: int, seqs: int, dtype_bytes: int, tp: int, ep: int
+    ) -> int:
+        """A bound on one forward's transient memory on rank 0 of a mixture-of-experts model,
+        the sum of what is live at different times. Per token: the hidden states before and
+        after the attention, the attention's output and the post-attention norm's (all live
+        while the experts run; full on every rank), the step's rotary tables, a norm's two fp32
+        copies, q/k/v with their normed and rotated copies, the attention output and o_proj's
+        (of this rank's heads). One experts block (`moe_layer_bytes`). Per sequence: rank 0's
+        fp32 logits (its own part in bf16 and fp32, every rank's part gathered, their
+        concatenation: at most 3 x `[seqs, vocab]` in fp32) and the triton decode's split
+        partials."""
+        d = dtype_bytes
+        qkv = (self.heads + 2 * self.kv_heads) * self.head_dim // tp
+        attention = (2 * qkv + self.heads * self.head_dim // tp + self.hidden) * d
+        stream = 4 * self.hidden * d + 2 * self.head_dim * d + 2 * self.hidden * 4
+        logits = seqs * self.vocab * 4 * 3
+        partials = seqs * (self.heads // tp) * DECODE_SPLITS * (self.head_dim + 2) * 4
+        return (
+            tokens * (stream + attention)
+            + self.moe_layer_bytes(tokens, dtype_bytes, tp, ep)
+            + logits
+            + partials
+        )
+
+    def moe_layer_bytes(
+        self, tokens: int, dtype_bytes: int, tp: int, ep: int, path: str = ""
+    ) -> int:
+        """A bound on what one experts block (`pdserve.model.moe.SparseMoE`) allocates for
+        `tokens` tokens on one rank: of `path` ("cuda" or "cpu"), or the larger. Both: the
+        router's logits `[tokens, count]` and their fp32 softmax, the top-k weights (fp32, then
+        rounded) and ids (int64). CUDA (`triton_moe.fused_experts`), per (token, choice)
+        assignment of every token, wherever its expert is (`tokens x top_k` rows, not only this
+        rank's): the int64 index arrays of `align` (8 at most, with each local expert's padding
+        to a `BLOCK_M` tile), the gate/up output `[rows, 2 x width]`, silu(gate) and its product
+        with up (`[rows, width]` each), the down output `[rows, hidden]` and the fp32 scales;
+        then the sum over each token's choices `[tokens, hidden]`. CPU (`Experts._grouped`):
+        three index arrays per assignment, the output `[tokens, hidden]`, and per expert (at most
+        `tokens` rows; the previous expert's last tensors still live while the next one starts,
+        so twice) the gathered rows, the gate/up output, silu(gate) and the product, the down
+        output, it scaled (fp32 at most) and cast back."""
+        assert self.experts is not None
+        d, experts = dtype_bytes, self.experts
+        count, width = experts.here(tp, ep)
+        assignments = tokens * experts.top_k
+        router = tokens * experts.count * (d + 4) + assignments * (4 + 8 + d)
+        align = (assignments + count * BLOCK_M) * 8 * 8
+        fused = assignments * ((4 * width + self.hidden) * d + 4) + tokens * self.hidden * d
+        per_expert = tokens * (self.hidden * (3 * d + 4) + 4 * width * d)
+        grouped = assignments * (8 + 8 + 4) + tokens * self.hidden * d + 2 * per_expert
+        paths = {"cuda": align + fused, "cpu": grouped}
+        return router + (paths[path] if path else max(paths.values()))
 
 MODELS = {  # by the model directory's name, from its config.json
     "Meta-Llama-3-8B-Instruct": ModelShape(8_030_261_248, 32, 4096, 14336, 32, 8, 128, 128256),
     "Meta-Llama-3.1-8B-Instruct": ModelShape(8_030_261_248, 32, 4096, 14336, 32, 8, 128, 128256),
     "Meta-Llama-3-70B-Instruct": ModelShape(70_553_706_496, 80, 8192, 28672, 64, 8, 128, 128256),
+    # 235,093,634,560 parameters: the shape's count (`count_parameters`), and 470,187,269,120
+    # bytes in bf16, its checkpoint's model.safetensors.index.json total_size
+    "Qwen3-235B-A22B": ModelShape(
+        235_093_634_560,
+        94,
+        4096,
+        12288,  # config.json's intermediate_size, unused: every layer has experts
+        64,
+        4,
+        128,
+        151936,
+        experts=ExpertShape(count=128, top_k=8, width=1536),
+        qk_norm=True,
+    ),
 }
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+
+# config.json of the models whose divisibility pdserve checks itself here (`check_divides`)
+HF_CONFIGS: dict[str, dict[str, Any]] = {
+    "Qwen3-235B-A22B": {  # Hugging Face Qwen/Qwen3-235B-A22B
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "bos_token_id": 151643,
+        "decoder_sparse_step": 1,
+        "eos_token_id": 151645,
+        "head_dim": 128,
+        "hidden_act": "silu",
+        "hidden_size": 4096,
+        "initializer_range": 0.02,
+        "intermediate_size": 12288,
+        "max_position_embeddings": 40960,
+        "max_window_layers": 94,
+        "mlp_only_layers": [],
+        "model_type": "qwen3_moe",
+        "moe_intermediate_size": 1536,
+        "norm_topk_prob": True,
+        "num_attention_heads": 64,
+        "num_experts": 128,
+        "num_experts_per_tok": 8,
+        "num_hidden_layers": 94,
+        "num_key_value_heads": 4,
+        "output_router_logits": False,
+        "rms_norm_eps": 1e-06,
+        "rope_scaling": None,
+        "rope_theta": 1000000.0,
+        "router_aux_loss_coef": 0.001,
+        "sliding_window": None,
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+        "use_cache": True,
+        "use_sliding_window": False,
+        "vocab_size": 151936,
+    },
+}
 
 
 def cluster_node_types() -> dict[str, dict[str, Any]]:
@@ -101,17 +288,27 @@ def test_every_gpu_deploy_config_is_checked() -> None:
 def fit(engine: EngineConfig, gpu_memory: int) -> tuple[int, int, int]:
     """(weights, activation peak, KV bytes) of one rank (rank 0) of `engine` on that GPU."""
     assert engine.model is not None, "a GPU deploy config names its model"
-    shape = MODELS.get(Path(engine.model).name)
+    name = Path(engine.model).name
+    shape = MODELS.get(name)
     assert shape is not None, f"unknown model {engine.model}: add its shape to MODELS"
-    tp = engine.tensor_parallel_size
+    tp, ep = engine.tensor_parallel_size, engine.expert_parallel_size
     assert shape.heads % tp == 0 and shape.kv_heads % tp == 0, (
         f"tensor_parallel_size {tp} must divide {shape.heads} attention and "
         f"{shape.kv_heads} KV heads"
     )
+    if shape.experts is not None:
+        experts = shape.experts
+        assert experts.count % ep == 0 and (ep > 1 or experts.width % tp == 0), (
+            f"expert_parallel_size {ep} must divide {experts.count} experts (or at 1, "
+            f"tensor_parallel_size {tp} their width {experts.width})"
+        )
+    if name in HF_CONFIGS:  # pdserve's own check, as the engine runs it before loading
+        check_divides(Shard(0, tp, ep > 1), ModelConfig.from_hf_dict(HF_CONFIGS[name]))
     dtype_bytes = DTYPE_BYTES[engine.dtype]
-    weights = shape.parameters * dtype_bytes // tp  # norms are replicated: negligible
+    assert engine.max_model_len is not None, "a GPU deploy config sets max_model_len"
+    weights = shape.weight_bytes(dtype_bytes, tp, ep, context=engine.max_model_len)
     peak = shape.activation_peak(
-        engine.max_num_batched_tokens, engine.max_num_seqs, dtype_bytes, tp
+        engine.max_num_batched_tokens, engine.max_num_seqs, dtype_bytes, tp, ep
     )
     memory = MemoryReport(gpu_memory, gpu_memory - RESERVED_AT_START, weights, peak, CUDA_CONTEXT)
     plan = plan_kv_cache(
@@ -122,7 +319,6 @@ def fit(engine: EngineConfig, gpu_memory: int) -> tuple[int, int, int]:
         gpu_memory_utilization=engine.gpu_memory_utilization,
         memory=memory,
     )
-    assert engine.max_model_len is not None, "a GPU deploy config sets max_model_len"
     check_context(plan, engine.max_model_len, explicit=True)  # ConfigError if it cannot fit
     return weights, peak, plan.kv_bytes
 
@@ -196,3 +392,183 @@ def test_a_70b_model_needs_tensor_parallelism_on_an_h100() -> None:
     assert weights == 70_553_706_496 * 2 // 4 and kv >= 30 * 2**30
     with pytest.raises(AssertionError, match="must divide"):
         fit(replace(tp4, tensor_parallel_size=3), gpu_memory)
+
+
+def test_the_shapes_count_their_parameters() -> None:
+    """Each shape's layers add up to the parameter count given (the checkpoints' own sizes)."""
+    for name, shape in MODELS.items():
+        assert shape.count_parameters() == shape.parameters, name
+
+
+@pytest.mark.parametrize("name", sorted(HF_CONFIGS))
+def test_a_shape_is_what_pdserve_parses_from_its_config(name: str) -> None:
+    config, shape = ModelConfig.from_hf_dict(HF_CONFIGS[name]), MODELS[name]
+    assert (config.num_layers, config.hidden_size, config.intermediate_size) == (
+        shape.layers,
+        shape.hidden,
+        shape.intermediate,
+    )
+    assert (config.num_heads, config.num_kv_heads, config.head_dim, config.vocab_size) == (
+        shape.heads,
+        shape.kv_heads,
+        shape.head_dim,
+        shape.vocab,
+    )
+    assert config.qk_norm == shape.qk_norm and not config.tie_word_embeddings
+    assert config.moe is not None and shape.experts is not None
+    assert (config.moe.num_experts, config.moe.top_k, config.moe.intermediate_size) == (
+        shape.experts.count,
+        shape.experts.top_k,
+        shape.experts.width,
+    )
+    assert config.moe.sparse_layers == frozenset(range(config.num_layers))  # no dense MLP
+
+
+def test_qwen3_235b_needs_four_h200s_and_cannot_split_wider() -> None:
+    """470 GB of bf16 weights: no room on one or two 141 GB GPUs; at TP 4 (with the experts
+    whole or sliced: the same bytes) 110 GiB per rank and room for KV. Its 4 KV heads cap TP at
+    4: pdserve splits them and never replicates them."""
+    gpu_memory = INSTANCE_TYPES["p5en.48xlarge"][0]
+    engine = EngineConfig(
+        model="/m/Qwen3-235B-A22B",
+        dtype="bfloat16",
+        device="cuda",
+        max_model_len=32768,
+        max_num_batched_tokens=8192,
+        max_num_seqs=128,
+    )
+    for tp in (1, 2):
+        with pytest.raises(ConfigError, match="no GPU memory left"):
+            fit(replace(engine, tensor_parallel_size=tp), gpu_memory)
+    sliced = fit(replace(engine, tensor_parallel_size=4), gpu_memory)
+    whole = fit(replace(engine, tensor_parallel_size=4, expert_parallel_size=4), gpu_memory)
+    assert sliced[0] == whole[0] and 109 * 2**30 < whole[0] < 110 * 2**30
+    assert sliced[1] < whole[1]  # a rank's gate/up output is 4x wider with whole experts
+    assert whole[2] >= 12 * 2**30
+    with pytest.raises(AssertionError, match="must divide"):
+        fit(replace(engine, tensor_parallel_size=8, expert_parallel_size=8), gpu_memory)
+    with pytest.raises(ConfigError, match="KV heads"):
+        check_divides(Shard(0, 8, True), ModelConfig.from_hf_dict(HF_CONFIGS["Qwen3-235B-A22B"]))
+
+
+def test_experts_that_the_ranks_do_not_divide_are_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    name = "Qwen3-235B-A22B"
+    shape, raw = MODELS[name], HF_CONFIGS[name]
+    assert shape.experts is not None
+    monkeypatch.setitem(MODELS, name, replace(shape, experts=replace(shape.experts, count=126)))
+    monkeypatch.setitem(HF_CONFIGS, name, {**raw, "num_experts": 126})
+    engine = EngineConfig(
+        model=f"/m/{name}",
+        dtype="bfloat16",
+        device="cuda",
+        max_model_len=8192,
+        tensor_parallel_size=4,
+        expert_parallel_size=4,
+    )
+    with pytest.raises(AssertionError, match="must divide 126 experts"):
+        fit(engine, INSTANCE_TYPES["p5en.48xlarge"][0])
+    monkeypatch.setitem(MODELS, name, shape)  # pdserve's own check refuses it too
+    with pytest.raises(ConfigError, match="does not divide the model's 126 experts"):
+        fit(engine, INSTANCE_TYPES["p5en.48xlarge"][0])
+
+
+class LiveBytes(TorchDispatchMode):
+    """The most bytes that tensors allocated by ops while it is active held at once (a storage
+    counts until its last tensor is gone; views and in-place results of an op's inputs, and
+    tensors made before, do not count)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live = 0
+        self.peak = 0
+        self._counted: set[int] = set()
+
+    def __torch_dispatch__(
+        self,
+        func: Callable[..., Any],
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        out = func(*args, **(kwargs or {}))
+        inputs = {
+            t.untyped_storage().data_ptr()
+            for t in torch.utils._pytree.tree_leaves((args, kwargs))
+            if isinstance(t, torch.Tensor) and t.device.type != "meta"
+        }
+        for t in torch.utils._pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.device.type != "meta":
+                storage = t.untyped_storage()
+                if id(storage) not in self._counted and storage.data_ptr() not in inputs:
+                    self._count(storage)
+        return out
+
+    def _count(self, storage: torch.UntypedStorage) -> None:
+        key, size = id(storage), storage.nbytes()
+        self._counted.add(key)
+        self.live += size
+        self.peak = max(self.peak, self.live)
+        weakref.finalize(storage, self._free, key, size)  # when its last tensor is gone
+
+    def _free(self, key: int, size: int) -> None:
+        self._counted.discard(key)
+        self.live -= size
+
+
+@contextmanager
+def experts_block(shape: ModelShape, tp: int, ep: int, real: bool) -> Iterator[SparseMoE]:
+    """Rank 0's experts block of `shape` in bf16: a real router; real experts or, when not
+    `real`, experts on the meta device (only their shapes are read)."""
+    assert shape.experts is not None
+    moe_config = ModelConfig.from_hf_dict(HF_CONFIGS["Qwen3-235B-A22B"]).moe
+    assert moe_config is not None
+    moe_config = replace(
+        moe_config,
+        num_experts=shape.experts.count,
+        top_k=shape.experts.top_k,
+        intermediate_size=shape.experts.width,
+    )
+    with torch.device("cpu" if real else "meta"):
+        block = SparseMoE(shape.hidden, moe_config, Shard(0, tp, ep > 1)).to(torch.bfloat16)
+    block.gate = nn.Linear(shape.hidden, shape.experts.count, bias=False, dtype=torch.bfloat16)
+    if real:
+        for weight in (block.experts.gate_up, block.experts.down):
+            nn.init.normal_(weight, std=0.02)
+    with torch.no_grad():
+        yield block
+
+
+@pytest.mark.parametrize("ep", [1, 4], ids=["sliced", "whole"])
+def test_the_experts_bound_covers_what_the_fused_experts_allocate(
+    ep: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The CUDA path (`fused_experts`) at Qwen3-235B's shape, rank 0 of 4, on CPU tensors with
+    the Triton launches left out (they write in place: they allocate nothing)."""
+    triton_moe = pytest.importorskip("pdserve.model.triton_moe")  # triton: Linux only
+    monkeypatch.setattr(triton_moe, "_launch", lambda *args: None)
+
+    def fused(self: Experts, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> Any:
+        return triton_moe.fused_experts(x, self.gate_up, self.down, ids, w, self.part.first)
+
+    monkeypatch.setattr(Experts, "forward", fused)
+    shape, tokens = MODELS["Qwen3-235B-A22B"], 1024
+    with experts_block(shape, 4, ep, real=False) as block:
+        x = torch.randn(tokens, shape.hidden, dtype=torch.bfloat16)
+        with LiveBytes() as live:
+            block(x)
+    bound = shape.moe_layer_bytes(tokens, 2, 4, ep, "cuda")
+    assert 0.75 * bound < live.peak <= bound, (live.peak, bound)
+
+
+@pytest.mark.parametrize("ep", [1, 4], ids=["sliced", "whole"])
+def test_the_experts_bound_covers_what_the_grouped_experts_allocate(ep: int) -> None:
+    """The CPU path (`Experts._grouped`) of a small model of the same kind, rank 0 of 4, whose
+    tokens each choose every expert (each expert's rows at their most)."""
+    shape = replace(MODELS["Qwen3-235B-A22B"], hidden=256, experts=ExpertShape(8, 8, 96))
+    tokens = 256
+    with experts_block(shape, 4, ep, real=True) as block:
+        x = torch.randn(tokens, shape.hidden, dtype=torch.bfloat16)
+        with LiveBytes() as live:
+            block(x)
+    bound = shape.moe_layer_bytes(tokens, 2, 4, ep, "cpu")
+    assert 0.25 * bound < live.peak <= bound, (live.peak, bound)
