@@ -200,7 +200,8 @@ class EngineConfig:
     tp_start_timeout_s: float = 600.0
     """Longest wait for every rank to start, and again for every rank to load its weights.
 
-    A rank that exits meanwhile fails the start at once."""
+    A rank that exits meanwhile fails the start at once. `pdserve up` waits up to twice this
+    (at least 10 minutes) for each instance to serve."""
     seed: int = 0
     """Sampler seed for requests without their own `seed`."""
 

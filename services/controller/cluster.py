@@ -37,6 +37,14 @@ from services.controller.state import state_path
 logger = logging.getLogger(__name__)
 
 READY_TIMEOUT_S = 600.0
+
+
+def ready_timeout_s(config: ClusterConfig) -> float:
+    """How long an instance may take to serve: 10 minutes, or a tensor-parallel instance's two
+    start phases (its ranks start, then load; `engine.tp_start_timeout_s` each) if longer."""
+    return max(READY_TIMEOUT_S, 2 * config.engine.tp_start_timeout_s)
+
+
 # a tensor-parallel instance's ranks (a bundle each) on one node: rank 0 maps every rank's KV
 # cache (shared memory, CUDA IPC), and each layer all-reduces across them
 TP_PLACEMENT_STRATEGY = "STRICT_PACK"
@@ -111,11 +119,10 @@ class Cluster:
         self._bundles[name] = bundle
         return name, role, self._actors[name]
 
-    @staticmethod
-    def _ready(name: str, role: str, actor: Any, restarts: int = 0) -> InstanceInfo:
-        """Wait until the actor serves; raises RayError or TimeoutError."""
+    def _ready(self, name: str, role: str, actor: Any, restarts: int = 0) -> InstanceInfo:
+        """Wait until the actor serves (`ready_timeout_s`); raises RayError or TimeoutError."""
         refs = [actor.address.remote(), actor.metrics_address.remote(), actor.pid.remote()]
-        address, metrics, pid = ray.get(refs, timeout=READY_TIMEOUT_S)
+        address, metrics, pid = ray.get(refs, timeout=ready_timeout_s(self.config))
         return InstanceInfo(name, role, address, metrics, pid, restarts)
 
     def _start_storage(self) -> None:

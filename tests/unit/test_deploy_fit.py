@@ -110,10 +110,10 @@ class ModelShape:
 
     def weight_bytes(self, dtype_bytes: int, tp: int = 1, ep: int = 1, context: int = 0) -> int:
         """Of one rank. Dense: 1/tp of every parameter (the replicated norms are negligible).
-        With experts, what `pdserve.model.memory.weight_bytes` counts: 1/tp of the attention heads and
-        of the vocabulary rows (`ceil(vocab / tp)`) of the embedding and LM head, the experts
-        `here` (whole ones or slices: the same bytes), the router and the norms whole, and the
-        rotary tables (fp32 cos and sin of `context` positions)."""
+        With experts, what `pdserve.model.memory.weight_bytes` counts: 1/tp of the attention
+        heads and of the vocabulary rows (`ceil(vocab / tp)`) of the embedding and LM head, the
+        experts `here` (whole ones or slices: the same bytes), the router and the norms whole,
+        and the rotary tables (fp32 cos and sin of `context` positions)."""
         if self.experts is None:
             return self.parameters * dtype_bytes // tp
         count, width = self.experts.here(tp, ep)
@@ -198,6 +198,7 @@ class ModelShape:
         grouped = assignments * (8 + 8 + 4) + tokens * self.hidden * d + 2 * per_expert
         paths = {"cuda": align + fused, "cpu": grouped}
         return router + (paths[path] if path else max(paths.values()))
+
 
 MODELS = {  # by the model directory's name, from its config.json
     "Meta-Llama-3-8B-Instruct": ModelShape(8_030_261_248, 32, 4096, 14336, 32, 8, 128, 128256),
