@@ -23,6 +23,19 @@ threads. It writes `benchmarks/results/engine_throughput_tp.json` and ends with
 their collectives go through shared memory (`pdserve.model.shm_collectives`; gloo for tensors
 beyond a slot): with `--threads 1` TP=2 runs on two cores where TP=1 runs on one, so the ratio
 mixes that extra core with the collectives' cost — a device per rank is what TP is for.
+
+Mixture of experts (after the tiny model's figures, unless `--skip-moe`): an engine on the random
+Qwen3-MoE of vs_vllm.py (`moe_model_dir`: `--moe-layers` layers of hidden 1024, 32 experts of
+width 512, top 4, written once), float32, `--threads` threads, at each of `--moe-batches`
+(1,32,128): B requests prefilled (untimed), then `--moe-steps` decode steps timed one by one.
+Forward hooks on every `SparseMoE` block (router + experts) and on its `Experts` add up the wall
+time spent inside them (on CPU every op is synchronous, so a module call's wall time is its
+work); `moe_share_bB` = the blocks' seconds ÷ the steps' seconds (median of `--repeat` rounds;
+the experts' share alone in the JSON). On the last step of a round the `Experts` hooks also
+keep every layer's inputs (hidden states, the ids and weights the router chose); after the last
+round `Experts.forward` is timed alone on those (median of 5 samples), and `expert_us_per_tok_bB` =
+that time ÷ B, per MoE layer, averaged over the layers (the model's total per token, the active
+experts and rows per active expert in the JSON).
 """
 
 import argparse
@@ -30,14 +43,18 @@ import os
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
+from functools import partial
+from pathlib import Path
+from typing import Any
 
 import torch
-from _common import finish, median, parse_args, print_table, repeats
+from _common import finish, median, median_seconds, parse_args, print_table, repeats
 
 from pdserve.config import EngineConfig
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.request import SamplingParams
 from pdserve.engine.tensor_parallel import RankZero
+from pdserve.model.moe import Experts, SparseMoE
 from pdserve.model.parallel import CommStats
 from pdserve.model.runner import ModelRunner, SequenceChunk
 
@@ -46,6 +63,10 @@ TP_NAME = "engine_throughput_tp"
 BLOCK_SIZE = 16
 RATIO_TARGET = 0.7
 TARGET_BATCH = 32
+MOE_HEADERS = [
+    *("batch", "tok/s", "ms/step", "MoE ms", "MoE share", "experts share"),
+    *("expert µs/tok/layer", "µs/tok model", "active experts"),
+]
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -66,6 +87,14 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="compare a TP=1 engine with a TP=N one (N > 1, local worker processes) instead of "
         "the engine with the bare loop; writes engine_throughput_tp.json",
     )
+    parser.add_argument("--skip-moe", action="store_true", help="no mixture-of-experts figures")
+    parser.add_argument(
+        "--moe-batches", type=str, default="1,32,128", help="comma-separated MoE decode batches"
+    )
+    parser.add_argument(
+        "--moe-steps", type=int, default=None, help="timed MoE decode steps per round (4 / 16)"
+    )
+    parser.add_argument("--moe-layers", type=int, default=4, help="decoder layers of the MoE model")
 
 
 class Prompts:
@@ -364,6 +393,193 @@ def run_tp(args: argparse.Namespace, batches: list[int], steps: int, repeat: int
     finish(TP_NAME, args, results, metrics)
 
 
+# -- mixture of experts -------------------------------------------------------------------------
+
+
+class ModuleTimer:
+    """Wall seconds spent inside a set of modules, summed over their calls (a forward pre-hook
+    and a forward hook on each; CPU ops are synchronous, so the call's wall time is its work).
+    While `capture` is set, each module's positional inputs of its latest call are kept (cloned
+    before its clock starts)."""
+
+    def __init__(self, modules: Sequence[torch.nn.Module]) -> None:
+        self.seconds = 0.0
+        self.calls = 0
+        self.capture = False
+        self.inputs: dict[int, tuple[torch.Tensor, ...]] = {}
+        self._started: dict[int, float] = {}
+        for index, module in enumerate(modules):
+            module.register_forward_pre_hook(partial(self._enter, index))
+            module.register_forward_hook(partial(self._leave, index))
+
+    def _enter(self, index: int, module: torch.nn.Module, args: tuple[Any, ...]) -> None:
+        if self.capture:
+            self.inputs[index] = tuple(a.clone() for a in args)
+        self._started[index] = time.perf_counter()
+
+    def _leave(self, index: int, module: torch.nn.Module, args: tuple[Any, ...], out: Any) -> None:
+        self.seconds += time.perf_counter() - self._started.pop(index)
+        self.calls += 1
+
+
+@dataclass(frozen=True, slots=True)
+class MoERound:
+    """One round of decode steps at one batch: ms per step in all, in the MoE blocks, in their
+    experts."""
+
+    tok_s: float
+    step_ms: float
+    moe_ms: float
+    experts_ms: float
+
+    @property
+    def moe_share(self) -> float:
+        return self.moe_ms / self.step_ms
+
+    @property
+    def experts_share(self) -> float:
+        return self.experts_ms / self.step_ms
+
+
+def moe_round(
+    engine: LLMEngine,
+    blocks: ModuleTimer,
+    experts: ModuleTimer,
+    prompts: Sequence[list[int]],
+    steps: int,
+) -> MoERound:
+    """`steps` decode steps of the batch (prefilled first, untimed), each timed; the experts'
+    inputs of the last step kept in `experts.inputs`."""
+    decoder = EngineDecoder(engine, prompts, steps)
+    moe_before, experts_before = blocks.seconds, experts.seconds
+    seconds = 0.0
+    for i in range(steps):
+        experts.capture = i == steps - 1
+        start = time.perf_counter()
+        decoder.step()
+        seconds += time.perf_counter() - start
+    experts.capture = False
+    check_produced(engine, decoder, steps * len(prompts))
+    return MoERound(
+        decoder.produced / seconds,
+        1e3 * seconds / steps,
+        1e3 * (blocks.seconds - moe_before) / steps,
+        1e3 * (experts.seconds - experts_before) / steps,
+    )
+
+
+def time_experts(
+    modules: Sequence[Experts], inputs: dict[int, tuple[torch.Tensor, ...]], batch: int
+) -> dict[str, Any]:
+    """`Experts.forward` of each layer alone on its captured inputs (`[batch, hidden]` hidden
+    states, the router's ids and weights): µs per token per layer, and the routes' shape."""
+    per_layer_us, active, rows = [], [], []
+    number = max(1, 32 // batch)
+    with torch.inference_mode():
+        for index, module in enumerate(modules):
+            x, ids, weights = inputs[index]
+            if x.shape[0] != batch:
+                raise RuntimeError(f"layer {index}: captured {x.shape[0]} tokens, not {batch}")
+            seconds = median_seconds(
+                lambda m=module, a=(x, ids, weights): m(*a), repeat=5, number=number
+            )
+            per_layer_us.append(1e6 * seconds / batch)
+            used = int(torch.unique(ids).numel())
+            active.append(used)
+            rows.append(ids.numel() / used)
+    return {
+        "us_per_token_layer_mean": sum(per_layer_us) / len(per_layer_us),
+        "us_per_token_model": sum(per_layer_us),
+        "us_per_token_by_layer": per_layer_us,
+        "active_experts_by_layer": active,
+        "rows_per_active_expert_by_layer": rows,
+    }
+
+
+def moe_engine(args: argparse.Namespace, model: Path, max_batch: int, steps: int) -> LLMEngine:
+    """An engine on `model` with room for `max_batch` sequences of the prompt plus `steps`
+    tokens (twice, as `make_engine`'s)."""
+    blocks_per_seq = -(-(args.prompt_len + steps + 1) // BLOCK_SIZE)
+    config = EngineConfig(
+        model=str(model),
+        dtype="float32",
+        block_size=BLOCK_SIZE,
+        num_kv_blocks=2 * max_batch * blocks_per_seq + 16,
+        max_num_seqs=max_batch,
+        max_num_batched_tokens=max(512, max_batch * args.prompt_len),
+        torch_threads=args.threads,
+    )
+    return LLMEngine.from_config(config)
+
+
+def run_moe(
+    args: argparse.Namespace, repeat: int
+) -> tuple[dict[str, Any], dict[str, float], list[list[str | int | float]]]:
+    """The MoE blocks' share of a decode step and the experts' µs per token, per batch."""
+    from vs_vllm import moe_model_dir
+
+    batches = [int(b) for b in args.moe_batches.split(",")]
+    steps = args.moe_steps or (4 if args.quick else 16)
+    rounds_per_batch = 1 if args.quick else repeat
+    model = moe_model_dir(args.moe_layers)
+    engine = moe_engine(args, model, max(batches), steps)
+    try:
+        network = engine.loaded.model
+        blocks = ModuleTimer([m for m in network.modules() if isinstance(m, SparseMoE)])
+        expert_modules = [m for m in network.modules() if isinstance(m, Experts)]
+        experts = ModuleTimer(expert_modules)
+        prompts = Prompts(args.prompt_len)
+        figures: dict[str, Any] = {}
+        metrics: dict[str, float] = {}
+        rows: list[list[str | int | float]] = []
+        for batch in batches:
+            moe_round(engine, blocks, experts, prompts.take(batch), 2)  # warm-up
+            rounds = [
+                moe_round(engine, blocks, experts, prompts.take(batch), steps)
+                for _ in range(rounds_per_batch)
+            ]
+            timed = time_experts(expert_modules, experts.inputs, batch)
+            share = median([r.moe_share for r in rounds])
+            expert_us = timed["us_per_token_layer_mean"]
+            figures[str(batch)] = {
+                "tok_s": median([r.tok_s for r in rounds]),
+                "step_ms": median([r.step_ms for r in rounds]),
+                "moe_ms": median([r.moe_ms for r in rounds]),
+                "experts_ms": median([r.experts_ms for r in rounds]),
+                "moe_share": share,
+                "experts_share": median([r.experts_share for r in rounds]),
+                "experts_alone": timed,
+                "rounds": [asdict(r) for r in rounds],
+            }
+            f = figures[str(batch)]
+            metrics[f"moe_share_b{batch}"] = share
+            metrics[f"expert_us_per_tok_b{batch}"] = expert_us
+            active = median(timed["active_experts_by_layer"])
+            row: list[str | int | float] = [batch, f["tok_s"], f["step_ms"], f["moe_ms"], share]
+            rows.append([*row, f["experts_share"], expert_us, timed["us_per_token_model"], active])
+    finally:
+        engine.close()
+    config = engine.loaded.config
+    assert config.moe is not None
+    results = {
+        "model_dir": str(model),
+        "layers": config.num_layers,
+        "num_experts": config.moe.num_experts,
+        "top_k": config.moe.top_k,
+        "expert_width": config.moe.intermediate_size,
+        "hidden": config.hidden_size,
+        "steps": steps,
+        "rounds": rounds_per_batch,
+        "prompt_len": args.prompt_len,
+        "threads": args.threads,
+        "method": "forward hooks (perf_counter) on every SparseMoE block and Experts module "
+        "during engine decode steps; Experts.forward then timed alone on the last step's "
+        "captured inputs",
+        "batches": figures,
+    }
+    return results, metrics, rows
+
+
 def main() -> None:
     args = parse_args(__doc__ or NAME, configure)
     batches = [int(b) for b in args.batches.split(",")]
@@ -412,6 +628,18 @@ def main() -> None:
         "target_batch": TARGET_BATCH,
         "verdict": verdict,
     }
+    if not args.skip_moe:
+        moe, moe_metrics, moe_rows = run_moe(args, repeat)
+        print_table(
+            f"mixture of experts: random Qwen3-MoE ({moe['num_experts']} experts, top "
+            f"{moe['top_k']}, width {moe['expert_width']}, {moe['layers']} layers), "
+            f"{args.threads} threads, prompt {args.prompt_len}, {moe['steps']} decode steps, "
+            f"median of {moe['rounds']}",
+            MOE_HEADERS,
+            moe_rows,
+        )
+        results["moe"] = moe
+        metrics |= moe_metrics
     finish(NAME, args, results, metrics)
 
 

@@ -32,7 +32,8 @@ wide, see `write_moe_model`). Both random models reuse the tiny model's tokenize
 Ratios: pdserve ÷ vLLM for throughput, vLLM ÷ pdserve for times, so > 1 means pdserve wins;
 each is the median of the per-repetition ratios. Targets: >= 1.0.
 
-Writes benchmarks/results/vs_vllm.json and ends with the line (`_common.finish`)
+Writes benchmarks/results/vs_vllm.json (`--result-name NAME`: NAME.json, `RESULT NAME`) and ends
+with the line (`_common.finish`)
 ``RESULT vs_vllm ratio_offline_tiny=… ratio_prefix_tiny=… ratio_ttft_tiny=… ratio_itl_tiny=…
 ratio_offline_big=… … ratio_itl_moe=… agree_tiny=… agree_big=… agree_moe=…``.
 """
@@ -135,6 +136,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     add("--vllm-env", action="append", default=[], metavar="KEY=VALUE", help="extra for vLLM")
     add("--vllm-python", default=str(ROOT / ".venv-vllm" / "bin" / "python"))
+    add(
+        "--result-name",
+        default=NAME,
+        help="writes benchmarks/results/NAME.json and `RESULT NAME ...` (default vs_vllm; e.g. "
+        "vs_vllm_moe for a run of one model that must not replace the others' figures)",
+    )
 
 
 def sizes(args: argparse.Namespace) -> dict[str, Any]:
@@ -681,7 +688,7 @@ def main() -> None:
         "load_average_before": load_before,
         "pdserve_source": pdserve_source(),
     }
-    finish(NAME, args, results, metrics)
+    finish(args.result_name, args, results, metrics)
 
 
 if __name__ == "__main__":
