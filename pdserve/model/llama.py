@@ -258,8 +258,6 @@ class CausalLM(nn.Module):
                 for name, child in list(module.named_children()):
                     if isinstance(child, nn.Linear):
                         setattr(module, name, PackedLinear(child))
-            if isinstance(layer.mlp, SparseMoE):
-                layer.mlp.experts.pack()
         if not self.config.tie_word_embeddings:
             self.lm_head = PackedLinear(self.lm_head)  # type: ignore[assignment]
 

@@ -1,17 +1,21 @@
 """pdserve's fused CPU kernels against the torch ops they replace: the rotary embedding bit for
-bit, silu(gate) * up within float32 rounding, and the shapes and dtypes they leave to torch."""
+bit, silu(gate) * up within float32 rounding, the mixture-of-experts kernel against the grouped
+path, and the shapes and dtypes they leave to torch."""
 
 import itertools
 import threading
 import time
 from pathlib import Path
 
+import pytest
 import torch
 import torch.nn.functional as F
 
 from pdserve.model.cpu_kernels import paged_ops
 from pdserve.model.linear import silu_and_mul
 from pdserve.model.llama import Rotation, _rotate_half
+from pdserve.model.moe import Experts, route
+from pdserve.model.parallel import ExpertPart
 
 
 def kernels() -> object:
@@ -86,3 +90,27 @@ def test_the_attention_kernel_lets_other_threads_run() -> None:
     longest_gap = max(b - a for a, b in itertools.pairwise(during))
     assert ended - began > 0.02  # long enough to tell (a held GIL: one gap of all of it)
     assert longest_gap < (ended - began) / 2
+
+
+@pytest.mark.parametrize(
+    ("tokens", "first", "count"), [(1, 0, 8), (5, 0, 8), (13, 4, 4), (40, 0, 8)]
+)
+def test_the_experts_kernel_equals_the_grouped_path(tokens: int, first: int, count: int) -> None:
+    """Widths and hidden sizes that are no multiple of a vector (36, 40), each token's top 3 of
+    8 experts, rows of 1 to 4 at a time; on an expert-parallel rank (experts 4-7) the choices of
+    other experts contribute nothing. Any CPU: the kernel is portable C++."""
+    hidden, width = 40, 36
+    experts = Experts(ExpertPart(8, first, count, 0, width), hidden)
+    generator = torch.Generator().manual_seed(tokens)
+    with torch.no_grad():
+        for weight in (experts.gate_up, experts.down):
+            weight.copy_(torch.randn(weight.shape, generator=generator) / weight.shape[-1] ** 0.5)
+    x = torch.randn(tokens, hidden, generator=generator)
+    weights, ids = route(torch.randn(tokens, 8, generator=generator), 3, normalize=True)
+    got = kernels().moe_experts(x, experts.gate_up, experts.down, ids, weights, first)  # type: ignore[attr-defined]
+    torch.testing.assert_close(got, experts._grouped(x, ids, weights), rtol=1e-5, atol=1e-5)
+    assert torch.equal(experts(x, ids, weights), got)  # the layer takes the kernel here
+    none_here = ~((ids >= first) & (ids < first + count)).any(dim=1)
+    assert not got[none_here].any()
+    bf16 = kernels().moe_experts(x.bfloat16(), experts.gate_up, experts.down, ids, weights, first)  # type: ignore[attr-defined]
+    assert bf16 is None  # float32 only: the rest is the grouped path's
