@@ -114,11 +114,17 @@ ARCHITECTURES: dict[str, ArchitectureTraits] = {
 @dataclass(frozen=True, slots=True)
 class RopeConfig:
     theta: float
-    rope_type: str = "default"  # default | linear | llama3
+    rope_type: str = "default"  # default | linear | llama3 | yarn
     factor: float = 1.0
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    beta_fast: float = 32.0  # yarn: the rotation counts bounding the interpolation ramp
+    beta_slow: float = 1.0
+    mscale: float = 0.0  # yarn: with mscale_all_dim, the cos/sin scale's log factors
+    mscale_all_dim: float = 0.0
+    attention_factor: float | None = None  # yarn: the cos/sin scale, when given outright
+    truncate: bool = True  # yarn: the ramp's bounds rounded to whole dimensions
 
     def inverse_frequencies(self, head_dim: int) -> torch.Tensor:
         """Per-pair rotation frequencies (fp32), as the reference implementation computes them."""
@@ -128,7 +134,41 @@ class RopeConfig:
             return inv_freq / self.factor
         if self.rope_type == "llama3":
             return self._llama3_scaled(inv_freq)
+        if self.rope_type == "yarn":
+            return self._yarn_scaled(head_dim)
         return inv_freq
+
+    def scaling(self) -> float:
+        """What cos and sin are multiplied by: YaRN's attention factor, else 1."""
+        if self.rope_type != "yarn":
+            return 1.0
+        if self.attention_factor is not None:
+            return self.attention_factor
+        if self.mscale and self.mscale_all_dim:
+            return _yarn_mscale(self.factor, self.mscale) / _yarn_mscale(
+                self.factor, self.mscale_all_dim
+            )
+        return _yarn_mscale(self.factor)
+
+    def _yarn_scaled(self, head_dim: int) -> torch.Tensor:
+        """YaRN: each pair's frequency interpolated (divided by `factor`) below `beta_slow`
+        rotations over the original context, kept above `beta_fast`, a linear ramp between."""
+        positions = self.theta ** (torch.arange(0, head_dim, 2).to(torch.float) / head_dim)
+        extrapolated, interpolated = 1.0 / positions, 1.0 / (self.factor * positions)
+
+        def dimension(rotations: float) -> float:
+            turns = self.original_max_position_embeddings / (rotations * 2 * math.pi)
+            return head_dim * math.log(turns) / (2 * math.log(self.theta))
+
+        low, high = dimension(self.beta_fast), dimension(self.beta_slow)
+        if self.truncate:
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, head_dim - 1)
+        if low == high:
+            high += 0.001  # no empty ramp
+        ramp = (torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low)
+        keep = 1 - torch.clamp(ramp, 0, 1)
+        return interpolated * (1 - keep) + extrapolated * keep
 
     def _llama3_scaled(self, inv_freq: torch.Tensor) -> torch.Tensor:
         old_len = self.original_max_position_embeddings
@@ -262,14 +302,23 @@ def _parse_dtype(name: str) -> torch.dtype:
     return dtype
 
 
+def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
 def _parse_rope(raw: dict[str, Any]) -> RopeConfig:
     params = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
     theta = float(params.get("rope_theta", raw.get("rope_theta", 10000.0)))
     rope_type = str(params.get("rope_type", params.get("type", "default")))
-    if rope_type not in ("default", "linear", "llama3"):
+    if rope_type not in ("default", "linear", "llama3", "yarn"):
         raise ModelLoadError(
-            f"unsupported rope type {rope_type!r}; supported: default, linear, llama3"
+            f"unsupported rope type {rope_type!r}; supported: default, linear, llama3, yarn"
         )
+    if rope_type == "yarn" and "original_max_position_embeddings" not in params:
+        raise ModelLoadError(
+            "rope type yarn needs original_max_position_embeddings (the pretraining context)"
+        )
+    attention_factor = params.get("attention_factor")
     return RopeConfig(
         theta=theta,
         rope_type=rope_type,
@@ -277,4 +326,10 @@ def _parse_rope(raw: dict[str, Any]) -> RopeConfig:
         low_freq_factor=float(params.get("low_freq_factor", 1.0)),
         high_freq_factor=float(params.get("high_freq_factor", 4.0)),
         original_max_position_embeddings=int(params.get("original_max_position_embeddings", 8192)),
+        beta_fast=float(params.get("beta_fast") or 32.0),
+        beta_slow=float(params.get("beta_slow") or 1.0),
+        mscale=float(params.get("mscale") or 0.0),
+        mscale_all_dim=float(params.get("mscale_all_dim") or 0.0),
+        attention_factor=None if attention_factor is None else float(attention_factor),
+        truncate=bool(params.get("truncate", True)),
     )

@@ -45,10 +45,11 @@ class RotaryEmbedding(nn.Module):
         positions = torch.arange(max_positions, dtype=torch.float32)
         freqs = torch.outer(positions, inv_freq)
         angles = torch.cat((freqs, freqs), dim=-1)
+        scaling = config.rope.scaling()  # YaRN's attention factor, else 1
         self.cos: torch.Tensor
         self.sin: torch.Tensor
-        self.register_buffer("cos", angles.cos(), persistent=False)
-        self.register_buffer("sin", angles.sin(), persistent=False)
+        self.register_buffer("cos", angles.cos() * scaling, persistent=False)
+        self.register_buffer("sin", angles.sin() * scaling, persistent=False)
 
     def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> "Rotation":
         """cos/sin of the batch's positions, once per step for every layer."""

@@ -199,7 +199,24 @@ def test_model_variants_match_reference(tmp_path: Path, architecture: str, tied:
             "high_freq_factor": 4.0,
             "original_max_position_embeddings": 64,
         },
+        {
+            "rope_type": "yarn",
+            "rope_theta": 10000.0,
+            "factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
+        {  # DeepSeek's: the cos/sin scale from mscale / mscale_all_dim
+            "rope_type": "yarn",
+            "rope_theta": 10000.0,
+            "factor": 8.0,
+            "original_max_position_embeddings": 64,
+            "beta_fast": 16,
+            "beta_slow": 2,
+            "mscale": 1.0,
+            "mscale_all_dim": 0.707,
+        },
     ],
+    ids=["default", "linear", "llama3", "yarn", "yarn-mscale"],
 )
 def test_checkpoint_written_by_transformers_loads_and_matches(
     tmp_path: Path, tiny_model_dir: Path, rope: dict[str, object]

@@ -239,3 +239,13 @@ def test_weights_load_straight_into_the_target_dtype(tmp_path: Path, tiny_model_
     weights = [a for a in large if a[3][:1] != rotary[:1]]  # rotary: context-long tables
     assert weights and all(a[:2] == (torch.bfloat16, torch.device("cpu")) for a in weights)
     assert all(p.dtype == torch.bfloat16 for p in loaded.model.parameters())
+
+
+def test_yarn_rope_without_its_pretraining_context_is_refused(
+    tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    config = json.loads((tiny_model_dir / "config.json").read_text())
+    config["rope_scaling"] = {"rope_type": "yarn", "factor": 4.0}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelLoadError, match="yarn needs original_max_position_embeddings"):
+        load_model(tmp_path)
