@@ -70,6 +70,8 @@ class Experts(nn.Module):
         return self._grouped(x, ids, weights)
 
     def _grouped(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """The same sum in torch ops: the (token, choice) rows sorted by expert, each active
+        expert's rows multiplied at once, the weighted results added into their tokens' rows."""
         top_k = ids.shape[1]
         flat = ids.reshape(-1)
         order = torch.argsort(flat, stable=True)  # every (token, choice) grouped by expert
