@@ -1,6 +1,7 @@
 """Tensor parallelism on CPU: two ranks (rank 0 in this process, rank 1 a worker process) over
-gloo, against one rank and against transformers — logits, greedy tokens with prefix hits,
-preemption and storage restores, PD mode through the router, and a rank that dies or hangs."""
+gloo, against one rank and against transformers — logits, greedy tokens with prefix hits (the
+mixture-of-experts families too, experts sliced or whole per rank), preemption and storage
+restores, PD mode through the router, and a rank that dies or hangs."""
 
 import dataclasses
 import os
