@@ -81,6 +81,13 @@ LOAD_PEAK_TARGET = 1.1  # a load's peak device memory must stay <= 1.1 x the wei
 BLOCK_SIZE = 16
 SEED = 1234
 BOS, EOS = 1, 2
+# every reference checkpoint: an untied head, eager attention, the word-level tokenizer's ids
+REFERENCE_SETTINGS = {
+    "tie_word_embeddings": False,
+    "attn_implementation": "eager",
+    "bos_token_id": BOS,
+    "eos_token_id": EOS,
+}
 ENGINE_SLACK_TOKENS = 64  # max_tokens beyond the timed steps: decoding during others' prefill
 MIN_SECTION_S = 10.0  # a section is skipped when less of the budget is left
 NO_CUDA = {"skipped": "no CUDA"}
@@ -345,10 +352,7 @@ def write_model(ctx: Context) -> tuple[Path, torch.nn.Module]:
         **arch,
         num_hidden_layers=ctx.sizes.layers,
         rope_parameters={"rope_type": "default", "rope_theta": theta},
-        tie_word_embeddings=False,
-        attn_implementation="eager",
-        bos_token_id=BOS,
-        eos_token_id=EOS,
+        **REFERENCE_SETTINGS,
     )
     torch.manual_seed(SEED)
     with default_dtype(ctx.dtype), ctx.device:
@@ -1230,13 +1234,7 @@ def family_figures(ctx: Context, architecture: str) -> dict[str, Any]:
         shape = {key: SMOKE_FAMILY[key] for key in shape}
     config_class = getattr(transformers, architecture.replace("ForCausalLM", "Config"))
     config = config_class(
-        **shape,
-        num_hidden_layers=FAMILY_LAYERS,
-        max_position_embeddings=4096,
-        tie_word_embeddings=False,
-        attn_implementation="eager",
-        bos_token_id=BOS,
-        eos_token_id=EOS,
+        **shape, num_hidden_layers=FAMILY_LAYERS, max_position_embeddings=4096, **REFERENCE_SETTINGS
     )
     torch.manual_seed(SEED)
     with default_dtype(ctx.dtype), ctx.device:

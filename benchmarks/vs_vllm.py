@@ -185,18 +185,11 @@ def big_model_dir(layers: int) -> Path:
 def write_big_model(path: Path, layers: int, tokenizer_from: Path) -> None:
     """`LlamaForCausalLM` with random weights (seed 0) + `save_pretrained`, and the tiny
     model's tokenizer files, so that both engines tokenize identically; atomic."""
-    import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(
-        **BIG_SHAPE,
-        num_hidden_layers=layers,
-        **special_tokens(tokenizer_from),
-        tie_word_embeddings=False,
-        torch_dtype="float32",
+    model = random_model(
+        LlamaForCausalLM, LlamaConfig(**BIG_SHAPE, **shared_settings(layers, tokenizer_from))
     )
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(config).to(torch.float32)
     save_model(path, model, tokenizer_from, "big")
 
 
@@ -223,15 +216,8 @@ def write_moe_model(path: Path, layers: int, tokenizer_from: Path) -> None:
     import torch
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-    config = Qwen3MoeConfig(
-        **MOE_SHAPE,
-        num_hidden_layers=layers,
-        **special_tokens(tokenizer_from),
-        tie_word_embeddings=False,
-        torch_dtype="float32",
-    )
-    torch.manual_seed(0)
-    model = Qwen3MoeForCausalLM(config).to(torch.float32)
+    config = Qwen3MoeConfig(**MOE_SHAPE, **shared_settings(layers, tokenizer_from))
+    model = random_model(Qwen3MoeForCausalLM, config)
     with torch.no_grad():
         for name, parameter in model.named_parameters():
             if name.endswith("mlp.gate.weight"):
@@ -239,6 +225,25 @@ def write_moe_model(path: Path, layers: int, tokenizer_from: Path) -> None:
             elif "norm" in name:
                 parameter.uniform_(0.5, 1.5)
     save_model(path, model, tokenizer_from, "moe")
+
+
+def shared_settings(layers: int, tokenizer_from: Path) -> dict[str, Any]:
+    """What both random models' configs set alike: depth, the tiny model's special tokens, an
+    untied head, float32."""
+    return {
+        "num_hidden_layers": layers,
+        **special_tokens(tokenizer_from),
+        "tie_word_embeddings": False,
+        "torch_dtype": "float32",
+    }
+
+
+def random_model(model_class: Any, config: Any) -> Any:
+    """`model_class(config)` initialised by transformers from seed 0, in float32."""
+    import torch
+
+    torch.manual_seed(0)
+    return model_class(config).to(torch.float32)
 
 
 def special_tokens(tokenizer_from: Path) -> dict[str, Any]:

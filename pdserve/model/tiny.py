@@ -162,7 +162,8 @@ def _random_experts(
 ) -> dict[str, torch.Tensor]:
     """A sparse layer's router and experts, named as the family's checkpoints name them."""
     moe, layout = model.moe, ARCHITECTURES[model.architecture].moe
-    assert moe is not None and layout is not None
+    if moe is None or layout is None:
+        raise ValueError(f"{model.architecture} has no mixture-of-experts layers to write")
     hidden, width = model.hidden_size, moe.intermediate_size
     block = prefix + layout.block
     gate, up, down = layout.projections

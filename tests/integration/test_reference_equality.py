@@ -66,6 +66,18 @@ def save_with_tokenizer(reference: torch.nn.Module, path: Path, tiny_model_dir: 
         (path / name).write_bytes((tiny_model_dir / name).read_bytes())
 
 
+def assert_engine_matches(
+    path: Path, reference: torch.nn.Module, make_engine: Callable[..., LLMEngine], steps: int
+) -> None:
+    """The checkpoint at `path` against `reference`: last-position logits of a 100-token prompt,
+    and `steps` greedy tokens of two prompts decoded in one batch by an engine."""
+    assert_last_logits_match(path, reference, prompt(100), blocks=7)
+    prompts = [prompt(n, offset=n) for n in (9, 40)]
+    completions = make_engine(model=str(path), block_size=BLOCK).generate(prompts, greedy(steps))
+    for tokens, completion in zip(prompts, completions, strict=True):
+        assert list(completion.token_ids) == hf_greedy(reference, tokens, steps)
+
+
 def assert_last_logits_match(
     path: Path, reference: torch.nn.Module, tokens: list[int], blocks: int
 ) -> None:
@@ -240,11 +252,7 @@ def test_a_qwen3_checkpoint_matches_with_its_per_head_q_and_k_norms(
             if name.endswith(("q_norm.weight", "k_norm.weight")):
                 parameter.uniform_(0.5, 1.5)
     save_with_tokenizer(reference, tmp_path, tiny_model_dir)
-    assert_last_logits_match(tmp_path, reference, prompt(100), blocks=7)
-    prompts = [prompt(n, offset=n) for n in (9, 40)]
-    completions = make_engine(model=str(tmp_path), block_size=BLOCK).generate(prompts, greedy(60))
-    for tokens, completion in zip(prompts, completions, strict=True):
-        assert list(completion.token_ids) == hf_greedy(reference, tokens, 60)
+    assert_engine_matches(tmp_path, reference, make_engine, steps=60)
 
 
 EXPERTS: dict[str, object] = {"num_experts_per_tok": 2}
@@ -303,8 +311,4 @@ def test_a_mixture_of_experts_checkpoint_matches(
             elif "norm" in name:
                 parameter.uniform_(0.5, 1.5)
     save_with_tokenizer(reference, tmp_path, tiny_model_dir)
-    assert_last_logits_match(tmp_path, reference, prompt(100), blocks=7)
-    prompts = [prompt(n, offset=n) for n in (9, 40)]
-    completions = make_engine(model=str(tmp_path), block_size=BLOCK).generate(prompts, greedy(40))
-    for tokens, completion in zip(prompts, completions, strict=True):
-        assert list(completion.token_ids) == hf_greedy(reference, tokens, 40)
+    assert_engine_matches(tmp_path, reference, make_engine, steps=40)
