@@ -2,9 +2,12 @@
 batch's metadata (`AttentionBackend.plan`), and each layer calls the plan's `write_kv` and
 `attend`.
 
-Cache layout: one tensor ``[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]`` so that
-each block (all layers, K and V) is one contiguous byte range: moving a block to another instance
-or to storage is a single copy. A layer sees the view ``kv_cache[:, layer]``.
+Cache layout (`pdserve.model.kv_layout`): one tensor ``[num_blocks, num_layers, planes,
+block_size, heads, dim]`` so that each block (all layers) is one contiguous byte range: moving a
+block to another instance or to storage is a single copy. A layer sees the view
+``kv_cache[:, layer]``. Per-head K and V are two planes of `num_kv_heads` heads; a latent-attention
+model (DeepSeek's MLA) caches one plane of one "head": each token's latent, whose first
+`value_dim` values are also its value (`AttentionStep.write_latent`, `latent_decode`).
 
 Backends: `reference` (gathers each sequence's K/V and runs SDPA: simple, the test oracle),
 `cpu` (decode rows through pdserve's C++ kernel, which reads K/V in place from the blocks;
@@ -13,6 +16,7 @@ kernels for CUDA: `triton_attention.py`). `auto` takes `cpu` on CPU where its ke
 `triton` on CUDA where triton imports.
 """
 
+import functools
 import logging
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
@@ -108,14 +112,102 @@ def _decode_attention(
     return out[:, :, 0, :]
 
 
+@dataclass(frozen=True, slots=True)
+class PrefillChunk:
+    """A sequence with more than one new token: rows `start ... start + count` of the batch,
+    the last `count` of its `context` tokens."""
+
+    seq: int
+    start: int
+    count: int
+    context: int
+
+
+@dataclass(frozen=True, slots=True)
+class RowSplit:
+    """A batch's rows by kind: decode rows (one new token) and prefill chunks."""
+
+    decode_rows: torch.Tensor  # [n] the decode rows' indices in the batch
+    decode_tables: torch.Tensor  # [n, max_blocks] their block tables
+    decode_lens: torch.Tensor  # [n] their context lengths
+    prefill: tuple[PrefillChunk, ...]
+
+    @classmethod
+    def of(cls, meta: AttentionMetadata) -> "RowSplit":
+        if meta.decode_only:
+            rows = torch.arange(len(meta.query_lens), device=meta.block_tables.device)
+            return cls(rows, meta.block_tables, meta.context_lens_tensor, ())
+        decode, prefill, start = [], [], 0
+        for seq, (count, context) in enumerate(
+            zip(meta.query_lens, meta.context_lens, strict=True)
+        ):
+            if count == 1:
+                decode.append((seq, start))
+            else:
+                prefill.append(PrefillChunk(seq, start, count, context))
+            start += count
+        device = meta.block_tables.device
+        seqs = torch.tensor([s for s, _ in decode], dtype=torch.long, device=device)
+        rows = torch.tensor([r for _, r in decode], dtype=torch.long, device=device)
+        tables, lens = meta.block_tables[seqs], meta.context_lens_tensor[seqs]
+        return cls(rows, tables, lens, tuple(prefill))
+
+
+def gather_context(kv_layer: torch.Tensor, table: torch.Tensor, context: int) -> torch.Tensor:
+    """One sequence's first `context` cached tokens of plane 0, `[context, heads, dim]`: its
+    own blocks only (no padding to another sequence's length)."""
+    blocks = -(-context // kv_layer.shape[2])
+    return _gather(kv_layer[:, 0], table[:blocks])[:context]
+
+
+def latent_decode_reference(
+    q: torch.Tensor,
+    kv_layer: torch.Tensor,
+    tables: torch.Tensor,
+    lens: torch.Tensor,
+    scale: float,
+    value_dim: int,
+) -> torch.Tensor:
+    """Latent attention of one new token per sequence, in torch, sequence by sequence: `q`
+    (`[n, heads, dim]`) against each cached latent (`kv_layer` `[blocks, 1, block_size, 1,
+    dim]`), the softmax over the context weighting the latents' first `value_dim` values.
+    `[n, heads, value_dim]` in `q`'s dtype; scores and sums in float32."""
+    out = torch.empty((*q.shape[:2], value_dim), dtype=q.dtype, device=q.device)
+    for i, context in enumerate(lens.tolist()):
+        latent = gather_context(kv_layer, tables[i], context)[:, 0].float()  # [context, dim]
+        weights = torch.softmax((q[i].float() @ latent.T) * scale, dim=-1)
+        out[i] = (weights @ latent[:, :value_dim]).to(q.dtype)
+    return out
+
+
 class AttentionStep(ABC):
     """One step's plan: what every layer's attention needs, computed once."""
 
     def __init__(self, meta: AttentionMetadata) -> None:
         self.meta = meta
 
+    @functools.cached_property
+    def rows(self) -> RowSplit:
+        """The batch's decode rows and prefill chunks (latent attention treats them apart)."""
+        return RowSplit.of(self.meta)
+
     def write_kv(self, kv_layer: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         write_kv(kv_layer, k, v, self.meta)
+
+    def write_latent(self, kv_layer: torch.Tensor, latent: torch.Tensor) -> None:
+        """Store the new tokens' latents (`[num_tokens, dim]`) into their slots."""
+        kv_layer[:, 0][self.meta.slot_blocks, self.meta.slot_offsets] = latent[:, None, :]
+
+    def latent_decode(
+        self, q: torch.Tensor, kv_layer: torch.Tensor, scale: float, value_dim: int
+    ) -> torch.Tensor:
+        """Latent attention of the decode rows (`rows.decode_rows`; `q` is theirs,
+        `[n, heads, dim]`) over their cached latents: `[n, heads, value_dim]`. Backends with a
+        kernel override this; here the torch reference."""
+        rows = self.rows
+        return latent_decode_reference(
+            q, kv_layer, rows.decode_tables, rows.decode_lens, scale, value_dim
+        )
 
     @abstractmethod
     def attend(self, q: torch.Tensor, kv_layer: torch.Tensor, scale: float) -> torch.Tensor:
