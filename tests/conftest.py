@@ -34,12 +34,14 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 # The families every path's equality tests run on: the tiny model (Llama) and its Qwen3 and
-# mixture-of-experts siblings (same attention shape, same tokenizer).
+# mixture-of-experts siblings (same attention shape, same tokenizer), and a DeepSeek-V3 (latent
+# attention: another KV layout) written by transformers' own classes with the same tokenizer.
 FAMILIES = {
     "llama": "LlamaForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "qwen3-moe": "Qwen3MoeForCausalLM",
     "mixtral": "MixtralForCausalLM",
+    "deepseek-v3": "DeepseekV3ForCausalLM",
 }
 
 
@@ -53,10 +55,27 @@ def family_dirs(
     def model_dir(family: str) -> Path:
         if family not in written:
             root = tmp_path_factory.mktemp("models") / family
-            written[family] = write_tiny_model(root, seed=0, architecture=FAMILIES[family])
+            written[family] = (
+                write_deepseek_v3(root, tiny_model_dir)
+                if family == "deepseek-v3"
+                else write_tiny_model(root, seed=0, architecture=FAMILIES[family])
+            )
         return written[family]
 
     return model_dir
+
+
+def write_deepseek_v3(path: Path, tokenizer_dir: Path) -> Path:
+    """The DeepSeek-V3 family's tiny checkpoint (`reference.deepseek_v3_config`), by
+    transformers, with `tokenizer_dir`'s tokenizer."""
+    from reference import decisive_weights, deepseek_v3_config, write_with_tokenizer
+    from tokenizers import Tokenizer
+    from transformers import DeepseekV3ForCausalLM
+
+    tokenizer = Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json"))
+    config = deepseek_v3_config(tokenizer.get_vocab_size(with_added_tokens=True))
+    model = decisive_weights(DeepseekV3ForCausalLM(config), seed=0)
+    return write_with_tokenizer(model, path, tokenizer_dir)
 
 
 @pytest.fixture

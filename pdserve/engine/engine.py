@@ -68,11 +68,14 @@ StorageTierFactory = Callable[[str], StorageTier]
 
 
 def storage_tag(loaded: LoadedModel, block_size: int) -> str:
-    """Names the KV layout: blocks are only shared between engines with the same tag. A
+    """Names the KV layout: blocks are only shared between engines with the same tag (the
+    model and its weights' dtype, the block size, what a block holds: `KVLayout.tag`). A
     tensor-parallel block is its ranks' slices in rank order: another layout (`tp<size>`)."""
     dtype = str(loaded.dtype).removeprefix("torch.")
     ranks = loaded.model.shard.size
-    return f"{loaded.model_tag}/{dtype}/b{block_size}/kv1" + (f"/tp{ranks}" if ranks > 1 else "")
+    layout = loaded.model.kv_layout(loaded.dtype).tag
+    tag = f"{loaded.model_tag}/{dtype}/b{block_size}/{layout}"
+    return tag + (f"/tp{ranks}" if ranks > 1 else "")
 
 
 def is_out_of_memory(error: BaseException) -> bool:

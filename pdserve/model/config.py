@@ -1,4 +1,6 @@
-"""ModelConfig: the architecture of a Llama-family checkpoint, parsed from its `config.json`."""
+"""ModelConfig: the architecture of a supported checkpoint (Llama-family decoders, their
+mixture-of-experts variants and DeepSeek's latent-attention models), parsed from its
+`config.json`."""
 
 import json
 import math
@@ -26,8 +28,14 @@ _DTYPES = registry(
 @dataclass(frozen=True, slots=True)
 class MoEConfig:
     """A mixture-of-experts model's sparse layers: each token's `top_k` of `num_experts` experts
-    (SwiGLU MLPs of width `intermediate_size`), weighted by the router's softmax over all of them
-    (renormalised over the chosen `top_k` when `normalize_top_k`)."""
+    (SwiGLU MLPs of width `intermediate_size`), weighted by the router's scores (renormalised
+    over the chosen `top_k` when `normalize_top_k`).
+
+    Scores are the softmax over every expert, or (DeepSeek-V3, `grouped`) each expert's sigmoid:
+    the experts are then chosen among the `top_groups` best of `num_groups` groups (a group
+    scores its two best experts), by score plus a per-expert correction bias, weighted by the
+    plain scores times `routed_scaling`; `shared_width` columns of always-on shared experts are
+    added (0: none)."""
 
     num_experts: int
     top_k: int
@@ -35,6 +43,73 @@ class MoEConfig:
     normalize_top_k: bool
     round_weights: bool  # the top-k weights rounded to the model's dtype (else kept in float32)
     sparse_layers: frozenset[int]  # the layers with experts; the others have a dense MLP
+    grouped: bool = False  # DeepSeek-V3's sigmoid, group-limited, bias-corrected choice
+    num_groups: int = 1
+    top_groups: int = 1
+    routed_scaling: float = 1.0
+    shared_width: int = 0
+
+
+def _deepseek_moe(raw: dict[str, Any], num_layers: int) -> MoEConfig:
+    """DeepSeek-V3: experts in every layer from `first_k_dense_replace` on, the grouped choice."""
+    num_experts = int(raw["n_routed_experts"])
+    groups = int(raw.get("n_group") or 1)
+    if num_experts % groups or num_experts // groups < 2:
+        raise ModelLoadError(
+            f"n_group {groups} must divide n_routed_experts ({num_experts}) into groups of two "
+            "or more experts (a group scores its two best)"
+        )
+    width = int(raw["moe_intermediate_size"])
+    return MoEConfig(
+        num_experts=num_experts,
+        top_k=int(raw["num_experts_per_tok"]),
+        intermediate_size=width,
+        normalize_top_k=bool(raw.get("norm_topk_prob", True)),
+        round_weights=False,
+        sparse_layers=frozenset(range(int(raw.get("first_k_dense_replace") or 0), num_layers)),
+        grouped=True,
+        num_groups=groups,
+        top_groups=int(raw.get("topk_group") or 1),
+        routed_scaling=float(raw.get("routed_scaling_factor") or 1.0),
+        shared_width=width * int(raw.get("n_shared_experts") or 0),
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class MLAConfig:
+    """Multi-head latent attention (DeepSeek-V2/V3): each token's keys and values are expanded
+    from one cached latent of `kv_lora_rank` values plus a `qk_rope_head_dim` rotary key shared
+    by every head; queries come from a `q_lora_rank` bottleneck (None: a plain projection)."""
+
+    q_lora_rank: int | None
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    interleaved_rope: bool  # the rotary dimensions pair up as (0, 1), (2, 3), ...
+    scale: float  # the softmax scale: qk_head_dim ** -0.5, times YaRN's mscale squared
+
+    @property
+    def latent_dim(self) -> int:
+        """Values cached per token per layer."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+
+def _parse_mla(raw: dict[str, Any], rope: "RopeConfig") -> MLAConfig:
+    q_lora = raw.get("q_lora_rank")
+    nope, rotary = int(raw["qk_nope_head_dim"]), int(raw["qk_rope_head_dim"])
+    scale = (nope + rotary) ** -0.5
+    if rope.rope_type != "default" and rope.mscale_all_dim:
+        scale *= _yarn_mscale(rope.factor, rope.mscale_all_dim) ** 2
+    return MLAConfig(
+        q_lora_rank=None if q_lora is None else int(q_lora),
+        kv_lora_rank=int(raw["kv_lora_rank"]),
+        qk_nope_head_dim=nope,
+        qk_rope_head_dim=rotary,
+        v_head_dim=int(raw["v_head_dim"]),
+        interleaved_rope=bool(raw.get("rope_interleave", True)),
+        scale=scale,
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,6 +161,8 @@ class ArchitectureTraits:
     qk_norm: bool = False  # an RMSNorm over each q and k head before the rotation (Qwen3)
     moe: MoELayout | None = None
     sliding_window_key: str = "use_sliding_window"  # set (truthy): refused
+    latent_attention: bool = False  # DeepSeek's MLA (`MLAConfig`) instead of per-head K and V
+    extra_layers: bool = False  # layers past num_hidden_layers (multi-token prediction): unused
 
 
 ARCHITECTURES: dict[str, ArchitectureTraits] = {
@@ -107,6 +184,13 @@ ARCHITECTURES: dict[str, ArchitectureTraits] = {
         o_bias_key="attention_bias",
         moe=MoELayout("block_sparse_moe", ("w1", "w3", "w2"), _mixtral),
         sliding_window_key="sliding_window",
+    ),
+    "DeepseekV3ForCausalLM": ArchitectureTraits(
+        qkv_bias_key="attention_bias",
+        o_bias_key="attention_bias",
+        moe=MoELayout("mlp", ("gate_proj", "up_proj", "down_proj"), _deepseek_moe),
+        latent_attention=True,
+        extra_layers=True,
     ),
 }
 
@@ -205,6 +289,12 @@ class ModelConfig:
     dtype: torch.dtype
     eos_token_ids: tuple[int, ...]
     moe: MoEConfig | None = None  # mixture-of-experts layers (None: every MLP dense)
+    mla: MLAConfig | None = None  # latent attention (None: per-head K and V)
+
+    @property
+    def rotary_dim(self) -> int:
+        """Dimensions each rotary table covers: a head's, or MLA's rotary part."""
+        return self.head_dim if self.mla is None else self.mla.qk_rope_head_dim
 
     def is_sparse(self, layer: int) -> bool:
         """Layer `layer` has experts (a mixture-of-experts block) instead of a dense MLP."""
@@ -261,6 +351,7 @@ class ModelConfig:
         hidden = int(raw["hidden_size"])
         num_layers = int(raw["num_hidden_layers"])
         eos = raw.get("eos_token_id")
+        rope = _parse_rope(raw)
         return cls(
             architecture=architecture,
             vocab_size=int(raw["vocab_size"]),
@@ -271,7 +362,7 @@ class ModelConfig:
             num_kv_heads=int(raw.get("num_key_value_heads") or num_heads),
             head_dim=int(raw.get("head_dim") or hidden // num_heads),
             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-            rope=_parse_rope(raw),
+            rope=rope,
             max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             qkv_bias=traits.qkv_bias_key is None or bool(raw.get(traits.qkv_bias_key, False)),
@@ -281,11 +372,15 @@ class ModelConfig:
             dtype=_parse_dtype(raw.get("dtype") or raw.get("torch_dtype") or "float32"),
             eos_token_ids=tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,)),
             moe=traits.moe.parse(raw, num_layers) if traits.moe is not None else None,
+            mla=_parse_mla(raw, rope) if traits.latent_attention else None,
         )
 
     def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
-        """Bytes of K and V for one token across all layers."""
+        """Bytes cached for one token across all layers (the whole model's: one rank's share
+        is its `KVLayout`'s): K and V of every KV head, or MLA's latent."""
         element = torch.empty((), dtype=dtype).element_size()
+        if self.mla is not None:
+            return self.num_layers * self.mla.latent_dim * element
         return self.num_layers * 2 * self.num_kv_heads * self.head_dim * element
 
 
@@ -319,10 +414,13 @@ def _parse_rope(raw: dict[str, Any]) -> RopeConfig:
             "rope type yarn needs original_max_position_embeddings (the pretraining context)"
         )
     attention_factor = params.get("attention_factor")
+    factor = params.get("factor")
+    if factor is None and rope_type == "yarn":  # the extension DeepSeek's configs imply
+        factor = raw.get("max_position_embeddings", 2048) / params["original_max_position_embeddings"]
     return RopeConfig(
         theta=theta,
         rope_type=rope_type,
-        factor=float(params.get("factor", 1.0)),
+        factor=float(factor or 1.0),
         low_freq_factor=float(params.get("low_freq_factor", 1.0)),
         high_freq_factor=float(params.get("high_freq_factor", 4.0)),
         original_max_position_embeddings=int(params.get("original_max_position_embeddings", 8192)),

@@ -1,6 +1,7 @@
 """Llama-family decoder (Llama 2/3, Qwen2 via bias switches, Qwen3 with per-head q/k norms, and
 the mixture-of-experts Qwen3-MoE and Mixtral, whose sparse layers are `pdserve.model.moe`'s) over
-a paged KV cache.
+a paged KV cache; DeepSeek-V3 is the same decoder with latent attention (`pdserve.model.mla`)
+and grouped-routing experts with shared experts.
 
 Module and parameter names mirror Hugging Face's so a checkpoint's state dict loads unchanged,
 but for the experts: stacked per layer here, one tensor per expert in a checkpoint (the loader
@@ -20,63 +21,12 @@ from pdserve.model.attention import (
     ReferenceBackend,
 )
 from pdserve.model.config import ModelConfig
-from pdserve.model.linear import PackedLinear, cpu_kernels_for, silu_and_mul
+from pdserve.model.kv_layout import KVLayout, kv_layout
+from pdserve.model.layers import RMSNorm, RotaryEmbedding, Rotation
+from pdserve.model.linear import PackedLinear, silu_and_mul
+from pdserve.model.mla import LatentAttention
 from pdserve.model.moe import SparseMoE
 from pdserve.model.parallel import SINGLE, Shard, TPGroup, VocabParallelEmbedding
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, size: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(size))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        normed = F.rms_norm(x.to(torch.float32), (x.shape[-1],), eps=self.eps)
-        return self.weight * normed.to(x.dtype)
-
-
-class RotaryEmbedding(nn.Module):
-    """cos/sin tables for every position up to the context window, half-split rotation."""
-
-    def __init__(self, config: ModelConfig, max_positions: int) -> None:
-        super().__init__()
-        inv_freq = config.rope.inverse_frequencies(config.head_dim)
-        positions = torch.arange(max_positions, dtype=torch.float32)
-        freqs = torch.outer(positions, inv_freq)
-        angles = torch.cat((freqs, freqs), dim=-1)
-        scaling = config.rope.scaling()  # YaRN's attention factor, else 1
-        self.cos: torch.Tensor
-        self.sin: torch.Tensor
-        self.register_buffer("cos", angles.cos() * scaling, persistent=False)
-        self.register_buffer("sin", angles.sin() * scaling, persistent=False)
-
-    def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> "Rotation":
-        """cos/sin of the batch's positions, once per step for every layer."""
-        cos = self.cos[positions].to(dtype)[:, None, :]
-        sin = self.sin[positions].to(dtype)[:, None, :]
-        return Rotation(cos, sin)
-
-
-class Rotation:
-    """One step's rotary tables (`[num_tokens, 1, head_dim]`). On CPU in float32, pdserve's
-    kernel rotates in one pass, rounding as the three torch ops do (bit for bit)."""
-
-    def __init__(self, cos: torch.Tensor, sin: torch.Tensor) -> None:
-        self.cos, self.sin = cos, sin
-        self._kernel = cpu_kernels_for(cos)
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self._kernel is not None:
-            rotated: torch.Tensor | None = self._kernel.rotate(x, self.cos[:, 0], self.sin[:, 0])
-            if rotated is not None:
-                return rotated
-        return x * self.cos + _rotate_half(x) * self.sin
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
 class Attention(nn.Module):
@@ -140,10 +90,11 @@ class MLP(nn.Module):
     """This rank's MLP columns (`shard`); with a group, down_proj's partial sums are
     all-reduced."""
 
-    def __init__(self, config: ModelConfig, shard: Shard) -> None:
+    def __init__(self, config: ModelConfig, shard: Shard, width: int | None = None) -> None:
         super().__init__()
         bias = config.mlp_bias
-        width = shard.split(config.intermediate_size, "MLP width (intermediate_size)")[1]
+        total = config.intermediate_size if width is None else width
+        width = shard.split(total, "MLP width (intermediate_size)")[1]
         self.gate_proj = nn.Linear(config.hidden_size, width, bias=bias)
         self.up_proj = nn.Linear(config.hidden_size, width, bias=bias)
         self.down_proj = nn.Linear(width, config.hidden_size, bias=bias)
@@ -178,12 +129,14 @@ def _fused(*parts: nn.Linear) -> nn.Linear:
 class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, shard: Shard, index: int) -> None:
         super().__init__()
-        self.self_attn = Attention(config, shard)
-        self.mlp: MLP | SparseMoE = (
-            SparseMoE(config.hidden_size, config.moe, shard)
-            if config.moe is not None and config.is_sparse(index)
-            else MLP(config, shard)
+        self.self_attn: Attention | LatentAttention = (
+            Attention(config, shard) if config.mla is None else LatentAttention(config, shard)
         )
+        moe = config.moe
+        self.mlp: MLP | SparseMoE = MLP(config, shard)
+        if moe is not None and config.is_sparse(index):
+            shared = MLP(config, shard, moe.shared_width) if moe.shared_width else None
+            self.mlp = SparseMoE(config.hidden_size, moe, shard, shared)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -227,7 +180,6 @@ class CausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.shard = shard
-        self.num_kv_heads = shard.split(config.num_kv_heads, "KV heads")[1]  # this rank's
         self.group: TPGroup | None = None
         self.model = DecoderModel(config, shard)
         vocab_rows = shard.vocab_rows(config.vocab_size)[1]
@@ -235,6 +187,10 @@ class CausalLM(nn.Module):
         self.tie_weights()
         self.rotary = RotaryEmbedding(config, max_positions)
         self.attention: AttentionBackend = ReferenceBackend()  # the engine sets its own
+
+    def kv_layout(self, dtype: torch.dtype) -> KVLayout:
+        """What this rank's KV cache of elements `dtype` holds per block."""
+        return kv_layout(self.config, self.shard, dtype)
 
     def set_group(self, group: TPGroup) -> None:
         """Sum the row-parallel projections and the embedding over `group`; gather logits."""

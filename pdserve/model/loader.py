@@ -119,7 +119,8 @@ def _load_weights(
     fp32 copy of the model, no full host copy for a GPU. Experts are copied into their layer's
     stacked weights (`_ExpertWeights`)."""
     params = dict(model.named_parameters(remove_duplicate=False))
-    layout = ARCHITECTURES[model.config.architecture].moe
+    traits = ARCHITECTURES[model.config.architecture]
+    layout = traits.moe
     experts = _ExpertWeights(model, layout.projections if layout else (), dtype, device)
     loaded: set[str] = set()
     for file in _weight_files(model_dir):
@@ -128,6 +129,8 @@ def _load_weights(
                 name = stored
                 if layout is not None and layout.block != "mlp":
                     name = stored.replace(f".{layout.block}.", ".mlp.")
+                if traits.extra_layers and _layer(name) >= model.config.num_layers:
+                    continue  # a multi-token-prediction module: not served
                 if experts.take(shard, stored, name):
                     continue
                 if name not in params or (
@@ -143,8 +146,10 @@ def _load_weights(
                         f"config.json implies {tuple(params[name].shape)}"
                     )
                 owner, _, leaf = name.rpartition(".")
-                weight = torch.nn.Parameter(tensor.to(dtype=dtype), requires_grad=False)
-                setattr(model.get_submodule(owner), leaf, weight)
+                module = model.get_submodule(owner)
+                target = torch.float32 if getattr(module, "keep_float32", False) else dtype
+                weight = torch.nn.Parameter(tensor.to(dtype=target), requires_grad=False)
+                setattr(module, leaf, weight)
                 loaded.add(name)
     loaded |= experts.complete()
     if model.config.tie_word_embeddings:
@@ -154,6 +159,13 @@ def _load_weights(
         raise ModelLoadError(f"checkpoint lacks {len(missing)} weights, e.g. {missing[0]!r}")
 
 
+def _layer(name: str) -> int:
+    """The decoder layer a weight belongs to (-1: none)."""
+    match = _LAYER.match(name)
+    return -1 if match is None else int(match.group(1))
+
+
+_LAYER = re.compile(r"model\.layers\.(\d+)\.")
 _EXPERT = re.compile(r"(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(\w+)\.weight")
 
 
@@ -227,7 +239,9 @@ class _ExpertWeights:
         return done
 
 
-_COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")  # split by rows
+# split by rows (MLA: q_b_proj and kv_b_proj by heads; q_a_proj and kv_a_proj_with_mqa, the
+# latent's, are whole on every rank)
+_COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "q_b_proj", "kv_b_proj")
 _ROW_PARALLEL = ("o_proj", "down_proj")  # weights split by columns
 _VOCAB_PARALLEL = ("embed_tokens", "lm_head")
 

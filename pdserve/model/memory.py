@@ -163,7 +163,7 @@ def profile_cuda(
     seqs = max(1, min(config.max_num_seqs, tokens))
     per_seq = tokens // seqs
     blocks_per_seq = -(-per_seq // config.block_size)
-    shape = kv_cache_shape(loaded.model, seqs * blocks_per_seq, config.block_size)
+    shape = kv_cache_shape(loaded.model, seqs * blocks_per_seq, config.block_size, loaded.dtype)
     runner = ModelRunner(loaded.model, torch.zeros(shape, dtype=loaded.dtype, device=device))
     chunks = [
         SequenceChunk([0] * per_seq, 0, range(i * blocks_per_seq, (i + 1) * blocks_per_seq), True)
@@ -188,8 +188,7 @@ def size_kv_cache(
 ) -> tuple[KVPlan, MemoryReport | None]:
     """The engine's KV plan; profiles the device (`device_memory`: its free and total bytes
     before loading, CUDA only) when no explicit size is set."""
-    ranks = loaded.model.shard.size  # each rank holds kv_heads / ranks of every block
-    block_bytes = loaded.config.kv_bytes_per_token(loaded.dtype) * config.block_size // ranks
+    block_bytes = loaded.model.kv_layout(loaded.dtype).block_bytes(config.block_size)  # a rank's
     memory = None
     explicit = config.num_kv_blocks is not None or config.kv_cache_bytes is not None
     if device_memory is not None and not explicit:

@@ -1,5 +1,5 @@
-"""Mixture-of-experts layers (Qwen3-MoE, Mixtral): a router picks each token's top-k experts, and
-the experts run grouped — the token rows sorted by expert, one matrix multiply per *active* expert
+"""Mixture-of-experts layers (Qwen3-MoE, Mixtral, DeepSeek-V3): a router picks each token's top-k
+experts (`route`, or DeepSeek-V3's group-limited `route_grouped`), and the experts run grouped — the token rows sorted by expert, one matrix multiply per *active* expert
 and projection, never a loop over tokens nor a multiply by every expert.
 
 An instance's ranks split the experts one of two ways (`pdserve.model.parallel.ExpertPart`):
@@ -38,6 +38,42 @@ def route(logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch.Tens
     if normalize:
         weights /= weights.sum(dim=-1, keepdim=True)
     return weights, ids
+
+
+def route_grouped(
+    logits: torch.Tensor, bias: torch.Tensor, moe: MoEConfig
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V3's choice (float32 `logits` `[tokens, experts]`): each expert scores its
+    sigmoid; the experts are chosen, by score plus the correction `bias`, among the
+    `top_groups` groups whose two best such scores sum highest; their plain scores,
+    renormalised when `normalize_top_k`, times `routed_scaling`, weight them."""
+    scores = logits.sigmoid()
+    choice = scores + bias
+    per_group = moe.num_experts // moe.num_groups
+    group_scores = choice.view(-1, moe.num_groups, per_group).topk(2, dim=-1)[0].sum(dim=-1)
+    best = torch.topk(group_scores, moe.top_groups, dim=-1, sorted=False)[1]
+    kept = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best, True)
+    choice = choice.masked_fill(~kept.repeat_interleave(per_group, dim=1), float("-inf"))
+    ids = torch.topk(choice, moe.top_k, dim=-1, sorted=False)[1]
+    weights = scores.gather(1, ids)
+    if moe.normalize_top_k:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * moe.routed_scaling, ids
+
+
+class GroupedGate(nn.Module):
+    """DeepSeek-V3's router: its weight and the per-expert correction bias, kept in float32
+    whatever the model's dtype (`keep_float32`, as the checkpoint stores them)."""
+
+    keep_float32 = True
+
+    def __init__(self, hidden: int, num_experts: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden, dtype=torch.float32))
+        self.e_score_correction_bias = nn.Parameter(torch.empty(num_experts, dtype=torch.float32))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x.float(), self.weight)
 
 
 class Experts(nn.Module):
@@ -98,21 +134,38 @@ class Experts(nn.Module):
 
 class SparseMoE(nn.Module):
     """A mixture-of-experts block in place of a layer's MLP: the router (`gate`, replicated on
-    every rank), this rank's experts, and with a group the all-reduce of their partial sums."""
+    every rank), this rank's experts, the `shared` experts every token runs through (DeepSeek;
+    this rank's columns of them, as a dense MLP's), and with a group the one all-reduce of their
+    partial sums."""
 
-    def __init__(self, hidden: int, moe: MoEConfig, shard: Shard) -> None:
+    def __init__(
+        self, hidden: int, moe: MoEConfig, shard: Shard, shared: nn.Module | None = None
+    ) -> None:
         super().__init__()
-        self.gate = nn.Linear(hidden, moe.num_experts, bias=False)
+        self.gate: nn.Module = (
+            GroupedGate(hidden, moe.num_experts)
+            if moe.grouped
+            else nn.Linear(hidden, moe.num_experts, bias=False)
+        )
         self.experts = Experts(expert_part(shard, moe), hidden)
+        self.shared_experts = shared
         self.moe = moe
         self.group: TPGroup | None = None
 
     def fuse(self) -> None:
-        """Nothing to fuse: the loader stacks each expert's gate and up rows already."""
+        """The shared experts' gate and up in one multiply (the experts are stacked already)."""
+        if self.shared_experts is not None:
+            self.shared_experts.fuse()  # type: ignore[operator]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = route(self.gate(x), self.moe.top_k, self.moe.normalize_top_k)
+        if isinstance(self.gate, GroupedGate):
+            bias = self.gate.e_score_correction_bias
+            weights, ids = route_grouped(self.gate(x), bias, self.moe)
+        else:
+            weights, ids = route(self.gate(x), self.moe.top_k, self.moe.normalize_top_k)
         if self.moe.round_weights:
             weights = weights.to(x.dtype)
         out: torch.Tensor = self.experts(x, ids, weights)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
         return out if self.group is None else self.group.all_reduce(out)

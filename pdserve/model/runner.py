@@ -40,11 +40,12 @@ class SequenceChunk:
     seq_id: str | None = None  # keeps the sequence's block-table row across steps (`BlockTables`)
 
 
-def kv_cache_shape(model: CausalLM, num_blocks: int, block_size: int) -> tuple[int, ...]:
-    """``[num_blocks, num_layers, 2, block_size, kv_heads, head_dim]``: each block is contiguous
-    (`kv_heads`: this rank's, tensor parallel)."""
-    config = model.config
-    return (num_blocks, config.num_layers, 2, block_size, model.num_kv_heads, config.head_dim)
+def kv_cache_shape(
+    model: CausalLM, num_blocks: int, block_size: int, dtype: torch.dtype
+) -> tuple[int, ...]:
+    """``[num_blocks, num_layers, planes, block_size, heads, dim]`` (the model's `KVLayout` for
+    a cache of `dtype`): each block is contiguous."""
+    return model.kv_layout(dtype).shape(num_blocks, block_size)
 
 
 def _shm_has_room(nbytes: int) -> bool:
@@ -112,7 +113,7 @@ class ModelRunner:
         shared-memory segment that same-host peers can write into (`ShmKVTransport`);
         `staging_bytes` of pinned host memory for its transfers (CUDA)."""
         device = next(model.parameters()).device
-        shape = kv_cache_shape(model, num_blocks, block_size)
+        shape = kv_cache_shape(model, num_blocks, block_size, dtype)
         nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
         if shared and device.type == "cpu" and not _shm_has_room(nbytes):
             logger.warning(

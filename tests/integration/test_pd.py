@@ -81,7 +81,7 @@ def test_pd_output_equals_mixed_output_for_concurrent_shared_prefixes(
         assert result.final.num_output_tokens == 24
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3", "qwen3-moe", "mixtral"])
+@pytest.mark.parametrize("family", ["llama", "qwen3", "qwen3-moe", "mixtral", "deepseek-v3"])
 @pytest.mark.parametrize("transport", ["grpc", "shm", "mooncake"])
 def test_pd_output_is_identical_over_every_transport(
     transport: str,
@@ -306,7 +306,7 @@ def test_outputs_go_to_the_named_subscription_and_a_stale_attempts_abort_spares_
     assert tokens == expected
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3-moe", "mixtral"])
+@pytest.mark.parametrize("family", ["llama", "qwen3-moe", "mixtral", "deepseek-v3"])
 def test_a_stream_whose_decode_dies_migrates_and_ends_as_the_undisturbed_one(
     family: str,
     family_dirs: Callable[[str], Path],

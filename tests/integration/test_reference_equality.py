@@ -3,7 +3,8 @@
 Logits must agree within 1e-4 and greedy tokens must be identical: for one prompt, a batch of
 prompts of different lengths, chunked prefill, a continuation that hits the prefix cache and 200
 decode steps; for Llama (tied and untied), Qwen2 (q/k/v bias), llama3 RoPE scaling, a
-checkpoint written by `transformers` itself, and Qwen3 (per-head q and k norms).
+checkpoint written by `transformers` itself, Qwen3 (per-head q and k norms), the
+mixture-of-experts Qwen3-MoE and Mixtral, and DeepSeek-V3 (latent attention).
 """
 
 from collections.abc import Callable
@@ -11,8 +12,16 @@ from pathlib import Path
 
 import pytest
 import torch
-from reference import hf_greedy, hf_logits, hf_model
+from reference import (
+    decisive_weights,
+    deepseek_v3_config,
+    hf_greedy,
+    hf_logits,
+    hf_model,
+    write_with_tokenizer,
+)
 from transformers import (
+    DeepseekV3ForCausalLM,
     LlamaConfig,
     LlamaForCausalLM,
     MixtralConfig,
@@ -57,13 +66,6 @@ SMALL: dict[str, object] = {
     "max_position_embeddings": 512,
     "tie_word_embeddings": False,
 }
-
-
-def save_with_tokenizer(reference: torch.nn.Module, path: Path, tiny_model_dir: Path) -> None:
-    """A model directory: `reference`'s checkpoint and the tiny model's tokenizer."""
-    reference.save_pretrained(path)  # type: ignore[operator]
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        (path / name).write_bytes((tiny_model_dir / name).read_bytes())
 
 
 def assert_engine_matches(
@@ -235,7 +237,7 @@ def test_checkpoint_written_by_transformers_loads_and_matches(
 ) -> None:
     torch.manual_seed(5)
     reference = LlamaForCausalLM(LlamaConfig(**SMALL, rope_parameters=rope)).eval()
-    save_with_tokenizer(reference, tmp_path, tiny_model_dir)
+    write_with_tokenizer(reference, tmp_path, tiny_model_dir)
     assert_last_logits_match(tmp_path, reference, prompt(200), blocks=13)
 
 
@@ -251,7 +253,7 @@ def test_a_qwen3_checkpoint_matches_with_its_per_head_q_and_k_norms(
         for name, parameter in reference.named_parameters():
             if name.endswith(("q_norm.weight", "k_norm.weight")):
                 parameter.uniform_(0.5, 1.5)
-    save_with_tokenizer(reference, tmp_path, tiny_model_dir)
+    write_with_tokenizer(reference, tmp_path, tiny_model_dir)
     assert_engine_matches(tmp_path, reference, make_engine, steps=60)
 
 
@@ -310,5 +312,30 @@ def test_a_mixture_of_experts_checkpoint_matches(
                 parameter.normal_(0.0, 0.5)
             elif "norm" in name:
                 parameter.uniform_(0.5, 1.5)
-    save_with_tokenizer(reference, tmp_path, tiny_model_dir)
+    write_with_tokenizer(reference, tmp_path, tiny_model_dir)
+    assert_engine_matches(tmp_path, reference, make_engine, steps=40)
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {},
+        {"q_lora_rank": None, "rope_interleave": False},
+        {"first_k_dense_replace": 0, "n_group": 1, "topk_group": 1, "norm_topk_prob": False},
+    ],
+    ids=["q-lora", "plain-q-half-split-rope", "all-sparse-one-group"],
+)
+def test_a_deepseek_v3_checkpoint_matches(
+    tmp_path: Path,
+    tiny_model_dir: Path,
+    make_engine: Callable[..., LLMEngine],
+    overrides: dict[str, object],
+) -> None:
+    """DeepSeek-V3 written by transformers' own classes: latent attention (with and without the
+    query bottleneck, interleaved and half-split rotary), YaRN with DeepSeek's mscale, grouped
+    routing with the correction bias, shared experts, the first layers dense. Prefill expands
+    the latent, decode attends in it: both against transformers' expanded attention."""
+    model = DeepseekV3ForCausalLM(deepseek_v3_config(SMALL["vocab_size"], **overrides))  # type: ignore[arg-type]
+    reference = decisive_weights(model, seed=5).eval()
+    write_with_tokenizer(reference, tmp_path, tiny_model_dir)
     assert_engine_matches(tmp_path, reference, make_engine, steps=40)

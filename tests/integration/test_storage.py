@@ -416,7 +416,7 @@ def storage_engine(
     )
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3-moe", "mixtral"])
+@pytest.mark.parametrize("family", ["llama", "qwen3-moe", "mixtral", "deepseek-v3"])
 def test_a_preempted_request_resumes_from_storage_with_identical_output(
     redis_url: str,
     tmp_path: Path,
