@@ -83,9 +83,7 @@ def decisive_weights(model: torch.nn.Module, seed: int) -> torch.nn.Module:
                 parameter.copy_(torch.empty_like(parameter).uniform_(0.5, 1.5, generator=generator))
             elif name.endswith("e_score_correction_bias"):
                 parameter.copy_(0.1 * torch.randn(parameter.shape, generator=generator))
-            elif name.endswith("gate.weight"):
-                parameter.copy_(0.5 * torch.randn(parameter.shape, generator=generator))
-            elif "embed_tokens" in name or "lm_head" in name:
+            elif name.endswith("gate.weight") or "embed_tokens" in name or "lm_head" in name:
                 parameter.copy_(0.5 * torch.randn(parameter.shape, generator=generator))
             else:
                 fan_in = parameter.shape[-1]

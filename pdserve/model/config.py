@@ -416,7 +416,9 @@ def _parse_rope(raw: dict[str, Any]) -> RopeConfig:
     attention_factor = params.get("attention_factor")
     factor = params.get("factor")
     if factor is None and rope_type == "yarn":  # the extension DeepSeek's configs imply
-        factor = raw.get("max_position_embeddings", 2048) / params["original_max_position_embeddings"]
+        factor = (
+            raw.get("max_position_embeddings", 2048) / params["original_max_position_embeddings"]
+        )
     return RopeConfig(
         theta=theta,
         rope_type=rope_type,

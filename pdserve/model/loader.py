@@ -13,8 +13,9 @@ from safetensors import safe_open
 
 from pdserve.errors import ModelLoadError
 from pdserve.model.config import ARCHITECTURES, ModelConfig, parse_dtype
+from pdserve.model.layers import RotaryEmbedding
 from pdserve.model.linear import can_pack
-from pdserve.model.llama import CausalLM, RotaryEmbedding
+from pdserve.model.llama import CausalLM
 from pdserve.model.moe import Experts
 from pdserve.model.parallel import Shard, TPGroup, check_divides
 from pdserve.model.tokenizer import Tokenizer

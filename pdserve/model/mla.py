@@ -96,7 +96,8 @@ class LatentAttention(nn.Module):
         compressed = self.kv_a_proj_with_mqa(x)
         latent_kv = self.kv_a_layernorm(compressed[:, : mla.kv_lora_rank])
         # q's rotary part and the shared rotary key are rotated together
-        pe = rotation(torch.cat((q[..., mla.qk_nope_head_dim :], compressed[:, None, mla.kv_lora_rank :]), dim=1))
+        k_pe = compressed[:, None, mla.kv_lora_rank :]
+        pe = rotation(torch.cat((q[..., mla.qk_nope_head_dim :], k_pe), dim=1))
         q_nope, q_pe = q[..., : mla.qk_nope_head_dim], pe[:, :heads]
         step.write_latent(kv_layer, torch.cat((latent_kv, pe[:, heads]), dim=-1))
         if step.meta.decode_only:

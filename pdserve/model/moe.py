@@ -1,6 +1,8 @@
 """Mixture-of-experts layers (Qwen3-MoE, Mixtral, DeepSeek-V3): a router picks each token's top-k
-experts (`route`, or DeepSeek-V3's group-limited `route_grouped`), and the experts run grouped — the token rows sorted by expert, one matrix multiply per *active* expert
-and projection, never a loop over tokens nor a multiply by every expert.
+experts (`route`, or DeepSeek-V3's group-limited `route_grouped`), and the experts run grouped —
+the token rows sorted by expert, one matrix multiply per *active* expert and projection, never a
+loop over tokens nor a multiply by every expert. DeepSeek-V3 adds shared experts every token
+runs through.
 
 An instance's ranks split the experts one of two ways (`pdserve.model.parallel.ExpertPart`):
 tensor parallel (every rank holds every expert, a `1 / size` slice of each one's width) or
