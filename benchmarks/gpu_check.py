@@ -592,7 +592,7 @@ def decode(ctx: Context) -> dict[str, Any]:
     engine = decode_engine(ctx)
     loaded = engine.loaded
     runner = ModelRunner.create(loaded.model, biggest * per_seq, BLOCK_SIZE, loaded.dtype)
-    kv_per_token = loaded.config.kv_bytes_per_token(loaded.dtype)
+    kv_per_token = loaded.model.kv_layout(loaded.dtype).bytes_per_token()
     context = s.decode_prompt_len + 1 + s.warmup + s.steps / 2  # mean over the timed steps
     batches: dict[str, Any] = {}
     for batch in s.batches:
@@ -984,7 +984,7 @@ def memory(ctx: Context) -> dict[str, Any]:
         "num_kv_blocks": engine.kv_cache.num_blocks,
         "block_size": engine.kv_cache.block_size,
         "kv_cache_bytes": cache.numel() * cache.element_size(),
-        "kv_bytes_per_token": engine.loaded.config.kv_bytes_per_token(engine.loaded.dtype),
+        "kv_bytes_per_token": engine.loaded.model.kv_layout(engine.loaded.dtype).bytes_per_token(),
         "weight_bytes": weight_bytes(engine.loaded.model),
         "kv_plan": describe(engine, "kv_plan"),
         "memory": describe(engine, "memory"),

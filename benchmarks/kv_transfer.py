@@ -73,6 +73,8 @@ from pdserve.engine.engine import LLMEngine
 from pdserve.engine.request import SamplingParams
 from pdserve.instance.convert import endpoints_from_proto, generate_request
 from pdserve.model.config import ModelConfig
+from pdserve.model.kv_layout import kv_layout
+from pdserve.model.parallel import SINGLE
 from pdserve.model.staging import KVStager
 from pdserve.model.tiny import default_model_dir
 from pdserve.rpc.auth import new_secret
@@ -651,7 +653,7 @@ def bench_transfer(
     args: argparse.Namespace, repeat: int, num_blocks: int, block_bytes: int
 ) -> TransferFigures:
     model_config = ModelConfig.from_dir(default_model_dir())
-    token_bytes = model_config.kv_bytes_per_token(torch.float32)
+    token_bytes = kv_layout(model_config, SINGLE, torch.float32).bytes_per_token()
     context = int(model_config.max_position_embeddings)
     plan = plan_transfer(num_blocks, block_bytes, args.chunk_bytes, context, token_bytes)
     with tempfile.TemporaryDirectory(prefix="pdserve-kv-transfer-") as directory:

@@ -375,14 +375,6 @@ class ModelConfig:
             mla=_parse_mla(raw, rope) if traits.latent_attention else None,
         )
 
-    def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
-        """Bytes cached for one token across all layers (the whole model's: one rank's share
-        is its `KVLayout`'s): K and V of every KV head, or MLA's latent."""
-        element = torch.empty((), dtype=dtype).element_size()
-        if self.mla is not None:
-            return self.num_layers * self.mla.latent_dim * element
-        return self.num_layers * 2 * self.num_kv_heads * self.head_dim * element
-
 
 def parse_dtype(name: str) -> torch.dtype:
     """Map a dtype name (`float32`, `bfloat16`, `float16`) to torch; raises ModelLoadError."""
