@@ -1,5 +1,6 @@
-"""The `triton` attention backend: paged decode and varlen causal prefill as Triton kernels
-(`triton_kernels`) that read K/V in place from pdserve's cache layout (a layer's strided view).
+"""The `triton` attention backend: paged decode, varlen causal prefill and latent-attention
+(MLA) decode as Triton kernels (`triton_kernels`) that read K/V or latents in place from
+pdserve's cache layout (a layer's strided view).
 
 `TritonBackend.plan` turns the batch into what the kernels index, once per step and in one
 asynchronous host-to-device copy: the decode rows (sequences with one new token) and the prefill
@@ -7,7 +8,9 @@ tiles (up to `prefill_block_m` consecutive new tokens of one sequence each, with
 position). Each layer's `attend` then launches at most three kernels (prefill; decode; the merge
 of a decode's context splits) and never waits on the device. Sequences with more than one new
 token go through the prefill kernel, whose causal mask is by absolute position: prefix hits and
-later chunks of a prompt need nothing else. `write_kv` is the shared index_put.
+later chunks of a prompt need nothing else. `latent_decode` takes the same decode rows (the
+plan's, not `rows`: no copy of their tables) and launches at most two kernels (the decode; the
+merge of its splits). `write_kv` is the shared index_put.
 
 Importing this module does not import triton: the kernels are imported (and compiled, or set up
 for triton's interpreter under ``TRITON_INTERPRET=1``) when a `TritonBackend` is made.
@@ -39,13 +42,15 @@ def triton_available() -> bool:
 @dataclass(frozen=True, slots=True)
 class TritonConfig:
     """Tile sizes and the decode split policy; the defaults are for a GPU and 16-bit caches
-    (see `tiles`). Tile sizes are powers of two, at least 16."""
+    (see `tiles`, `latent_tiles`). Tile sizes are powers of two, at least 16."""
 
     prefill_block_m: int = 64  # new tokens per prefill tile
     block_n: int = 64  # cached tokens per step of the kernels' inner loop
     split_tokens: int = 512  # the shortest context span worth a decode split of its own
     max_splits: int = 16
     target_programs: int = 512  # decode programs that fill the GPU: fewer, split the contexts
+    latent_block_h: int = 16  # query heads per latent decode program (they share its latents)
+    latent_max_splits: int = 64  # one sequence's 16 heads (DeepSeek-V3 on 8 GPUs): one program
     num_warps: int = 4
     num_stages: int = 2
 
@@ -60,6 +65,15 @@ class TritonConfig:
         if dtype == torch.float32:
             block_n = min(block_n, 16 if prefill else 32)
         return block_n, warps
+
+    def latent_tiles(self, dtype: torch.dtype, cache_dtype: torch.dtype) -> tuple[int, int, int]:
+        """(block_n, num_warps, num_stages) of the latent decode, `dtype` its queries' (ptxas
+        for sm_90, 576-wide latents, 16 heads a program: no spills): 32 latents a step from a
+        16-bit cache, 16 from an FP8 one (upcast in registers) or in float32; float32 queries
+        over an FP8 cache in one stage (pipelined, they spill 8 KB)."""
+        wide = dtype.itemsize == cache_dtype.itemsize == 2
+        stages = 1 if dtype.itemsize == 4 and cache_dtype.itemsize == 1 else self.num_stages
+        return min(self.block_n, 32 if wide else 16), self.num_warps, stages
 
 
 def _pow2(value: int) -> int:
@@ -122,6 +136,66 @@ class _TritonStep(AttentionStep):
             self._launch_decode(q, kv_layer, out, scale, common)
         return out
 
+    def latent_decode(
+        self, q: torch.Tensor, kv_layer: torch.Tensor, scale: float, value_dim: int
+    ) -> torch.Tensor:
+        """Latent attention of the decode rows (`q`: theirs, `[n, heads, dim]`, in the order
+        of `rows.decode_rows`) over their cached latents (`kv_layer` `[blocks, 1, block_size,
+        1, dim]`): `[n, heads, value_dim]`. Launches at most two kernels and never waits on
+        the device (CUDA-graph capturable); allocates the output (and, the first time, the
+        split partials). Raises ValueError when `q` is not the plan's decode rows or does not
+        match the latents, or `value_dim` is wider than they are."""
+        return self._latent_decode(q, kv_layer, scale, value_dim, kv_scale=1.0)
+
+    def _latent_decode(
+        self, q: torch.Tensor, kv_layer: torch.Tensor, scale: float, value_dim: int, kv_scale: float
+    ) -> torch.Tensor:
+        """`latent_decode` over a cache whose real values are its stored ones * `kv_scale`
+        (an FP8 cache's scale)."""
+        rows, heads, dim = q.shape
+        if rows != self._decode:
+            raise ValueError(f"{rows} query rows for a plan of {self._decode} decode rows")
+        if kv_layer.shape[1] != 1 or kv_layer.shape[3] != 1 or kv_layer.shape[4] != dim:
+            raise ValueError(
+                f"a latent cache view is [blocks, 1, block_size, 1, {dim}], not {kv_layer.shape}"
+            )
+        if not 0 < value_dim <= dim:
+            raise ValueError(f"a value of {value_dim} values does not fit a latent of {dim}")
+        out = torch.empty((rows, heads, value_dim), dtype=q.dtype, device=q.device)
+        if not self._decode:
+            return out
+        block_h = self._config.latent_block_h
+        head_blocks = -(-heads // block_h)
+        block_n, warps, stages = self._config.latent_tiles(q.dtype, kv_layer.dtype)
+        splits, split_tokens = self._splits(head_blocks, block_n, self._config.latent_max_splits)
+        block_v = _pow2(value_dim)
+        partials = self._partials_for((self._decode, heads, splits, block_v + 2), out)
+        tables = self.meta.block_tables
+        self._kernels.latent_decode[(self._decode, head_blocks, splits)](
+            q, out, kv_layer, tables, self.meta.context_lens_tensor, self._decode_seqs,
+            partials, scale * LOG2E * kv_scale, kv_scale, split_tokens, heads,
+            q.stride(), out.stride(), kv_layer.stride(), tables.stride(),
+            VALUE_DIM=value_dim, ROPE_DIM=dim - value_dim, PAGE=kv_layer.shape[2],
+            BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_V=block_v,
+            BLOCK_R=_pow2(max(dim - value_dim, 1)), SPLITS=splits,
+            UPCAST=bool(self._kernels.INTERPRET), num_warps=warps, num_stages=stages,
+        )  # fmt: skip
+        if splits > 1:
+            self._kernels.decode_reduce[(self._decode, heads)](
+                out, None, partials, out.stride(),
+                HEAD_DIM=value_dim, BLOCK_D=block_v, SPLITS=splits, num_warps=4,
+            )  # fmt: skip
+        return out
+
+    def _partials_for(self, shape: tuple[int, int, int, int], out: torch.Tensor) -> torch.Tensor:
+        """The split partials' float32 buffer (`decode_reduce`'s input), kept while its shape
+        holds (every layer's); `out` when there is one split (the kernels then write there)."""
+        if shape[2] == 1:
+            return out
+        if self._partials is None or self._partials.shape != shape:
+            self._partials = torch.empty(shape, dtype=torch.float32, device=out.device)
+        return self._partials
+
     def _launch_decode(
         self,
         q: torch.Tensor,
@@ -132,13 +206,8 @@ class _TritonStep(AttentionStep):
     ) -> None:
         heads, kv_heads = q.shape[1], kv_layer.shape[3]
         block_n, warps = self._config.tiles(q.dtype, False, q.shape[2])
-        splits, split_tokens = self._splits(kv_heads, block_n)
-        partials = out
-        if splits > 1:
-            shape = (self._decode, heads, splits, common["BLOCK_D"] + 2)
-            if self._partials is None or self._partials.shape != shape:
-                self._partials = torch.empty(shape, dtype=torch.float32, device=q.device)
-            partials = self._partials
+        splits, split_tokens = self._splits(kv_heads, block_n, self._config.max_splits)
+        partials = self._partials_for((self._decode, heads, splits, common["BLOCK_D"] + 2), out)
         tables = self.meta.block_tables
         self._kernels.paged_decode[(self._decode, kv_heads, splits)](
             q, out, kv_layer, tables, self.meta.context_lens_tensor, self._decode_seqs,
@@ -154,13 +223,15 @@ class _TritonStep(AttentionStep):
                 num_warps=4,
             )  # fmt: skip
 
-    def _splits(self, kv_heads: int, block_n: int) -> tuple[int, int]:
-        """(splits, tokens per split) of the decode rows' contexts: a power of two (the merge's
-        arange), enough for `target_programs` programs, none shorter than `split_tokens`."""
+    def _splits(self, row_programs: int, block_n: int, max_splits: int) -> tuple[int, int]:
+        """(splits, tokens per split) of the decode rows' contexts, when each row takes
+        `row_programs` programs a split: a power of two (the merge's arange) up to
+        `max_splits`, enough for `target_programs` programs, none shorter than
+        `split_tokens`."""
         config = self._config
         wanted = min(
-            config.max_splits,
-            -(-config.target_programs // (self._decode * kv_heads)),
+            max_splits,
+            -(-config.target_programs // (self._decode * row_programs)),
             -(-self._longest_decode // config.split_tokens),
         )
         splits = 1 << (max(wanted, 1).bit_length() - 1)
@@ -175,7 +246,8 @@ class TritonBackend(AttentionBackend):
 
     def __init__(self, config: TritonConfig | None = None) -> None:
         self._config = config or TritonConfig()
-        for size in (self._config.prefill_block_m, self._config.block_n):
+        config = self._config
+        for size in (config.prefill_block_m, config.block_n, config.latent_block_h):
             if size < 16 or size & (size - 1):
                 raise ValueError(f"triton attention tiles are powers of two >= 16, not {size}")
         self._kernels = importlib.import_module("pdserve.model.triton_kernels")

@@ -14,6 +14,15 @@ block table, so ``BLOCK_N`` need not match the page size), with an online softma
 sequence's new tokens for one head; `paged_decode`'s rows are the query heads that share one kv
 head (GQA), for one new token, optionally over one split of the context (`decode_reduce` merges
 the splits).
+
+`latent_decode` is the latent-attention (MLA) decode: the cache holds one latent per token
+(``[num_blocks, 1, page, 1, dim]``), shared by every query head, whose first ``VALUE_DIM``
+values are also its value. A program takes ``BLOCK_H`` heads of one decode row, so each tile of
+``BLOCK_N`` latents is loaded once for all of them; its scores are two dots (the value part, a
+power of two wide in DeepSeek's 512 + 64, and the rest), and the value part's tile, already
+loaded, is the values. It splits the context as `paged_decode` does and shares its merge and
+the online-softmax step (`_online_softmax`). An FP8 cache is upcast as it is loaded and its
+scale applied to the scores' scale and to the output (real value = stored * ``kv_scale``).
 """
 # mypy: ignore-errors
 # (triton ships neither type stubs nor a py.typed marker; this module is triton's kernel language)
@@ -31,6 +40,13 @@ def _scores_update(q, k, v, mask, m, denom, acc, qk_scale, UPCAST: tl.constexpr)
         k = k.to(tl.float32)
         v = v.to(tl.float32)
     s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale
+    return _online_softmax(s, mask, v, m, denom, acc)
+
+
+@triton.jit
+def _online_softmax(s, mask, v, m, denom, acc):
+    """Scores `s` [M, N] (scaled, in log2 units) where `mask`, and values `v` [N, D], into the
+    running (row max `m`, row sum `denom`, unnormalised output `acc` [M, D])."""
     s = tl.where(mask, s, float("-inf"))
     m_new = tl.maximum(m, tl.max(s, axis=1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing to attend yet
@@ -161,22 +177,86 @@ def _store_split(part_ptr, i, heads, split, m, denom, acc, h_mask, num_heads):
 
 
 @triton.jit
+def latent_decode(
+    q_ptr, out_ptr, kv_ptr, tables_ptr, lens_ptr, seqs_ptr, part_ptr, qk_scale, kv_scale,
+    split_tokens, num_heads, q_st, o_st, kv_st, t_st,
+    VALUE_DIM: tl.constexpr, ROPE_DIM: tl.constexpr, PAGE: tl.constexpr, BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_R: tl.constexpr, SPLITS: tl.constexpr,
+    UPCAST: tl.constexpr,
+):  # fmt: skip
+    """Grid (decode row, head block, split): BLOCK_H query heads of decode row `i` (of
+    sequence `seqs[i]`) against its latents split*split_tokens.. . A latent is VALUE_DIM values
+    (padded to BLOCK_V; also the value) then ROPE_DIM more (padded to BLOCK_R). `qk_scale`
+    includes log2 e and `kv_scale`. With one split the result is written to `out` row `i`;
+    else (max, sum, output) to `part_ptr`."""
+    i = tl.program_id(0).to(tl.int64)
+    split = tl.program_id(2)
+    seq = tl.load(seqs_ptr + i).to(tl.int64)
+    context = tl.load(lens_ptr + seq)
+    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    h_mask = heads < num_heads
+    dv = tl.arange(0, BLOCK_V)
+    dr = VALUE_DIM + tl.arange(0, BLOCK_R)
+    v_mask = dv < VALUE_DIM
+    r_mask = dr < VALUE_DIM + ROPE_DIM
+    q_row = q_ptr + i * q_st[0] + heads[:, None] * q_st[1]
+    q_v = tl.load(q_row + dv[None, :] * q_st[2], mask=h_mask[:, None] & v_mask[None, :], other=0.0)
+    q_r = tl.load(q_row + dr[None, :] * q_st[2], mask=h_mask[:, None] & r_mask[None, :], other=0.0)
+    if UPCAST:  # the interpreter's tl.dot mishandles bfloat16 (stored as uint16 in numpy)
+        q_v = q_v.to(tl.float32)
+        q_r = q_r.to(tl.float32)
+    start = split * split_tokens
+    end = tl.minimum(context, start + split_tokens)
+    table = tables_ptr + seq * t_st[0]
+    m = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    denom = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_V], tl.float32)
+    for n0 in range(start, end, BLOCK_N):
+        n = n0 + tl.arange(0, BLOCK_N)
+        valid = n < end
+        block = tl.load(table + (n // PAGE) * t_st[1], mask=valid, other=0).to(tl.int64)
+        latent = kv_ptr + (block * kv_st[0] + (n % PAGE) * kv_st[2])[:, None]
+        value_mask = valid[:, None] & v_mask[None, :]
+        # an FP8 cache upcasts exactly to the queries' 16- or 32-bit type
+        value = tl.load(latent + dv[None, :] * kv_st[4], mask=value_mask, other=0.0)
+        value = value.to(q_v.dtype)
+        s = tl.dot(q_v, tl.trans(value), input_precision="ieee")
+        if ROPE_DIM > 0:
+            rope_mask = valid[:, None] & r_mask[None, :]
+            rope = tl.load(latent + dr[None, :] * kv_st[4], mask=rope_mask, other=0.0)
+            s = tl.dot(q_r, tl.trans(rope.to(q_r.dtype)), s, input_precision="ieee")
+        m, denom, acc = _online_softmax(s * qk_scale, valid[None, :], value, m, denom, acc)
+    acc = acc * kv_scale
+    if SPLITS == 1:
+        o_ptrs = out_ptr + i * o_st[0] + heads[:, None] * o_st[1] + dv[None, :] * o_st[2]
+        o_mask = h_mask[:, None] & v_mask[None, :]
+        tl.store(o_ptrs, (acc / denom[:, None]).to(out_ptr.dtype.element_ty), mask=o_mask)
+    else:
+        _store_split(part_ptr, i, heads, split, m, denom, acc, h_mask, num_heads)
+
+
+@triton.jit
 def decode_reduce(
     out_ptr, rows_ptr, part_ptr, o_st,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, SPLITS: tl.constexpr,
 ):  # fmt: skip
-    """Grid (decode row, head): merges the SPLITS partials of `paged_decode`."""
+    """Grid (decode row, head): merges the SPLITS partials of `paged_decode` or `latent_decode`
+    into `out` row `rows[i]` (`rows_ptr` None: row `i`), up to 8192 // BLOCK_D splits at a time
+    (all of a latent's 512 by 64 splits would not fit in registers)."""
+    TILE: tl.constexpr = min(SPLITS, 8192 // BLOCK_D)
     i = tl.program_id(0)
     head = tl.program_id(1)
-    row = tl.load(rows_ptr + i).to(tl.int64)
+    row = (i if rows_ptr is None else tl.load(rows_ptr + i)).to(tl.int64)
     width = BLOCK_D + 2
-    sp = tl.arange(0, SPLITS)
-    base = ((i * tl.num_programs(1) + head) * SPLITS + sp).to(tl.int64) * width
+    base = ((i * tl.num_programs(1) + head) * SPLITS).to(tl.int64) * width
+    top = tl.max(tl.load(part_ptr + base + tl.arange(0, SPLITS) * width + BLOCK_D), axis=0)
     d = tl.arange(0, BLOCK_D)
-    acc = tl.load(part_ptr + base[:, None] + d[None, :])
-    m = tl.load(part_ptr + base + BLOCK_D)
-    denom = tl.load(part_ptr + base + BLOCK_D + 1)
-    weight = tl.exp2(m - tl.max(m, axis=0))  # an empty split (max -inf) weighs 0
-    out = tl.sum(acc * weight[:, None], axis=0) / tl.sum(denom * weight, axis=0)
+    acc = tl.zeros([BLOCK_D], tl.float32)
+    denom = tl.zeros([], tl.float32)
+    for first in range(0, SPLITS, TILE):
+        parts = part_ptr + base + (first + tl.arange(0, TILE)) * width
+        weight = tl.exp2(tl.load(parts + BLOCK_D) - top)  # an empty split (max -inf) weighs 0
+        acc += tl.sum(tl.load(parts[:, None] + d[None, :]) * weight[:, None], axis=0)
+        denom += tl.sum(tl.load(parts + BLOCK_D + 1) * weight, axis=0)
     o_ptrs = out_ptr + row * o_st[0] + head * o_st[1] + d * o_st[2]
-    tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
+    tl.store(o_ptrs, (acc / denom).to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)

@@ -4,7 +4,10 @@ file is not named test_*, so the session never collects it: triton must not be i
 in interpreter mode). Decode rows of ragged lengths (one context split or several), prefill
 chunks after a prefix hit (block-aligned or not), a prompt prefilled in two chunks, prefill and
 decode mixed, GQA and MHA, head sizes 32, 64 and 48 (padded), strided queries, bfloat16 and
-float16. And the fused mixture-of-experts kernel against the grouped CPU path."""
+float16. The latent (MLA) decode kernel against its torch reference: one head and a head block,
+a latent of 576 = 512 + 64 and a small one (40 = 32 + 8), split contexts, decode rows after
+prefill rows, an FP8 cache and its scale. And the fused mixture-of-experts kernel against the
+grouped CPU path."""
 
 import dataclasses
 import os
@@ -14,7 +17,11 @@ import pytest
 import torch
 from test_attention_backends import BLOCK, metadata
 
-from pdserve.model.attention import AttentionMetadata, ReferenceBackend
+from pdserve.model.attention import (
+    AttentionMetadata,
+    ReferenceBackend,
+    latent_decode_reference,
+)
 from pdserve.model.moe import Experts, route
 from pdserve.model.parallel import ExpertPart
 from pdserve.model.triton_attention import TritonBackend, TritonConfig
@@ -144,6 +151,100 @@ def test_a_decode_plan_for_the_longest_context_attends_each_rows_own_length() ->
     expected = ReferenceBackend().plan(meta).attend(q, kv_layer, scale)
     got = TritonBackend(SMALL).plan(planned).attend(q, kv_layer, scale)
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+
+
+# -- the latent (MLA) decode kernel ---------------------------------------------------------
+
+# Four or more splits of the longest context below (and 16-head blocks for 16 heads).
+LATENT = TritonConfig(block_n=16, split_tokens=32, target_programs=64)
+
+
+def latent_cache(blocks: int, dim: int, seed: int) -> torch.Tensor:
+    """A random 2-layer latent cache's second layer, `[blocks, 1, BLOCK, 1, dim]`, strided."""
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(blocks, 2, 1, BLOCK, 1, dim, generator=generator)[:, 1]
+
+
+def check_latent(
+    chunks: list[tuple[int, int]],
+    heads: int,
+    dim: int,
+    value_dim: int,
+    dtype: torch.dtype = torch.float32,
+    config: TritonConfig = LATENT,
+    cache_dtype: torch.dtype | None = None,
+    kv_scale: float = 1.0,
+) -> None:
+    """The decode rows of `chunks` (the others are prefill rows the kernel leaves alone) through
+    the plan's `latent_decode` (or its `kv_scale` form) against the reference in float32."""
+    seed = heads + dim + len(chunks)
+    tables = tables_for(chunks, seed)
+    stored = latent_cache(max(max(t) for t in tables) + 1, dim, seed).to(cache_dtype or dtype)
+    decode = sum(count == 1 for _, count in chunks)
+    generator = torch.Generator().manual_seed(seed + 1)
+    q = torch.randn(decode, heads, dim, generator=generator).to(dtype)
+    step = TritonBackend(config).plan(metadata(chunks, tables))
+    scale = dim**-0.5
+    rows = step.rows
+    expected = latent_decode_reference(
+        q.float(), stored.float() * kv_scale, rows.decode_tables, rows.decode_lens, scale, value_dim
+    )
+    got = step._latent_decode(q, stored, scale, value_dim, kv_scale)  # type: ignore[attr-defined]
+    assert got.shape == (decode, heads, value_dim) and got.dtype == dtype
+    tolerance = TOLERANCE[dtype]
+    torch.testing.assert_close(got.float(), expected, rtol=tolerance, atol=tolerance)
+
+
+LATENT_DECODE = [(0, 1), (37, 1), (15, 1), (200, 1), (64, 1)]  # contexts 1 .. 201
+
+
+@pytest.mark.parametrize("heads", [1, 16])
+@pytest.mark.parametrize("config", [LATENT, ONE_SPLIT], ids=["splits", "one-split"])
+def test_the_latent_decode_equals_the_reference(heads: int, config: TritonConfig) -> None:
+    check_latent(LATENT_DECODE, heads, dim=40, value_dim=32, config=config)
+
+
+def test_the_latent_decode_of_decode_rows_among_prefill_rows() -> None:
+    """Rows 23, 41, 42 and 43 of the batch are its decode rows; 20 heads are two head blocks."""
+    check_latent(CASES["prefill_and_decode"], 20, dim=40, value_dim=32)
+
+
+def test_the_latent_decode_of_a_deepseek_latent_in_bfloat16() -> None:
+    """576 = 512 values + 64 rotary values, 16 heads, contexts in 32 splits (of 32 tokens: the
+    last 15 empty), which the merge takes 16 at a time."""
+    config = TritonConfig(block_n=16, split_tokens=16, target_programs=64)
+    check_latent([(519, 1), (8, 1)], 16, 576, 512, torch.bfloat16, config)
+
+
+def test_the_latent_decode_of_an_fp8_cache_and_its_scale() -> None:
+    """The kernel upcasts float8_e4m3fn latents as it loads them and applies `kv_scale`."""
+    chunks = [(0, 1), (37, 1), (200, 1)]
+    check_latent(chunks, 16, 40, 32, cache_dtype=torch.float8_e4m3fn, kv_scale=0.5)
+
+
+def test_the_latent_decode_plan_for_the_longest_context_and_its_errors() -> None:
+    """A decode graph's plan (for the longest context, over wide tables) attends each row's own
+    length; q that is not the plan's decode rows, or a value wider than the latent, is refused."""
+    chunks = LATENT_DECODE
+    heads, dim, value_dim = 4, 40, 32
+    tables = tables_for(chunks, seed=11)
+    kv_layer = latent_cache(max(max(t) for t in tables) + 1, dim, seed=11)
+    q = torch.randn(len(chunks), heads, dim, generator=torch.Generator().manual_seed(12))
+    meta = metadata(chunks, tables)
+    width = 24  # blocks: a context of 384 tokens
+    wide = torch.zeros(len(chunks), width, dtype=torch.long)
+    wide[:, : meta.block_tables.shape[1]] = meta.block_tables
+    planned = dataclasses.replace(
+        meta, context_lens=[width * BLOCK] * len(chunks), block_tables=wide
+    )
+    scale = dim**-0.5
+    expected = ReferenceBackend().plan(meta).latent_decode(q, kv_layer, scale, value_dim)
+    step = TritonBackend(LATENT).plan(planned)
+    torch.testing.assert_close(step.latent_decode(q, kv_layer, scale, value_dim), expected)
+    with pytest.raises(ValueError, match="decode rows"):
+        step.latent_decode(q[1:], kv_layer, scale, value_dim)
+    with pytest.raises(ValueError, match="does not fit"):
+        step.latent_decode(q, kv_layer, scale, dim + 1)
 
 
 # -- the fused mixture-of-experts kernel -----------------------------------------------------
