@@ -33,6 +33,14 @@ class DTypeName(StrEnum):
     FLOAT16 = "float16"
 
 
+class KVCacheDTypeName(StrEnum):
+    """The KV cache's element type: `auto`, the model's dtype; `fp8_e4m3`, 8-bit floats with a
+    scale per layer and plane (half a 16-bit cache's bytes)."""
+
+    AUTO = "auto"
+    FP8_E4M3 = "fp8_e4m3"
+
+
 class EvictionPolicyName(StrEnum):
     """Which cached block a full KV pool reuses."""
 

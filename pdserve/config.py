@@ -42,6 +42,7 @@ from pdserve.choices import (
     AttentionBackendName,
     DTypeName,
     EvictionPolicyName,
+    KVCacheDTypeName,
     PrefillPolicyName,
     ToolParserName,
     TransportName,
@@ -59,6 +60,7 @@ TRANSPORTS = tuple(TransportName)
 PREFILL_POLICIES = tuple(PrefillPolicyName)
 TOOL_PARSERS = tuple(ToolParserName)
 DTYPES = tuple(DTypeName)
+KV_CACHE_DTYPES = tuple(KVCacheDTypeName)
 PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")  # Ray's
 MOONCAKE_PROTOCOLS = ("tcp", "rdma")
 STORES = ("directory", "memory")
@@ -67,7 +69,7 @@ REDIS_SCHEMES = ("redis", "rediss", "unix")
 # Engine settings a role may not change: KV blocks move between prefill and decode instances
 # byte for byte, and the router hashes prompt blocks with the base engine's model, block size
 # and dtype, so every role must agree with the base engine on them.
-SHARED_ENGINE_FIELDS = ("model", "block_size", "dtype", "tensor_parallel_size")
+SHARED_ENGINE_FIELDS = ("model", "block_size", "dtype", "kv_cache_dtype", "tensor_parallel_size")
 # PDSERVE_* variables read outside this module, so known even though no setting is loaded from
 # them: services/controller/admin_cli.py reads PDSERVE_ADMIN_TOKEN without loading a config, and
 # services/controller/admin.py falls back to it when admin.token is unset;
@@ -114,6 +116,14 @@ class EngineConfig:
     user cache directory on first use."""
     dtype: str = _choice("auto", DTYPES)
     """Weight and KV cache dtype; `auto`: the checkpoint's `torch_dtype`."""
+    kv_cache_dtype: str = _choice("auto", KV_CACHE_DTYPES)
+    """KV cache element type: `auto` (the model's dtype) or `fp8_e4m3`.
+
+    `fp8_e4m3` stores K and V (or a latent-attention model's latent) as 8-bit floats, each layer's
+    planes divided by a scale: the checkpoint's `k_scale`/`v_scale` when it has them, else
+    measured at start over a fixed calibration batch (a power of two with 2-4x headroom;
+    tensor-parallel ranks agree on the largest). Half a 16-bit cache's bytes per block, on the
+    device and on every transfer and in the storage tier. Every role shares it."""
     device: str = "cpu"
     """Device: `cpu`, `cuda` or `cuda:N`.
 
@@ -277,9 +287,10 @@ class PrefillConfig:
     engine: EngineConfig | None = None
     """Engine settings of this role only, over the `engine:` section's.
 
-    Any engine setting but `model`, `block_size`, `dtype` and `tensor_parallel_size`, which
-    every role shares. Once loaded, the field holds the role's whole engine, or null when the
-    role changes nothing (`ClusterConfig.engine_for` resolves either)."""
+    Any engine setting but `model`, `block_size`, `dtype`, `kv_cache_dtype` and
+    `tensor_parallel_size`, which every role shares. Once loaded, the field holds the role's
+    whole engine, or null when the role changes nothing (`ClusterConfig.engine_for` resolves
+    either)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -306,9 +317,10 @@ class DecodeConfig:
     engine: EngineConfig | None = None
     """Engine settings of this role only, over the `engine:` section's.
 
-    Any engine setting but `model`, `block_size`, `dtype` and `tensor_parallel_size`, which
-    every role shares. Once loaded, the field holds the role's whole engine, or null when the
-    role changes nothing (`ClusterConfig.engine_for` resolves either)."""
+    Any engine setting but `model`, `block_size`, `dtype`, `kv_cache_dtype` and
+    `tensor_parallel_size`, which every role shares. Once loaded, the field holds the role's
+    whole engine, or null when the role changes nothing (`ClusterConfig.engine_for` resolves
+    either)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -325,9 +337,10 @@ class MixedConfig:
     engine: EngineConfig | None = None
     """Engine settings of this role only, over the `engine:` section's.
 
-    Any engine setting but `model`, `block_size`, `dtype` and `tensor_parallel_size`, which
-    every role shares. Once loaded, the field holds the role's whole engine, or null when the
-    role changes nothing (`ClusterConfig.engine_for` resolves either)."""
+    Any engine setting but `model`, `block_size`, `dtype`, `kv_cache_dtype` and
+    `tensor_parallel_size`, which every role shares. Once loaded, the field holds the role's
+    whole engine, or null when the role changes nothing (`ClusterConfig.engine_for` resolves
+    either)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 
+from pdserve.choices import KVCacheDTypeName
 from pdserve.config import EngineConfig
 from pdserve.engine.admission import Admission, PromptAdmission
 from pdserve.engine.grammar import Grammars
@@ -50,6 +51,7 @@ from pdserve.model.loader import LoadedModel, load_model
 from pdserve.model.memory import (
     KVPlan,
     MemoryReport,
+    calibrate_kv_scales,
     check_context,
     cuda_free_at_start,
     describe,
@@ -208,6 +210,12 @@ class LLMEngine:
             max_blocks = -(-engine.max_model_len // config.block_size)
             runner.capture_graphs(capture_sizes(config.max_num_seqs), max_blocks, graph_capture)
         return engine
+
+    @property
+    def kv_tag(self) -> str:
+        """What this engine's KV blocks hold (`storage_tag`): blocks move only between engines
+        whose tags are equal."""
+        return storage_tag(self.loaded, self.block_size)
 
     # -- requests -----------------------------------------------------------------------------
 
@@ -667,6 +675,10 @@ def load_and_size(
     )
     loaded.model.attention = make_backend(config.attention_backend, loaded.device)
     loaded_everywhere()
+    if config.kv_cache_dtype == KVCacheDTypeName.FP8_E4M3:
+        scales = loaded.kv_scales or calibrate_kv_scales(loaded, config.block_size, group)
+        loaded.model.set_kv_scales(scales)
+        logger.info("FP8 KV cache, %s scales %s", scales.source, scales.digest())
     plan, memory = size_kv_cache(config, loaded, device_memory)
     context = check_context(plan, loaded.max_model_len, config.max_model_len is not None)
     logger.info("%s", describe(plan, memory, weight_bytes(loaded.model), context))

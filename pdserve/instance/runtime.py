@@ -281,6 +281,11 @@ class InstanceRuntime:
         return self.engine.block_size
 
     @property
+    def kv_tag(self) -> str:
+        """What the KV blocks hold (`LLMEngine.kv_tag`): peers whose tags differ exchange none."""
+        return self.engine.kv_tag
+
+    @property
     def kv_base_address(self) -> int:
         """Address of the KV cache's first byte (direct-write transports)."""
         return self.stager.base_address

@@ -58,7 +58,8 @@ def write_kv(
 def paged_attention(
     q: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMetadata, scale: float
 ) -> torch.Tensor:
-    """Causal attention of `q` (`[num_tokens, heads, head_dim]`) over each sequence's cache."""
+    """Causal attention of `q` (`[num_tokens, heads, head_dim]`) over each sequence's cache
+    (an FP8 cache read as its values: the scales are folded outside)."""
     if meta.decode_only:
         return _decode_attention(q, kv_layer, meta, scale)
     outputs = []
@@ -85,8 +86,8 @@ def _sequence_attention(
     q: torch.Tensor, kv_layer: torch.Tensor, table: torch.Tensor, context_len: int, scale: float
 ) -> torch.Tensor:
     query_len = q.shape[0]
-    k = _gather(kv_layer[:, 0], table)[:context_len].transpose(0, 1)
-    v = _gather(kv_layer[:, 1], table)[:context_len].transpose(0, 1)
+    k = _gather(kv_layer[:, 0], table)[:context_len].transpose(0, 1).to(q.dtype)
+    v = _gather(kv_layer[:, 1], table)[:context_len].transpose(0, 1).to(q.dtype)
     mask = None
     if query_len > 1:
         first_pos = context_len - query_len
@@ -102,8 +103,9 @@ def _decode_attention(
     q: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMetadata, scale: float
 ) -> torch.Tensor:
     """One new token per sequence: gather every sequence padded to the longest and mask."""
-    k = _gather(kv_layer[:, 0], meta.block_tables).transpose(1, 2)  # [seqs, kv_heads, L, dim]
-    v = _gather(kv_layer[:, 1], meta.block_tables).transpose(1, 2)
+    # [seqs, kv_heads, L, dim]
+    k = _gather(kv_layer[:, 0], meta.block_tables).transpose(1, 2).to(q.dtype)
+    v = _gather(kv_layer[:, 1], meta.block_tables).transpose(1, 2).to(q.dtype)
     positions = torch.arange(k.shape[2], device=q.device)
     mask = (positions[None, :] < meta.context_lens_tensor[:, None])[:, None, None, :]
     out = F.scaled_dot_product_attention(
@@ -283,8 +285,8 @@ class _CpuStep(AttentionStep):
         for seq, start, length, context in self._prefill:
             blocks = -(-context // kv_layer.shape[2])
             table = self.meta.block_tables[seq, :blocks]
-            k = _gather(kv_layer[:, 0], table)[:context]
-            v = _gather(kv_layer[:, 1], table)[:context]
+            k = _gather(kv_layer[:, 0], table)[:context].to(q.dtype)
+            v = _gather(kv_layer[:, 1], table)[:context].to(q.dtype)
             out[start : start + length] = flash_prefill(q[start : start + length], k, v, scale)
 
 

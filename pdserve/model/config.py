@@ -331,6 +331,13 @@ class ModelConfig:
             raise ModelLoadError(
                 f"unsupported architecture {architecture!r}; supported: {', '.join(ARCHITECTURES)}"
             )
+        quantization = raw.get("quantization_config")
+        if quantization:
+            method = quantization.get("quant_method") if isinstance(quantization, dict) else None
+            raise ModelLoadError(
+                f"quantized weights (quantization_config: {method}) are not supported: load a "
+                "bfloat16 or float16 copy of the checkpoint"
+            )
         window = raw.get(traits.sliding_window_key)
         if window:
             raise ModelLoadError(

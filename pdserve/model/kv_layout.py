@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from pdserve.model.config import ModelConfig
+from pdserve.model.kv_quant import FP8, KVScales
 from pdserve.model.parallel import Shard
 
 
@@ -31,6 +32,7 @@ class KVLayout:
     heads: int  # this rank's KV heads (1 for a latent)
     dim: int  # values per head and token
     dtype: torch.dtype  # the cache's element type
+    scales: str = ""  # an FP8 cache's scales' digest (`KVScales.digest`)
 
     def shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
         return (num_blocks, self.num_layers, self.planes, block_size, self.heads, self.dim)
@@ -49,7 +51,8 @@ class KVLayout:
     @property
     def tag(self) -> str:
         dtype = str(self.dtype).removeprefix("torch.")
-        return f"{self.kind}{self.planes}x{self.heads}x{self.dim}-{dtype}"
+        tag = f"{self.kind}{self.planes}x{self.heads}x{self.dim}-{dtype}"
+        return f"{tag}-s{self.scales}" if self.scales else tag
 
     def describe(self) -> str:
         """For messages: what a block holds per layer and token."""
@@ -58,9 +61,15 @@ class KVLayout:
         return f"K and V of {self.heads} heads of {self.dim} per token and layer ({self.dtype})"
 
 
-def kv_layout(config: ModelConfig, shard: Shard, dtype: torch.dtype) -> KVLayout:
-    """The layout of one rank's (`shard`) cache of elements `dtype` for `config`'s model."""
+def kv_layout(
+    config: ModelConfig, shard: Shard, dtype: torch.dtype, scales: KVScales | None = None
+) -> KVLayout:
+    """The layout of one rank's (`shard`) cache for `config`'s model: of elements `dtype`, or
+    8-bit floats quantised by `scales`."""
+    digest = ""
+    if scales is not None:
+        dtype, digest = FP8, scales.digest()
     if config.mla is not None:
-        return KVLayout("latent", config.num_layers, 1, 1, config.mla.latent_dim, dtype)
+        return KVLayout("latent", config.num_layers, 1, 1, config.mla.latent_dim, dtype, digest)
     heads = shard.split(config.num_kv_heads, "KV heads")[1]
-    return KVLayout("heads", config.num_layers, 2, heads, config.head_dim, dtype)
+    return KVLayout("heads", config.num_layers, 2, heads, config.head_dim, dtype, digest)

@@ -22,6 +22,7 @@ from pdserve.model.attention import (
 )
 from pdserve.model.config import ModelConfig
 from pdserve.model.kv_layout import KVLayout, kv_layout
+from pdserve.model.kv_quant import KVScales, quantize
 from pdserve.model.layers import RMSNorm, RotaryEmbedding, Rotation
 from pdserve.model.linear import PackedLinear, silu_and_mul
 from pdserve.model.mla import LatentAttention
@@ -52,6 +53,7 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
         self.qkv_proj: nn.Linear | None = None  # q, k and v in one multiply (`fuse`)
         self.group: TPGroup | None = None  # tensor parallel: sums o_proj over the ranks
+        self.kv_scales: tuple[float, ...] | None = None  # an FP8 cache's K and V scales
 
     def fuse(self) -> None:
         """One weight for q, k and v (after loading, which fills the checkpoint's three)."""
@@ -80,8 +82,13 @@ class Attention(nn.Module):
         qk = rotation(qk)
         q, k = torch.split(qk, list(heads), dim=1)
         v = qkv[:, qk_size:].view(num_tokens, self.num_kv_heads, self.head_dim)
-        step.write_kv(kv_layer, k, v)
-        out = step.attend(q, kv_layer, self.scale)
+        if self.kv_scales is None:
+            step.write_kv(kv_layer, k, v)
+            out = step.attend(q, kv_layer, self.scale)
+        else:  # the scales folded outside the backend (`pdserve.model.kv_quant`)
+            k_scale, v_scale = self.kv_scales
+            step.write_kv(kv_layer, quantize(k, k_scale), quantize(v, v_scale))
+            out = step.attend(q, kv_layer, self.scale * k_scale) * v_scale
         projected: torch.Tensor = self.o_proj(out.reshape(num_tokens, -1))
         return projected if self.group is None else self.group.all_reduce(projected)
 
@@ -187,10 +194,18 @@ class CausalLM(nn.Module):
         self.tie_weights()
         self.rotary = RotaryEmbedding(config, max_positions)
         self.attention: AttentionBackend = ReferenceBackend()  # the engine sets its own
+        self.kv_scales: KVScales | None = None  # an FP8 cache's (`set_kv_scales`)
 
     def kv_layout(self, dtype: torch.dtype) -> KVLayout:
-        """What this rank's KV cache of elements `dtype` holds per block."""
-        return kv_layout(self.config, self.shard, dtype)
+        """What this rank's KV cache holds per block: elements `dtype` (the model's), or 8-bit
+        floats once `set_kv_scales` made the cache FP8."""
+        return kv_layout(self.config, self.shard, dtype, self.kv_scales)
+
+    def set_kv_scales(self, scales: KVScales) -> None:
+        """Cache K and V (or the latent) as FP8 divided by `scales` from the next forward on."""
+        self.kv_scales = scales
+        for index, layer in enumerate(self.model.decoder_layers()):
+            layer.self_attn.kv_scales = scales.layer(index)
 
     def set_group(self, group: TPGroup) -> None:
         """Sum the row-parallel projections and the embedding over `group`; gather logits."""

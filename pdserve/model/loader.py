@@ -13,6 +13,7 @@ from safetensors import safe_open
 
 from pdserve.errors import ModelLoadError
 from pdserve.model.config import ARCHITECTURES, ModelConfig, parse_dtype
+from pdserve.model.kv_quant import KVScales, checkpoint_scales
 from pdserve.model.layers import RotaryEmbedding
 from pdserve.model.linear import can_pack
 from pdserve.model.llama import CausalLM
@@ -34,6 +35,8 @@ class LoadedModel:
     max_model_len: int
     model_tag: str
     """Identifies weights + dtype; the root of block hashes, so different models never share KV."""
+    kv_scales: KVScales | None = None
+    """The checkpoint's FP8 KV cache scales (`k_scale`/`v_scale`/`kv_scale`), if it has any."""
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
@@ -71,7 +74,7 @@ def load_model(
     check_divides(shard, config)
     with torch.device("meta"):  # no memory: each parameter is materialised by its weight
         model = CausalLM(config, context, shard)
-    _load_weights(model, model_dir, torch_dtype, torch_device)
+    found_scales = _load_weights(model, model_dir, torch_dtype, torch_device)
     model.tie_weights()
     if group is not None:
         model.set_group(group)
@@ -98,7 +101,16 @@ def load_model(
         torch_device,
         context,
         tag,
+        _checkpoint_scales(found_scales, model),
     )
+
+
+def _checkpoint_scales(found: dict[tuple[int, str], float], model: CausalLM) -> KVScales | None:
+    planes = 1 if model.config.mla is not None else 2
+    try:
+        return checkpoint_scales(found, model.config.num_layers, planes)
+    except ValueError as e:
+        raise ModelLoadError(str(e)) from e
 
 
 def _weight_files(model_dir: Path) -> list[Path]:
@@ -114,16 +126,18 @@ def _weight_files(model_dir: Path) -> list[Path]:
 
 def _load_weights(
     model: CausalLM, model_dir: Path, dtype: torch.dtype, device: torch.device
-) -> None:
+) -> dict[tuple[int, str], float]:
     """Replace each (meta) parameter by its checkpoint tensor, read onto `device` (safetensors
     reads a CUDA target's shards straight to the GPU) and cast there one tensor at a time: no
     fp32 copy of the model, no full host copy for a GPU. Experts are copied into their layer's
-    stacked weights (`_ExpertWeights`)."""
+    stacked weights (`_ExpertWeights`). Returns the KV cache scales the checkpoint holds, by
+    (layer, name)."""
     params = dict(model.named_parameters(remove_duplicate=False))
     traits = ARCHITECTURES[model.config.architecture]
     layout = traits.moe
     experts = _ExpertWeights(model, layout.projections if layout else (), dtype, device)
     loaded: set[str] = set()
+    scales: dict[tuple[int, str], float] = {}
     for file in _weight_files(model_dir):
         with safe_open(str(file), framework="pt", device=str(device)) as shard:
             for stored in shard.keys():  # noqa: SIM118  (safe_open is not a dict)
@@ -133,6 +147,11 @@ def _load_weights(
                 if traits.extra_layers and _layer(name) >= model.config.num_layers:
                     continue  # a multi-token-prediction module: not served
                 if experts.take(shard, stored, name):
+                    continue
+                scale = _KV_SCALE.fullmatch(name)
+                if scale is not None:
+                    value = shard.get_tensor(stored).float().reshape(-1)
+                    scales[int(scale.group(1)), scale.group(2)] = float(value.max())
                     continue
                 if name not in params or (
                     name == "lm_head.weight" and model.config.tie_word_embeddings
@@ -158,6 +177,7 @@ def _load_weights(
     missing = sorted(set(params) - loaded)
     if missing:
         raise ModelLoadError(f"checkpoint lacks {len(missing)} weights, e.g. {missing[0]!r}")
+    return scales
 
 
 def _layer(name: str) -> int:
@@ -167,6 +187,7 @@ def _layer(name: str) -> int:
 
 
 _LAYER = re.compile(r"model\.layers\.(\d+)\.")
+_KV_SCALE = re.compile(r"model\.layers\.(\d+)\.self_attn\.(?:attn\.)?(k_scale|v_scale|kv_scale)")
 _EXPERT = re.compile(r"(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(\w+)\.weight")
 
 

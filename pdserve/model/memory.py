@@ -19,9 +19,11 @@ import torch
 
 from pdserve.config import EngineConfig
 from pdserve.errors import ConfigError
+from pdserve.model.kv_quant import KVScales, calibration_batch
 from pdserve.model.llama import CausalLM
 from pdserve.model.loader import LoadedModel
-from pdserve.model.runner import ModelRunner, SequenceChunk, kv_cache_shape
+from pdserve.model.parallel import TPGroup
+from pdserve.model.runner import ModelRunner, SequenceChunk
 
 logger = logging.getLogger(__name__)
 
@@ -163,8 +165,9 @@ def profile_cuda(
     seqs = max(1, min(config.max_num_seqs, tokens))
     per_seq = tokens // seqs
     blocks_per_seq = -(-per_seq // config.block_size)
-    shape = kv_cache_shape(loaded.model, seqs * blocks_per_seq, config.block_size, loaded.dtype)
-    runner = ModelRunner(loaded.model, torch.zeros(shape, dtype=loaded.dtype, device=device))
+    layout = loaded.model.kv_layout(loaded.dtype)
+    shape = layout.shape(seqs * blocks_per_seq, config.block_size)
+    runner = ModelRunner(loaded.model, torch.zeros(shape, dtype=layout.dtype, device=device))
     chunks = [
         SequenceChunk([0] * per_seq, 0, range(i * blocks_per_seq, (i + 1) * blocks_per_seq), True)
         for i in range(seqs)
@@ -202,3 +205,25 @@ def size_kv_cache(
         memory=memory,
     )
     return plan, memory
+
+
+def calibrate_kv_scales(loaded: LoadedModel, block_size: int, group: TPGroup | None) -> KVScales:
+    """An FP8 cache's measured scales (`pdserve.model.kv_quant`): one forward of the fixed
+    calibration batch into a temporary cache in the model's dtype (this rank's part), then the
+    largest magnitude per layer and plane — over every rank of a tensor-parallel instance (every
+    rank runs this together)."""
+    batch = calibration_batch(loaded.config.vocab_size)
+    per_seq = -(-len(batch[0]) // block_size)
+    layout = loaded.model.kv_layout(loaded.dtype)  # full precision: no scales yet
+    shape = layout.shape(len(batch) * per_seq, block_size)
+    cache = torch.zeros(shape, dtype=layout.dtype, device=loaded.device)
+    chunks = [
+        SequenceChunk(tokens, 0, range(i * per_seq, (i + 1) * per_seq), True)
+        for i, tokens in enumerate(batch)
+    ]
+    ModelRunner(loaded.model, cache).execute(chunks)
+    amax = cache.abs().amax(dim=(0, 3, 4, 5)).float()  # [layers, planes]
+    del cache
+    if group is not None:
+        amax = group.max(amax)
+    return KVScales.from_amax(amax.cpu())

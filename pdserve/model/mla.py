@@ -30,6 +30,7 @@ from torch import nn
 
 from pdserve.model.attention import AttentionStep, gather_context
 from pdserve.model.config import ModelConfig
+from pdserve.model.kv_quant import dequantize, quantize
 from pdserve.model.layers import RMSNorm, Rotation
 from pdserve.model.parallel import Shard, TPGroup
 
@@ -65,6 +66,7 @@ class LatentAttention(nn.Module):
         self.w_uk: torch.Tensor  # [heads, nope, kv_lora_rank] (`fuse`)
         self.w_uv: torch.Tensor  # [heads, kv_lora_rank, v_head_dim]
         self.group: TPGroup | None = None
+        self.kv_scales: tuple[float, ...] | None = None  # an FP8 cache's latent scale
 
     def fuse(self) -> None:
         """After loading: split `kv_b_proj` into the per-head `w_uk` and `w_uv` (the absorbed
@@ -99,38 +101,55 @@ class LatentAttention(nn.Module):
         k_pe = compressed[:, None, mla.kv_lora_rank :]
         pe = rotation(torch.cat((q[..., mla.qk_nope_head_dim :], k_pe), dim=1))
         q_nope, q_pe = q[..., : mla.qk_nope_head_dim], pe[:, :heads]
-        step.write_latent(kv_layer, torch.cat((latent_kv, pe[:, heads]), dim=-1))
+        latent = torch.cat((latent_kv, pe[:, heads]), dim=-1)
+        scale = 1.0 if self.kv_scales is None else self.kv_scales[0]
+        step.write_latent(kv_layer, latent if self.kv_scales is None else quantize(latent, scale))
         if step.meta.decode_only:
-            out = self._absorbed(q_nope, q_pe, kv_layer, step)
+            out = self._absorbed(q_nope, q_pe, kv_layer, step, scale)
         else:
-            out = self._mixed(q_nope, q_pe, kv_layer, step)
+            out = self._mixed(q_nope, q_pe, kv_layer, step, scale)
         projected: torch.Tensor = self.o_proj(out.reshape(count, -1))
         return projected if self.group is None else self.group.all_reduce(projected)
 
     def _mixed(
-        self, q_nope: torch.Tensor, q_pe: torch.Tensor, kv_layer: torch.Tensor, step: AttentionStep
+        self,
+        q_nope: torch.Tensor,
+        q_pe: torch.Tensor,
+        kv_layer: torch.Tensor,
+        step: AttentionStep,
+        kv_scale: float,
     ) -> torch.Tensor:
         """A batch with prefill chunks: those expanded, sequence by sequence; decode rows
-        absorbed, together."""
+        absorbed, together. `kv_scale`: an FP8 cache's latent scale (else 1)."""
         rows = step.rows
         out = q_nope.new_empty(q_nope.shape[0], self.num_heads, self.mla.v_head_dim)
         if rows.decode_rows.numel():
             index = rows.decode_rows
-            out[index] = self._absorbed(q_nope[index], q_pe[index], kv_layer, step)
+            out[index] = self._absorbed(q_nope[index], q_pe[index], kv_layer, step, kv_scale)
         for chunk in rows.prefill:
             span = slice(chunk.start, chunk.start + chunk.count)
             table = step.meta.block_tables[chunk.seq]
-            latent = gather_context(kv_layer, table, chunk.context)[:, 0]
+            cached = gather_context(kv_layer, table, chunk.context)[:, 0]
+            latent = dequantize(cached, kv_scale, q_nope.dtype)
             out[span] = self._expanded(q_nope[span], q_pe[span], latent)
         return out
 
     def _absorbed(
-        self, q_nope: torch.Tensor, q_pe: torch.Tensor, kv_layer: torch.Tensor, step: AttentionStep
+        self,
+        q_nope: torch.Tensor,
+        q_pe: torch.Tensor,
+        kv_layer: torch.Tensor,
+        step: AttentionStep,
+        kv_scale: float,
     ) -> torch.Tensor:
-        """Decode rows in the latent space: `[rows, heads, v_head_dim]`."""
+        """Decode rows in the latent space: `[rows, heads, v_head_dim]` (an FP8 latent's
+        scale folded into the softmax scale and the output)."""
         absorbed = torch.bmm(q_nope.transpose(0, 1), self.w_uk).transpose(0, 1)  # [n, h, c]
         query = torch.cat((absorbed, q_pe), dim=-1)
-        latent_out = step.latent_decode(query, kv_layer, self.mla.scale, self.mla.kv_lora_rank)
+        scale = self.mla.scale * kv_scale
+        latent_out = step.latent_decode(query, kv_layer, scale, self.mla.kv_lora_rank)
+        if kv_scale != 1.0:
+            latent_out = latent_out * kv_scale
         return torch.bmm(latent_out.transpose(0, 1), self.w_uv).transpose(0, 1)
 
     def _expanded(

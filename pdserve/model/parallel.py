@@ -228,6 +228,14 @@ class TPGroup:
         self._run("all_reduce(min)", lambda: self._wait(self._backend.allreduce([tensor], options)))
         return int(tensor.item())
 
+    def max(self, x: torch.Tensor) -> torch.Tensor:
+        """The element-wise largest of every rank's `x` (a new tensor)."""
+        tensor = x.to(self.device).clone()
+        options = dist.AllreduceOptions()
+        options.reduceOp = dist.ReduceOp.MAX  # type: ignore[assignment]
+        self._run("all_reduce(max)", lambda: self._wait(self._backend.allreduce([tensor], options)))
+        return tensor
+
     def close(self) -> None:
         """Leave the group (its connections close, rank 0 removes the shared segment).
         Idempotent."""

@@ -40,14 +40,6 @@ class SequenceChunk:
     seq_id: str | None = None  # keeps the sequence's block-table row across steps (`BlockTables`)
 
 
-def kv_cache_shape(
-    model: CausalLM, num_blocks: int, block_size: int, dtype: torch.dtype
-) -> tuple[int, ...]:
-    """``[num_blocks, num_layers, planes, block_size, heads, dim]`` (the model's `KVLayout` for
-    a cache of `dtype`): each block is contiguous."""
-    return model.kv_layout(dtype).shape(num_blocks, block_size)
-
-
 def _shm_has_room(nbytes: int) -> bool:
     """Whether /dev/shm has `nbytes` free (touching pages beyond its size would kill us)."""
     try:
@@ -109,12 +101,14 @@ class ModelRunner:
         shared: bool = False,
         staging_bytes: int = DEFAULT_STAGING_BYTES,
     ) -> "ModelRunner":
-        """A zeroed KV cache on the model's device; with `shared` (CPU only), in a new
-        shared-memory segment that same-host peers can write into (`ShmKVTransport`);
+        """A zeroed KV cache on the model's device, laid out as the model says for a model of
+        `dtype` (`CausalLM.kv_layout`: its elements may be FP8); with `shared` (CPU only), in a
+        new shared-memory segment that same-host peers can write into (`ShmKVTransport`);
         `staging_bytes` of pinned host memory for its transfers (CUDA)."""
         device = next(model.parameters()).device
-        shape = kv_cache_shape(model, num_blocks, block_size, dtype)
-        nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        layout = model.kv_layout(dtype)
+        shape, dtype = layout.shape(num_blocks, block_size), layout.dtype
+        nbytes = math.prod(shape) * layout.element_size
         if shared and device.type == "cpu" and not _shm_has_room(nbytes):
             logger.warning(
                 "/dev/shm cannot hold the %d-byte KV cache: keeping it private (no shm transfers)",

@@ -2,7 +2,7 @@
 
 Senders (gRPC, shared memory), the storage tier's write-back and loads, and a decode instance's
 received blocks all go through it. A block is one contiguous range of the cache
-(`kv_cache_shape`), so a block is a row of bytes.
+(`pdserve.model.kv_layout`), so a block is a row of bytes, whatever its element type.
 
 On CPU (no `streams`) the KV cache is host memory: reads are views of it, writes copy into it,
 nothing waits. On CUDA (`CudaStreams`) it owns a copy stream, so that device<->host copies

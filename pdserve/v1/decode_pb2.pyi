@@ -51,6 +51,7 @@ class ReserveReply(_message.Message):
     BLOCK_IDS_FIELD_NUMBER: _builtins.int
     LEASE_MS_FIELD_NUMBER: _builtins.int
     ENDPOINTS_FIELD_NUMBER: _builtins.int
+    KV_LAYOUT_FIELD_NUMBER: _builtins.int
     num_cached_tokens: _builtins.int
     """prompt tokens decode already holds: send blocks from here on"""
     num_blocks: _builtins.int
@@ -59,6 +60,8 @@ class ReserveReply(_message.Message):
     """bytes of one block in decode's layout"""
     lease_ms: _builtins.int
     """the reservation ends this long after the reply unless started"""
+    kv_layout: _builtins.str
+    """what decode's blocks hold (the storage tag: model, dtype,"""
     @_builtins.property
     def block_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """decode's blocks of the reservation, in block-table order"""
@@ -76,10 +79,11 @@ class ReserveReply(_message.Message):
         block_ids: _abc.Iterable[_builtins.int] | None = ...,
         lease_ms: _builtins.int = ...,
         endpoints: Global___KVEndpoints | None = ...,
+        kv_layout: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["endpoints", b"endpoints"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_bytes", b"block_bytes", "block_ids", b"block_ids", "endpoints", b"endpoints", "lease_ms", b"lease_ms", "num_blocks", b"num_blocks", "num_cached_tokens", b"num_cached_tokens"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_bytes", b"block_bytes", "block_ids", b"block_ids", "endpoints", b"endpoints", "kv_layout", b"kv_layout", "lease_ms", b"lease_ms", "num_blocks", b"num_blocks", "num_cached_tokens", b"num_cached_tokens"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

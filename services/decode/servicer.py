@@ -60,6 +60,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
             block_ids=grant.block_ids,
             lease_ms=int(self.instance.config.reservation_timeout_s * 1000),
             endpoints=endpoints_to_proto(self.instance.endpoints),
+            kv_layout=self.instance.runtime.kv_tag,
         )
 
     def CommitKV(

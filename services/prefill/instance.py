@@ -223,6 +223,12 @@ class PrefillInstance:
                     ) from refusal
                 time.sleep(min(refusal.retry_after_ms / 1000, self.config.reserve_max_backoff_s))
                 continue
+            if reply.kv_layout and reply.kv_layout != self.runtime.kv_tag:
+                raise KVTransferError(
+                    f"decode {decode.address} holds KV blocks of layout {reply.kv_layout!r}, this "
+                    f"prefill {self.runtime.kv_tag!r}: every role must share engine.model, "
+                    "dtype, block_size, kv_cache_dtype and tensor_parallel_size (and FP8 scales)"
+                )
             lease_s = reply.lease_ms / 1000 if reply.lease_ms else float("inf")
             return DecodeReservation(
                 reply.num_cached_tokens,

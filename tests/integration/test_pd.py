@@ -165,6 +165,17 @@ def test_full_decode_refuses_a_request_that_would_eat_the_reserve(make_stack: Ma
     assert len(result.tokens) == 24 and result.final.finish_reason == "length"
 
 
+def test_a_decode_whose_kv_layout_differs_gets_no_block(make_stack: MakeStack) -> None:
+    """A decode with an FP8 cache behind a full-precision prefill (which `pdserve up` refuses
+    at start): its reply names its layout, prefill sends nothing and says both; the router's
+    error reaches the client."""
+    stack = make_stack(decode_engine={"kv_cache_dtype": "fp8_e4m3"}, router={"max_attempts": 1})
+    with pytest.raises(NoCapacityError, match=r"float8_e4m3fn.*this prefill.*float32"):
+        stack.generate(prompt(40), GREEDY)
+    assert stack.decode[0].instance.stats().kv_blocks_received == 0
+    assert sum(stack.prefill[0].instance.stats().kv_blocks_sent_by_transport.values()) == 0
+
+
 def test_expired_reservation_frees_its_blocks(make_stack: MakeStack) -> None:
     stack = make_stack(decode_config=DecodeConfig(reservation_timeout_s=0.2))
     decode = stack.decode[0].instance

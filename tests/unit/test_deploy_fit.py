@@ -22,8 +22,10 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from pdserve.config import ClusterConfig, EngineConfig, load_cluster_config
-from pdserve.errors import ConfigError
+from pdserve.errors import ConfigError, ModelLoadError
 from pdserve.model.config import ModelConfig
+from pdserve.model.kv_layout import kv_layout
+from pdserve.model.llama import CausalLM
 from pdserve.model.memory import MemoryReport, check_context, plan_kv_cache
 from pdserve.model.moe import Experts, SparseMoE
 from pdserve.model.parallel import Shard, check_divides
@@ -258,6 +260,56 @@ HF_CONFIGS: dict[str, dict[str, Any]] = {
         "use_sliding_window": False,
         "vocab_size": 151936,
     },
+}
+
+
+# Hugging Face deepseek-ai/DeepSeek-V3's config.json, less its quantization_config (its weights
+# are FP8 there; a bfloat16 copy is what pdserve loads)
+DEEPSEEK_V3: dict[str, Any] = {
+    "architectures": ["DeepseekV3ForCausalLM"],
+    "attention_bias": False,
+    "bos_token_id": 0,
+    "eos_token_id": 1,
+    "first_k_dense_replace": 3,
+    "hidden_act": "silu",
+    "hidden_size": 7168,
+    "intermediate_size": 18432,
+    "kv_lora_rank": 512,
+    "max_position_embeddings": 163840,
+    "model_type": "deepseek_v3",
+    "moe_intermediate_size": 2048,
+    "moe_layer_freq": 1,
+    "n_group": 8,
+    "n_routed_experts": 256,
+    "n_shared_experts": 1,
+    "norm_topk_prob": True,
+    "num_attention_heads": 128,
+    "num_experts_per_tok": 8,
+    "num_hidden_layers": 61,
+    "num_key_value_heads": 128,
+    "num_nextn_predict_layers": 1,
+    "q_lora_rank": 1536,
+    "qk_nope_head_dim": 128,
+    "qk_rope_head_dim": 64,
+    "rms_norm_eps": 1e-06,
+    "rope_scaling": {
+        "beta_fast": 32,
+        "beta_slow": 1,
+        "factor": 40,
+        "mscale": 1.0,
+        "mscale_all_dim": 1.0,
+        "original_max_position_embeddings": 4096,
+        "type": "yarn",
+    },
+    "rope_theta": 10000,
+    "routed_scaling_factor": 2.5,
+    "scoring_func": "sigmoid",
+    "tie_word_embeddings": False,
+    "topk_group": 4,
+    "topk_method": "noaux_tc",
+    "torch_dtype": "bfloat16",
+    "v_head_dim": 128,
+    "vocab_size": 129280,
 }
 
 
@@ -574,3 +626,48 @@ def test_the_experts_bound_covers_what_the_grouped_experts_allocate(ep: int) -> 
             block(x)
     bound = shape.moe_layer_bytes(tokens, 2, 4, ep, "cpu")
     assert 0.25 * bound < live.peak <= bound, (live.peak, bound)
+
+
+def test_deepseek_v3s_latent_cache_holds_71_times_the_tokens_per_gib() -> None:
+    """Its KV layout (pdserve's own, from its config.json): one 576-value latent per token and
+    layer instead of 128 heads x (192 + 128) values of K and V; on a 141 GB GPU's 40 GiB of
+    KV, pdserve's sizing then fits 71x the tokens."""
+    config = ModelConfig.from_hf_dict(DEEPSEEK_V3)
+    layout = kv_layout(config, Shard(0, 8, True), torch.bfloat16)  # a rank of TP=8, EP=8
+    assert (layout.kind, layout.planes, layout.heads, layout.dim) == ("latent", 1, 1, 576)
+    mla = config.mla
+    assert mla is not None
+    key = mla.qk_nope_head_dim + mla.qk_rope_head_dim
+    per_head = config.num_layers * config.num_heads * (key + mla.v_head_dim) * 2  # bf16 K and V
+    latent_tokens, per_head_tokens = (
+        plan_kv_cache(
+            block_bytes=bytes_per_token * 64,
+            block_size=64,
+            num_kv_blocks=None,
+            kv_cache_bytes=40 * 2**30,
+            gpu_memory_utilization=0.9,
+            memory=None,
+        ).num_blocks
+        * 64
+        for bytes_per_token in (layout.bytes_per_token(), per_head)
+    )
+    assert layout.bytes_per_token() == 61 * 576 * 2
+    assert 71 <= latent_tokens / per_head_tokens < 71.5  # 40960 / 576, in whole blocks
+
+
+def test_deepseek_v3_in_bfloat16_needs_more_than_one_8x_h200_node() -> None:
+    """pdserve's own module for DeepSeek-V3 has its 671,026,419,200 parameters (multi-token
+    prediction left out): 1.34 TB in bfloat16, more than the 8 GPUs of one p5en.48xlarge hold
+    (1.13 TB) — an instance's ranks share one node, so no deploy config for it ships until
+    pdserve loads FP8 weights (DeepSeek's own checkpoint format: 0.67 TB)."""
+    config = ModelConfig.from_hf_dict(DEEPSEEK_V3)
+    with torch.device("meta"):
+        model = CausalLM(config, 4096)
+    parameters = sum(p.numel() for p in model.parameters())
+    assert parameters == 671_026_419_200
+    gpu_memory, gpus, _ = INSTANCE_TYPES["p5en.48xlarge"]
+    assert parameters * 2 > gpus * gpu_memory
+    assert parameters * 1 < gpus * (gpu_memory - RESERVED_AT_START - CUDA_CONTEXT) * 0.9
+    quantized = {**DEEPSEEK_V3, "quantization_config": {"quant_method": "fp8"}}
+    with pytest.raises(ModelLoadError, match=r"quantized weights \(quantization_config: fp8\)"):
+        ModelConfig.from_hf_dict(quantized)
