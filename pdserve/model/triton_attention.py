@@ -10,7 +10,10 @@ of a decode's context splits) and never waits on the device. Sequences with more
 token go through the prefill kernel, whose causal mask is by absolute position: prefix hits and
 later chunks of a prompt need nothing else. `latent_decode` takes the same decode rows (the
 plan's, not `rows`: no copy of their tables) and launches at most two kernels (the decode; the
-merge of its splits). `write_kv` is the shared index_put.
+merge of its splits). `write_kv` is the shared index_put. Every kernel reads an FP8 cache
+(``float8_e4m3fn``, from compute capability 8.9: `fp8_supported`) as its values, upcast as they
+are loaded, with queries and output of another type; its scales are folded by the caller
+(`pdserve.model.kv_quant`).
 
 Importing this module does not import triton: the kernels are imported (and compiled, or set up
 for triton's interpreter under ``TRITON_INTERPRET=1``) when a `TritonBackend` is made.
@@ -39,9 +42,16 @@ def triton_available() -> bool:
     return True
 
 
+def fp8_supported(device: torch.device) -> bool:
+    """Whether the kernels can read an FP8 (float8_e4m3fn) cache on `device`: a CUDA GPU of
+    compute capability 8.9 or above (triton refuses e4m3 below it, e.g. on an A100). False for
+    any other device (triton's interpreter, a test harness, is not a serving device)."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+
+
 @dataclass(frozen=True, slots=True)
 class TritonConfig:
-    """Tile sizes and the decode split policy; the defaults are for a GPU and 16-bit caches
+    """Tile sizes and the decode split policy; the defaults are for a GPU and 16-bit queries
     (see `tiles`, `latent_tiles`). Tile sizes are powers of two, at least 16."""
 
     prefill_block_m: int = 64  # new tokens per prefill tile
@@ -54,17 +64,24 @@ class TritonConfig:
     num_warps: int = 4
     num_stages: int = 2
 
-    def tiles(self, dtype: torch.dtype, prefill: bool, head_dim: int) -> tuple[int, int]:
-        """(block_n, num_warps) that keep a kernel's tiles in registers (ptxas for sm_80 and
-        sm_90, head sizes 64 and 128: no spills in 16 bits, a few bytes in float32): a prefill
-        tile of 128-wide heads takes 8 warps; float32, whose dots run on FMA units at IEEE
-        precision (the reference's tolerance), also takes fewer cached tokens per step."""
-        block_n, warps = self.block_n, self.num_warps
+    def tiles(
+        self, dtype: torch.dtype, cache_dtype: torch.dtype, prefill: bool, head_dim: int
+    ) -> tuple[int, int, int]:
+        """(block_n, num_warps, num_stages) that keep a kernel's tiles in registers, `dtype` its
+        queries' (ptxas for sm_80 and sm_90, an FP8 cache's for sm_89 and sm_90, head sizes 64
+        and 128: no spills from 16-bit queries, a few bytes from float32 ones): a prefill tile
+        of 128-wide heads takes 8 warps; float32, whose dots run on FMA units at IEEE precision
+        (the reference's tolerance), also takes fewer cached tokens per step, and over an FP8
+        cache (upcast in registers) one stage (pipelined, it spills up to 664 bytes). 16-bit
+        queries over an FP8 cache take their own tiles."""
+        block_n, warps, stages = self.block_n, self.num_warps, self.num_stages
         if prefill and (head_dim > 64 or dtype == torch.float32):
             warps = max(warps, 8)
         if dtype == torch.float32:
             block_n = min(block_n, 16 if prefill else 32)
-        return block_n, warps
+            if cache_dtype.itemsize == 1:
+                stages = 1
+        return block_n, warps, stages
 
     def latent_tiles(self, dtype: torch.dtype, cache_dtype: torch.dtype) -> tuple[int, int, int]:
         """(block_n, num_warps, num_stages) of the latent decode, `dtype` its queries' (ptxas
@@ -122,15 +139,15 @@ class _TritonStep(AttentionStep):
             "PAGE": page,
             "BLOCK_D": _pow2(head_dim),
             "UPCAST": bool(self._kernels.INTERPRET),
-            "num_stages": self._config.num_stages,
         }
         tables = self.meta.block_tables
         if self._tiles:
-            block_n, warps = self._config.tiles(q.dtype, True, head_dim)
+            block_n, warps, stages = self._config.tiles(q.dtype, kv_layer.dtype, True, head_dim)
             self._kernels.varlen_prefill[(self._tiles, heads)](
                 q, out, kv_layer, tables, self._tile_table, scale * LOG2E,
                 q.stride(), out.stride(), kv_layer.stride(), tables.stride(),
-                BLOCK_M=self._config.prefill_block_m, BLOCK_N=block_n, num_warps=warps, **common,
+                BLOCK_M=self._config.prefill_block_m, BLOCK_N=block_n, num_warps=warps,
+                num_stages=stages, **common,
             )  # fmt: skip
         if self._decode:
             self._launch_decode(q, kv_layer, out, scale, common)
@@ -205,7 +222,7 @@ class _TritonStep(AttentionStep):
         common: dict[str, Any],
     ) -> None:
         heads, kv_heads = q.shape[1], kv_layer.shape[3]
-        block_n, warps = self._config.tiles(q.dtype, False, q.shape[2])
+        block_n, warps, stages = self._config.tiles(q.dtype, kv_layer.dtype, False, q.shape[2])
         splits, split_tokens = self._splits(kv_heads, block_n, self._config.max_splits)
         partials = self._partials_for((self._decode, heads, splits, common["BLOCK_D"] + 2), out)
         tables = self.meta.block_tables
@@ -214,7 +231,7 @@ class _TritonStep(AttentionStep):
             self._decode_rows, partials, scale * LOG2E, split_tokens,
             q.stride(), out.stride(), kv_layer.stride(), tables.stride(),
             BLOCK_H=_pow2(common["GROUP"]), BLOCK_N=block_n, SPLITS=splits, num_warps=warps,
-            **common,
+            num_stages=stages, **common,
         )  # fmt: skip
         if splits > 1:
             self._kernels.decode_reduce[(self._decode, heads)](

@@ -13,7 +13,8 @@ block table, so ``BLOCK_N`` need not match the page size), with an online softma
 (exp2, the scale folded with log2 e) and the causal mask by position. `varlen_prefill`'s rows are a
 sequence's new tokens for one head; `paged_decode`'s rows are the query heads that share one kv
 head (GQA), for one new token, optionally over one split of the context (`decode_reduce` merges
-the splits).
+the splits). K/V tiles take the queries' type as they are loaded: an FP8 cache
+(``float8_e4m3fn``) is read as its values, its scales folded by the caller.
 
 `latent_decode` is the latent-attention (MLA) decode: the cache holds one latent per token
 (``[num_blocks, 1, page, 1, dim]``), shared by every query head, whose first ``VALUE_DIM``
@@ -34,11 +35,11 @@ INTERPRET = bool(triton.knobs.runtime.interpret)
 
 
 @triton.jit
-def _scores_update(q, k, v, mask, m, denom, acc, qk_scale, UPCAST: tl.constexpr):
-    """One online-softmax step of rows `q` [M, D] against tokens `k`, `v` [N, D]."""
-    if UPCAST:  # the interpreter's tl.dot mishandles bfloat16 (stored as uint16 in numpy)
-        k = k.to(tl.float32)
-        v = v.to(tl.float32)
+def _scores_update(q, k, v, mask, m, denom, acc, qk_scale):
+    """One online-softmax step of rows `q` [M, D] against tokens `k`, `v` [N, D] as loaded:
+    they take `q`'s type (an FP8 cache's upcast exactly; in the interpreter, float32)."""
+    k = k.to(q.dtype)
+    v = v.to(q.dtype)
     s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale
     return _online_softmax(s, mask, v, m, denom, acc)
 
@@ -61,7 +62,7 @@ def _online_softmax(s, mask, v, m, denom, acc):
 @triton.jit
 def _attend(
     q, pos, kv_ptr, table_ptr, kv_head, n_start, n_end, qk_scale, kv_st, t_st,
-    PAGE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr,
+    PAGE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     """Rows `q` [M, D] at positions `pos` [M] over cached tokens n_start..n_end-1 of one kv head:
     (row max, row sum, unnormalised output). `kv_st`: the layer view's 5 strides, `t_st`: the
@@ -82,7 +83,7 @@ def _attend(
         k = tl.load(ptrs, mask=kv_mask, other=0.0)
         v = tl.load(ptrs + kv_st[1], mask=kv_mask, other=0.0)
         mask = valid[None, :] & (n[None, :] <= pos[:, None])
-        m, denom, acc = _scores_update(q, k, v, mask, m, denom, acc, qk_scale, UPCAST)
+        m, denom, acc = _scores_update(q, k, v, mask, m, denom, acc, qk_scale)
     return m, denom, acc
 
 
@@ -115,7 +116,7 @@ def varlen_prefill(
     table = tables_ptr + seq * t_st[0]
     _, denom, acc = _attend(
         q, pos0 + r, kv_ptr, table, head // GROUP, 0, pos0 + count, qk_scale, kv_st, t_st[1],
-        PAGE, HEAD_DIM, BLOCK_N, UPCAST,
+        PAGE, HEAD_DIM, BLOCK_N,
     )  # fmt: skip
     out = acc / denom[:, None]
     o_ptrs = out_ptr + rows[:, None] * o_st[0] + head * o_st[1] + d[None, :] * o_st[2]
@@ -152,7 +153,7 @@ def paged_decode(
     table = tables_ptr + seq * t_st[0]
     m, denom, acc = _attend(
         q, pos, kv_ptr, table, kv_head, start, end, qk_scale, kv_st, t_st[1],
-        PAGE, HEAD_DIM, BLOCK_N, UPCAST,
+        PAGE, HEAD_DIM, BLOCK_N,
     )  # fmt: skip
     if SPLITS == 1:
         o_ptrs = out_ptr + row * o_st[0] + heads[:, None] * o_st[1] + d[None, :] * o_st[2]

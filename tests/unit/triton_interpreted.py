@@ -4,10 +4,10 @@ file is not named test_*, so the session never collects it: triton must not be i
 in interpreter mode). Decode rows of ragged lengths (one context split or several), prefill
 chunks after a prefix hit (block-aligned or not), a prompt prefilled in two chunks, prefill and
 decode mixed, GQA and MHA, head sizes 32, 64 and 48 (padded), strided queries, bfloat16 and
-float16. The latent (MLA) decode kernel against its torch reference: one head and a head block,
-a latent of 576 = 512 + 64 and a small one (40 = 32 + 8), split contexts, decode rows after
-prefill rows, an FP8 cache and its scale. And the fused mixture-of-experts kernel against the
-grouped CPU path."""
+float16, an FP8 cache under float32 and bfloat16 queries. The latent (MLA) decode kernel against
+its torch reference: one head and a head block, a latent of 576 = 512 + 64 and a small one
+(40 = 32 + 8), split contexts, decode rows after prefill rows, an FP8 cache and its scale. And
+the fused mixture-of-experts kernel against the grouped CPU path."""
 
 import dataclasses
 import os
@@ -63,7 +63,7 @@ def check(
     config: TritonConfig = SMALL,
 ) -> None:
     scale = q.shape[-1] ** -0.5
-    expected = ReferenceBackend().plan(meta).attend(q.float(), kv_layer.float(), scale)
+    expected = ReferenceBackend().plan(meta).attend(q.float(), kv_layer, scale)
     got = TritonBackend(config).plan(meta).attend(q, kv_layer, scale)
     assert got.shape == q.shape and got.dtype == q.dtype
     tolerance = TOLERANCE[q.dtype]
@@ -78,11 +78,14 @@ def run_case(
     dtype: torch.dtype = torch.float32,
     config: TritonConfig = SMALL,
     q_head_stride: int = 1,
+    cache_dtype: torch.dtype | None = None,
 ) -> None:
-    """`q_head_stride` > 1: the queries are every so many heads of a wider tensor (strided)."""
+    """`q_head_stride` > 1: the queries are every so many heads of a wider tensor (strided).
+    The cache is in `cache_dtype` (None: the queries' `dtype`)."""
     seed = heads * 7 + head_dim + len(chunks)
     tables = tables_for(chunks, seed)
-    kv_layer = cache(max(max(t) for t in tables) + 1, kv_heads, head_dim, dtype, seed)
+    blocks = max(max(t) for t in tables) + 1
+    kv_layer = cache(blocks, kv_heads, head_dim, cache_dtype or dtype, seed)
     generator = torch.Generator().manual_seed(seed + 1)
     tokens = sum(n for _, n in chunks)
     q = torch.randn(tokens, heads * q_head_stride, head_dim, generator=generator)
@@ -117,6 +120,24 @@ def test_a_head_size_below_a_power_of_two_and_strided_queries() -> None:
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_16_bit_caches(dtype: torch.dtype) -> None:
     run_case([(0, 20), (70, 1), (33, 1), (9, 12)], 8, 2, dtype=dtype)
+
+
+@pytest.mark.parametrize(
+    ("case", "config", "dtype"),
+    [
+        ("decode_ragged", SMALL, torch.float32),
+        ("decode_ragged", ONE_SPLIT, torch.bfloat16),
+        ("prefill_and_decode", SMALL, torch.float32),
+        ("prefill_after_unaligned_hit", SMALL, torch.bfloat16),
+    ],
+    ids=["decode-splits-float32", "decode-one-split-bfloat16", "mixed-float32", "chunk-bfloat16"],
+)
+def test_an_fp8_cache_under_wider_queries(
+    case: str, config: TritonConfig, dtype: torch.dtype
+) -> None:
+    """The kernels upcast float8_e4m3fn K/V as they load them (the reference converts the same
+    cache); the output is in the queries' type."""
+    run_case(CASES[case], 8, 2, dtype=dtype, config=config, cache_dtype=torch.float8_e4m3fn)
 
 
 def test_a_prompt_prefilled_in_two_chunks_then_decoded() -> None:
