@@ -35,6 +35,20 @@ def deepseek_v3_config(vocab_size: int, **overrides: object) -> "PretrainedConfi
     expert. Heads, experts and widths split over 2 ranks."""
     from transformers import DeepseekV3Config
 
+    return DeepseekV3Config(**{**_deepseek_settings(vocab_size), **overrides})
+
+
+def deepseek_v2_config(vocab_size: int, **overrides: object) -> "PretrainedConfig":
+    """DeepSeek-V2 at the same tiny shape (its routing: `topk_method` greedy or
+    group_limited_greedy, softmax scores, no correction bias)."""
+    from transformers import DeepseekV2Config
+
+    settings = {**_deepseek_settings(vocab_size), "topk_method": "greedy", **overrides}
+    return DeepseekV2Config(**settings)
+
+
+def _deepseek_settings(vocab_size: int) -> dict[str, object]:
+
     settings: dict[str, object] = {
         "vocab_size": vocab_size,
         "hidden_size": 128,
@@ -68,7 +82,7 @@ def deepseek_v3_config(vocab_size: int, **overrides: object) -> "PretrainedConfi
             "mscale_all_dim": 1.0,
         },
     }
-    return DeepseekV3Config(**{**settings, **overrides})
+    return settings
 
 
 def decisive_weights(model: torch.nn.Module, seed: int) -> torch.nn.Module:

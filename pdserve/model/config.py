@@ -31,11 +31,13 @@ class MoEConfig:
     (SwiGLU MLPs of width `intermediate_size`), weighted by the router's scores (renormalised
     over the chosen `top_k` when `normalize_top_k`).
 
-    Scores are the softmax over every expert, or (DeepSeek-V3, `grouped`) each expert's sigmoid:
-    the experts are then chosen among the `top_groups` best of `num_groups` groups (a group
-    scores its two best experts), by score plus a per-expert correction bias, weighted by the
-    plain scores times `routed_scaling`; `shared_width` columns of always-on shared experts are
-    added (0: none)."""
+    `routing` (`pdserve.model.moe.route`): `softmax`, the softmax over every expert (Qwen3-MoE,
+    Mixtral, DeepSeek-V2's `greedy`); `softmax_groups`, the same but chosen among the
+    `top_groups` best of `num_groups` groups, a group scoring its best expert (DeepSeek-V2's
+    `group_limited_greedy`); `sigmoid_groups`, each expert's sigmoid, chosen by score plus a
+    per-expert correction bias among the best groups, a group scoring its two best (DeepSeek-V3's
+    `noaux_tc`). The chosen weights are multiplied by `routed_scaling`; `shared_width` columns of
+    always-on shared experts are added (0: none)."""
 
     num_experts: int
     top_k: int
@@ -43,31 +45,48 @@ class MoEConfig:
     normalize_top_k: bool
     round_weights: bool  # the top-k weights rounded to the model's dtype (else kept in float32)
     sparse_layers: frozenset[int]  # the layers with experts; the others have a dense MLP
-    grouped: bool = False  # DeepSeek-V3's sigmoid, group-limited, bias-corrected choice
+    routing: str = "softmax"  # softmax | softmax_groups | sigmoid_groups
+    float32_router: bool = False  # the router's weight kept in float32 (DeepSeek)
     num_groups: int = 1
     top_groups: int = 1
     routed_scaling: float = 1.0
     shared_width: int = 0
 
 
+_DEEPSEEK_ROUTING = {  # topk_method -> MoEConfig.routing
+    "noaux_tc": "sigmoid_groups",
+    "greedy": "softmax",
+    "group_limited_greedy": "softmax_groups",
+}
+
+
 def _deepseek_moe(raw: dict[str, Any], num_layers: int) -> MoEConfig:
-    """DeepSeek-V3: experts in every layer from `first_k_dense_replace` on, the grouped choice."""
+    """DeepSeek-V2/V3: experts in every layer from `first_k_dense_replace` on, shared experts,
+    the family's routing (`topk_method`; V3's default `noaux_tc`). V2 weights its choice
+    unnormalised whatever `norm_topk_prob` says (as transformers does)."""
+    v3 = raw["architectures"][0] == "DeepseekV3ForCausalLM"
+    method = str(raw.get("topk_method") or ("noaux_tc" if v3 else "greedy"))
+    routing = _DEEPSEEK_ROUTING.get(method)
+    if routing is None or (routing == "sigmoid_groups") != v3:
+        raise ModelLoadError(f"unsupported topk_method {method!r} for {raw['architectures'][0]}")
     num_experts = int(raw["n_routed_experts"])
     groups = int(raw.get("n_group") or 1)
-    if num_experts % groups or num_experts // groups < 2:
+    least = 2 if routing == "sigmoid_groups" else 1  # a V3 group scores its two best
+    if num_experts % groups or num_experts // groups < least:
         raise ModelLoadError(
-            f"n_group {groups} must divide n_routed_experts ({num_experts}) into groups of two "
-            "or more experts (a group scores its two best)"
+            f"n_group {groups} must divide n_routed_experts ({num_experts}) into groups of "
+            f"{least} or more experts"
         )
     width = int(raw["moe_intermediate_size"])
     return MoEConfig(
         num_experts=num_experts,
         top_k=int(raw["num_experts_per_tok"]),
         intermediate_size=width,
-        normalize_top_k=bool(raw.get("norm_topk_prob", True)),
+        normalize_top_k=v3 and bool(raw.get("norm_topk_prob", True)),
         round_weights=False,
         sparse_layers=frozenset(range(int(raw.get("first_k_dense_replace") or 0), num_layers)),
-        grouped=True,
+        routing=routing,
+        float32_router=True,
         num_groups=groups,
         top_groups=int(raw.get("topk_group") or 1),
         routed_scaling=float(raw.get("routed_scaling_factor") or 1.0),
@@ -107,7 +126,7 @@ def _parse_mla(raw: dict[str, Any], rope: "RopeConfig") -> MLAConfig:
         qk_nope_head_dim=nope,
         qk_rope_head_dim=rotary,
         v_head_dim=int(raw["v_head_dim"]),
-        interleaved_rope=bool(raw.get("rope_interleave", True)),
+        interleaved_rope=bool(raw.get("rope_interleave", True)),  # V2: always
         scale=scale,
     )
 
@@ -184,6 +203,13 @@ ARCHITECTURES: dict[str, ArchitectureTraits] = {
         o_bias_key="attention_bias",
         moe=MoELayout("block_sparse_moe", ("w1", "w3", "w2"), _mixtral),
         sliding_window_key="sliding_window",
+    ),
+    "DeepseekV2ForCausalLM": ArchitectureTraits(
+        qkv_bias_key="attention_bias",
+        o_bias_key="attention_bias",
+        moe=MoELayout("mlp", ("gate_proj", "up_proj", "down_proj"), _deepseek_moe),
+        latent_attention=True,
+        extra_layers=True,
     ),
     "DeepseekV3ForCausalLM": ArchitectureTraits(
         qkv_bias_key="attention_bias",

@@ -1,5 +1,5 @@
 """Mixture-of-experts layers (Qwen3-MoE, Mixtral, DeepSeek-V3): a router picks each token's top-k
-experts (`route`, or DeepSeek-V3's group-limited `route_grouped`), and the experts run grouped —
+experts (`route`: a softmax, or DeepSeek's group-limited choices), and the experts run grouped —
 the token rows sorted by expert, one matrix multiply per *active* expert and projection, never a
 loop over tokens nor a multiply by every expert. DeepSeek-V3 adds shared experts every token
 runs through.
@@ -42,20 +42,25 @@ def route(logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch.Tens
     return weights, ids
 
 
-def route_grouped(
-    logits: torch.Tensor, bias: torch.Tensor, moe: MoEConfig
+def route_groups(
+    logits: torch.Tensor, bias: torch.Tensor | None, moe: MoEConfig
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """DeepSeek-V3's choice (float32 `logits` `[tokens, experts]`): each expert scores its
-    sigmoid; the experts are chosen, by score plus the correction `bias`, among the
-    `top_groups` groups whose two best such scores sum highest; their plain scores,
-    renormalised when `normalize_top_k`, times `routed_scaling`, weight them."""
-    scores = logits.sigmoid()
-    choice = scores + bias
+    """DeepSeek's group-limited choice (float32 `logits` `[tokens, experts]`), times
+    `routed_scaling`. V3 (`sigmoid_groups`): each expert scores its sigmoid; a group scores the
+    sum of its two best scores plus the correction `bias`; the experts are chosen by score plus
+    bias among the `top_groups` best groups, weighted by their plain scores (renormalised when
+    `normalize_top_k`). V2 (`softmax_groups`): softmax scores, a group scores its best, the
+    experts are the best scores among the best groups."""
+    v3 = moe.routing == "sigmoid_groups"
+    scores = logits.sigmoid() if v3 else torch.softmax(logits, dim=-1, dtype=torch.float32)
+    choice = scores + bias if v3 and bias is not None else scores
     per_group = moe.num_experts // moe.num_groups
-    group_scores = choice.view(-1, moe.num_groups, per_group).topk(2, dim=-1)[0].sum(dim=-1)
+    groups = choice.view(-1, moe.num_groups, per_group)
+    group_scores = groups.topk(2, dim=-1)[0].sum(dim=-1) if v3 else groups.amax(dim=-1)
     best = torch.topk(group_scores, moe.top_groups, dim=-1, sorted=False)[1]
     kept = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best, True)
-    choice = choice.masked_fill(~kept.repeat_interleave(per_group, dim=1), float("-inf"))
+    outside = ~kept.repeat_interleave(per_group, dim=1)
+    choice = choice.masked_fill(outside, float("-inf") if v3 else 0.0)
     ids = torch.topk(choice, moe.top_k, dim=-1, sorted=False)[1]
     weights = scores.gather(1, ids)
     if moe.normalize_top_k:
@@ -63,16 +68,19 @@ def route_grouped(
     return weights * moe.routed_scaling, ids
 
 
-class GroupedGate(nn.Module):
-    """DeepSeek-V3's router: its weight and the per-expert correction bias, kept in float32
-    whatever the model's dtype (`keep_float32`, as the checkpoint stores them)."""
+class Float32Gate(nn.Module):
+    """DeepSeek's router: its weight (and V3's per-expert correction bias), kept in float32
+    whatever the model's dtype (`keep_float32`, as the checkpoints store them); float32 logits."""
 
     keep_float32 = True
 
-    def __init__(self, hidden: int, num_experts: int) -> None:
+    def __init__(self, hidden: int, num_experts: int, correction_bias: bool) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(num_experts, hidden, dtype=torch.float32))
-        self.e_score_correction_bias = nn.Parameter(torch.empty(num_experts, dtype=torch.float32))
+        self.e_score_correction_bias: nn.Parameter | None = None
+        if correction_bias:
+            bias = torch.empty(num_experts, dtype=torch.float32)
+            self.e_score_correction_bias = nn.Parameter(bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x.float(), self.weight)
@@ -145,8 +153,8 @@ class SparseMoE(nn.Module):
     ) -> None:
         super().__init__()
         self.gate: nn.Module = (
-            GroupedGate(hidden, moe.num_experts)
-            if moe.grouped
+            Float32Gate(hidden, moe.num_experts, moe.routing == "sigmoid_groups")
+            if moe.float32_router
             else nn.Linear(hidden, moe.num_experts, bias=False)
         )
         self.experts = Experts(expert_part(shard, moe), hidden)
@@ -160,12 +168,15 @@ class SparseMoE(nn.Module):
             self.shared_experts.fuse()  # type: ignore[operator]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if isinstance(self.gate, GroupedGate):
-            bias = self.gate.e_score_correction_bias
-            weights, ids = route_grouped(self.gate(x), bias, self.moe)
+        moe, logits = self.moe, self.gate(x)
+        if moe.routing == "softmax":
+            weights, ids = route(logits, moe.top_k, moe.normalize_top_k)
+            if moe.routed_scaling != 1.0:
+                weights = weights * moe.routed_scaling
         else:
-            weights, ids = route(self.gate(x), self.moe.top_k, self.moe.normalize_top_k)
-        if self.moe.round_weights:
+            bias = getattr(self.gate, "e_score_correction_bias", None)
+            weights, ids = route_groups(logits, bias, moe)
+        if moe.round_weights:
             weights = weights.to(x.dtype)
         out: torch.Tensor = self.experts(x, ids, weights)
         if self.shared_experts is not None:

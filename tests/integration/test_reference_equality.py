@@ -4,7 +4,7 @@ Logits must agree within 1e-4 and greedy tokens must be identical: for one promp
 prompts of different lengths, chunked prefill, a continuation that hits the prefix cache and 200
 decode steps; for Llama (tied and untied), Qwen2 (q/k/v bias), llama3 RoPE scaling, a
 checkpoint written by `transformers` itself, Qwen3 (per-head q and k norms), the
-mixture-of-experts Qwen3-MoE and Mixtral, and DeepSeek-V3 (latent attention).
+mixture-of-experts Qwen3-MoE and Mixtral, and DeepSeek-V3 and V2 (latent attention).
 """
 
 from collections.abc import Callable
@@ -14,6 +14,7 @@ import pytest
 import torch
 from reference import (
     decisive_weights,
+    deepseek_v2_config,
     deepseek_v3_config,
     hf_greedy,
     hf_logits,
@@ -21,6 +22,7 @@ from reference import (
     write_with_tokenizer,
 )
 from transformers import (
+    DeepseekV2ForCausalLM,
     DeepseekV3ForCausalLM,
     LlamaConfig,
     LlamaForCausalLM,
@@ -317,25 +319,39 @@ def test_a_mixture_of_experts_checkpoint_matches(
 
 
 @pytest.mark.parametrize(
-    "overrides",
+    ("family", "overrides"),
     [
-        {},
-        {"q_lora_rank": None, "rope_interleave": False},
-        {"first_k_dense_replace": 0, "n_group": 1, "topk_group": 1, "norm_topk_prob": False},
+        (DeepseekV3ForCausalLM, {}),
+        (DeepseekV3ForCausalLM, {"q_lora_rank": None, "rope_interleave": False}),
+        (
+            DeepseekV3ForCausalLM,
+            {"first_k_dense_replace": 0, "n_group": 1, "topk_group": 1, "norm_topk_prob": False},
+        ),
+        (DeepseekV2ForCausalLM, {"q_lora_rank": None}),
+        (DeepseekV2ForCausalLM, {"topk_method": "group_limited_greedy", "n_shared_experts": 2}),
     ],
-    ids=["q-lora", "plain-q-half-split-rope", "all-sparse-one-group"],
+    ids=[
+        "v3-q-lora",
+        "v3-plain-q-half-split-rope",
+        "v3-all-sparse-one-group",
+        "v2-greedy",
+        "v2-group-limited",
+    ],
 )
-def test_a_deepseek_v3_checkpoint_matches(
+def test_a_deepseek_checkpoint_matches(
     tmp_path: Path,
     tiny_model_dir: Path,
     make_engine: Callable[..., LLMEngine],
+    family: type[torch.nn.Module],
     overrides: dict[str, object],
 ) -> None:
-    """DeepSeek-V3 written by transformers' own classes: latent attention (with and without the
-    query bottleneck, interleaved and half-split rotary), YaRN with DeepSeek's mscale, grouped
-    routing with the correction bias, shared experts, the first layers dense. Prefill expands
-    the latent, decode attends in it: both against transformers' expanded attention."""
-    model = DeepseekV3ForCausalLM(deepseek_v3_config(SMALL["vocab_size"], **overrides))  # type: ignore[arg-type]
+    """DeepSeek-V3 and V2 written by transformers' own classes: latent attention (with and
+    without the query bottleneck, interleaved and half-split rotary), YaRN with DeepSeek's
+    mscale, each routing (V3's sigmoid groups with the correction bias, V2's softmax, greedy or
+    in groups), shared experts, the first layers dense. Prefill expands the latent, decode
+    attends in it: both against transformers' expanded attention."""
+    make_config = deepseek_v3_config if family is DeepseekV3ForCausalLM else deepseek_v2_config
+    model = family(make_config(SMALL["vocab_size"], **overrides))  # type: ignore[call-arg, arg-type]
     reference = decisive_weights(model, seed=5).eval()
     write_with_tokenizer(reference, tmp_path, tiny_model_dir)
     assert_engine_matches(tmp_path, reference, make_engine, steps=40)
