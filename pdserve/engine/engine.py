@@ -676,6 +676,7 @@ def load_and_size(
     loaded.model.attention = make_backend(config.attention_backend, loaded.device)
     loaded_everywhere()
     if config.kv_cache_dtype == KVCacheDTypeName.FP8_E4M3:
+        check_fp8_backend(loaded.model.attention.name, loaded.device)
         scales = loaded.kv_scales or calibrate_kv_scales(loaded, config.block_size, group)
         loaded.model.set_kv_scales(scales)
         logger.info("FP8 KV cache, %s scales %s", scales.source, scales.digest())
@@ -714,6 +715,23 @@ def check_model(config: EngineConfig) -> None:
     except ModelLoadError as e:
         raise ConfigError(f"engine.model {str(path)!r}: {e}") from e
     check_divides(rank_shard(config, 0), model)
+
+
+def check_fp8_backend(backend: str, device: torch.device) -> None:
+    """ConfigError unless attention backend `backend` can read an FP8 cache on `device`: the
+    triton kernels need compute capability 8.9 or newer (Ada, Hopper); the CPU kernels and
+    the reference read one anywhere."""
+    if backend != "triton":
+        return
+    from pdserve.model.triton_attention import fp8_supported
+
+    if not fp8_supported(device):
+        major, minor = torch.cuda.get_device_capability(device)
+        raise ConfigError(
+            f"engine.kv_cache_dtype fp8_e4m3 needs a GPU of compute capability 8.9 or newer "
+            f"(Ada, Hopper) for the triton attention backend; {device} is {major}.{minor}: "
+            "use kv_cache_dtype auto"
+        )
 
 
 def _cuda_graphs(config: EngineConfig, device: torch.device) -> bool:

@@ -138,6 +138,7 @@ def test_merged_role_engine_is_validated(tmp_path: Path) -> None:
         ("dtype", "float32"),
         ("model", "/models/other"),
         ("tensor_parallel_size", "2"),  # prefill and decode of different TP sizes: refused
+        ("kv_cache_dtype", "fp8_e4m3"),  # a decode whose KV layout differs: refused
     ],
 )
 def test_role_may_not_change_a_shared_engine_setting(name: str, value: str) -> None:
@@ -181,7 +182,8 @@ def test_choice_settings_list_their_choices() -> None:
     }
     assert choices["EngineConfig.attention_backend"] == ("auto", "reference", "cpu", "triton")
     assert choices["TransferConfig.transport"] == tuple(TransportName)
-    assert len(choices) == 10
+    assert choices["EngineConfig.kv_cache_dtype"] == ("auto", "fp8_e4m3")
+    assert len(choices) == 11
     with pytest.raises(ConfigError, match=r"engine\.attention_backend must be one of auto, "):
         EngineConfig(attention_backend="flash")
     with pytest.raises(ConfigError, match=r"storage\.device_write_policy must be one of"):

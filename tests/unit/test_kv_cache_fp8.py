@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from pdserve.engine import LLMEngine
-from pdserve.errors import ModelLoadError
+from pdserve.errors import ConfigError, ModelLoadError
 from pdserve.model.kv_quant import FP8, FP8_MAX, KVScales, dequantize, quantize
 from pdserve.model.loader import load_model
 from pdserve.model.runner import SequenceChunk
@@ -120,3 +120,29 @@ def test_fp8_logits_stay_close_to_the_full_precision_cache(
     full, fp8 = logits
     error = (fp8 - full).abs().max().item()
     assert 0 < error <= 0.05 * full.abs().max().item()
+
+
+def test_fp8_on_a_gpu_the_triton_kernels_cannot_serve_is_refused_in_one_line(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Triton reads float8 e4m3 from compute capability 8.9 (Ada, Hopper) on: an A100 (8.0)
+    is refused naming the setting; the CPU kernels and the reference read it anywhere. The
+    GPU's reported capability is the faked side."""
+    from pdserve.engine.engine import check_fp8_backend
+
+    capability = (8, 0)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    gpu = torch.device("cuda", 0)
+    with pytest.raises(ConfigError, match=r"engine\.kv_cache_dtype fp8_e4m3 .* cuda:0 is 8\.0"):
+        check_fp8_backend("triton", gpu)
+    check_fp8_backend("reference", gpu)
+    check_fp8_backend("cpu", torch.device("cpu"))
+    capability = (9, 0)
+    check_fp8_backend("triton", gpu)
+
+
+def test_an_unknown_kv_cache_dtype_is_refused() -> None:
+    from pdserve.config import EngineConfig
+
+    with pytest.raises(ConfigError, match="kv_cache_dtype must be one of auto, fp8_e4m3"):
+        EngineConfig(kv_cache_dtype="int8")
