@@ -1,6 +1,7 @@
 """pdserve's fused CPU kernels against the torch ops they replace: the rotary embedding bit for
 bit, silu(gate) * up within float32 rounding, the mixture-of-experts kernel against the grouped
-path, and the shapes and dtypes they leave to torch."""
+path, latent (MLA) decode attention against its torch reference (float and FP8 caches), and the
+shapes and dtypes they leave to torch."""
 
 import itertools
 import threading
@@ -11,9 +12,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from pdserve.model.attention import latent_decode_reference
 from pdserve.model.cpu_kernels import paged_ops
+from pdserve.model.layers import Rotation, _rotate_half
 from pdserve.model.linear import silu_and_mul
-from pdserve.model.llama import Rotation, _rotate_half
 from pdserve.model.moe import Experts, route
 from pdserve.model.parallel import ExpertPart
 
@@ -114,3 +116,91 @@ def test_the_experts_kernel_equals_the_grouped_path(tokens: int, first: int, cou
     assert not got[none_here].any()
     bf16 = kernels().moe_experts(x.bfloat16(), experts.gate_up, experts.down, ids, weights, first)  # type: ignore[attr-defined]
     assert bf16 is None  # float32 only: the rest is the grouped path's
+
+
+def latent_cache(
+    lens: list[int], dim: int, dtype: torch.dtype, seed: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Layer 1 of a 3-layer latent cache `[blocks, layers, 1, block_size, 1, dim]` (a view
+    strided across blocks), block size 16, and block tables of shuffled blocks padded past
+    each sequence's need: (kv_layer, tables, lens)."""
+    generator = torch.Generator().manual_seed(seed)
+    block_size, max_blocks = 16, max(-(-n // 16) for n in lens) + 1
+    num_blocks = len(lens) * max_blocks + 2
+    cache = torch.randn(num_blocks, 3, 1, block_size, 1, dim, generator=generator).to(dtype)
+    tables = torch.randperm(num_blocks, generator=generator)[: len(lens) * max_blocks]
+    return cache[:, 1], tables.view(len(lens), max_blocks), torch.tensor(lens)
+
+
+TOLERANCES = {
+    torch.float32: {"rtol": 1e-5, "atol": 1e-5},
+    torch.bfloat16: {"rtol": 1.6e-2, "atol": 1e-5},  # one rounding of the output apart
+    torch.float16: {"rtol": 1e-3, "atol": 1e-5},
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(
+    ("heads", "dim", "value_dim"),
+    [(1, 576, 512), (16, 576, 512), (16, 40, 32), (20, 40, 32), (5, 44, 37)],
+)
+def test_latent_decode_matches_the_reference(
+    dtype: torch.dtype, heads: int, dim: int, value_dim: int
+) -> None:
+    """Contexts of 1 token, of part of a block, of several blocks and splits (300: the kernel
+    splits a long context over items and merges their softmaxes); 20 heads: two groups of
+    items; dims 44 and 37: no multiple of a vector."""
+    kv_layer, tables, lens = latent_cache([1, 17, 300, 48], dim, dtype, seed=heads + dim)
+    generator = torch.Generator().manual_seed(3)
+    q = torch.randn(len(lens), heads, dim, generator=generator).to(dtype)
+    scale = dim**-0.5
+    got = kernels().latent_decode(q, kv_layer, tables, lens, scale, value_dim)  # type: ignore[attr-defined]
+    expected = latent_decode_reference(q, kv_layer, tables, lens, scale, value_dim)
+    assert got.shape == (len(lens), heads, value_dim) and got.dtype == dtype
+    torch.testing.assert_close(got, expected, **TOLERANCES[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_latent_decode_reads_an_fp8_cache_as_its_values_times_kv_scale(dtype: torch.dtype) -> None:
+    kv_layer, tables, lens = latent_cache([5, 33, 130], 576, torch.float8_e4m3fn, seed=4)
+    kv_scale = 0.37
+    dequantised = kv_layer.float() * kv_scale
+    generator = torch.Generator().manual_seed(5)
+    q = torch.randn(len(lens), 16, 576, generator=generator).to(dtype)
+    got = kernels().latent_decode(q, kv_layer, tables, lens, 0.05, 512, kv_scale=kv_scale)  # type: ignore[attr-defined]
+    expected = latent_decode_reference(q, dequantised, tables, lens, 0.05, 512)
+    torch.testing.assert_close(got, expected, **TOLERANCES[dtype])
+
+
+def test_the_fp8_values_are_torchs_conversion_of_every_byte() -> None:
+    """Bit for bit: subnormals, both zeros, 448 and the NaNs 0x7f / 0xff with torch's payload."""
+    every_byte = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn)
+    values = kernels().fp8_e4m3fn_values()  # type: ignore[attr-defined]
+    assert torch.equal(values.view(torch.int32), every_byte.float().view(torch.int32))
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"q": torch.zeros(2, 4, 40, dtype=torch.float64)}, "q must be float32"),
+        ({"kv_layer": torch.zeros(8, 1, 16, 1, 40, dtype=torch.float16)}, "q's dtype"),
+        ({"kv_layer": torch.zeros(8, 1, 16, 1, 48)}, "differ"),
+        ({"value_dim": 41}, "value_dim"),
+        ({"context_lens": torch.tensor([3, 33])}, "context_lens\\[1\\] = 33"),
+        ({"context_lens": torch.tensor([3, 0])}, "context_lens\\[1\\] = 0"),
+        ({"block_tables": torch.tensor([[0, 1], [2, 8]])}, "block_tables\\[1, 1\\] = 8"),
+    ],
+)
+def test_latent_decode_rejects_inconsistent_arguments(
+    change: dict[str, object], message: str
+) -> None:
+    args: dict[str, object] = {
+        "q": torch.zeros(2, 4, 40),
+        "kv_layer": torch.zeros(8, 1, 16, 1, 40),
+        "block_tables": torch.tensor([[0, 1], [2, 3]]),
+        "context_lens": torch.tensor([3, 20]),
+        "scale": 0.1,
+        "value_dim": 32,
+    }
+    with pytest.raises(RuntimeError, match=message):
+        kernels().latent_decode(**(args | change))  # type: ignore[attr-defined]

@@ -15,10 +15,13 @@
 #include <array>
 #include <utility>
 #include <cmath>
+#include <cstdint>
+#include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
-#if defined(__AVX512F__)
+#if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
@@ -220,6 +223,35 @@ inline float to_float(T value) {
   return static_cast<float>(value);
 }
 
+// The float value of an FP8 E4M3 ("fn": no infinities) byte, bit for bit as torch converts it:
+// a sign, 4 exponent bits (bias 7) and 3 mantissa bits; exponent 0 is subnormal (m x 2^-9), and
+// S.1111.111 is NaN (torch's payload: 0x7ff00000 with the sign).
+inline float fp8_e4m3fn_value(uint8_t byte) {
+  const uint32_t sign = static_cast<uint32_t>(byte & 0x80) << 24;
+  const uint32_t exponent = (byte >> 3) & 0xF, mantissa = byte & 0x7;
+  if (exponent == 0) {
+    const float magnitude = std::ldexp(static_cast<float>(mantissa), -9);
+    return sign != 0 ? -magnitude : magnitude;
+  }
+  const uint32_t bits = exponent == 0xF && mantissa == 0x7
+                            ? sign | 0x7FF00000u
+                            : sign | (exponent + 127 - 7) << 23 | mantissa << 20;
+  float value;
+  std::memcpy(&value, &bits, sizeof value);
+  return value;
+}
+
+// Every byte's value, built once: reading an FP8 cache is one lookup per element.
+const std::array<float, 256> kFp8E4m3fnValues = [] {
+  std::array<float, 256> values{};
+  for (int byte = 0; byte < 256; ++byte) values[byte] = fp8_e4m3fn_value(static_cast<uint8_t>(byte));
+  return values;
+}();
+
+inline float to_float(c10::Float8_e4m3fn value) {
+  return kFp8E4m3fnValues[value.x];
+}
+
 // One sequence, every head: for each cached token its K row (all kv heads, one contiguous range)
 // is read once, scored against every query head, then V likewise.
 template <typename scalar_t>
@@ -322,6 +354,416 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor kv_layer, torch::Tenso
         });
       });
   return out;
+}
+
+// Latent (MLA) decode attention: every head of a sequence attends to one cached latent per token
+// (multi-query), whose first value_dim values are also its value. The work is split into items
+// of (sequence, group of heads, range of its context) so that one long sequence still spreads
+// over every thread; an item reads each latent of its range once (converted to float a tile at a
+// time when the cache is not float) and uses it for all of its heads, keeping per head a running
+// softmax (max, sum) and an unnormalised sum of values; the items of a sequence are merged last.
+namespace {
+namespace latent {
+
+constexpr int64_t kTile = 16;           // tokens converted and scored together (a multiple of 4)
+constexpr int64_t kMaxGroup = 16;       // heads of one item, at most
+constexpr int64_t kMinSplit = 64;       // tokens of one item, at least (unless its context is less)
+constexpr int64_t kItemsPerThread = 4;  // what the context splits aim at: items even out
+
+// The tensors of one call, as pointers and strides (cache_t: the cache's element type).
+template <typename scalar_t, typename cache_t>
+struct Batch {
+  const scalar_t* q;
+  const cache_t* kv;
+  const int64_t *tables, *lens;
+  int64_t max_blocks, heads, dim, value_dim, block_size, block_stride, token_stride;
+  int64_t q_seq_stride, q_head_stride;
+  float score_scale;  // scale x kv_scale: q . (latent x s) = (q x s) . latent
+};
+
+struct Item {
+  int64_t seq, first_head, heads, begin, end;  // heads [first_head, + heads), tokens [begin, end)
+};
+
+// An item's result per head, at `index x kMaxGroup + head in the item`: the running max and sum
+// of its softmax and the sum of its values weighted by exp(score - max).
+struct Partials {
+  std::vector<float> max, sum, values;
+};
+
+struct Scratch {
+  std::vector<float> query, scores, tile, zeros;
+};
+
+// Eight floats, the inner loops' unit: an AVX2 register with FMA (every AVX-512 CPU has them
+// too), else a plain array. Explicit vectors, because GCC 12 keeps neither the several sums of an
+// `omp simd` reduction nor arrays of float partial sums in registers: it stores them every step.
+#if defined(__AVX2__) && defined(__FMA__)
+struct Float8 {
+  __m256 v;
+};
+inline Float8 load8(const float* p) { return {_mm256_loadu_ps(p)}; }
+inline void store8(float* p, Float8 x) { _mm256_storeu_ps(p, x.v); }
+inline Float8 splat8(float x) { return {_mm256_set1_ps(x)}; }
+inline Float8 fma8(Float8 a, Float8 b, Float8 c) { return {_mm256_fmadd_ps(a.v, b.v, c.v)}; }
+inline float sum8(Float8 x) {
+  const __m128 quad = _mm_add_ps(_mm256_castps256_ps128(x.v), _mm256_extractf128_ps(x.v, 1));
+  const __m128 pair = _mm_add_ps(quad, _mm_movehl_ps(quad, quad));
+  return _mm_cvtss_f32(_mm_add_ss(pair, _mm_movehdup_ps(pair)));
+}
+#else
+struct Float8 {
+  float v[8];
+};
+inline Float8 load8(const float* p) {
+  Float8 x;
+  std::copy(p, p + 8, x.v);
+  return x;
+}
+inline void store8(float* p, Float8 x) { std::copy(x.v, x.v + 8, p); }
+inline Float8 splat8(float value) {
+  Float8 x;
+  std::fill(x.v, x.v + 8, value);
+  return x;
+}
+inline Float8 fma8(Float8 a, Float8 b, Float8 c) {
+  for (int i = 0; i < 8; ++i) c.v[i] = std::fma(a.v[i], b.v[i], c.v[i]);
+  return c;
+}
+inline float sum8(Float8 x) {
+  float sum = 0.0f;
+  for (int i = 0; i < 8; ++i) sum += x.v[i];
+  return sum;
+}
+#endif
+
+// out[h x kTile + t] = q[h] . rows[t] for H (1 or 2) query rows and 4 latent rows: one pass over
+// dim with 4 x H accumulators in registers, each loaded vector used in several products; dim's
+// tail past a multiple of 8 summed apart.
+template <int H>
+inline void dots4(const float* q, int64_t dim, const float* const* rows, float* out) {
+  Float8 acc[H][4];
+  for (int h = 0; h < H; ++h)
+    for (int t = 0; t < 4; ++t) acc[h][t] = splat8(0.0f);
+  const int64_t body = dim / 8 * 8;
+  for (int64_t d = 0; d < body; d += 8) {
+    Float8 row[4];
+    for (int t = 0; t < 4; ++t) row[t] = load8(rows[t] + d);
+    for (int h = 0; h < H; ++h) {
+      const Float8 qh = load8(q + h * dim + d);
+      for (int t = 0; t < 4; ++t) acc[h][t] = fma8(qh, row[t], acc[h][t]);
+    }
+  }
+  float sums[H][4];  // acc read once, by constant indices: else it lives in memory, not registers
+  for (int h = 0; h < H; ++h)
+    for (int t = 0; t < 4; ++t) sums[h][t] = sum8(acc[h][t]);
+  for (int h = 0; h < H; ++h) {
+    for (int t = 0; t < 4; ++t) {
+      for (int64_t d = body; d < dim; ++d) {
+        sums[h][t] = std::fma(q[h * dim + d], rows[t][d], sums[h][t]);
+      }
+      out[h * kTile + t] = sums[h][t];
+    }
+  }
+}
+
+// scores[h x kTile + t] = query[h] . rows[t] for every head of the item and row of the tile:
+// four rows at a time (in cache while every head reads them), two heads at a time.
+inline void score_tile(const float* query, int64_t heads, int64_t dim, const float* const* rows,
+                       float* scores) {
+  for (int64_t t = 0; t < kTile; t += 4) {
+    int64_t h = 0;
+    for (; h + 2 <= heads; h += 2) dots4<2>(query + h * dim, dim, rows + t, scores + h * kTile + t);
+    if (h < heads) dots4<1>(query + h * dim, dim, rows + t, scores + h * kTile + t);
+  }
+}
+
+// values[h][first .. first + 8 V) += sum over the tile of weights[h][t] x rows[t] for H (1 or 2)
+// heads: the H x V sums stay in registers over the whole tile, each row vector loaded once for
+// H products.
+template <int H, int V>
+inline void accumulate_span(const float* weights, const float* const* rows, int64_t first,
+                            int64_t value_dim, float* values) {
+  Float8 acc[H][V];
+  for (int h = 0; h < H; ++h)
+    for (int i = 0; i < V; ++i) acc[h][i] = load8(values + h * value_dim + first + 8 * i);
+  for (int64_t t = 0; t < kTile; ++t) {
+    Float8 row[V];
+    for (int i = 0; i < V; ++i) row[i] = load8(rows[t] + first + 8 * i);
+    for (int h = 0; h < H; ++h) {
+      const Float8 w = splat8(weights[h * kTile + t]);
+      for (int i = 0; i < V; ++i) acc[h][i] = fma8(w, row[i], acc[h][i]);
+    }
+  }
+  for (int h = 0; h < H; ++h)
+    for (int i = 0; i < V; ++i) store8(values + h * value_dim + first + 8 * i, acc[h][i]);
+}
+
+// values[h] += sum over the tile of weights[h][t] x rows[t][0 .. value_dim) for H (1 or 2)
+// heads: 32 values at a time, then 8, then one.
+template <int H>
+inline void accumulate_tile(const float* weights, const float* const* rows, int64_t value_dim,
+                            float* values) {
+  int64_t first = 0;
+  for (; first + 32 <= value_dim; first += 32) {
+    accumulate_span<H, 4>(weights, rows, first, value_dim, values);
+  }
+  for (; first + 8 <= value_dim; first += 8) {
+    accumulate_span<H, 1>(weights, rows, first, value_dim, values);
+  }
+  for (; first < value_dim; ++first) {
+    for (int h = 0; h < H; ++h) {
+      float& sum = values[h * value_dim + first];
+      for (int64_t t = 0; t < kTile; ++t) sum = std::fma(weights[h * kTile + t], rows[t][first], sum);
+    }
+  }
+}
+
+// The float rows of tokens [first, first + count) of a sequence (count <= kTile): the cache's
+// own rows when it is float, else each converted into `tile`; the rest of the kTile rows point
+// at `zeros` (their scores are masked, their weights 0).
+template <typename scalar_t, typename cache_t>
+void tile_rows(const Batch<scalar_t, cache_t>& b, const int64_t* table, int64_t first,
+               int64_t count, float* tile, const float* zeros, const float** rows) {
+  for (int64_t t = 0; t < count; ++t) {
+    const int64_t pos = first + t;
+    const cache_t* latent =
+        b.kv + table[pos / b.block_size] * b.block_stride + (pos % b.block_size) * b.token_stride;
+    if constexpr (std::is_same_v<cache_t, float>) {
+      rows[t] = latent;
+    } else {
+      float* row = tile + t * b.dim;
+#pragma omp simd
+      for (int64_t d = 0; d < b.dim; ++d) row[d] = to_float(latent[d]);
+      rows[t] = row;
+    }
+  }
+  for (int64_t t = count; t < kTile; ++t) rows[t] = zeros;
+}
+
+// Folds a tile's scores into one head's running softmax: the scores become exp(score - max) (0
+// past `count`), and the head's sum and values are rescaled when its max grows.
+inline void softmax_tile(float* scores, int64_t count, int64_t value_dim, float& max, float& sum,
+                         float* values) {
+  float top = max;
+  for (int64_t t = 0; t < count; ++t) top = std::max(top, scores[t]);
+  if (top > max) {
+    const float correction = std::exp(max - top);  // 0 for the first tile (max = -inf)
+    sum *= correction;
+#pragma omp simd
+    for (int64_t d = 0; d < value_dim; ++d) values[d] *= correction;
+    max = top;
+  }
+  for (int64_t t = 0; t < count; ++t) {
+    scores[t] = std::exp(scores[t] - max);
+    sum += scores[t];
+  }
+  for (int64_t t = count; t < kTile; ++t) scores[t] = 0.0f;
+}
+
+// One item: its heads over its range of tokens, into its partials (max, sum, values per head).
+template <typename scalar_t, typename cache_t>
+void attend_item(const Batch<scalar_t, cache_t>& b, const Item& item, Scratch& work, float* max,
+                 float* sum, float* values) {
+  const int64_t heads = item.heads, dim = b.dim, value_dim = b.value_dim;
+  work.query.resize(heads * dim);
+  work.scores.resize(heads * kTile);
+  work.tile.resize(kTile * dim);
+  work.zeros.assign(dim, 0.0f);
+  for (int64_t h = 0; h < heads; ++h) {
+    const scalar_t* qh = b.q + item.seq * b.q_seq_stride + (item.first_head + h) * b.q_head_stride;
+    for (int64_t d = 0; d < dim; ++d) work.query[h * dim + d] = to_float(qh[d]) * b.score_scale;
+  }
+  std::fill(max, max + heads, -std::numeric_limits<float>::infinity());
+  std::fill(sum, sum + heads, 0.0f);
+  std::fill(values, values + heads * value_dim, 0.0f);
+  const int64_t* table = b.tables + item.seq * b.max_blocks;
+  const float* rows[kTile];
+  for (int64_t first = item.begin; first < item.end; first += kTile) {
+    const int64_t count = std::min(kTile, item.end - first);
+    tile_rows(b, table, first, count, work.tile.data(), work.zeros.data(), rows);
+    score_tile(work.query.data(), heads, dim, rows, work.scores.data());
+    for (int64_t h = 0; h < heads; ++h) {
+      softmax_tile(work.scores.data() + h * kTile, count, value_dim, max[h], sum[h],
+                   values + h * value_dim);
+    }
+    int64_t h = 0;
+    for (; h + 2 <= heads; h += 2) {
+      accumulate_tile<2>(work.scores.data() + h * kTile, rows, value_dim, values + h * value_dim);
+    }
+    if (h < heads) {
+      accumulate_tile<1>(work.scores.data() + h * kTile, rows, value_dim, values + h * value_dim);
+    }
+  }
+}
+
+// The work items: each sequence's heads in groups of group_heads (at most kMaxGroup, as even as
+// can be), its context in ranges of `split` tokens (one length for the whole batch, so that
+// items cost about the same; chosen for about kItemsPerThread items per thread). The items of a
+// sequence are adjacent, group by group: (seq, group, range) is item first_item[seq] + group x
+// ranges[seq] + range.
+struct Plan {
+  std::vector<Item> items;
+  std::vector<int64_t> first_item, ranges;
+  int64_t group_heads;
+};
+
+inline Plan plan_items(const int64_t* lens, int64_t seqs, int64_t heads) {
+  Plan plan;
+  const int64_t groups = (heads + kMaxGroup - 1) / kMaxGroup;
+  plan.group_heads = (heads + groups - 1) / groups;
+  int64_t tokens = 0;
+  for (int64_t s = 0; s < seqs; ++s) tokens += lens[s];
+  const int64_t wanted = kItemsPerThread * at::get_num_threads();
+  int64_t split = std::max(kMinSplit, (tokens * groups + wanted - 1) / wanted);
+  split = (split + kTile - 1) / kTile * kTile;  // only an item's last tile may be partial
+  for (int64_t s = 0; s < seqs; ++s) {
+    plan.first_item.push_back(static_cast<int64_t>(plan.items.size()));
+    plan.ranges.push_back((lens[s] + split - 1) / split);
+    for (int64_t first_head = 0; first_head < heads; first_head += plan.group_heads) {
+      const int64_t count = std::min(plan.group_heads, heads - first_head);
+      for (int64_t begin = 0; begin < lens[s]; begin += split) {
+        plan.items.push_back({s, first_head, count, begin, std::min(lens[s], begin + split)});
+      }
+    }
+  }
+  return plan;
+}
+
+// out[seq, head] from the partials of the items that hold that head (one per range of the
+// context): their softmaxes brought to a common max, the values' sum divided by the softmax's
+// (times kv_scale: the values' scale).
+template <typename scalar_t>
+void merge_head(const Plan& plan, const Partials& partials, int64_t seq, int64_t head,
+                int64_t value_dim, float kv_scale, float* merged, scalar_t* out) {
+  const int64_t group = head / plan.group_heads, ranges = plan.ranges[seq];
+  const int64_t first_slot = (plan.first_item[seq] + group * ranges) * kMaxGroup +
+                             head % plan.group_heads;  // range r: first_slot + r x kMaxGroup
+  float top = -std::numeric_limits<float>::infinity();
+  for (int64_t r = 0; r < ranges; ++r) top = std::max(top, partials.max[first_slot + r * kMaxGroup]);
+  float sum = 0.0f;
+  std::fill(merged, merged + value_dim, 0.0f);
+  for (int64_t r = 0; r < ranges; ++r) {
+    const int64_t slot = first_slot + r * kMaxGroup;
+    const float weight = std::exp(partials.max[slot] - top);
+    sum += weight * partials.sum[slot];
+    const float* values = partials.values.data() + slot * value_dim;
+#pragma omp simd
+    for (int64_t d = 0; d < value_dim; ++d) merged[d] += weight * values[d];
+  }
+  const float factor = kv_scale / sum;
+  for (int64_t d = 0; d < value_dim; ++d) out[d] = static_cast<scalar_t>(merged[d] * factor);
+}
+
+// Every item into its partials (in parallel), then every (sequence, head) merged into `out`.
+template <typename scalar_t, typename cache_t>
+void run(const Batch<scalar_t, cache_t>& b, int64_t seqs, float kv_scale, scalar_t* out) {
+  const Plan plan = plan_items(b.lens, seqs, b.heads);
+  const int64_t count = static_cast<int64_t>(plan.items.size());
+  Partials partials;
+  partials.max.resize(count * kMaxGroup);
+  partials.sum.resize(count * kMaxGroup);
+  partials.values.resize(count * kMaxGroup * b.value_dim);
+  at::parallel_for(0, count, 1, [&](int64_t begin, int64_t end) {
+    Scratch work;
+    for (int64_t i = begin; i < end; ++i) {
+      attend_item(b, plan.items[i], work, partials.max.data() + i * kMaxGroup,
+                  partials.sum.data() + i * kMaxGroup,
+                  partials.values.data() + i * kMaxGroup * b.value_dim);
+    }
+  });
+  at::parallel_for(0, seqs * b.heads, 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> merged(b.value_dim);
+    for (int64_t row = begin; row < end; ++row) {
+      merge_head(plan, partials, row / b.heads, row % b.heads, b.value_dim, kv_scale,
+                 merged.data(), out + row * b.value_dim);
+    }
+  });
+}
+
+}  // namespace latent
+
+// The block ids a sequence reads, checked against the cache: a bad table would read outside it.
+void check_tables(const torch::Tensor& tables, const torch::Tensor& lens, int64_t block_size,
+                  int64_t num_blocks) {
+  const int64_t* table = tables.data_ptr<int64_t>();
+  const int64_t* len = lens.data_ptr<int64_t>();
+  const int64_t max_blocks = tables.size(1);
+  for (int64_t s = 0; s < tables.size(0); ++s) {
+    TORCH_CHECK(len[s] >= 1 && len[s] <= max_blocks * block_size, "context_lens[", s, "] = ",
+                len[s], ": a decode row attends to 1 .. ", max_blocks * block_size,
+                " tokens (its block table's length x block_size)");
+    for (int64_t k = 0; k < (len[s] + block_size - 1) / block_size; ++k) {
+      const int64_t block = table[s * max_blocks + k];
+      TORCH_CHECK(block >= 0 && block < num_blocks, "block_tables[", s, ", ", k, "] = ", block,
+                  " is not a block of the cache (", num_blocks, " blocks)");
+    }
+  }
+}
+
+}  // namespace
+
+// Latent attention of one new token per sequence (DeepSeek's MLA, absorbed form): q [n, heads,
+// dim] against the first context_lens[i] latents of sequence i in kv_layer [num_blocks, 1,
+// block_size, 1, dim] (a strided view of one layer), weighting each latent's first value_dim
+// values; [n, heads, value_dim] in q's dtype, scores and sums in float32. q is float32, bfloat16
+// or float16; the cache has q's dtype or is FP8 (E4M3), a stored value times kv_scale being the
+// real one.
+torch::Tensor latent_decode(torch::Tensor q, torch::Tensor kv_layer, torch::Tensor block_tables,
+                            torch::Tensor context_lens, double scale, int64_t value_dim,
+                            double kv_scale) {
+  TORCH_CHECK(q.device().is_cpu() && kv_layer.device().is_cpu(), "latent_decode runs on CPU");
+  TORCH_CHECK(q.dim() == 3, "q must be [n, heads, dim], got ", q.sizes());
+  TORCH_CHECK(kv_layer.dim() == 5 && kv_layer.size(1) == 1 && kv_layer.size(3) == 1,
+              "kv_layer must be [num_blocks, 1, block_size, 1, dim] (one latent per token), got ",
+              kv_layer.sizes());
+  TORCH_CHECK(kv_layer.size(4) == q.size(2), "q's dim (", q.size(2), ") and the latents' (",
+              kv_layer.size(4), ") differ");
+  TORCH_CHECK(q.stride(2) == 1 && kv_layer.stride(4) == 1, "q's and kv_layer's last dim must "
+              "be contiguous");
+  TORCH_CHECK(value_dim >= 1 && value_dim <= q.size(2), "value_dim must be in 1 .. dim (",
+              q.size(2), "), got ", value_dim);
+  const auto dtype = q.scalar_type();
+  TORCH_CHECK(dtype == torch::kFloat || dtype == torch::kBFloat16 || dtype == torch::kHalf,
+              "q must be float32, bfloat16 or float16, got ", dtype);
+  const bool fp8 = kv_layer.scalar_type() == at::ScalarType::Float8_e4m3fn;
+  TORCH_CHECK(fp8 || kv_layer.scalar_type() == dtype, "the cache must have q's dtype (", dtype,
+              ") or be float8_e4m3fn, got ", kv_layer.scalar_type());
+  TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) == q.size(0) &&
+                  context_lens.dim() == 1 && context_lens.size(0) == q.size(0),
+              "block_tables must be [n, max_blocks] and context_lens [n], n = q.size(0) = ",
+              q.size(0));
+  auto tables = block_tables.to(torch::kLong).contiguous();
+  auto lens = context_lens.to(torch::kLong).contiguous();
+  check_tables(tables, lens, kv_layer.size(2), kv_layer.size(0));
+  const int64_t seqs = q.size(0), heads = q.size(1), dim = q.size(2);
+  auto out = torch::empty({seqs, heads, value_dim}, q.options());
+  if (seqs == 0 || heads == 0) return out;
+  AT_DISPATCH_FLOATING_TYPES_AND2(
+      at::ScalarType::BFloat16, at::ScalarType::Half, dtype, "latent_decode", [&] {
+        auto call = [&](const auto* kv) {
+          using cache_t = std::remove_const_t<std::remove_pointer_t<decltype(kv)>>;
+          const latent::Batch<scalar_t, cache_t> batch{
+              q.data_ptr<scalar_t>(), kv, tables.data_ptr<int64_t>(), lens.data_ptr<int64_t>(),
+              tables.size(1), heads, dim, value_dim, kv_layer.size(2), kv_layer.stride(0),
+              kv_layer.stride(2), q.stride(0), q.stride(1),
+              static_cast<float>(scale * kv_scale)};
+          latent::run(batch, seqs, static_cast<float>(kv_scale), out.data_ptr<scalar_t>());
+        };
+        if (fp8) {
+          call(kv_layer.data_ptr<c10::Float8_e4m3fn>());
+        } else {
+          call(kv_layer.data_ptr<scalar_t>());
+        }
+      });
+  return out;
+}
+
+// The float value of each FP8 E4M3 byte as the kernels read an FP8 cache, [256] float32.
+torch::Tensor fp8_e4m3fn_values() {
+  auto values = torch::empty({256}, torch::kFloat);
+  std::copy(kFp8E4m3fnValues.begin(), kFp8E4m3fnValues.end(), values.data_ptr<float>());
+  return values;
 }
 
 
@@ -749,6 +1191,11 @@ torch::Tensor moe_experts(torch::Tensor x, torch::Tensor gate_up, torch::Tensor 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using no_gil = pybind11::call_guard<pybind11::gil_scoped_release>;
   m.def("paged_decode", &paged_decode, "paged decode attention (CPU)", no_gil());
+  m.def("latent_decode", &latent_decode, "latent (MLA) decode attention, paged (CPU)",
+        py::arg("q"), py::arg("kv_layer"), py::arg("block_tables"), py::arg("context_lens"),
+        py::arg("scale"), py::arg("value_dim"), py::arg("kv_scale") = 1.0, no_gil());
+  m.def("fp8_e4m3fn_values", &fp8_e4m3fn_values,
+        "the float value of each FP8 E4M3 byte, as the kernels read FP8 caches");
   m.def("paged_prefill", &paged_prefill, "paged causal prefill attention, every chunk (CPU)",
         no_gil());
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up of a fused gate/up projection (CPU)",
