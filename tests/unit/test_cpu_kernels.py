@@ -204,3 +204,55 @@ def test_latent_decode_rejects_inconsistent_arguments(
     }
     with pytest.raises(RuntimeError, match=message):
         kernels().latent_decode(**(args | change))  # type: ignore[attr-defined]
+
+
+def fp8_kv_cache(
+    k_scale: float, v_scale: float, seed: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Layer 1 of a 3-layer FP8 K/V cache (`[blocks, 2, block_size, kv_heads, head_dim]`, block
+    size 16, 2 kv heads of 64), the same as float32 values (stored x k_scale, x v_scale), and
+    tables of 3 sequences of shuffled blocks: (fp8 layer, its float32 values, tables)."""
+    generator = torch.Generator().manual_seed(seed)
+    cache = torch.randn(40, 3, 2, 16, 2, 64, generator=generator) * 3
+    kv_layer = cache.to(torch.float8_e4m3fn)[:, 1]
+    values = torch.stack((kv_layer[:, 0].float() * k_scale, kv_layer[:, 1].float() * v_scale), 1)
+    tables = torch.randperm(40, generator=generator)[:36].view(3, 12)
+    return kv_layer, values, tables
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_paged_decode_reads_an_fp8_cache_as_its_values_times_the_scales(dtype: torch.dtype) -> None:
+    """Against the same kernel over the dequantised cache in the queries' dtype (scales that are
+    powers of two for bfloat16, whose cache then holds the values exactly); 4 heads per kv head."""
+    k_scale, v_scale = (0.37, 1.7) if dtype == torch.float32 else (0.5, 4.0)
+    kv_layer, values, tables = fp8_kv_cache(k_scale, v_scale, seed=6)
+    lens = torch.tensor([1, 77, 190])
+    q = torch.randn(3, 8, 64, generator=torch.Generator().manual_seed(7)).to(dtype)
+    decode = kernels().paged_decode  # type: ignore[attr-defined]
+    got = decode(q, kv_layer, tables, lens, 0.125, k_scale=k_scale, v_scale=v_scale)
+    expected = decode(q, values.to(dtype), tables, lens, 0.125)
+    assert got.dtype == dtype
+    torch.testing.assert_close(got, expected, **TOLERANCES[dtype])
+
+
+def test_paged_prefill_reads_an_fp8_cache_where_it_has_a_path() -> None:
+    """Two chunks, one after 32 cached tokens and one with none: over the FP8 cache as over its
+    dequantised values (the kernel's path: AVX-512; elsewhere it returns False and writes
+    nothing, and so it does for bfloat16 queries everywhere)."""
+    k_scale, v_scale = 0.37, 1.7
+    kv_layer, values, tables = fp8_kv_cache(k_scale, v_scale, seed=8)
+    prefill = kernels().paged_prefill  # type: ignore[attr-defined]
+    q = torch.randn(29, 8, 64, generator=torch.Generator().manual_seed(9))
+    chunks = (tables[:2], torch.tensor([0, 8]), torch.tensor([8, 21]), torch.tensor([40, 21]))
+    got = torch.full_like(q, float("nan"))
+    taken = prefill(q, kv_layer, *chunks, 0.125, got, k_scale=k_scale, v_scale=v_scale)
+    assert taken == built_for_avx512()
+    if taken:
+        expected = torch.empty_like(q)
+        assert prefill(q, values, *chunks, 0.125, expected)
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    else:
+        assert got.isnan().all()
+    untouched = torch.full_like(q, float("nan")).bfloat16()
+    assert not prefill(q.bfloat16(), kv_layer, *chunks, 0.125, untouched, k_scale=k_scale)
+    assert untouched.isnan().all()

@@ -5,7 +5,8 @@
 // layer), q: [num_seqs, heads, head_dim], block_tables: [num_seqs, max_blocks] int64,
 // context_lens: [num_seqs] int64. Work is split over sequences; a sequence's cached tokens are
 // read once each (K, then V: every kv head of a token is one contiguous range). Scores and the
-// softmax are in float32 whatever the cache's dtype.
+// softmax are in float32 whatever the cache's dtype: the queries' own, or FP8 (E4M3) read
+// through a table of its 256 values.
 
 #include <torch/extension.h>
 
@@ -140,9 +141,9 @@ inline float exp_row16(float* row, int64_t count) {
   return _mm512_reduce_add_ps(total);
 }
 
-// row[0..count) = softmax(row).
-inline void softmax16(float* row, int64_t count) {
-  const __m512 inverse = _mm512_set1_ps(1.0f / exp_row16(row, count));
+// row[0..count) = softmax(row) x factor.
+inline void softmax16(float* row, int64_t count, float factor) {
+  const __m512 inverse = _mm512_set1_ps(factor / exp_row16(row, count));
   for (int64_t i = 0; i < count; i += 16) {
     const __mmask16 mask = count - i >= 16 ? 0xFFFF : (__mmask16)((1u << (count - i)) - 1);
     _mm512_mask_storeu_ps(row + i, mask, _mm512_mul_ps(_mm512_maskz_loadu_ps(mask, row + i), inverse));
@@ -192,23 +193,24 @@ inline ValueBlock values_for(int64_t group, int64_t head_dim) {
 }
 #endif
 
-// The softmax and value pass of a float cache on AVX-512, given every head's scores (scaled);
-// false when this build, dtype or shape has no such path.
-template <typename scalar_t>
-inline bool softmax_values16(float*, const scalar_t*, const int64_t*, int64_t, int64_t, int64_t,
-                             int64_t, int64_t, int64_t, int64_t, int64_t, scalar_t*) {
+// The softmax and value pass of a float cache on AVX-512, given every head's scores (scaled),
+// the weights times v_scale (V's scale); false when this build, dtype or shape has no such path.
+template <typename scalar_t, typename cache_t>
+inline bool softmax_values16(float*, const cache_t*, const int64_t*, int64_t, int64_t, int64_t,
+                             int64_t, int64_t, int64_t, int64_t, int64_t, float, scalar_t*) {
   return false;
 }
 
 #if defined(__AVX512F__)
 template <>
-inline bool softmax_values16<float>(float* scores, const float* kv, const int64_t* table,
-                                    int64_t context, int64_t heads, int64_t group,
-                                    int64_t head_dim, int64_t block_size, int64_t block_stride,
-                                    int64_t kv_stride, int64_t token_stride, float* out) {
+inline bool softmax_values16<float, float>(float* scores, const float* kv, const int64_t* table,
+                                           int64_t context, int64_t heads, int64_t group,
+                                           int64_t head_dim, int64_t block_size,
+                                           int64_t block_stride, int64_t kv_stride,
+                                           int64_t token_stride, float v_scale, float* out) {
   const ValueBlock values = values_for(group, head_dim);
   if (values == nullptr) return false;
-  for (int64_t h = 0; h < heads; ++h) softmax16(scores + h * context, context);
+  for (int64_t h = 0; h < heads; ++h) softmax16(scores + h * context, context, v_scale);
   for (int64_t kv_head = 0; kv_head < heads / group; ++kv_head) {
     values(scores + kv_head * group * context, kv + kv_stride + kv_head * head_dim, table,
            context, context, block_size, block_stride, token_stride,
@@ -253,14 +255,16 @@ inline float to_float(c10::Float8_e4m3fn value) {
 }
 
 // One sequence, every head: for each cached token its K row (all kv heads, one contiguous range)
-// is read once, scored against every query head, then V likewise.
-template <typename scalar_t>
-void decode_sequence(const scalar_t* q, int64_t q_head_stride, const scalar_t* kv,
+// is read once, scored against every query head, then V likewise. The cache's scales fold in
+// where they cost nothing: k_scale into the query (q . (k x s) = (q x s) . k), v_scale into the
+// softmax's normalisation.
+template <typename scalar_t, typename cache_t>
+void decode_sequence(const scalar_t* q, int64_t q_head_stride, const cache_t* kv,
                      const int64_t* table, int64_t context, int64_t heads, int64_t group,
                      int64_t head_dim, int64_t block_size, int64_t block_stride,
                      int64_t kv_stride, int64_t token_stride, int64_t head_stride, float scale,
-                     scalar_t* out, std::vector<float>& scores, std::vector<float>& acc,
-                     std::vector<float>& query) {
+                     float v_scale, scalar_t* out, std::vector<float>& scores,
+                     std::vector<float>& acc, std::vector<float>& query) {
   scores.resize(static_cast<size_t>(heads * context));
   acc.assign(static_cast<size_t>(heads * head_dim), 0.0f);
   query.resize(static_cast<size_t>(heads * head_dim));
@@ -272,16 +276,16 @@ void decode_sequence(const scalar_t* q, int64_t q_head_stride, const scalar_t* k
   int64_t vectorised = 0;  // positions scored 16 at a time
   if (head_stride == head_dim) {
     while (vectorised + 16 <= context &&
-           score16<scalar_t>(query.data(), kv, table, vectorised, context, heads, group, head_dim,
-                             block_size, block_stride, token_stride, scores.data())) {
+           score16<cache_t>(query.data(), kv, table, vectorised, context, heads, group, head_dim,
+                            block_size, block_stride, token_stride, scores.data())) {
       vectorised += 16;
     }
   }
   for (int64_t pos = vectorised; pos < context; ++pos) {
-    const scalar_t* k_row =
+    const cache_t* k_row =
         kv + table[pos / block_size] * block_stride + (pos % block_size) * token_stride;
     for (int64_t h = 0; h < heads; ++h) {
-      const scalar_t* k = k_row + (h / group) * head_stride;
+      const cache_t* k = k_row + (h / group) * head_stride;
       const float* qh = query.data() + h * head_dim;
       float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
@@ -290,8 +294,9 @@ void decode_sequence(const scalar_t* q, int64_t q_head_stride, const scalar_t* k
     }
   }
   if (head_stride == head_dim &&
-      softmax_values16<scalar_t>(scores.data(), kv, table, context, heads, group, head_dim,
-                                 block_size, block_stride, kv_stride, token_stride, out)) {
+      softmax_values16<scalar_t, cache_t>(scores.data(), kv, table, context, heads, group,
+                                          head_dim, block_size, block_stride, kv_stride,
+                                          token_stride, v_scale, out)) {
     return;
   }
   for (int64_t h = 0; h < heads; ++h) {
@@ -303,14 +308,14 @@ void decode_sequence(const scalar_t* q, int64_t q_head_stride, const scalar_t* k
       row[pos] = std::exp(row[pos] - maximum);
       sum += row[pos];
     }
-    const float inverse = 1.0f / sum;
+    const float inverse = v_scale / sum;
     for (int64_t pos = 0; pos < context; ++pos) row[pos] *= inverse;
   }
   for (int64_t pos = 0; pos < context; ++pos) {
-    const scalar_t* v_row = kv + table[pos / block_size] * block_stride + kv_stride +
-                            (pos % block_size) * token_stride;
+    const cache_t* v_row = kv + table[pos / block_size] * block_stride + kv_stride +
+                           (pos % block_size) * token_stride;
     for (int64_t h = 0; h < heads; ++h) {
-      const scalar_t* v = v_row + (h / group) * head_stride;
+      const cache_t* v = v_row + (h / group) * head_stride;
       const float weight = scores[h * context + pos];
       float* a = acc.data() + h * head_dim;
 #pragma omp simd
@@ -322,10 +327,17 @@ void decode_sequence(const scalar_t* q, int64_t q_head_stride, const scalar_t* k
 
 }  // namespace
 
+// Decode attention over the paged K/V cache (see the top of this file), [seqs, heads, head_dim]
+// in q's dtype. The cache has q's dtype or is FP8 (E4M3) under float queries: the real K is the
+// stored one times k_scale, V times v_scale.
 torch::Tensor paged_decode(torch::Tensor q, torch::Tensor kv_layer, torch::Tensor block_tables,
-                           torch::Tensor context_lens, double scale) {
+                           torch::Tensor context_lens, double scale, double k_scale,
+                           double v_scale) {
   TORCH_CHECK(q.dim() == 3 && kv_layer.dim() == 5, "q [seqs, heads, dim], kv [blocks, 2, ...]");
-  TORCH_CHECK(q.scalar_type() == kv_layer.scalar_type(), "q and the cache differ in dtype");
+  const bool fp8 = kv_layer.scalar_type() == at::ScalarType::Float8_e4m3fn;
+  TORCH_CHECK(q.scalar_type() == kv_layer.scalar_type() || fp8,
+              "the cache must have q's dtype (", q.scalar_type(), ") or be float8_e4m3fn, got ",
+              kv_layer.scalar_type());
   TORCH_CHECK(kv_layer.stride(4) == 1 && q.stride(2) == 1, "head_dim must be contiguous");
   auto tables = block_tables.to(torch::kLong).contiguous();
   auto lens = context_lens.to(torch::kLong).contiguous();
@@ -337,21 +349,29 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor kv_layer, torch::Tenso
   AT_DISPATCH_FLOATING_TYPES_AND2(
       at::ScalarType::BFloat16, at::ScalarType::Half, q.scalar_type(), "paged_decode", [&] {
         const scalar_t* q_data = q.data_ptr<scalar_t>();
-        const scalar_t* kv = kv_layer.data_ptr<scalar_t>();
         scalar_t* out_data = out.data_ptr<scalar_t>();
         const int64_t* table_data = tables.data_ptr<int64_t>();
         const int64_t* len_data = lens.data_ptr<int64_t>();
         const int64_t max_blocks = tables.size(1);
-        at::parallel_for(0, seqs, 1, [&](int64_t begin, int64_t end) {
-          std::vector<float> scores, acc, query;
-          for (int64_t seq = begin; seq < end; ++seq) {
-            decode_sequence<scalar_t>(
-                q_data + seq * q.stride(0), q.stride(1), kv, table_data + seq * max_blocks,
-                len_data[seq], heads, group, head_dim, block_size, kv_layer.stride(0),
-                kv_layer.stride(1), kv_layer.stride(2), kv_layer.stride(3),
-                static_cast<float>(scale), out_data + seq * heads * head_dim, scores, acc, query);
-          }
-        });
+        auto run = [&](const auto* kv) {
+          using cache_t = std::remove_const_t<std::remove_pointer_t<decltype(kv)>>;
+          at::parallel_for(0, seqs, 1, [&](int64_t begin, int64_t end) {
+            std::vector<float> scores, acc, query;
+            for (int64_t seq = begin; seq < end; ++seq) {
+              decode_sequence<scalar_t, cache_t>(
+                  q_data + seq * q.stride(0), q.stride(1), kv, table_data + seq * max_blocks,
+                  len_data[seq], heads, group, head_dim, block_size, kv_layer.stride(0),
+                  kv_layer.stride(1), kv_layer.stride(2), kv_layer.stride(3),
+                  static_cast<float>(scale * k_scale), static_cast<float>(v_scale),
+                  out_data + seq * heads * head_dim, scores, acc, query);
+            }
+          });
+        };
+        if (fp8) {
+          run(kv_layer.data_ptr<c10::Float8_e4m3fn>());
+        } else {
+          run(kv_layer.data_ptr<scalar_t>());
+        }
       });
   return out;
 }
@@ -770,18 +790,33 @@ torch::Tensor fp8_e4m3fn_values() {
 #if defined(__AVX512F__)
 namespace {
 
-// K of one kv head of one sequence, transposed per 16 positions: kt[tile][d][16] (zero past
-// the context), so that a query scores 16 keys with head_dim broadcast FMAs.
-void transpose_keys(const float* keys, const int64_t* table, int64_t context, int64_t head_dim,
+// K of one kv head of one sequence, as floats transposed per 16 positions: kt[tile][d][16] (zero
+// past the context), so that a query scores 16 keys with head_dim broadcast FMAs.
+template <typename cache_t>
+void transpose_keys(const cache_t* keys, const int64_t* table, int64_t context, int64_t head_dim,
                     int64_t block_size, int64_t block_stride, int64_t token_stride, float* kt) {
   const int64_t tiles = (context + 15) / 16;
   std::fill(kt, kt + tiles * head_dim * 16, 0.0f);
   for (int64_t start = 0; start < context; start += block_size) {
-    const float* block = keys + table[start / block_size] * block_stride;
+    const cache_t* block = keys + table[start / block_size] * block_stride;
     for (int64_t pos = start; pos < std::min(context, start + block_size); ++pos) {
-      const float* k = block + (pos - start) * token_stride;
+      const cache_t* k = block + (pos - start) * token_stride;
       float* column = kt + (pos / 16) * head_dim * 16 + pos % 16;
-      for (int64_t d = 0; d < head_dim; ++d) column[d * 16] = k[d];
+      for (int64_t d = 0; d < head_dim; ++d) column[d * 16] = to_float(k[d]);
+    }
+  }
+}
+
+// V of one kv head of one sequence as floats, its rows one after another ([context, head_dim]).
+template <typename cache_t>
+void dequantise_values(const cache_t* values, const int64_t* table, int64_t context,
+                       int64_t head_dim, int64_t block_size, int64_t block_stride,
+                       int64_t token_stride, float* rows) {
+  for (int64_t start = 0; start < context; start += block_size) {
+    const cache_t* block = values + table[start / block_size] * block_stride;
+    for (int64_t pos = start; pos < std::min(context, start + block_size); ++pos) {
+      const cache_t* v = block + (pos - start) * token_stride;
+      for (int64_t d = 0; d < head_dim; ++d) rows[pos * head_dim + d] = to_float(v[d]);
     }
   }
 }
@@ -855,15 +890,46 @@ struct PrefillTile {
   int64_t seq, kv_head, row;  // the tile's first query row, counted in its sequence's chunk
 };
 
-// What every tile of a `paged_prefill` call reads and writes (float32 views of its tensors).
+// What every tile of a `paged_prefill` call reads and writes (float32 views of its tensors; the
+// cache's layout, its K and V being read through `transpose_keys` and `ValueRows`).
 struct PrefillBatch {
-  const float *q, *kv;
+  const float* q;
   float* out;
   const int64_t *tables, *first_rows, *counts, *contexts;
   int64_t max_blocks, group, head_dim, block_size, block_stride, kv_stride, token_stride;
   int64_t q_token_stride, q_head_stride, out_token_stride, out_head_stride;
-  float scale;
+  float scale;  // the softmax's scale x k_scale: q . (k x s) = (q x s) . k
+  float v_scale;
 };
+
+// Where the tiles of one (sequence, kv head) read V as floats: a float cache's blocks in place,
+// or V dequantised into consecutive rows (`dequantise_values`), read as one block.
+struct ValueRows {
+  const float* values;  // the kv head's V in the first row of block table[0]
+  const int64_t* table;
+  int64_t block_size, block_stride, token_stride;
+};
+
+constexpr int64_t kOnlyBlock[1] = {0};  // the table of dequantised rows
+
+// K and V of one (sequence, kv head) prepared for its tiles: K transposed into `kt`; V in place
+// for a float cache, else dequantised into `scratch` ([context, head_dim] floats).
+template <typename cache_t>
+ValueRows prepare_head(const cache_t* kv, const PrefillBatch& b, int64_t seq, int64_t kv_head,
+                       float* kt, float* scratch) {
+  const int64_t* table = b.tables + seq * b.max_blocks;
+  const int64_t context = b.contexts[seq], dim = b.head_dim;
+  transpose_keys(kv + kv_head * dim, table, context, dim, b.block_size, b.block_stride,
+                 b.token_stride, kt);
+  const cache_t* values = kv + b.kv_stride + kv_head * dim;
+  if constexpr (std::is_same_v<cache_t, float>) {
+    return {values, table, b.block_size, b.block_stride, b.token_stride};
+  } else {
+    dequantise_values(values, table, context, dim, b.block_size, b.block_stride, b.token_stride,
+                      scratch);
+    return {scratch, kOnlyBlock, std::max<int64_t>(context, 1), 0, dim};
+  }
+}
 
 struct PrefillScratch {
   std::vector<float> query, scores, result, inverse;
@@ -872,8 +938,9 @@ struct PrefillScratch {
 constexpr int64_t kPrefillRows = 16;  // query rows per tile
 
 // One tile: up to 16 query rows x the kv head's group of heads ("lines"), against the
-// sequence's keys up to the tile's last position (`kt`: its K, transposed).
-void attend_tile(const PrefillBatch& b, PrefillTile tile, const float* kt, PrefillScratch& work) {
+// sequence's keys up to the tile's last position (`kt`: its K, transposed; `v`: its V).
+void attend_tile(const PrefillBatch& b, PrefillTile tile, const float* kt, const ValueRows& v,
+                 PrefillScratch& work) {
   const int64_t s = tile.seq, h = tile.kv_head, group = b.group, dim = b.head_dim;
   const int64_t rows = std::min(kPrefillRows, b.counts[s] - tile.row);
   const int64_t first_pos = b.contexts[s] - b.counts[s] + tile.row;
@@ -893,14 +960,12 @@ void attend_tile(const PrefillBatch& b, PrefillTile tile, const float* kt, Prefi
   score_lines(work.query.data(), kt, width / 16, dim, lines, width, scores);
   for (int64_t line = 0; line < lines; ++line) {
     const int64_t attended = first_pos + line / group + 1;  // causal: up to its own position
-    work.inverse[line] = 1.0f / exp_row16(scores + line * width, attended);
+    work.inverse[line] = b.v_scale / exp_row16(scores + line * width, attended);
     std::fill(scores + line * width + attended, scores + (line + 1) * width, 0.0f);
   }
-  const float* values = b.kv + b.kv_stride + h * dim;
-  const int64_t* table = b.tables + s * b.max_blocks;
   const auto lines_of = dim == 32 ? &value_lines<2> : dim == 64 ? &value_lines<4> : &value_lines<8>;
-  lines_of(scores, values, table, keys, lines, width, b.block_size, b.block_stride,
-           b.token_stride, work.result.data());
+  lines_of(scores, v.values, v.table, keys, lines, width, v.block_size, v.block_stride,
+           v.token_stride, work.result.data());
   for (int64_t line = 0; line < lines; ++line) {  // the softmax's normalisation, last
     const float* result = work.result.data() + line * dim;
     float* target = b.out + (first_row + line / group) * b.out_token_stride +
@@ -913,15 +978,19 @@ void attend_tile(const PrefillBatch& b, PrefillTile tile, const float* kt, Prefi
 #endif
 
 // Causal attention of the new tokens of several sequences (a chunk each, after `context -
-// count` cached tokens) over their paged K/V in place, in one call: float caches, head sizes 32,
-// 64 or 128, AVX-512. Writes rows first_rows[s] .. + query_lens[s] of `out` (`[tokens, heads,
-// dim]`); returns false (nothing written) when this build, dtype or shape has no such path.
+// count` cached tokens) over their paged K/V, in one call: float32 queries, head sizes 32, 64 or
+// 128, AVX-512; a float32 cache read in place, or an FP8 (E4M3) one dequantised as it is read
+// (the real K is the stored one times k_scale, V times v_scale). Writes rows first_rows[s] .. +
+// query_lens[s] of `out` (`[tokens, heads, dim]`); returns false (nothing written) when this
+// build, dtype or shape has no such path.
 bool paged_prefill(torch::Tensor q, torch::Tensor kv_layer, torch::Tensor block_tables,
                    torch::Tensor first_rows, torch::Tensor query_lens, torch::Tensor context_lens,
-                   double scale, torch::Tensor out) {
+                   double scale, torch::Tensor out, double k_scale, double v_scale) {
 #if defined(__AVX512F__)
   const int64_t heads = q.size(1), head_dim = q.size(2), kv_heads = kv_layer.size(3);
-  if (q.scalar_type() != torch::kFloat || kv_layer.scalar_type() != torch::kFloat ||
+  const bool fp8 = kv_layer.scalar_type() == at::ScalarType::Float8_e4m3fn;
+  if (q.scalar_type() != torch::kFloat || out.scalar_type() != torch::kFloat ||
+      !(kv_layer.scalar_type() == torch::kFloat || fp8) ||
       !(head_dim == 32 || head_dim == 64 || head_dim == 128) || kv_layer.stride(4) != 1 ||
       kv_layer.stride(3) != head_dim || q.stride(2) != 1 || out.stride(2) != 1 ||
       heads % kv_heads != 0) {
@@ -932,13 +1001,14 @@ bool paged_prefill(torch::Tensor q, torch::Tensor kv_layer, torch::Tensor block_
   auto counts = query_lens.to(torch::kLong).contiguous();
   auto lens = context_lens.to(torch::kLong).contiguous();
   const PrefillBatch batch{
-      q.data_ptr<float>(), kv_layer.data_ptr<float>(), out.data_ptr<float>(),
-      tables.data_ptr<int64_t>(), starts.data_ptr<int64_t>(), counts.data_ptr<int64_t>(),
-      lens.data_ptr<int64_t>(), tables.size(1), heads / kv_heads, head_dim, kv_layer.size(2),
-      kv_layer.stride(0), kv_layer.stride(1), kv_layer.stride(2), q.stride(0), q.stride(1),
-      out.stride(0), out.stride(1), static_cast<float>(scale)};
+      q.data_ptr<float>(), out.data_ptr<float>(), tables.data_ptr<int64_t>(),
+      starts.data_ptr<int64_t>(), counts.data_ptr<int64_t>(), lens.data_ptr<int64_t>(),
+      tables.size(1), heads / kv_heads, head_dim, kv_layer.size(2), kv_layer.stride(0),
+      kv_layer.stride(1), kv_layer.stride(2), q.stride(0), q.stride(1), out.stride(0),
+      out.stride(1), static_cast<float>(scale * k_scale), static_cast<float>(v_scale)};
   const int64_t seqs = tables.size(0);
-  std::vector<int64_t> kt_offsets(seqs * kv_heads + 1, 0);  // transposed keys, by (seq, head)
+  // per (seq, head): room for its transposed K, which also holds its dequantised V
+  std::vector<int64_t> kt_offsets(seqs * kv_heads + 1, 0);
   std::vector<PrefillTile> tiles;
   for (int64_t s = 0; s < seqs; ++s) {
     for (int64_t h = 0; h < kv_heads; ++h) {
@@ -948,19 +1018,25 @@ bool paged_prefill(torch::Tensor q, torch::Tensor kv_layer, torch::Tensor block_
     }
   }
   std::vector<float> kt(kt_offsets.back());
+  std::vector<float> dequantised(fp8 ? kt_offsets.back() : 0);
+  std::vector<ValueRows> values(seqs * kv_heads);
+  const void* cache = kv_layer.data_ptr();
   at::parallel_for(0, seqs * kv_heads, 1, [&](int64_t begin, int64_t end) {
     for (int64_t item = begin; item < end; ++item) {
       const int64_t s = item / kv_heads, h = item % kv_heads;
-      transpose_keys(batch.kv + h * head_dim, batch.tables + s * batch.max_blocks,
-                     batch.contexts[s], head_dim, batch.block_size, batch.block_stride,
-                     batch.token_stride, kt.data() + kt_offsets[item]);
+      float* keys = kt.data() + kt_offsets[item];
+      values[item] = fp8 ? prepare_head(static_cast<const c10::Float8_e4m3fn*>(cache), batch, s, h,
+                                        keys, dequantised.data() + kt_offsets[item])
+                         : prepare_head(static_cast<const float*>(cache), batch, s, h, keys,
+                                        nullptr);
     }
   });
   at::parallel_for(0, static_cast<int64_t>(tiles.size()), 1, [&](int64_t begin, int64_t end) {
     PrefillScratch work;
     for (int64_t index = begin; index < end; ++index) {
       const PrefillTile tile = tiles[index];
-      attend_tile(batch, tile, kt.data() + kt_offsets[tile.seq * kv_heads + tile.kv_head], work);
+      const int64_t item = tile.seq * kv_heads + tile.kv_head;
+      attend_tile(batch, tile, kt.data() + kt_offsets[item], values[item], work);
     }
   });
   return true;
@@ -1190,14 +1266,18 @@ torch::Tensor moe_experts(torch::Tensor x, torch::Tensor gate_up, torch::Tensor 
 // while one runs, the instance's other threads (the output thread, gRPC) go on.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using no_gil = pybind11::call_guard<pybind11::gil_scoped_release>;
-  m.def("paged_decode", &paged_decode, "paged decode attention (CPU)", no_gil());
+  m.def("paged_decode", &paged_decode, "paged decode attention (CPU)", py::arg("q"),
+        py::arg("kv_layer"), py::arg("block_tables"), py::arg("context_lens"), py::arg("scale"),
+        py::arg("k_scale") = 1.0, py::arg("v_scale") = 1.0, no_gil());
   m.def("latent_decode", &latent_decode, "latent (MLA) decode attention, paged (CPU)",
         py::arg("q"), py::arg("kv_layer"), py::arg("block_tables"), py::arg("context_lens"),
         py::arg("scale"), py::arg("value_dim"), py::arg("kv_scale") = 1.0, no_gil());
   m.def("fp8_e4m3fn_values", &fp8_e4m3fn_values,
         "the float value of each FP8 E4M3 byte, as the kernels read FP8 caches");
   m.def("paged_prefill", &paged_prefill, "paged causal prefill attention, every chunk (CPU)",
-        no_gil());
+        py::arg("q"), py::arg("kv_layer"), py::arg("block_tables"), py::arg("first_rows"),
+        py::arg("query_lens"), py::arg("context_lens"), py::arg("scale"), py::arg("out"),
+        py::arg("k_scale") = 1.0, py::arg("v_scale") = 1.0, no_gil());
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up of a fused gate/up projection (CPU)",
         no_gil());
   m.def("rotate", &rotate, "half-split rotary embedding (CPU)", no_gil());
