@@ -37,6 +37,13 @@ One run of a few minutes, made for a short GPU lease: each section runs under it
   collectives: `TPGroup.stats`, the step broadcast, all-reduces and logits gather, which on CUDA
   wait for the GPU, so queued compute counts there too; the rest; collectives per step). With
   fewer GPUs: `{"skipped": "needs 2 GPUs, found N"}`.
+- families: per family (Qwen3-8B, Qwen3-30B-A3B and Mixtral-8x7B shapes, DeepSeek-V3's attention
+  and experts with 64 of its 256 experts), `FAMILY_LAYERS` layers written by `transformers` in the
+  run's dtype: greedy tokens against `generate`, ms per decode step; the fused MoE kernel against
+  the grouped path; DeepSeek-V3's latent-attention decode (the Triton kernel) against the torch
+  reference on a paged cache of random latents, and ms of each;
+- fp8_kv: the correctness model with `kv_cache_dtype: fp8_e4m3` against full precision: KV bytes
+  per token, prefill logits' largest difference, greedy agreement, ms per decode step.
 
 `--smoke` runs every section at tiny sizes (hidden 256, 2 layers, vocab 32,000, float32, batches
 1/4) so that CPU-only machines can check that the script works; what needs CUDA is recorded as
@@ -1202,14 +1209,35 @@ FAMILIES: dict[str, dict[str, Any]] = {
         "num_experts_per_tok": 2, "num_attention_heads": 32, "num_key_value_heads": 8,
         "head_dim": 128, "vocab_size": 32000,
     },
+    "DeepseekV3ForCausalLM": {  # DeepSeek-V3's attention and experts, 64 of its 256 experts
+        "hidden_size": 7168, "intermediate_size": 18432, "moe_intermediate_size": 2048,
+        "n_routed_experts": 64, "n_shared_experts": 1, "num_experts_per_tok": 8, "n_group": 8,
+        "topk_group": 4, "routed_scaling_factor": 2.5, "first_k_dense_replace": 1,
+        "num_attention_heads": 128, "kv_lora_rank": 512,
+        "q_lora_rank": 1536, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
+        "vocab_size": 129280, "rope_parameters": {
+            "rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0, "beta_fast": 32,
+            "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0,
+            "original_max_position_embeddings": 4096,
+        },
+    },
 }  # fmt: skip
 SMOKE_FAMILY = {  # every key of FAMILIES, at smoke sizes
     "hidden_size": 256, "intermediate_size": 512, "moe_intermediate_size": 128, "num_experts": 8,
     "num_local_experts": 8, "num_experts_per_tok": 2, "norm_topk_prob": True,
     "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64, "vocab_size": 32000,
+    "n_routed_experts": 8, "n_shared_experts": 1, "n_group": 4, "topk_group": 2,
+    "routed_scaling_factor": 2.5, "first_k_dense_replace": 1, "kv_lora_rank": 64,
+    "q_lora_rank": 96, "qk_nope_head_dim": 32, "qk_rope_head_dim": 16, "v_head_dim": 32,
+    "rope_parameters": {
+        "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "beta_fast": 32,
+        "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0,
+        "original_max_position_embeddings": 1024,
+    },
 }  # fmt: skip
 FAMILY_LAYERS = 2
 MOE_KERNEL_TOKENS = (1, 64, 512)
+LATENT_CASES = {False: ((1, 4096), (32, 1024), (128, 2048)), True: ((1, 40), (4, 100))}
 
 
 def families(ctx: Context) -> dict[str, Any]:
@@ -1232,6 +1260,8 @@ def family_figures(ctx: Context, architecture: str) -> dict[str, Any]:
     shape = FAMILIES[architecture]
     if ctx.args.smoke:  # the family's own keys, at smoke sizes
         shape = {key: SMOKE_FAMILY[key] for key in shape}
+    if "kv_lora_rank" in shape:  # latent attention: as many KV "heads" as heads
+        shape = {**shape, "num_key_value_heads": shape["num_attention_heads"]}
     config_class = getattr(transformers, architecture.replace("ForCausalLM", "Config"))
     config = config_class(
         **shape, num_hidden_layers=FAMILY_LAYERS, max_position_embeddings=4096, **REFERENCE_SETTINGS
@@ -1265,7 +1295,111 @@ def family_figures(ctx: Context, architecture: str) -> dict[str, Any]:
     }
     if engine.loaded.config.moe is not None:
         figures["fused_moe"] = attempt(lambda: fused_moe_check(ctx, engine.loaded.model))
+    if engine.loaded.config.mla is not None:
+        figures["latent_decode"] = attempt(lambda: latent_decode_check(ctx, engine))
     log(ctx, f"families: {architecture}: {figures['decode_ms']} ms per step")
+    return figures
+
+
+def latent_decode_check(ctx: Context, engine: Any) -> dict[str, Any]:
+    """The engine's latent-attention decode (the Triton kernel on CUDA, pdserve's C++ one on
+    CPU) against the torch reference on one layer of random latents in place in a paged cache,
+    at the model's heads and latent width: max difference, relative to the output's scale, and
+    ms of each, per batch x context."""
+    from pdserve.model.attention import AttentionMetadata, latent_decode_reference
+
+    mla, heads = engine.loaded.config.mla, engine.loaded.config.num_heads
+    figures: dict[str, Any] = {}
+    for batch, context in LATENT_CASES[ctx.args.smoke]:
+        per_seq = blocks_for(context)
+        generator = torch.Generator(device=ctx.device).manual_seed(SEED)
+        cache = torch.randn(
+            batch * per_seq, 2, 1, BLOCK_SIZE, 1, mla.latent_dim,
+            generator=generator, device=ctx.device, dtype=ctx.dtype,
+        )  # fmt: skip
+        layer = cache[:, 1]  # a strided layer view, as the engine's
+        q = torch.randn(batch, heads, mla.latent_dim, device=ctx.device, dtype=ctx.dtype)
+        tables = torch.arange(batch * per_seq, device=ctx.device).view(batch, per_seq)
+        lens = torch.full((batch,), context, device=ctx.device, dtype=torch.long)
+        meta = AttentionMetadata(
+            slot_blocks=tables[:, -1], slot_offsets=(lens - 1) % BLOCK_SIZE,
+            query_lens=[1] * batch, context_lens=[context] * batch, block_tables=tables,
+            context_lens_tensor=lens, decode_only=True,
+        )  # fmt: skip
+        step = engine.loaded.model.attention.plan(meta)
+        kernel = functools.partial(step.latent_decode, q, layer, mla.scale, mla.kv_lora_rank)
+        reference = functools.partial(
+            latent_decode_reference, q, layer, tables, lens, mla.scale, mla.kv_lora_rank
+        )
+        ours, theirs = kernel().float(), reference().float()
+        figures[f"b{batch}_ctx{context}"] = {
+            "maxdiff": float((ours - theirs).abs().max()),
+            "absmax": float(theirs.abs().max()),
+            "kernel_ms": median(timed_ms(ctx, kernel)),
+            "reference_ms": median(timed_ms(ctx, reference, repeat=3)),
+        }
+    return figures
+
+
+# -- FP8 KV cache ---------------------------------------------------------------------------
+
+
+def fp8_kv(ctx: Context) -> dict[str, Any]:
+    """The correctness model with an FP8 KV cache against the same model's full-precision one:
+    KV bytes per token of each; prefill logits of the correctness prompts (last position) and
+    their largest difference relative to the logits' scale; greedy tokens of both engines and
+    how many agree; ms per decode step of each at the smallest and largest batch."""
+    from pdserve.engine.request import SamplingParams
+    from pdserve.model.runner import ModelRunner, SequenceChunk
+
+    s = ctx.sizes
+    vocab = int(s.arch["vocab_size"])
+    prompts = random_prompts(s.prompts, s.prompt_len, vocab, SEED)
+    figures: dict[str, Any] = {"decode_ms": {}}
+    tokens: dict[str, list[list[int]]] = {}
+    logits: dict[str, torch.Tensor] = {}
+    for dtype in ("auto", "fp8_e4m3"):
+        engine = decode_engine(ctx, kv_cache_dtype=dtype)
+        loaded = engine.loaded
+        figures[f"kv_bytes_per_token_{dtype}"] = loaded.model.kv_layout(
+            loaded.dtype
+        ).bytes_per_token()
+        per_seq = blocks_for(s.prompt_len)
+        runner = ModelRunner.create(loaded.model, len(prompts) * per_seq, BLOCK_SIZE, loaded.dtype)
+        chunks = [
+            SequenceChunk(p, 0, range(i * per_seq, (i + 1) * per_seq), True)
+            for i, p in enumerate(prompts)
+        ]
+        logits[dtype] = runner.execute(chunks).float()
+        del runner
+        greedy = SamplingParams(max_tokens=s.greedy_tokens, ignore_eos=True)
+        tokens[dtype] = [list(c.token_ids) for c in engine.generate(prompts, greedy)]
+        figures["decode_ms"][dtype] = {
+            str(batch): median(
+                engine_decode_ms(
+                    ctx, engine, random_prompts(batch, s.decode_prompt_len, vocab, batch)
+                )
+            )
+            for batch in (min(s.batches), max(s.batches))
+        }
+        if dtype != "auto" and loaded.model.kv_scales is not None:
+            figures["scales"] = loaded.model.kv_scales.source
+        del engine, loaded
+        release(ctx)
+    delta = (logits["fp8_e4m3"] - logits["auto"]).abs()
+    firsts = [
+        first_difference(a, b) for a, b in zip(tokens["auto"], tokens["fp8_e4m3"], strict=True)
+    ]
+    figures |= {
+        "logit_maxdiff": float(delta.max()),
+        "logit_meandiff": float(delta.mean()),
+        "logit_reldiff": float(delta.max() / logits["auto"].abs().max()),
+        "argmax_agree": float(
+            (logits["fp8_e4m3"].argmax(-1) == logits["auto"].argmax(-1)).float().mean()
+        ),
+        "greedy_agree": sum(firsts) / (s.greedy_tokens * len(prompts)),
+        "first_divergence": firsts,
+    }
     return figures
 
 
@@ -1340,7 +1474,8 @@ SECTIONS: tuple[tuple[str, Callable[[Context], dict[str, Any]], float], ...] = (
     ("cuda_ipc", cuda_ipc, 90.0),
     ("memory", memory, 60.0),
     ("tensor_parallel", tensor_parallel, 120.0),
-    ("families", families, 180.0),
+    ("families", families, 300.0),
+    ("fp8_kv", fp8_kv, 150.0),
 )
 
 
@@ -1440,7 +1575,24 @@ def headline(ctx: Context, results: Mapping[str, Any]) -> dict[str, float | None
         f"tp_tok_s_ratio_b{high}": dig(results, "tensor_parallel", f"tok_s_ratio_b{high}"),
         f"tp_comm_ms_b{high}": dig(results, "tensor_parallel", f"tp{TP_SIZE}", "comm_ms", high),
         **family_headline(results.get("families"), low, high),
+        "fp8_kv_bytes_ratio": fp8_ratio(results),
+        "fp8_logit_reldiff": dig(results, "fp8_kv", "logit_reldiff"),
+        "fp8_greedy_agree": dig(results, "fp8_kv", "greedy_agree"),
+        f"fp8_decode_ms_b{high}": dig(results, "fp8_kv", "decode_ms", "fp8_e4m3", high),
+        f"fp8_speedup_b{high}": fp8_speedup(results, high),
     }
+
+
+def fp8_ratio(results: Mapping[str, Any]) -> float | None:
+    """An FP8 cache's bytes per token over the full-precision one's."""
+    fp8, full = (dig(results, "fp8_kv", f"kv_bytes_per_token_{d}") for d in ("fp8_e4m3", "auto"))
+    return fp8 / full if fp8 and full else None
+
+
+def fp8_speedup(results: Mapping[str, Any], batch: str) -> float | None:
+    """Decode steps with the full-precision cache over with the FP8 one (above 1: FP8 faster)."""
+    fp8, full = (dig(results, "fp8_kv", "decode_ms", d, batch) for d in ("fp8_e4m3", "auto"))
+    return full / fp8 if fp8 and full else None
 
 
 def family_headline(families: object, low: str, high: str) -> dict[str, float | None]:
@@ -1453,7 +1605,7 @@ def family_headline(families: object, low: str, high: str) -> dict[str, float | 
         metrics[f"{short}_greedy_agree"] = dig(figures, "greedy", "greedy_agree")
         metrics[f"{short}_decode_ms_b{low}"] = dig(figures, "decode_ms", low)
         metrics[f"{short}_decode_ms_b{high}"] = dig(figures, "decode_ms", high)
-        if "Moe" in architecture or "Mixtral" in architecture:
+        if any(name in architecture for name in ("Moe", "Mixtral", "Deepseek")):
             big = str(MOE_KERNEL_TOKENS[-1])
             diff, scale = (dig(figures, "fused_moe", big, k) for k in ("maxdiff", "absmax"))
             fused, grouped = (dig(figures, "fused_moe", big, k) for k in ("fused_ms", "grouped_ms"))
@@ -1461,6 +1613,17 @@ def family_headline(families: object, low: str, high: str) -> dict[str, float | 
                 diff / scale if diff is not None and scale else None
             )
             metrics[f"{short}_fused_moe_speedup"] = grouped / fused if fused and grouped else None
+        if "Deepseek" in architecture:
+            case = "b128_ctx2048" if high != "4" else "b4_ctx100"
+            diff, scale = (dig(figures, "latent_decode", case, k) for k in ("maxdiff", "absmax"))
+            kernel, ref = (
+                dig(figures, "latent_decode", case, k) for k in ("kernel_ms", "reference_ms")
+            )
+            metrics[f"{short}_latent_reldiff"] = (
+                diff / scale if diff is not None and scale else None
+            )
+            metrics[f"{short}_latent_kernel_ms"] = kernel
+            metrics[f"{short}_latent_speedup"] = ref / kernel if kernel and ref else None
     return metrics
 
 

@@ -279,6 +279,18 @@ class _CpuStep(AttentionStep):
             out[rows] = decode_ops(q[rows], kv_layer, self._tables, self._lens, scale)
         return out
 
+    def latent_decode(
+        self, q: torch.Tensor, kv_layer: torch.Tensor, scale: float, value_dim: int
+    ) -> torch.Tensor:
+        """The decode rows' latent attention in one kernel call (`latent_decode`): each
+        latent read in place once for all heads of a group."""
+        rows = self.rows
+        kernel = self._ops.latent_decode  # type: ignore[attr-defined]
+        out: torch.Tensor = kernel(
+            q.contiguous(), kv_layer, rows.decode_tables, rows.decode_lens, scale, value_dim
+        )
+        return out
+
     def _flash_prefill(
         self, q: torch.Tensor, kv_layer: torch.Tensor, scale: float, out: torch.Tensor
     ) -> None:

@@ -24,6 +24,7 @@ SECTIONS = (
     "memory",
     "tensor_parallel",
     "families",
+    "fp8_kv",
 )
 CUDA_ONLY = ("cuda_ipc",)
 NO_CUDA = {"skipped": "no CUDA"}
@@ -120,17 +121,37 @@ def test_tensor_parallel_runs_two_cpu_ranks_in_smoke_mode(
 
 
 def test_every_family_matches_transformers_in_float32(smoke: tuple[dict[str, Any], str]) -> None:
-    """Qwen3, Qwen3-MoE and Mixtral: greedy tokens identical to transformers', decode steps
-    timed; the fused MoE kernel needs CUDA."""
+    """Qwen3, Qwen3-MoE, Mixtral and DeepSeek-V3: greedy tokens identical to transformers',
+    decode steps timed; the fused MoE kernel needs CUDA; DeepSeek-V3's latent decode (here the
+    CPU kernel) equals the reference."""
     families = dict(smoke[0]["results"]["families"])
     del families["seconds"]
-    assert list(families) == ["Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "MixtralForCausalLM"]
+    assert list(families) == [
+        "Qwen3ForCausalLM",
+        "Qwen3MoeForCausalLM",
+        "MixtralForCausalLM",
+        "DeepseekV3ForCausalLM",
+    ]
     for name, figures in families.items():
         assert figures["greedy"]["exact"] is True, name
         assert figures["decode_ms"]["1"] > 0 and figures["decode_ms"]["4"] > 0
         assert ("fused_moe" in figures) == (name != "Qwen3ForCausalLM")
         assert figures.get("fused_moe", NO_CUDA) == NO_CUDA
+        assert ("latent_decode" in figures) == (name == "DeepseekV3ForCausalLM")
+    for case in families["DeepseekV3ForCausalLM"]["latent_decode"].values():
+        assert case["maxdiff"] <= 1e-5 * case["absmax"] and case["kernel_ms"] > 0
     assert "qwen3moe_fused_moe_speedup=na" in smoke[1]
+
+
+def test_the_fp8_cache_section_compares_it_with_full_precision(
+    smoke: tuple[dict[str, Any], str],
+) -> None:
+    """A quarter of float32's bytes per token; logits close, not equal; both engines timed."""
+    figures = smoke[0]["results"]["fp8_kv"]
+    assert figures["kv_bytes_per_token_fp8_e4m3"] * 4 == figures["kv_bytes_per_token_auto"]
+    assert 0 < figures["logit_reldiff"] < 0.1 and figures["scales"] == "calibrated"
+    assert 0 <= figures["greedy_agree"] <= 1
+    assert all(ms > 0 for each in figures["decode_ms"].values() for ms in each.values())
 
 
 def test_tensor_parallel_is_skipped_without_two_gpus(tmp_path: Path) -> None:
@@ -158,3 +179,4 @@ def test_last_line_is_the_result_line(smoke: tuple[dict[str, Any], str]) -> None
     assert pairs["greedy_agree"] == "1"
     assert {"logit_maxdiff", "decode_ms_b1", "decode_ms_b4", "roofline_frac_b4"} <= set(pairs)
     assert pairs["tp_greedy_agree"] == "1" and "tp_tok_s_ratio_b4" in pairs
+    assert pairs["fp8_kv_bytes_ratio"] == "0.25" and "deepseekv3_latent_reldiff" in pairs

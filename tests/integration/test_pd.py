@@ -81,27 +81,43 @@ def test_pd_output_equals_mixed_output_for_concurrent_shared_prefixes(
         assert result.final.num_output_tokens == 24
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3", "qwen3-moe", "mixtral", "deepseek-v3"])
+@pytest.mark.parametrize(
+    ("family", "kv_cache_dtype"),
+    [
+        ("llama", "auto"),
+        ("qwen3", "auto"),
+        ("qwen3-moe", "auto"),
+        ("mixtral", "auto"),
+        ("deepseek-v3", "auto"),
+        ("llama", "fp8_e4m3"),
+        ("deepseek-v3", "fp8_e4m3"),
+    ],
+)
 @pytest.mark.parametrize("transport", ["grpc", "shm", "mooncake"])
 def test_pd_output_is_identical_over_every_transport(
     transport: str,
     family: str,
+    kv_cache_dtype: str,
     family_dirs: Callable[[str], Path],
     make_stack: MakeStack,
     make_engine: Callable[..., LLMEngine],
 ) -> None:
     """Every family over every transport, the second prompt hitting the first's prefix on
-    both sides, equals one engine (whose equality to transformers the reference tests show)."""
-    model = str(family_dirs(family))
-    stack = make_stack(engine={"model": model}, transfer=TransferConfig(transport=transport))
+    both sides, equals one engine (whose equality to transformers the reference tests show);
+    an FP8 cache's blocks move as its 8-bit bytes."""
+    engine = {"model": str(family_dirs(family)), "kv_cache_dtype": kv_cache_dtype}
+    stack = make_stack(engine=engine, transfer=TransferConfig(transport=transport))
     system = prompt(40)
     prompts = [system + prompt(n, offset=n) for n in (3, 30)]
     results = [stack.generate(p, GREEDY) for p in prompts]
-    mixed = make_engine(model=model).generate(prompts, GREEDY)
+    one = make_engine(**engine)
+    mixed = one.generate(prompts, GREEDY)
     assert [r.tokens for r in results] == [list(m.token_ids) for m in mixed]
     first, second = (r.final.prefill for r in results)
     assert first.transport == transport and first.kv_blocks_sent == 3  # ceil(43 / 16)
     assert second.kv_blocks_sent == 3  # 5 blocks, of which decode held 2 (the system prompt)
+    assert one.runner.kv_cache.element_size() == (1 if kv_cache_dtype == "fp8_e4m3" else 4)
+    assert first.kv_bytes_sent == 3 * one.runner.stager.block_bytes
     stats = stack.prefill[0].instance.stats()
     assert stats.kv_blocks_sent_by_transport[transport] == 6
     assert stack.decode[0].instance.stats().kv_blocks_received == 6

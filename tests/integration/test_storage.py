@@ -6,6 +6,7 @@ import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import pytest
 from credentials import SECRET
@@ -401,37 +402,54 @@ def reference(tiny_model_dir: Path) -> LLMEngine:
     return LLMEngine.from_config(EngineConfig(model=str(tiny_model_dir), num_kv_blocks=512))
 
 
-def tight_engine(tiny_model_dir: Path, num_kv_blocks: int) -> LLMEngine:
+def tight_engine(tiny_model_dir: Path, num_kv_blocks: int, **settings: Any) -> LLMEngine:
     return LLMEngine.from_config(
-        EngineConfig(model=str(tiny_model_dir), num_kv_blocks=num_kv_blocks)
+        EngineConfig(model=str(tiny_model_dir), num_kv_blocks=num_kv_blocks, **settings)
     )
 
 
 def storage_engine(
-    tiny_model_dir: Path, config: StorageConfig, num_kv_blocks: int, tiers: list[StorageTier]
+    tiny_model_dir: Path,
+    config: StorageConfig,
+    num_kv_blocks: int,
+    tiers: list[StorageTier],
+    **settings: Any,
 ) -> LLMEngine:
     return LLMEngine.from_config(
-        EngineConfig(model=str(tiny_model_dir), num_kv_blocks=num_kv_blocks),
+        EngineConfig(model=str(tiny_model_dir), num_kv_blocks=num_kv_blocks, **settings),
         storage_tier=lambda tag: make_tier(config, tiers, tag),
     )
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3-moe", "mixtral", "deepseek-v3"])
+@pytest.mark.parametrize(
+    ("family", "kv_cache_dtype"),
+    [
+        ("llama", "auto"),
+        ("qwen3-moe", "auto"),
+        ("mixtral", "auto"),
+        ("deepseek-v3", "auto"),
+        ("llama", "fp8_e4m3"),
+        ("deepseek-v3", "fp8_e4m3"),
+    ],
+)
 def test_a_preempted_request_resumes_from_storage_with_identical_output(
     redis_url: str,
     tmp_path: Path,
     family: str,
+    kv_cache_dtype: str,
     family_dirs: Callable[[str], Path],
     tiers: list[StorageTier],
 ) -> None:
-    model_dir = family_dirs(family)
+    """Every family, and the FP8 cache (whose stored blocks are its 8-bit ones): preempted
+    requests restored from the storage tier end as the unpressed engine's."""
+    model_dir, dtype = family_dirs(family), {"kv_cache_dtype": kv_cache_dtype}
     batch = prompts(3, 90)
-    roomy = tight_engine(model_dir, 512)  # no pressure: what every other engine must equal
+    roomy = tight_engine(model_dir, 512, **dtype)  # no pressure: what every other must equal
     expected = [c.token_ids for c in roomy.generate(batch, GREEDY)]
     roomy.close()
-    plain = tight_engine(model_dir, 20)  # 320 tokens for 3 x 138: preemption
+    plain = tight_engine(model_dir, 20, **dtype)  # 320 tokens for 3 x 138: preemption
     assert [c.token_ids for c in plain.generate(batch, GREEDY)] == expected
-    engine = storage_engine(model_dir, storage_config(redis_url, tmp_path), 20, tiers)
+    engine = storage_engine(model_dir, storage_config(redis_url, tmp_path), 20, tiers, **dtype)
 
     assert [c.token_ids for c in engine.generate(batch, GREEDY)] == expected
     stats, connector = engine.scheduler.stats, engine.storage_connector
@@ -440,7 +458,12 @@ def test_a_preempted_request_resumes_from_storage_with_identical_output(
     assert (
         stats.num_preemptions > 0 and stats.num_preemptions == plain.scheduler.stats.num_preemptions
     )
-    assert tier.counters.blocks_written > 0 and tier.counters.blocks_read > 0
+    counters = tier.counters
+    assert counters.blocks_written > 0 and counters.blocks_read > 0
+    block_bytes = engine.loaded.model.kv_layout(engine.loaded.dtype).block_bytes(16)
+    assert engine.runner.kv_cache.element_size() == (1 if kv_cache_dtype == "fp8_e4m3" else 4)
+    assert counters.bytes_written == counters.blocks_written * block_bytes
+    assert counters.bytes_read == counters.blocks_read * block_bytes
     assert connector.loaded_tokens > 0
     # the loaded tokens were not computed again
     assert stats.num_computed_tokens + connector.loaded_tokens <= (

@@ -225,27 +225,30 @@ def test_tp2_preempts_and_resumes_from_storage_with_identical_output(
 
 
 @pytest.mark.parametrize(
-    ("transport", "family", "expert_parallel_size"),
+    ("transport", "family", "expert_parallel_size", "kv_cache_dtype"),
     [
-        ("grpc", "llama", 1),
-        ("shm", "llama", 1),
-        ("mooncake", "llama", 1),
-        ("shm", "qwen3-moe", 2),
-        ("grpc", "mixtral", 2),
-        ("mooncake", "deepseek-v3", 2),
+        ("grpc", "llama", 1, "auto"),
+        ("shm", "llama", 1, "auto"),
+        ("mooncake", "llama", 1, "auto"),
+        ("shm", "qwen3-moe", 2, "auto"),
+        ("grpc", "mixtral", 2, "auto"),
+        ("mooncake", "deepseek-v3", 2, "auto"),
+        ("shm", "llama", 1, "fp8_e4m3"),
     ],
 )
 def test_tp2_prefill_to_tp2_decode_equals_one_rank_over_every_transport(
     transport: str,
     family: str,
     expert_parallel_size: int,
+    kv_cache_dtype: str,
     family_dirs: Callable[[str], Path],
     make_stack: MakeStack,
     make_engine: Callable[..., LLMEngine],
 ) -> None:
     """Decode's Reserve reply names each rank's cache; over shm and Mooncake prefill writes
     each rank's slice into decode's same rank (then commits once), over gRPC decode's rank 0
-    spreads the slices. The mixture-of-experts models with their experts spread (EP=2)."""
+    spreads the slices. The mixture-of-experts models with their experts spread (EP=2); an
+    FP8 cache whose ranks agree on one rank's scales (the largest of each layer's)."""
     model = str(family_dirs(family))
     stack = make_stack(
         engine={
@@ -253,11 +256,12 @@ def test_tp2_prefill_to_tp2_decode_equals_one_rank_over_every_transport(
             "num_kv_blocks": 128,
             "tensor_parallel_size": 2,
             "expert_parallel_size": expert_parallel_size,
+            "kv_cache_dtype": kv_cache_dtype,
             "torch_threads": 1,
         },
         transfer=TransferConfig(transport=transport),
     )
-    one_rank = make_engine(model=model, num_kv_blocks=64)
+    one_rank = make_engine(model=model, num_kv_blocks=64, kv_cache_dtype=kv_cache_dtype)
     prefill, decode = stack.prefill[0].instance, stack.decode[0].instance
     shared = prompts(1, 64, seed=11)[0]
     for prompt in ([*shared, 4, 5], [*shared, 6]):
@@ -265,6 +269,8 @@ def test_tp2_prefill_to_tp2_decode_equals_one_rank_over_every_transport(
         assert result.final.prefill is not None and result.final.prefill.transport == transport
         [expected] = one_rank.generate([prompt], GREEDY)
         assert result.tokens == list(expected.token_ids)
+    assert decode.runtime.kv_tag == prefill.runtime.kv_tag
+    assert decode.runtime.engine.loaded.model.kv_scales == one_rank.loaded.model.kv_scales
     ranks = decode.endpoints.ranks
     assert len(ranks) == 2 and decode.endpoints.shm_name == ""  # no write into the whole
     assert ranks[0].kv_bytes == ranks[1].kv_bytes == decode.runtime.stager.total_bytes // 2
