@@ -42,6 +42,7 @@ FAMILIES = {
     "qwen3-moe": "Qwen3MoeForCausalLM",
     "mixtral": "MixtralForCausalLM",
     "deepseek-v3": "DeepseekV3ForCausalLM",
+    "deepseek-v3-fp8": "DeepseekV3ForCausalLM",  # its weights block-quantized (8 x 8) to FP8
 }
 
 
@@ -50,16 +51,19 @@ def family_dirs(
     tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Callable[[str], Path]:
     """The tiny model of a family (`FAMILIES`), written on first use."""
+    from reference import quantize_checkpoint
+
     written = {"llama": tiny_model_dir}
 
     def model_dir(family: str) -> Path:
         if family not in written:
             root = tmp_path_factory.mktemp("models") / family
-            written[family] = (
-                write_deepseek_v3(root, tiny_model_dir)
-                if family == "deepseek-v3"
-                else write_tiny_model(root, seed=0, architecture=FAMILIES[family])
-            )
+            if family.startswith("deepseek-v3"):
+                written[family] = write_deepseek_v3(root, tiny_model_dir)
+                if family.endswith("fp8"):
+                    quantize_checkpoint(written[family], (8, 8))
+            else:
+                written[family] = write_tiny_model(root, seed=0, architecture=FAMILIES[family])
         return written[family]
 
     return model_dir

@@ -1,5 +1,6 @@
 """Hugging Face `transformers` as the reference implementation for equality tests."""
 
+import json
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -8,6 +9,10 @@ from transformers import AutoModelForCausalLM, PretrainedConfig
 
 
 def hf_model(path: Path) -> torch.nn.Module:
+    """transformers' model of the checkpoint at `path` (of an FP8 one: of the weights it stands
+    for, `dequantized_copy`), float32."""
+    if "quantization_config" in json.loads((path / "config.json").read_text()):
+        path = dequantized_copy(path)
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
 
 
@@ -112,3 +117,77 @@ def write_with_tokenizer(model: torch.nn.Module, path: Path, tokenizer_dir: Path
     for name in ("tokenizer.json", "tokenizer_config.json"):
         (path / name).write_bytes((tokenizer_dir / name).read_bytes())
     return path
+
+
+def quantize_checkpoint(path: Path, block: tuple[int, int]) -> Path:
+    """Turn the checkpoint at `path` into DeepSeek-V3's FP8 format in place: every decoder
+    layer's projection weight (not the norms, not the routers) as float8 e4m3 with a float32
+    `weight_scale_inv` per `block` (its largest magnitude / 448), and `quantization_config` in
+    config.json."""
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(path / "model.safetensors")
+    for name, weight in list(weights.items()):
+        if not _quantized(name, weight):
+            continue
+        tiles, shape = _tiles(weight.float(), block)
+        scale = tiles.abs().amax(dim=(1, 3)).clamp(min=1e-12) / 448.0
+        fp8 = (tiles / scale[:, None, :, None]).to(torch.float8_e4m3fn)
+        weights[name] = fp8.reshape(shape)[: weight.shape[0], : weight.shape[1]].contiguous()
+        weights[name.removesuffix("weight") + "weight_scale_inv"] = scale
+    save_file(weights, str(path / "model.safetensors"))
+    config = json.loads((path / "config.json").read_text())
+    config["quantization_config"] = {
+        "quant_method": "fp8",
+        "fmt": "e4m3",
+        "activation_scheme": "dynamic",
+        "weight_block_size": list(block),
+    }
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+    return path
+
+
+def dequantized_copy(path: Path) -> Path:
+    """The model an FP8 checkpoint stands for, as a float32 checkpoint beside it (written once):
+    each weight times its block scales; the config without `quantization_config`."""
+    from safetensors.torch import load_file, save_file
+
+    plain = path.parent / f"{path.name}-dequantized"
+    if plain.is_dir():
+        return plain
+    config = json.loads((path / "config.json").read_text())
+    block = config.pop("quantization_config")["weight_block_size"]
+    weights = load_file(path / "model.safetensors")
+    for name in [n for n in weights if n.endswith(".weight_scale_inv")]:
+        scale, weight_name = weights.pop(name), name.removesuffix("_scale_inv")
+        weight = weights[weight_name]
+        tiles, shape = _tiles(weight.float(), tuple(block))
+        dequantized = (tiles * scale[:, None, :, None]).reshape(shape)
+        weights[weight_name] = dequantized[: weight.shape[0], : weight.shape[1]].contiguous()
+    plain.mkdir()
+    save_file(weights, str(plain / "model.safetensors"))
+    (plain / "config.json").write_text(json.dumps(config, indent=2))
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (plain / name).write_bytes((path / name).read_bytes())
+    return plain
+
+
+def _tiles(weight: torch.Tensor, block: tuple[int, ...]) -> tuple[torch.Tensor, torch.Size]:
+    """`weight` zero-padded to whole blocks, viewed `[row blocks, rows, column blocks, cols]`;
+    and the padded shape."""
+    rows, columns = (-(-size // b) for size, b in zip(weight.shape, block, strict=True))
+    padded = torch.zeros(rows * block[0], columns * block[1])
+    padded[: weight.shape[0], : weight.shape[1]] = weight
+    return padded.view(rows, block[0], columns, block[1]), padded.shape
+
+
+def _quantized(name: str, weight: torch.Tensor) -> bool:
+    """DeepSeek-V3's FP8 checkpoints quantize every decoder-layer linear weight but the
+    routers'."""
+    return (
+        name.startswith("model.layers.")
+        and name.endswith(".weight")
+        and weight.dim() == 2
+        and "norm" not in name
+        and not name.endswith("mlp.gate.weight")
+    )

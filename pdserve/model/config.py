@@ -316,6 +316,7 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...]
     moe: MoEConfig | None = None  # mixture-of-experts layers (None: every MLP dense)
     mla: MLAConfig | None = None  # latent attention (None: per-head K and V)
+    weight_block: tuple[int, int] | None = None  # FP8 block-quantized weights' block (rows, cols)
 
     @property
     def rotary_dim(self) -> int:
@@ -356,13 +357,6 @@ class ModelConfig:
         if traits is None:
             raise ModelLoadError(
                 f"unsupported architecture {architecture!r}; supported: {', '.join(ARCHITECTURES)}"
-            )
-        quantization = raw.get("quantization_config")
-        if quantization:
-            method = quantization.get("quant_method") if isinstance(quantization, dict) else None
-            raise ModelLoadError(
-                f"quantized weights (quantization_config: {method}) are not supported: load a "
-                "bfloat16 or float16 copy of the checkpoint"
             )
         window = raw.get(traits.sliding_window_key)
         if window:
@@ -406,6 +400,7 @@ class ModelConfig:
             eos_token_ids=tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,)),
             moe=traits.moe.parse(raw, num_layers) if traits.moe is not None else None,
             mla=_parse_mla(raw, rope) if traits.latent_attention else None,
+            weight_block=_parse_weight_block(raw.get("quantization_config")),
         )
 
 
@@ -420,6 +415,25 @@ def _parse_dtype(name: str) -> torch.dtype:
         names = ", ".join(n for n, d in _DTYPES.items() if d is not None)
         raise ModelLoadError(f"unsupported dtype {name!r}; use one of {names}")
     return dtype
+
+
+def _parse_weight_block(quantization: Any) -> tuple[int, int] | None:
+    """The block of FP8 block-quantized weights (`quantization_config` as DeepSeek-V3 writes
+    it: `quant_method: fp8`, `fmt: e4m3`, `weight_block_size: [rows, cols]`, dynamic
+    activations); None without one; ModelLoadError for any other quantization."""
+    if not quantization:
+        return None
+    settings = quantization if isinstance(quantization, dict) else {}
+    method, block = settings.get("quant_method"), settings.get("weight_block_size")
+    fmt, activations = settings.get("fmt", "e4m3"), settings.get("activation_scheme", "dynamic")
+    if method != "fp8" or fmt != "e4m3" or activations != "dynamic" or not block:
+        raise ModelLoadError(
+            f"quantized weights (quantization_config: {method}"
+            f"{'' if block else ', no weight_block_size'}) are not supported: pdserve loads "
+            "block-quantized FP8 (DeepSeek-V3's format) or bfloat16/float16 weights"
+        )
+    rows, columns = (int(size) for size in block)
+    return rows, columns
 
 
 def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:

@@ -24,7 +24,7 @@ from pdserve.model.config import ModelConfig
 from pdserve.model.kv_layout import KVLayout, kv_layout
 from pdserve.model.kv_quant import KVScales, quantize
 from pdserve.model.layers import RMSNorm, RotaryEmbedding, Rotation
-from pdserve.model.linear import PackedLinear, silu_and_mul
+from pdserve.model.linear import Fp8Linear, PackedLinear, quantize_linears, silu_and_mul
 from pdserve.model.mla import LatentAttention
 from pdserve.model.moe import SparseMoE
 from pdserve.model.parallel import SINGLE, Shard, TPGroup, VocabParallelEmbedding
@@ -51,7 +51,7 @@ class Attention(nn.Module):
         if config.qk_norm:
             self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
-        self.qkv_proj: nn.Linear | None = None  # q, k and v in one multiply (`fuse`)
+        self.qkv_proj: nn.Linear | Fp8Linear | None = None  # q, k and v in one multiply
         self.group: TPGroup | None = None  # tensor parallel: sums o_proj over the ranks
         self.kv_scales: tuple[float, ...] | None = None  # an FP8 cache's K and V scales
 
@@ -105,7 +105,7 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(config.hidden_size, width, bias=bias)
         self.up_proj = nn.Linear(config.hidden_size, width, bias=bias)
         self.down_proj = nn.Linear(width, config.hidden_size, bias=bias)
-        self.gate_up_proj: nn.Linear | None = None  # gate and up in one multiply (`fuse`)
+        self.gate_up_proj: nn.Linear | Fp8Linear | None = None  # gate and up: one multiply
         self.group: TPGroup | None = None
 
     def fuse(self) -> None:
@@ -121,8 +121,11 @@ class MLP(nn.Module):
         return out if self.group is None else self.group.all_reduce(out)
 
 
-def _fused(*parts: nn.Linear) -> nn.Linear:
-    """One Linear computing `parts` side by side (their outputs concatenated, in order)."""
+def _fused(*parts: nn.Linear | Fp8Linear) -> nn.Linear | Fp8Linear:
+    """One Linear computing `parts` side by side (their outputs concatenated, in order); FP8
+    parts stay FP8 (`Fp8Linear.stacked`)."""
+    if isinstance(parts[0], Fp8Linear):
+        return Fp8Linear.stacked(parts)  # type: ignore[arg-type]
     weight = torch.cat([p.weight for p in parts])
     with torch.device("meta"):  # its own parameters are replaced: no allocation
         fused = nn.Linear(weight.shape[1], weight.shape[0], bias=parts[0].bias is not None)
@@ -143,7 +146,7 @@ class DecoderLayer(nn.Module):
         self.mlp: MLP | SparseMoE = MLP(config, shard)
         if moe is not None and config.is_sparse(index):
             shared = MLP(config, shard, moe.shared_width) if moe.shared_width else None
-            self.mlp = SparseMoE(config.hidden_size, moe, shard, shared)
+            self.mlp = SparseMoE(config.hidden_size, moe, shard, shared, config.weight_block)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -189,6 +192,8 @@ class CausalLM(nn.Module):
         self.shard = shard
         self.group: TPGroup | None = None
         self.model = DecoderModel(config, shard)
+        if config.weight_block is not None:  # FP8 checkpoint: every layer's projections
+            quantize_linears(self.model.layers, config.weight_block)
         vocab_rows = shard.vocab_rows(config.vocab_size)[1]
         self.lm_head = nn.Linear(config.hidden_size, vocab_rows, bias=False)
         self.tie_weights()

@@ -168,6 +168,8 @@ def _load_weights(
                 owner, _, leaf = name.rpartition(".")
                 module = model.get_submodule(owner)
                 target = torch.float32 if getattr(module, "keep_float32", False) else dtype
+                if getattr(module, "keep_stored_dtype", False) and leaf != "bias":
+                    target = tensor.dtype  # FP8 weights and their scales, as stored
                 weight = torch.nn.Parameter(tensor.to(dtype=target), requires_grad=False)
                 setattr(module, leaf, weight)
                 loaded.add(name)
@@ -188,7 +190,7 @@ def _layer(name: str) -> int:
 
 _LAYER = re.compile(r"model\.layers\.(\d+)\.")
 _KV_SCALE = re.compile(r"model\.layers\.(\d+)\.self_attn\.(?:attn\.)?(k_scale|v_scale|kv_scale)")
-_EXPERT = re.compile(r"(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(\w+)\.weight")
+_EXPERT = re.compile(r"(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(\w+)\.(weight|weight_scale_inv)")
 
 
 class _ExpertWeights:
@@ -215,27 +217,29 @@ class _ExpertWeights:
         if match is None:
             return False
         path, expert, projection = match.group(1), int(match.group(2)), match.group(3)
+        scale = match.group(4) == "weight_scale_inv"
         try:
             experts = self.model.get_submodule(path)
         except AttributeError:
             experts = None
-        if not isinstance(experts, Experts) or projection not in self.projections:
+        if (
+            not isinstance(experts, Experts)
+            or projection not in self.projections
+            or (scale and experts.block is None)
+        ):
             raise ModelLoadError(f"unexpected weight {stored!r}: config.json implies none")
         part = experts.part
         if not part.owns(expert):
             return True  # another rank's: never read
         which = self.projections.index(projection)
-        columns = slice(part.width_start, part.width_start + part.width)
+        # an FP8 scale covers blocks: its rows / columns of this rank's width are as many blocks
+        unit = 1 if not scale or experts.block is None else experts.block[0 if which < 2 else 1]
+        columns = slice(part.width_start // unit, (part.width_start + part.width) // unit)
         source = file.get_slice(stored)
         tensor = source[columns] if which < 2 else source[:, columns]
         if experts.gate_up.is_meta:
             self._materialize(experts)
-        local = expert - part.first
-        target = (
-            experts.gate_up[local, which * part.width : (which + 1) * part.width]
-            if which < 2
-            else experts.down[local]
-        )
+        target = self._target(experts, expert - part.first, which, scale)
         if tensor.shape != target.shape:
             raise ModelLoadError(
                 f"weight {stored!r} has shape {tuple(source.get_shape())}, config.json implies "
@@ -246,18 +250,41 @@ class _ExpertWeights:
         self.copied[path] = self.copied.get(path, 0) + 1
         return True
 
+    @staticmethod
+    def _target(experts: Experts, local: int, which: int, scale: bool) -> torch.Tensor:
+        """Where expert `local`'s projection `which` (gate, up, down) or its FP8 scale goes."""
+        gate_up = experts.gate_up_scale if scale else experts.gate_up
+        down = experts.down_scale if scale else experts.down
+        assert gate_up is not None and down is not None
+        if which == 2:
+            return down[local]
+        rows = gate_up.shape[1] // 2
+        return gate_up[local, which * rows : (which + 1) * rows]
+
     def _materialize(self, experts: Experts) -> None:
-        for leaf in ("gate_up", "down"):
-            shape = getattr(experts, leaf).shape
-            empty = torch.empty(shape, dtype=self.dtype, device=self.device)
+        """Allocate the stacked weights (the model's dtype, or FP8 with float32 scales)."""
+        fp8 = experts.block is not None
+        for leaf in ("gate_up", "down", "gate_up_scale", "down_scale"):
+            held = getattr(experts, leaf)
+            if held is None:
+                continue
+            dtype = torch.float32 if leaf.endswith("scale") else held.dtype if fp8 else self.dtype
+            empty = torch.empty(held.shape, dtype=dtype, device=self.device)
             setattr(experts, leaf, torch.nn.Parameter(empty, requires_grad=False))
 
     def complete(self) -> set[str]:
-        """The stacked weights every expert of which was copied."""
+        """The stacked weights (and scales) every expert of which was copied."""
         done = set()
         for path, module in self.model.named_modules():
-            if isinstance(module, Experts) and self.copied.get(path, 0) == 3 * module.part.count:
-                done |= {f"{path}.gate_up", f"{path}.down"}
+            if not isinstance(module, Experts):
+                continue
+            leaves = (
+                ("gate_up", "down")
+                if module.block is None
+                else ("gate_up", "down", "gate_up_scale", "down_scale")
+            )
+            if self.copied.get(path, 0) == 3 * len(leaves) // 2 * module.part.count:
+                done |= {f"{path}.{leaf}" for leaf in leaves}
         return done
 
 
@@ -283,7 +310,7 @@ def _read(file: Any, name: str, part: Shard, vocab: int) -> torch.Tensor:
     if module in _COLUMN_PARALLEL:
         start, length = part.split(source.get_shape()[0], f"{module} rows")
         return source[start : start + length]  # type: ignore[no-any-return]
-    if module in _ROW_PARALLEL and leaf == "weight":
+    if module in _ROW_PARALLEL and leaf in ("weight", "weight_scale_inv"):
         start, length = part.split(source.get_shape()[1], f"{module} columns")
         return source[:, start : start + length]  # type: ignore[no-any-return]
     tensor: torch.Tensor = source[:]

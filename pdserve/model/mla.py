@@ -32,6 +32,7 @@ from pdserve.model.attention import AttentionStep, gather_context
 from pdserve.model.config import ModelConfig
 from pdserve.model.kv_quant import dequantize, quantize
 from pdserve.model.layers import RMSNorm, Rotation
+from pdserve.model.linear import Fp8Linear
 from pdserve.model.parallel import Shard, TPGroup
 
 LATENT_NORM_EPS = 1e-6  # q_a_layernorm and kv_a_layernorm: DeepSeek's default, not rms_norm_eps
@@ -47,10 +48,10 @@ class LatentAttention(nn.Module):
         self.num_heads = shard.split(config.num_heads, "attention heads")[1]
         self.qk_dim = mla.qk_nope_head_dim + mla.qk_rope_head_dim
         hidden, heads = config.hidden_size, self.num_heads
-        self.q_proj: nn.Linear | None = None
-        self.q_a_proj: nn.Linear | None = None
+        self.q_proj: nn.Linear | Fp8Linear | None = None
+        self.q_a_proj: nn.Linear | Fp8Linear | None = None
         self.q_a_layernorm: RMSNorm | None = None
-        self.q_b_proj: nn.Linear | None = None
+        self.q_b_proj: nn.Linear | Fp8Linear | None = None
         if mla.q_lora_rank is None:
             self.q_proj = nn.Linear(hidden, heads * self.qk_dim, bias=False)
         else:
@@ -74,6 +75,8 @@ class LatentAttention(nn.Module):
         interleaved rotary rows in half-split order."""
         mla, heads = self.mla, self.num_heads
         weight = self.kv_b_proj.weight.detach()
+        if isinstance(self.kv_b_proj, Fp8Linear):  # an FP8 checkpoint: kept in the model's
+            weight = self.kv_b_proj.dequantized(self.kv_a_layernorm.weight.dtype)
         per_head = weight.view(heads, mla.qk_nope_head_dim + mla.v_head_dim, mla.kv_lora_rank)
         self.w_uk = per_head[:, : mla.qk_nope_head_dim].contiguous()
         self.w_uv = per_head[:, mla.qk_nope_head_dim :].transpose(1, 2).contiguous()
@@ -172,12 +175,19 @@ class LatentAttention(nn.Module):
         return out.transpose(0, 1)
 
 
-def _deinterleave_rows(linear: nn.Linear, heads: int, per_head: int, rotary_from: int) -> None:
+def _deinterleave_rows(
+    linear: nn.Linear | Fp8Linear, heads: int, per_head: int, rotary_from: int
+) -> None:
     """Reorder each head's rotary rows (`rotary_from ... per_head`) of `linear`'s output:
-    evens, then odds."""
+    evens, then odds. An FP8 weight's rows move within their scale block (ValueError if a
+    head's rotary rows span two)."""
     rotary = torch.arange(rotary_from, per_head)
     order = torch.cat((torch.arange(rotary_from), rotary[0::2], rotary[1::2]))
     index = (torch.arange(heads)[:, None] * per_head + order[None]).reshape(-1)
+    if isinstance(linear, Fp8Linear) and not torch.equal(
+        index // linear.block[0], torch.arange(len(index)) // linear.block[0]
+    ):
+        raise ValueError("a head's rotary rows span two FP8 scale blocks: cannot reorder them")
     index = index.to(linear.weight.device)
     with torch.no_grad():
         linear.weight.copy_(linear.weight[index])

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pdserve.model.config import MoEConfig
-from pdserve.model.linear import cpu_kernels_for, silu_and_mul
+from pdserve.model.linear import cpu_kernels_for, dequantize_blocks, silu_and_mul
 from pdserve.model.parallel import ExpertPart, Shard, TPGroup, expert_part
 
 KERNEL_ROWS = 32  # the CPU kernel up to this many (token, choice) rows per expert on average
@@ -89,13 +89,25 @@ class Float32Gate(nn.Module):
 class Experts(nn.Module):
     """This rank's experts, stacked: `gate_up` `[count, 2 x width, hidden]` (each expert's gate
     rows, then its up rows) and `down` `[count, hidden, width]`. The loader fills them expert by
-    expert from the checkpoint's per-expert tensors."""
+    expert from the checkpoint's per-expert tensors. With FP8 block-quantized weights (`block`:
+    DeepSeek-V3's checkpoints) both are float8 e4m3 with a float32 scale per block,
+    `gate_up_scale` and `down_scale`, kept as stored and dequantized as they are used."""
 
-    def __init__(self, part: ExpertPart, hidden: int) -> None:
+    def __init__(self, part: ExpertPart, hidden: int, block: tuple[int, int] | None = None) -> None:
         super().__init__()
         self.part = part
-        self.gate_up = nn.Parameter(torch.empty(part.count, 2 * part.width, hidden))
-        self.down = nn.Parameter(torch.empty(part.count, hidden, part.width))
+        self.block = block
+        dtype = None if block is None else torch.float8_e4m3fn
+        self.gate_up = nn.Parameter(torch.empty(part.count, 2 * part.width, hidden, dtype=dtype))
+        self.down = nn.Parameter(torch.empty(part.count, hidden, part.width, dtype=dtype))
+        self.gate_up_scale: nn.Parameter | None = None
+        self.down_scale: nn.Parameter | None = None
+        if block is not None:
+            rows, columns = block
+            gate_up = (part.count, 2 * part.width // rows, -(-hidden // columns))
+            down = (part.count, -(-hidden // rows), part.width // columns)
+            self.gate_up_scale = nn.Parameter(torch.empty(gate_up), requires_grad=False)
+            self.down_scale = nn.Parameter(torch.empty(down), requires_grad=False)
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """Sum over each token's chosen experts held here of weight x expert(token): `[tokens,
@@ -105,8 +117,14 @@ class Experts(nn.Module):
         if x.is_cuda:
             from pdserve.model.triton_moe import fused_experts
 
-            return fused_experts(x, self.gate_up, self.down, ids, weights, self.part.first)
-        kernel = cpu_kernels_for(x)
+            if self.block is None:
+                return fused_experts(x, self.gate_up, self.down, ids, weights, self.part.first)
+            return fused_experts(
+                x, self.gate_up, self.down, ids, weights, self.part.first,
+                gate_up_scale=self.gate_up_scale, down_scale=self.down_scale,
+                weight_block=self.block,
+            )  # fmt: skip
+        kernel = cpu_kernels_for(x) if self.block is None else None
         if kernel is not None and ids.numel() <= KERNEL_ROWS * self.part.count:
             out: torch.Tensor | None = kernel.moe_experts(
                 x.contiguous(), self.gate_up, self.down, ids, weights.float(), self.part.first
@@ -138,8 +156,13 @@ class Experts(nn.Module):
         return out
 
     def _project(self, expert: int, which: int, x: torch.Tensor) -> torch.Tensor:
-        """Expert `expert`'s gate/up (`which` 0) or down (1) projection of rows `x`."""
-        return F.linear(x, (self.gate_up if which == 0 else self.down)[expert])
+        """Expert `expert`'s gate/up (`which` 0) or down (1) projection of rows `x` (an FP8
+        weight dequantized into `x`'s dtype first)."""
+        weight = (self.gate_up if which == 0 else self.down)[expert]
+        scale = self.gate_up_scale if which == 0 else self.down_scale
+        if self.block is not None and scale is not None:
+            weight = dequantize_blocks(weight, scale[expert], self.block, x.dtype)
+        return F.linear(x, weight)
 
 
 class SparseMoE(nn.Module):
@@ -149,7 +172,12 @@ class SparseMoE(nn.Module):
     partial sums."""
 
     def __init__(
-        self, hidden: int, moe: MoEConfig, shard: Shard, shared: nn.Module | None = None
+        self,
+        hidden: int,
+        moe: MoEConfig,
+        shard: Shard,
+        shared: nn.Module | None = None,
+        block: tuple[int, int] | None = None,
     ) -> None:
         super().__init__()
         self.gate: nn.Module = (
@@ -157,7 +185,7 @@ class SparseMoE(nn.Module):
             if moe.float32_router
             else nn.Linear(hidden, moe.num_experts, bias=False)
         )
-        self.experts = Experts(expert_part(shard, moe), hidden)
+        self.experts = Experts(expert_part(shard, moe), hidden, block)
         self.shared_experts = shared
         self.moe = moe
         self.group: TPGroup | None = None

@@ -86,6 +86,35 @@ def check_divides(shard: Shard, config: ModelConfig) -> None:
         shard.split(config.intermediate_size, "MLP width (intermediate_size)")
     if config.moe is not None:
         expert_part(shard, config.moe)
+        if config.moe.shared_width:
+            shard.split(config.moe.shared_width, "shared experts' width")
+    if config.weight_block is not None:
+        _check_blocks(shard, config, config.weight_block)
+
+
+def _check_blocks(shard: Shard, config: ModelConfig, block: tuple[int, int]) -> None:
+    """FP8 block-quantized weights: every part a rank holds of a split (or stacked) weight is
+    whole blocks, so that its scales are whole rows or columns of the checkpoint's."""
+    moe, mla, ranks = config.moe, config.mla, shard.size
+    parts: dict[str, int] = {}
+    if moe is None or len(moe.sparse_layers) < config.num_layers:
+        parts["MLP width (intermediate_size)"] = config.intermediate_size // ranks
+    if moe is not None:
+        whole = shard.expert_parallel
+        parts["experts' width"] = moe.intermediate_size // (1 if whole else ranks)
+        if moe.shared_width:
+            parts["shared experts' width"] = moe.shared_width // ranks
+    if mla is not None:
+        heads = config.num_heads // ranks
+        parts["query rows"] = heads * (mla.qk_nope_head_dim + mla.qk_rope_head_dim)
+        parts["kv_b_proj rows"] = heads * (mla.qk_nope_head_dim + mla.v_head_dim)
+        parts["o_proj columns"] = heads * mla.v_head_dim
+    for name, size in parts.items():
+        if size % block[0] or size % block[1]:
+            raise ConfigError(
+                f"engine.tensor_parallel_size {ranks} leaves each rank {size} of the model's "
+                f"{name}: not whole {block[0]}x{block[1]} blocks of its FP8 weights"
+            )
 
 
 @dataclass(frozen=True, slots=True)

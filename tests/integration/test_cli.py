@@ -91,8 +91,31 @@ def test_generate_with_bad_sampling_parameters_is_one_clear_line(
             "  tensor_parallel_size: 4\n  expert_parallel_size: 4\n",
             "engine.expert_parallel_size 4 does not divide the model's 6 experts",
         ),
+        (
+            {
+                "architectures": ["DeepseekV3ForCausalLM"],
+                "n_routed_experts": 8,
+                "moe_intermediate_size": 64,
+                "qk_nope_head_dim": 16,
+                "qk_rope_head_dim": 8,
+                "v_head_dim": 16,
+            },
+            "",
+            "config.json lacks required key 'kv_lora_rank'",
+        ),
+        (
+            {"quantization_config": {"quant_method": "awq", "bits": 4}},
+            "",
+            "quantized weights (quantization_config: awq, no weight_block_size) are not supported",
+        ),
     ],
-    ids=["unknown-architecture", "missing-field", "experts-not-divisible"],
+    ids=[
+        "unknown-architecture",
+        "missing-field",
+        "experts-not-divisible",
+        "mla-field-missing",
+        "awq-weights",
+    ],
 )
 def test_up_refuses_a_model_it_cannot_serve_in_one_line_before_starting_anything(
     tmp_path: Path, tiny_model_dir: Path, change: dict[str, object], engine: str, reason: str

@@ -91,6 +91,7 @@ def test_pd_output_equals_mixed_output_for_concurrent_shared_prefixes(
         ("deepseek-v3", "auto"),
         ("llama", "fp8_e4m3"),
         ("deepseek-v3", "fp8_e4m3"),
+        ("deepseek-v3-fp8", "fp8_e4m3"),  # FP8 weights too: DeepSeek-V3 as it ships
     ],
 )
 @pytest.mark.parametrize("transport", ["grpc", "shm", "mooncake"])

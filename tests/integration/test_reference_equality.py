@@ -19,6 +19,7 @@ from reference import (
     hf_greedy,
     hf_logits,
     hf_model,
+    quantize_checkpoint,
     write_with_tokenizer,
 )
 from transformers import (
@@ -36,6 +37,7 @@ from transformers import (
 )
 
 from pdserve.engine import LLMEngine, SamplingParams
+from pdserve.model.kv_quant import FP8
 from pdserve.model.loader import load_model
 from pdserve.model.runner import ModelRunner, SequenceChunk
 from pdserve.model.tiny import write_tiny_model
@@ -355,3 +357,19 @@ def test_a_deepseek_checkpoint_matches(
     reference = decisive_weights(model, seed=5).eval()
     write_with_tokenizer(reference, tmp_path, tiny_model_dir)
     assert_engine_matches(tmp_path, reference, make_engine, steps=40)
+
+
+def test_a_deepseek_v3_checkpoint_of_fp8_weights_matches_what_it_stands_for(
+    tmp_path: Path, tiny_model_dir: Path, make_engine: Callable[..., LLMEngine]
+) -> None:
+    """DeepSeek-V3's own checkpoint format: every decoder projection block-quantized to FP8
+    (`weight_scale_inv` per block), the routers and norms not. pdserve keeps the weights in
+    FP8 (half a bfloat16 copy's bytes) and dequantizes them as it multiplies: logits and
+    greedy tokens equal transformers' on the dequantized weights."""
+    model = decisive_weights(DeepseekV3ForCausalLM(deepseek_v3_config(SMALL["vocab_size"])), 5)
+    fp8 = quantize_checkpoint(write_with_tokenizer(model, tmp_path / "fp8", tiny_model_dir), (8, 8))
+    loaded = load_model(fp8)
+    attention = loaded.model.model.decoder_layers()[1].self_attn
+    assert attention.q_b_proj is not None and attention.q_b_proj.weight.dtype == FP8
+    assert loaded.model.model.decoder_layers()[1].mlp.experts.gate_up.dtype == FP8
+    assert_engine_matches(fp8, hf_model(fp8), make_engine, steps=40)

@@ -132,8 +132,24 @@ def test_a_step_too_large_for_the_shared_memory_slots_goes_through_gloo_with_the
 
 @pytest.mark.parametrize(
     ("family", "expert_parallel_size"),
-    [("llama", 1), ("qwen3-moe", 1), ("qwen3-moe", 2), ("mixtral", 2), ("deepseek-v3", 2)],
-    ids=["llama", "qwen3-moe-sliced-experts", "qwen3-moe-ep2", "mixtral-ep2", "deepseek-v3-ep2"],
+    [
+        ("llama", 1),
+        ("qwen3-moe", 1),
+        ("qwen3-moe", 2),
+        ("mixtral", 2),
+        ("deepseek-v3", 2),
+        ("deepseek-v3-fp8", 1),
+        ("deepseek-v3-fp8", 2),
+    ],
+    ids=[
+        "llama",
+        "qwen3-moe-sliced-experts",
+        "qwen3-moe-ep2",
+        "mixtral-ep2",
+        "deepseek-v3-ep2",
+        "deepseek-v3-fp8-weights-sliced-experts",
+        "deepseek-v3-fp8-weights-ep2",
+    ],
 )
 def test_tp2_greedy_equals_tp1_and_transformers_with_prefix_hits(
     family: str,
