@@ -22,7 +22,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from pdserve.config import ClusterConfig, EngineConfig, load_cluster_config
-from pdserve.errors import ConfigError, ModelLoadError
+from pdserve.errors import ConfigError
 from pdserve.model.config import ModelConfig
 from pdserve.model.kv_layout import kv_layout
 from pdserve.model.llama import CausalLM
@@ -52,6 +52,7 @@ NODE_TYPES = {
     "2p2d-8b.yaml": "gpu_worker",
     "2p2d-70b-tp4.yaml": "gpu_worker_8x",
     "2p2d-235b-a22b-tp4-ep4.yaml": "gpu_worker_8x_h200",
+    "1p1d-deepseek-v3-tp8-ep8.yaml": "gpu_worker_8x_h200",
 }
 
 
@@ -263,8 +264,7 @@ HF_CONFIGS: dict[str, dict[str, Any]] = {
 }
 
 
-# Hugging Face deepseek-ai/DeepSeek-V3's config.json, less its quantization_config (its weights
-# are FP8 there; a bfloat16 copy is what pdserve loads)
+# Hugging Face deepseek-ai/DeepSeek-V3's config.json (its quantization_config: `DEEPSEEK_V3_FP8`)
 DEEPSEEK_V3: dict[str, Any] = {
     "architectures": ["DeepseekV3ForCausalLM"],
     "attention_bias": False,
@@ -313,6 +313,20 @@ DEEPSEEK_V3: dict[str, Any] = {
 }
 
 
+DEEPSEEK_V3_FP8 = {
+    **DEEPSEEK_V3,
+    "quantization_config": {
+        "activation_scheme": "dynamic",
+        "fmt": "e4m3",
+        "quant_method": "fp8",
+        "weight_block_size": [128, 128],
+    },
+}
+# the latent-attention models, sized by pdserve's own modules (`latent_fit`), by directory name
+LATENT_MODELS = {"DeepSeek-V3": DEEPSEEK_V3_FP8}
+DECODE_SPLITS_LATENT = 64  # pdserve.model.triton_attention.TritonConfig.latent_max_splits
+
+
 def cluster_node_types() -> dict[str, dict[str, Any]]:
     """The GPU worker node types of deploy/ray/cluster.yaml, by name."""
     cluster = yaml.safe_load((DEPLOY / "ray" / "cluster.yaml").read_text())
@@ -342,6 +356,8 @@ def fit(engine: EngineConfig, gpu_memory: int) -> tuple[int, int, int]:
     """(weights, activation peak, KV bytes) of one rank (rank 0) of `engine` on that GPU."""
     assert engine.model is not None, "a GPU deploy config names its model"
     name = Path(engine.model).name
+    if name in LATENT_MODELS:
+        return latent_fit(engine, ModelConfig.from_hf_dict(LATENT_MODELS[name]), gpu_memory)
     shape = MODELS.get(name)
     assert shape is not None, f"unknown model {engine.model}: add its shape to MODELS"
     tp, ep = engine.tensor_parallel_size, engine.expert_parallel_size
@@ -374,6 +390,109 @@ def fit(engine: EngineConfig, gpu_memory: int) -> tuple[int, int, int]:
     )
     check_context(plan, engine.max_model_len, explicit=True)  # ConfigError if it cannot fit
     return weights, peak, plan.kv_bytes
+
+
+def latent_fit(engine: EngineConfig, config: ModelConfig, gpu_memory: int) -> tuple[int, int, int]:
+    """`fit` for a latent-attention model, from pdserve's own module (built on the meta device
+    for rank 0: `rank_weight_bytes`), its `KVLayout` and `latent_activation_peak`."""
+    tp, ep = engine.tensor_parallel_size, engine.expert_parallel_size
+    shard = Shard(0, tp, ep > 1)
+    check_divides(shard, config)  # as the engine does before loading
+    assert engine.max_model_len is not None, "a GPU deploy config sets max_model_len"
+    d = DTYPE_BYTES[engine.dtype]
+    weights = rank_weight_bytes(config, shard, engine.max_model_len, d)
+    peak = latent_activation_peak(
+        config, engine.max_num_batched_tokens, engine.max_num_seqs, d, tp, ep
+    )
+    dtype = torch.float8_e4m3fn if engine.kv_cache_dtype == "fp8_e4m3" else torch.bfloat16
+    layout = kv_layout(config, shard, dtype)
+    memory = MemoryReport(gpu_memory, gpu_memory - RESERVED_AT_START, weights, peak, CUDA_CONTEXT)
+    plan = plan_kv_cache(
+        block_bytes=layout.block_bytes(engine.block_size),
+        block_size=engine.block_size,
+        num_kv_blocks=engine.num_kv_blocks,
+        kv_cache_bytes=engine.kv_cache_bytes,
+        gpu_memory_utilization=engine.gpu_memory_utilization,
+        memory=memory,
+    )
+    check_context(plan, engine.max_model_len, explicit=True)
+    return weights, peak, plan.kv_bytes
+
+
+def rank_weight_bytes(config: ModelConfig, shard: Shard, context: int, dtype_bytes: int) -> int:
+    """What rank `shard` holds once loaded: every parameter of pdserve's module for it (made on
+    the meta device: the same shapes), FP8 weights at 1 byte, their block scales and the
+    float32 routers at 4, the rest in the model's dtype; `kv_b_proj` is dequantized into the
+    model's dtype after loading (the latent attention's `w_uk` / `w_uv`, its scales dropped);
+    the rotary tables (float32 cos and sin of `context` positions)."""
+    with torch.device("meta"):
+        model = CausalLM(config, context, shard)
+    float32 = {
+        f"{name}.{leaf}"
+        for name, module in model.named_modules()
+        if getattr(module, "keep_float32", False)
+        for leaf, _ in module.named_parameters(recurse=False)
+    }
+    total = 0
+    for name, parameter in model.named_parameters():
+        if "kv_b_proj" in name:
+            total += 0 if name.endswith("scale_inv") else parameter.numel() * dtype_bytes
+        elif parameter.dtype == torch.float8_e4m3fn:
+            total += parameter.numel()
+        elif name.endswith(("scale_inv", "_scale")) or name in float32:
+            total += parameter.numel() * 4
+        else:
+            total += parameter.numel() * dtype_bytes
+    return total + 2 * context * config.rotary_dim * 4
+
+
+def latent_activation_peak(
+    config: ModelConfig, tokens: int, seqs: int, dtype_bytes: int, tp: int, ep: int
+) -> int:
+    """A bound on one forward's transient memory on rank 0 of a latent-attention MoE model, the
+    sum of what is live at different times. Per token: the residual stream and norms (as
+    `moe_activation_peak`), the query bottleneck (and its norm's float32 copy), q, the latent
+    and its rotated part, the absorbed query and latent output of a decode row, the attention
+    output and o_proj's. A prefill chunk of every token of the step over as long a context: its
+    expanded keys and values and (SDPA's math path, the worst case) float32 scores and their
+    softmax. The largest FP8 weight dequantized for a multiply (a float32 copy, its expanded
+    scales and the result). One experts block (`moe_layer_bytes`, CUDA) and the shared
+    experts' outputs. Per sequence: rank 0's logits (3 x fp32) and the latent decode's split
+    partials."""
+    mla, moe, d = config.mla, config.moe, dtype_bytes
+    assert mla is not None and moe is not None
+    heads, hidden = config.num_heads // tp, config.hidden_size
+    qk = mla.qk_nope_head_dim + mla.qk_rope_head_dim
+    q_lora = mla.q_lora_rank or 0
+    per_token = (
+        4 * hidden * d + 2 * hidden * 4  # the stream, a norm's float32 copies
+        + q_lora * (2 * d + 4)
+        + heads * qk * d * 2
+        + mla.latent_dim * d * 3
+        + (heads + 1) * mla.qk_rope_head_dim * d * 2
+        + heads * mla.kv_lora_rank * d * 2
+        + heads * mla.v_head_dim * d
+        + hidden * d
+    )  # fmt: skip
+    expanded = tokens * heads * (qk + mla.v_head_dim) * d + heads * tokens * tokens * 4 * 2
+    shared = moe.shared_width // tp
+    largest = max(
+        heads * qk * max(q_lora, hidden),
+        hidden * heads * mla.v_head_dim,
+        2 * config.intermediate_size // tp * hidden,
+        2 * shared * hidden,
+    )
+    dequantized = largest * (4 + 4 + d)
+    shape = ModelShape(
+        0, config.num_layers, hidden, config.intermediate_size, config.num_heads,
+        config.num_kv_heads, qk, config.vocab_size,
+        experts=ExpertShape(moe.num_experts, moe.top_k, moe.intermediate_size),
+    )  # fmt: skip
+    experts = shape.moe_layer_bytes(tokens, d, tp, ep, "cuda")
+    shared_out = tokens * (3 * shared + hidden) * d
+    logits = seqs * config.vocab_size * 4 * 3
+    partials = seqs * heads * DECODE_SPLITS_LATENT * (mla.kv_lora_rank + 2) * 4
+    return tokens * per_token + expanded + dequantized + experts + shared_out + logits + partials
 
 
 @pytest.mark.parametrize("path", gpu_configs(), ids=lambda p: p.name)
@@ -655,11 +774,12 @@ def test_deepseek_v3s_latent_cache_holds_71_times_the_tokens_per_gib() -> None:
     assert 71 <= latent_tokens / per_head_tokens < 71.5  # 40960 / 576, in whole blocks
 
 
-def test_deepseek_v3_in_bfloat16_needs_more_than_one_8x_h200_node() -> None:
+def test_deepseek_v3_fits_one_8x_h200_node_as_it_ships_in_fp8_not_in_bfloat16() -> None:
     """pdserve's own module for DeepSeek-V3 has its 671,026,419,200 parameters (multi-token
     prediction left out): 1.34 TB in bfloat16, more than the 8 GPUs of one p5en.48xlarge hold
-    (1.13 TB) — an instance's ranks share one node, so no deploy config for it ships until
-    pdserve loads FP8 weights (DeepSeek's own checkpoint format: 0.67 TB)."""
+    (1.13 TB), and an instance's ranks share one node; its own FP8 checkpoint, whose weights
+    pdserve keeps in FP8, leaves each of 8 ranks ~80 GiB of weights and room for ~35 GiB of
+    latent KV (the shipped config)."""
     config = ModelConfig.from_hf_dict(DEEPSEEK_V3)
     with torch.device("meta"):
         model = CausalLM(config, 4096)
@@ -667,7 +787,13 @@ def test_deepseek_v3_in_bfloat16_needs_more_than_one_8x_h200_node() -> None:
     assert parameters == 671_026_419_200
     gpu_memory, gpus, _ = INSTANCE_TYPES["p5en.48xlarge"]
     assert parameters * 2 > gpus * gpu_memory
-    assert parameters * 1 < gpus * (gpu_memory - RESERVED_AT_START - CUDA_CONTEXT) * 0.9
-    quantized = {**DEEPSEEK_V3, "quantization_config": {"quant_method": "fp8"}}
-    with pytest.raises(ModelLoadError, match=r"quantized weights \(quantization_config: fp8\)"):
-        ModelConfig.from_hf_dict(quantized)
+    fp8 = ModelConfig.from_hf_dict(DEEPSEEK_V3_FP8)
+    assert fp8.weight_block == (128, 128)
+    engine = load_cluster_config(DEPLOY / "config" / "1p1d-deepseek-v3-tp8-ep8.yaml", env={})
+    weights, peak, kv = fit(engine.engine_for("decode"), gpu_memory)
+    assert 79 * 2**30 < weights < 81 * 2**30
+    assert kv > 30 * 2**30 and peak < 14 * 2**30
+    tokens = kv // kv_layout(fp8, Shard(0, 8, True), torch.bfloat16).bytes_per_token()
+    assert tokens > 450_000  # per instance: every rank holds every token's latent
+    with pytest.raises(ConfigError, match=r"288 of the model's MLP width.*not whole 128x128"):
+        check_divides(Shard(0, 64, True), fp8)  # 18432 / 64: not whole blocks
