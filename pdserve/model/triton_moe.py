@@ -12,6 +12,12 @@ the tokens for the gate/up projection, from the assignments' activations for the
 projection, whose output rows are scaled by the routing weights. The weighted outputs of a
 token's choices are then summed over its `top_k` rows in one reduction.
 
+Block-quantized weights (DeepSeek-V3's FP8 checkpoints: float8_e4m3fn with a float32 scale per
+`weight_block` = (bn, bk) block of each expert's matrix) are dequantized as they are loaded:
+each weight tile is upcast exactly to the activations' type, and its block's scale multiplies
+the tile's float32 partial product. Tiles are capped at the block sizes, so that a tile lies
+in one scale block and its scale is one scalar per (expert, column tile, reduction step).
+
 Importing this module imports triton; with ``TRITON_INTERPRET=1`` set before, the kernel runs in
 triton's interpreter on CPU tensors (the unit tests).
 """
@@ -84,22 +90,74 @@ def fused_experts(
     weights: torch.Tensor,
     first: int,
     tiles: Tiles = Tiles(),
+    *,
+    gate_up_scale: torch.Tensor | None = None,
+    down_scale: torch.Tensor | None = None,
+    weight_block: tuple[int, int] = (128, 128),
 ) -> torch.Tensor:
     """The experts' weighted sum for each token of `x` (`[tokens, hidden]`): this rank's experts
     `first ..` (`gate_up` `[count, 2 x width, hidden]`, `down` `[count, hidden, width]`) for the
-    choices `ids` / `weights` (`[tokens, top_k]`); zero where no chosen expert is held here."""
+    choices `ids` / `weights` (`[tokens, top_k]`); zero where no chosen expert is held here.
+
+    With `gate_up_scale` and `down_scale` (float32, `[count, 2 x width / bn, ceil(hidden / bk)]`
+    and `[count, ceil(hidden / bn), width / bk]` for `weight_block` (bn, bk)) the weights are
+    float8_e4m3fn, each (bn, bk) block standing for its values times its scale; the tiles are
+    then capped at the block sizes. Raises ValueError for one scale without the other, a block
+    size that is not a power of two of at least 16, or a scale of another shape or type."""
     tokens, top_k = ids.shape
     count, width = down.shape[0], down.shape[2]
     hidden = x.shape[1]
+    if (gate_up_scale is None) != (down_scale is None):
+        raise ValueError("block-quantized experts need both gate_up_scale and down_scale")
+    if gate_up_scale is not None:
+        tiles = _block_tiles(tiles, weight_block, x.dtype)
+        _check_scale(gate_up_scale, gate_up, weight_block)
+        _check_scale(down_scale, down, weight_block)
     alignment = align(ids, first, count, tiles.block_m)
     assignments = tokens * top_k
     gate_up_out = torch.zeros(assignments, 2 * width, dtype=x.dtype, device=x.device)
-    _launch(x, gate_up, gate_up_out, alignment, top_k, None, tiles)
+    _launch(x, gate_up, gate_up_out, alignment, top_k, None, tiles, gate_up_scale, weight_block)
     activated = silu_and_mul(gate_up_out)
     out = torch.zeros(assignments, hidden, dtype=x.dtype, device=x.device)
     scales = weights.reshape(-1).to(torch.float32)
-    _launch(activated, down, out, alignment, 1, scales, tiles)
+    _launch(activated, down, out, alignment, 1, scales, tiles, down_scale, weight_block)
     return out.view(tokens, top_k, hidden).sum(dim=1)
+
+
+# float32 activations over FP8 weights: the tile upcast to float32 is held in registers for the
+# FMA dot, which a reduction tile of 64 spills (ptxas, sm_90: 255 registers, 250 bytes spilled
+# with Tiles(); 197, none, with 32)
+FLOAT32_FP8_BLOCK_K = 32
+
+
+def _block_tiles(tiles: Tiles, weight_block: tuple[int, int], dtype: torch.dtype) -> Tiles:
+    """`tiles` for FP8 weights in `weight_block` blocks (bn, bk) under activations of `dtype`:
+    the column and reduction tiles capped at the block sizes, so that each divides its block
+    (all are powers of two); ValueError for a block size that is not a power of two of at
+    least 16."""
+    for size in weight_block:
+        if size < 16 or size & (size - 1):
+            raise ValueError(
+                f"weight_block {weight_block}: the FP8 experts' kernel needs block sizes that "
+                "are powers of two of at least 16; dequantize the weights for other blocks"
+            )
+    bn, bk = weight_block
+    block_k = min(tiles.block_k, bk)
+    if dtype == torch.float32:
+        block_k = min(block_k, FLOAT32_FP8_BLOCK_K)
+    return Tiles(tiles.block_m, min(tiles.block_n, bn), block_k)
+
+
+def _check_scale(scale: torch.Tensor, w: torch.Tensor, weight_block: tuple[int, int]) -> None:
+    """ValueError unless `scale` is float32 with one value per `weight_block` block of each of
+    the stacked matrices `w` (the last row and column of blocks may be partial)."""
+    count, n, k = w.shape
+    expected = (count, triton.cdiv(n, weight_block[0]), triton.cdiv(k, weight_block[1]))
+    if scale.dtype != torch.float32 or tuple(scale.shape) != expected:
+        raise ValueError(
+            f"a weight scale of {scale.dtype} {list(scale.shape)} for weights {list(w.shape)} "
+            f"in {weight_block} blocks: expected torch.float32 {list(expected)}"
+        )
 
 
 def _launch(
@@ -110,29 +168,36 @@ def _launch(
     a_row_divisor: int,
     scales: torch.Tensor | None,
     tiles: Tiles,
+    w_scale: torch.Tensor | None,
+    weight_block: tuple[int, int],
 ) -> None:
     n, k = w.shape[1], w.shape[2]
+    w_scale_strides = (0, 0, 0) if w_scale is None else w_scale.stride()
     grid = (alignment.tile_experts.numel(), triton.cdiv(n, tiles.block_n))
     grouped_gemm[grid](
         a, w, c, alignment.rows, alignment.tile_experts, scales if scales is not None else c,
+        w_scale if w_scale is not None else w,
         c.shape[0], n, k, a_row_divisor,
         a.stride(0), a.stride(1), w.stride(0), w.stride(1), w.stride(2), c.stride(0), c.stride(1),
+        *w_scale_strides,
         SCALE=scales is not None, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
         BLOCK_K=tiles.block_k, UPCAST=INTERPRET and a.dtype == torch.bfloat16,
+        W_SCALE=w_scale is not None, SCALE_BN=weight_block[0], SCALE_BK=weight_block[1],
     )  # fmt: skip
 
 
 @triton.jit
 def grouped_gemm(
-    a_ptr, w_ptr, c_ptr, rows_ptr, tile_experts_ptr, scales_ptr,
+    a_ptr, w_ptr, c_ptr, rows_ptr, tile_experts_ptr, scales_ptr, w_scale_ptr,
     num_rows, N, K, a_row_divisor,
-    a_st0, a_st1, w_st0, w_st1, w_st2, c_st0, c_st1,
+    a_st0, a_st1, w_st0, w_st1, w_st2, c_st0, c_st1, ws_st0, ws_st1, ws_st2,
     SCALE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    UPCAST: tl.constexpr,
+    UPCAST: tl.constexpr, W_SCALE: tl.constexpr, SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr,
 ):  # fmt: skip
     """Grid (row tile, column tile): `c[row] = a[row // a_row_divisor] @ w[expert]^T` for the
     tile's sorted rows (x `scales[row]` when SCALE), in float32, stored in c's dtype. A tile of
-    no expert (-1), and padding rows, store nothing."""
+    no expert (-1), and padding rows, store nothing. W_SCALE: `w` is FP8, each (SCALE_BN,
+    SCALE_BK) block of it times its `w_scale` (BLOCK_N divides SCALE_BN, BLOCK_K SCALE_BK)."""
     expert = tl.load(tile_experts_ptr + tl.program_id(0))
     slots = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     rows = tl.load(rows_ptr + slots)
@@ -140,6 +205,9 @@ def grouped_gemm(
     a_rows = tl.where(valid, rows // a_row_divisor, 0)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     w_base = w_ptr + tl.maximum(expert, 0).to(tl.int64) * w_st0
+    if W_SCALE:  # the column tile's row of scale blocks
+        n_block = tl.program_id(1) * BLOCK_N // SCALE_BN
+        ws_base = w_scale_ptr + tl.maximum(expert, 0).to(tl.int64) * ws_st0 + n_block * ws_st1
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
@@ -156,7 +224,13 @@ def grouped_gemm(
         if UPCAST:  # the interpreter's tl.dot mishandles bfloat16
             a = a.to(tl.float32)
             w = w.to(tl.float32)
-        acc = tl.dot(a, w, acc, input_precision="ieee")
+        elif W_SCALE:  # float8_e4m3fn upcasts exactly to a's 16- or 32-bit type
+            w = w.to(a.dtype)
+        if W_SCALE:  # the scale applied in float32, to the tile's partial product
+            w_scale = tl.load(ws_base + (k0 // SCALE_BK) * ws_st2)
+            acc += tl.dot(a, w, input_precision="ieee") * w_scale
+        else:
+            acc = tl.dot(a, w, acc, input_precision="ieee")
     if SCALE:
         acc = acc * tl.load(scales_ptr + rows, mask=valid, other=0.0)[:, None]
     c_rows = tl.where(valid, rows, 0)

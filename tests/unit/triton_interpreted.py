@@ -7,7 +7,8 @@ decode mixed, GQA and MHA, head sizes 32, 64 and 48 (padded), strided queries, b
 float16, an FP8 cache under float32 and bfloat16 queries. The latent (MLA) decode kernel against
 its torch reference: one head and a head block, a latent of 576 = 512 + 64 and a small one
 (40 = 32 + 8), split contexts, decode rows after prefill rows, an FP8 cache and its scale. And
-the fused mixture-of-experts kernel against the grouped CPU path."""
+the fused mixture-of-experts kernel against the grouped CPU path, also over FP8 block-quantized
+weights (against the weights they stand for)."""
 
 import dataclasses
 import os
@@ -318,3 +319,85 @@ def test_the_fused_experts_in_bfloat16() -> None:
         MOE_TILES,
     )
     torch.testing.assert_close(got.float(), expected, rtol=3e-2, atol=3e-2)
+
+
+def block_quantized(
+    shape: tuple[int, int, int], block: tuple[int, int], generator: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Random stacked FP8 weights `[count, rows, columns]`, their float32 scale per `block`
+    (partial at the far edges; from 0.5x to 2x each other, so a wrong block's shows) and the
+    float32 weights they stand for."""
+    count, rows, columns = shape
+    bn, bk = block
+    fp8 = torch.randn(shape, generator=generator).to(torch.float8_e4m3fn)
+    blocks = (count, -(-rows // bn), -(-columns // bk))
+    scale = (0.5 + 1.5 * torch.rand(blocks, generator=generator)) / columns**0.5
+    spread = scale.repeat_interleave(bn, dim=1)[:, :rows].repeat_interleave(bk, dim=2)
+    return fp8, scale, fp8.float() * spread[:, :, :columns]
+
+
+SMALLEST_TILES = Tiles(block_m=16, block_n=16, block_k=16)
+FP8_CASES = {
+    # MOE_TILES shrunk to the blocks
+    "square-blocks-float32": (64, (16, 16), MOE_TILES, 0, 8, torch.float32),
+    # two column tiles per block; hidden 40: gate_up's last column of blocks, down's last row
+    # are partial
+    "tall-blocks-partial-ep-rank-1-float32": (40, (32, 16), SMALLEST_TILES, 4, 4, torch.float32),
+    # two reduction steps per block
+    "wide-blocks-bfloat16": (64, (16, 32), SMALLEST_TILES, 0, 8, torch.bfloat16),
+}
+
+
+@pytest.mark.parametrize("case", list(FP8_CASES))
+def test_the_fused_experts_of_block_quantized_fp8_weights(case: str) -> None:
+    """8 experts of width 32, each token's top 2, FP8 weights with a scale per (rows, columns)
+    block, against the grouped reference over the weights they stand for."""
+    hidden, block, tiles, first, count, dtype = FP8_CASES[case]
+    width, tokens = 32, 9
+    experts = Experts(ExpertPart(8, first, count, 0, width), hidden)
+    generator = torch.Generator().manual_seed(hidden + first)
+    gate_up, gate_up_scale, gate_up_values = block_quantized(
+        (count, 2 * width, hidden), block, generator
+    )
+    down, down_scale, down_values = block_quantized((count, hidden, width), block, generator)
+    with torch.no_grad():
+        experts.gate_up.copy_(gate_up_values)
+        experts.down.copy_(down_values)
+    x = torch.randn(tokens, hidden, generator=generator)
+    weights, ids = route(torch.randn(tokens, 8, generator=generator), 2, normalize=True)
+    expected = experts._grouped(x, ids, weights)
+    got = fused_experts(
+        x.to(dtype), gate_up, down, ids, weights, first, tiles,
+        gate_up_scale=gate_up_scale, down_scale=down_scale, weight_block=block,
+    )  # fmt: skip
+    assert got.dtype == dtype
+    tolerance = 1e-4 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(got.float(), expected, rtol=tolerance, atol=tolerance)
+
+
+def test_the_fused_experts_refuse_blocks_and_scales_they_cannot_serve() -> None:
+    """Blocks that are not powers of two of at least 16, one scale without the other, a scale of
+    the wrong shape: ValueError before any kernel runs."""
+    generator = torch.Generator().manual_seed(0)
+    gate_up, gate_up_scale, _ = block_quantized((2, 64, 40), (16, 16), generator)
+    down, down_scale, _ = block_quantized((2, 40, 32), (16, 16), generator)
+    x = torch.randn(3, 40, generator=generator)
+    weights, ids = route(torch.randn(3, 2, generator=generator), 1, normalize=True)
+
+    def run(
+        gate_up_scale: torch.Tensor | None, down_scale: torch.Tensor | None, block: tuple[int, int]
+    ) -> None:
+        fused_experts(
+            x, gate_up, down, ids, weights, 0, MOE_TILES,
+            gate_up_scale=gate_up_scale, down_scale=down_scale, weight_block=block,
+        )  # fmt: skip
+
+    for block in [(8, 16), (16, 48), (24, 24)]:
+        with pytest.raises(ValueError, match="powers of two"):
+            run(gate_up_scale, down_scale, block)
+    with pytest.raises(ValueError, match="both gate_up_scale and down_scale"):
+        run(gate_up_scale, None, (16, 16))
+    with pytest.raises(ValueError, match=r"expected torch.float32 \[2, 3, 2\]"):
+        run(gate_up_scale, down_scale[:, :2], (16, 16))
+    with pytest.raises(ValueError, match=r"expected torch.float32 \[2, 4, 3\]"):
+        run(gate_up_scale.double(), down_scale, (16, 16))
