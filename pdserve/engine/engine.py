@@ -666,6 +666,7 @@ def load_and_size(
         torch.set_num_threads(config.torch_threads)
     device = torch.device(config.device)
     device_memory = cuda_free_at_start(device) if device.type == "cuda" else None
+    check_fp8_weights(ModelConfig.from_dir(Path(config.model or default_model_dir())), device)
     loaded = load_model(
         config.model or default_model_dir(),
         dtype=config.dtype,
@@ -721,16 +722,25 @@ def check_fp8_backend(backend: str, device: torch.device) -> None:
     """ConfigError unless attention backend `backend` can read an FP8 cache on `device`: the
     triton kernels need compute capability 8.9 or newer (Ada, Hopper); the CPU kernels and
     the reference read one anywhere."""
-    if backend != "triton":
-        return
+    if backend == "triton":
+        _check_fp8_gpu(device, "engine.kv_cache_dtype fp8_e4m3", "use kv_cache_dtype auto")
+
+
+def check_fp8_weights(model: ModelConfig, device: torch.device) -> None:
+    """ConfigError for a checkpoint of FP8 weights on a GPU below compute capability 8.9
+    (triton's grouped experts cannot read them there); CPUs dequantize them anywhere."""
+    if model.weight_block is not None and device.type == "cuda":
+        _check_fp8_gpu(device, "engine.model's FP8 weights", "load a bfloat16 copy")
+
+
+def _check_fp8_gpu(device: torch.device, what: str, instead: str) -> None:
     from pdserve.model.triton_attention import fp8_supported
 
     if not fp8_supported(device):
         major, minor = torch.cuda.get_device_capability(device)
         raise ConfigError(
-            f"engine.kv_cache_dtype fp8_e4m3 needs a GPU of compute capability 8.9 or newer "
-            f"(Ada, Hopper) for the triton attention backend; {device} is {major}.{minor}: "
-            "use kv_cache_dtype auto"
+            f"{what} need a GPU of compute capability 8.9 or newer (Ada, Hopper) for the "
+            f"triton kernels; {device} is {major}.{minor}: {instead}"
         )
 
 

@@ -2,6 +2,7 @@
 gives (bytes per block, the storage tag) and the error it costs against the full-precision
 cache."""
 
+import json
 from collections.abc import Callable
 from pathlib import Path
 
@@ -11,10 +12,11 @@ from safetensors.torch import load_file, save_file
 
 from pdserve.engine import LLMEngine
 from pdserve.errors import ConfigError, ModelLoadError
+from pdserve.model.config import ModelConfig
 from pdserve.model.kv_quant import FP8, FP8_MAX, KVScales, dequantize, quantize
 from pdserve.model.loader import load_model
 from pdserve.model.runner import SequenceChunk
-from pdserve.model.tiny import write_tiny_model
+from pdserve.model.tiny import default_model_dir, write_tiny_model
 
 
 def test_quantize_keeps_three_mantissa_bits_and_saturates() -> None:
@@ -122,13 +124,18 @@ def test_fp8_logits_stay_close_to_the_full_precision_cache(
     assert 0 < error <= 0.05 * full.abs().max().item()
 
 
+FP8_WEIGHTS = {
+    "quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [16, 16]}
+}
+
+
 def test_fp8_on_a_gpu_the_triton_kernels_cannot_serve_is_refused_in_one_line(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Triton reads float8 e4m3 from compute capability 8.9 (Ada, Hopper) on: an A100 (8.0)
     is refused naming the setting; the CPU kernels and the reference read it anywhere. The
     GPU's reported capability is the faked side."""
-    from pdserve.engine.engine import check_fp8_backend
+    from pdserve.engine.engine import check_fp8_backend, check_fp8_weights
 
     capability = (8, 0)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
@@ -137,8 +144,15 @@ def test_fp8_on_a_gpu_the_triton_kernels_cannot_serve_is_refused_in_one_line(
         check_fp8_backend("triton", gpu)
     check_fp8_backend("reference", gpu)
     check_fp8_backend("cpu", torch.device("cpu"))
+    fp8_weights = ModelConfig.from_hf_dict(
+        {**json.loads((default_model_dir() / "config.json").read_text()), **FP8_WEIGHTS}
+    )
+    with pytest.raises(ConfigError, match=r"engine\.model's FP8 weights .* cuda:0 is 8\.0"):
+        check_fp8_weights(fp8_weights, gpu)
+    check_fp8_weights(fp8_weights, torch.device("cpu"))
     capability = (9, 0)
     check_fp8_backend("triton", gpu)
+    check_fp8_weights(fp8_weights, gpu)
 
 
 def test_an_unknown_kv_cache_dtype_is_refused() -> None:
