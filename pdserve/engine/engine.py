@@ -666,7 +666,8 @@ def load_and_size(
         torch.set_num_threads(config.torch_threads)
     device = torch.device(config.device)
     device_memory = cuda_free_at_start(device) if device.type == "cuda" else None
-    check_fp8_weights(ModelConfig.from_dir(Path(config.model or default_model_dir())), device)
+    if device.type == "cuda":  # before any weight is read
+        check_fp8_weights(ModelConfig.from_dir(Path(config.model or default_model_dir())), device)
     loaded = load_model(
         config.model or default_model_dir(),
         dtype=config.dtype,
