@@ -153,7 +153,9 @@ def test_requests_beyond_the_server_threads_all_run_and_a_lost_subscription_abor
                 await clients.submit(address, message)
             await asyncio.to_thread(wait_for, lambda: in_engine() == streams, 60)
             steps = [await anext(outputs) for _ in range(5)]
-            assert max(len(step.outputs) for step in steps) == 2  # a step's 2 requests, at once
+            # a step's 2 requests in one message (a lagging reader gets several steps in one:
+            # everything pushed since its last)
+            assert max(len(step.outputs) for step in steps) >= 2
         finally:
             await outputs.aclose()  # type: ignore[attr-defined]
             await clients.channels.close()
