@@ -98,4 +98,6 @@ def test_metrics_count_requests_and_latencies(stack: Stack, client: openai.OpenA
     ttft = "pdserve_router_time_to_first_token_seconds_count"
     assert after[ttft] - before.get(ttft, 0) == 1
     itl = "pdserve_router_inter_token_latency_seconds_count"
-    assert after[itl] - before.get(itl, 0) == 2
+    # one per streamed chunk after the first: 2 for 3 tokens, 1 when two of them came in one
+    # chunk (the instance hands a lagging reader everything since its last message)
+    assert 1 <= after[itl] - before.get(itl, 0) <= 2
