@@ -75,7 +75,7 @@ class LatentAttention(nn.Module):
         interleaved rotary rows in half-split order."""
         mla, heads = self.mla, self.num_heads
         weight = self.kv_b_proj.weight.detach()
-        if isinstance(self.kv_b_proj, Fp8Linear):  # an FP8 checkpoint: kept in the model's
+        if isinstance(self.kv_b_proj, Fp8Linear):  # FP8 weights: dequantized once, model dtype
             weight = self.kv_b_proj.dequantized(self.kv_a_layernorm.weight.dtype)
         per_head = weight.view(heads, mla.qk_nope_head_dim + mla.v_head_dim, mla.kv_lora_rank)
         self.w_uk = per_head[:, : mla.qk_nope_head_dim].contiguous()
