@@ -184,6 +184,13 @@ class ArchitectureTraits:
     extra_layers: bool = False  # layers past num_hidden_layers (multi-token prediction): unused
 
 
+_DEEPSEEK = ArchitectureTraits(
+    qkv_bias_key="attention_bias",
+    o_bias_key="attention_bias",
+    moe=MoELayout("mlp", ("gate_proj", "up_proj", "down_proj"), _deepseek_moe),
+    latent_attention=True,
+    extra_layers=True,
+)
 ARCHITECTURES: dict[str, ArchitectureTraits] = {
     "LlamaForCausalLM": ArchitectureTraits(
         qkv_bias_key="attention_bias", o_bias_key="attention_bias"
@@ -204,20 +211,8 @@ ARCHITECTURES: dict[str, ArchitectureTraits] = {
         moe=MoELayout("block_sparse_moe", ("w1", "w3", "w2"), _mixtral),
         sliding_window_key="sliding_window",
     ),
-    "DeepseekV2ForCausalLM": ArchitectureTraits(
-        qkv_bias_key="attention_bias",
-        o_bias_key="attention_bias",
-        moe=MoELayout("mlp", ("gate_proj", "up_proj", "down_proj"), _deepseek_moe),
-        latent_attention=True,
-        extra_layers=True,
-    ),
-    "DeepseekV3ForCausalLM": ArchitectureTraits(
-        qkv_bias_key="attention_bias",
-        o_bias_key="attention_bias",
-        moe=MoELayout("mlp", ("gate_proj", "up_proj", "down_proj"), _deepseek_moe),
-        latent_attention=True,
-        extra_layers=True,
-    ),
+    "DeepseekV2ForCausalLM": _DEEPSEEK,  # the routing differs: `_deepseek_moe`
+    "DeepseekV3ForCausalLM": _DEEPSEEK,
 }
 
 

@@ -82,9 +82,9 @@ class LatentAttention(nn.Module):
         self.w_uv = per_head[:, mla.qk_nope_head_dim :].transpose(1, 2).contiguous()
         del self.kv_b_proj
         if mla.interleaved_rope:
-            query = self.q_proj if self.q_proj is not None else self.q_b_proj
-            assert query is not None
-            _deinterleave_rows(query, heads, self.qk_dim, mla.qk_nope_head_dim)
+            for query in (self.q_proj, self.q_b_proj):  # the one there is
+                if query is not None:
+                    _deinterleave_rows(query, heads, self.qk_dim, mla.qk_nope_head_dim)
             _deinterleave_rows(self.kv_a_proj_with_mqa, 1, mla.latent_dim, mla.kv_lora_rank)
 
     def forward(

@@ -57,6 +57,15 @@ def tables_for(chunks: list[tuple[int, int]], seed: int) -> list[list[int]]:
     return [ids[s : s + n] for s, n in zip(starts, needed, strict=True)]
 
 
+def planned_for_longest(meta: AttentionMetadata, width: int) -> AttentionMetadata:
+    """`meta` as a plan made for every sequence at `width` blocks (as the CUDA graphs' plan is):
+    the kernels must still attend each row's own length."""
+    rows = len(meta.query_lens)
+    wide = torch.zeros(rows, width, dtype=torch.long)
+    wide[:, : meta.block_tables.shape[1]] = meta.block_tables
+    return dataclasses.replace(meta, context_lens=[width * BLOCK] * rows, block_tables=wide)
+
+
 def check(
     q: torch.Tensor,
     kv_layer: torch.Tensor,
@@ -163,12 +172,7 @@ def test_a_decode_plan_for_the_longest_context_attends_each_rows_own_length() ->
     kv_layer = cache(max(max(t) for t in tables) + 1, kv_heads, dim, torch.float32, seed=9)
     q = torch.randn(len(chunks), heads, dim, generator=torch.Generator().manual_seed(10))
     meta = metadata(chunks, tables)
-    width = 24  # blocks: a context of 384 tokens
-    wide = torch.zeros(len(chunks), width, dtype=torch.long)
-    wide[:, : meta.block_tables.shape[1]] = meta.block_tables
-    planned = dataclasses.replace(
-        meta, context_lens=[width * BLOCK] * len(chunks), block_tables=wide
-    )
+    planned = planned_for_longest(meta, width=24)  # blocks: a context of 384 tokens
     scale = dim**-0.5
     expected = ReferenceBackend().plan(meta).attend(q, kv_layer, scale)
     got = TritonBackend(SMALL).plan(planned).attend(q, kv_layer, scale)
@@ -253,12 +257,7 @@ def test_the_latent_decode_plan_for_the_longest_context_and_its_errors() -> None
     kv_layer = latent_cache(max(max(t) for t in tables) + 1, dim, seed=11)
     q = torch.randn(len(chunks), heads, dim, generator=torch.Generator().manual_seed(12))
     meta = metadata(chunks, tables)
-    width = 24  # blocks: a context of 384 tokens
-    wide = torch.zeros(len(chunks), width, dtype=torch.long)
-    wide[:, : meta.block_tables.shape[1]] = meta.block_tables
-    planned = dataclasses.replace(
-        meta, context_lens=[width * BLOCK] * len(chunks), block_tables=wide
-    )
+    planned = planned_for_longest(meta, width=24)  # blocks: a context of 384 tokens
     scale = dim**-0.5
     expected = ReferenceBackend().plan(meta).latent_decode(q, kv_layer, scale, value_dim)
     step = TritonBackend(LATENT).plan(planned)
