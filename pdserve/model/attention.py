@@ -244,39 +244,23 @@ class _CpuStep(AttentionStep):
     def __init__(self, meta: AttentionMetadata, ops: object) -> None:
         super().__init__(meta)
         self._ops = ops
-        starts, start = [], 0
-        for length in meta.query_lens:
-            starts.append(start)
-            start += length
-        decode = [i for i, n in enumerate(meta.query_lens) if n == 1]
-        self._prefill = [
-            (seq, starts[seq], n, c)
-            for seq, (n, c) in enumerate(zip(meta.query_lens, meta.context_lens, strict=True))
-            if n != 1
-        ]
-        self._decode_rows: torch.Tensor | None = None
-        self._tables, self._lens = meta.block_tables, meta.context_lens_tensor
         self._prefill_args: tuple[torch.Tensor, ...] = ()  # tables, first rows, counts, contexts
-        if self._prefill:
-            columns = zip(*self._prefill, strict=True)
-            seqs, *rest = (torch.tensor(c, dtype=torch.long) for c in columns)
+        if self.rows.prefill:
+            chunks = ((c.seq, c.start, c.count, c.context) for c in self.rows.prefill)
+            seqs, *rest = (torch.tensor(c, dtype=torch.long) for c in zip(*chunks, strict=True))
             self._prefill_args = (meta.block_tables[seqs], *rest)
-        if self._prefill and decode:
-            seqs = torch.tensor(decode, device=meta.block_tables.device)
-            self._decode_rows = torch.tensor([starts[i] for i in decode], device=seqs.device)
-            self._tables, self._lens = meta.block_tables[seqs], meta.context_lens_tensor[seqs]
 
     def attend(self, q: torch.Tensor, kv_layer: torch.Tensor, scale: float) -> torch.Tensor:
-        decode_ops = self._ops.paged_decode  # type: ignore[attr-defined]
-        if not self._prefill:
-            return decode_ops(q, kv_layer, self._tables, self._lens, scale)  # type: ignore[no-any-return]
+        decode_ops, rows = self._ops.paged_decode, self.rows  # type: ignore[attr-defined]
+        if not rows.prefill:
+            return decode_ops(q, kv_layer, rows.decode_tables, rows.decode_lens, scale)  # type: ignore[no-any-return]
         out = torch.empty_like(q)
         prefill = self._ops.paged_prefill  # type: ignore[attr-defined]
         if not prefill(q, kv_layer, *self._prefill_args, scale, out):
             self._flash_prefill(q, kv_layer, scale, out)
-        if self._decode_rows is not None:
-            rows = self._decode_rows
-            out[rows] = decode_ops(q[rows], kv_layer, self._tables, self._lens, scale)
+        if rows.decode_rows.numel():
+            index = rows.decode_rows
+            out[index] = decode_ops(q[index], kv_layer, rows.decode_tables, rows.decode_lens, scale)
         return out
 
     def latent_decode(
@@ -294,12 +278,13 @@ class _CpuStep(AttentionStep):
     def _flash_prefill(
         self, q: torch.Tensor, kv_layer: torch.Tensor, scale: float, out: torch.Tensor
     ) -> None:
-        for seq, start, length, context in self._prefill:
-            blocks = -(-context // kv_layer.shape[2])
-            table = self.meta.block_tables[seq, :blocks]
-            k = _gather(kv_layer[:, 0], table)[:context].to(q.dtype)
-            v = _gather(kv_layer[:, 1], table)[:context].to(q.dtype)
-            out[start : start + length] = flash_prefill(q[start : start + length], k, v, scale)
+        for chunk in self.rows.prefill:
+            blocks = -(-chunk.context // kv_layer.shape[2])
+            table = self.meta.block_tables[chunk.seq, :blocks]
+            k = _gather(kv_layer[:, 0], table)[: chunk.context].to(q.dtype)
+            v = _gather(kv_layer[:, 1], table)[: chunk.context].to(q.dtype)
+            span = slice(chunk.start, chunk.start + chunk.count)
+            out[span] = flash_prefill(q[span], k, v, scale)
 
 
 def flash_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
