@@ -66,6 +66,7 @@ MOONCAKE_PROTOCOLS = ("tcp", "rdma")
 STORES = ("directory", "memory")
 DEVICE_WRITE_POLICIES = ("on_eviction", "write_through", "off")
 REDIS_SCHEMES = ("redis", "rediss", "unix")
+LOG_FORMATS = ("text", "json")
 # Engine settings a role may not change: KV blocks move between prefill and decode instances
 # byte for byte, and the router hashes prompt blocks with the base engine's model, block size
 # and dtype, so every role must agree with the base engine on them.
@@ -509,6 +510,47 @@ class AdminConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class ObservabilityConfig:
+    """Traces of every request, the format of log lines, the router's record of recent
+    requests (`pdserve admin trace`)."""
+
+    otlp_endpoint: str | None = None
+    """OTLP/gRPC collector every process sends its spans to (`http://host:4317`; `https://`
+    for TLS); null: `OTEL_EXPORTER_OTLP_TRACES_ENDPOINT` or `OTEL_EXPORTER_OTLP_ENDPOINT`
+    when set, else tracing is off (no span is made, nothing is sent).
+
+    The exporter's other standard variables (`OTEL_EXPORTER_OTLP_HEADERS`, `..._CERTIFICATE`,
+    `..._TIMEOUT`, `OTEL_BSP_*`) apply."""
+    trace_sample_ratio: float = 1.0
+    """Fraction of requests traced when tracing is on (by trace id: every process agrees). A
+    request that arrives with a W3C `traceparent` follows its caller's decision instead."""
+    log_format: str = _choice("text", LOG_FORMATS)
+    """`text`: one human-readable line per record; `json`: one JSON object per line (time,
+    level, logger, message, request_id and trace_id when the line is about a request)."""
+    request_log: bool = True
+    """Log one INFO line per finished request on the router: status, tokens, instances and
+    the time of each stage."""
+    recent_requests: int = 1024
+    """Finished requests whose timeline the router keeps for `pdserve admin trace` (oldest
+    dropped first)."""
+
+    def __post_init__(self) -> None:
+        _check_choices(self, "observability")
+        if not 0.0 <= self.trace_sample_ratio <= 1.0:
+            raise ConfigError(
+                f"observability.trace_sample_ratio must be in [0, 1], got {self.trace_sample_ratio}"
+            )
+        if self.recent_requests < 0:
+            raise ConfigError("observability.recent_requests must be >= 0 (0: keep none)")
+        scheme = (self.otlp_endpoint or "").partition("://")[0]
+        if self.otlp_endpoint is not None and scheme not in ("http", "https"):
+            raise ConfigError(
+                "observability.otlp_endpoint must be an http:// or https:// URL of an OTLP/gRPC "
+                f"collector, got one starting {scheme[:16]!r}"
+            )
+
+
+@dataclass(frozen=True, slots=True)
 class ClusterConfig:
     """`pdserve up`: where Ray runs, how instances are placed, secured and kept alive. Holds
     every other section."""
@@ -521,6 +563,7 @@ class ClusterConfig:
     storage: StorageConfig = StorageConfig()
     transfer: TransferConfig = TransferConfig()
     admin: AdminConfig = AdminConfig()
+    observability: ObservabilityConfig = ObservabilityConfig()
     ray_address: str | None = None
     """Ray to join: `auto` or `host:port`; null: start a local Ray."""
     namespace: str = "pdserve"
@@ -630,6 +673,7 @@ SECTIONS: dict[str, type] = {
     "storage": StorageConfig,
     "transfer": TransferConfig,
     "admin": AdminConfig,
+    "observability": ObservabilityConfig,
 }  # the YAML sections set by PDSERVE_<SECTION>_<SETTING>; `engine` and `cluster` have no prefix
 
 

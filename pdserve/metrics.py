@@ -13,6 +13,9 @@ from prometheus_client.registry import Collector
 from pdserve.v1 import common_pb2
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+# a step's or a stage's time: from a fraction of a millisecond up
+STAGE_BUCKETS = (0.0005, 0.001, 0.0025, *LATENCY_BUCKETS)
+BYTE_BUCKETS = tuple(float(4**k * 1024) for k in range(12))  # 1 KiB .. 4 GiB
 
 
 class RouterMetrics:
@@ -61,6 +64,19 @@ class RouterMetrics:
             ["backend"],
             registry=self.registry,
         )
+        self.queue_time = Histogram(
+            "pdserve_router_queue_seconds",
+            "Time from request arrival to its first attempt's dispatch (edge checks, hashing, "
+            "routing).",
+            buckets=STAGE_BUCKETS,
+            registry=self.registry,
+        )
+        self.time_per_output_token = Histogram(
+            "pdserve_router_time_per_output_token_seconds",
+            "Per request: (end-to-end time - time to first token) / (output tokens - 1).",
+            buckets=STAGE_BUCKETS,
+            registry=self.registry,
+        )
         self.indexed_blocks = Gauge(
             "pdserve_router_indexed_blocks",
             "KV blocks the router's index believes each prefill or mixed instance holds.",
@@ -104,6 +120,73 @@ class RouterMetrics:
             ["reason"],
             registry=self.registry,
         )
+
+
+class StageMetrics:
+    """Where an instance's requests spent their time, one histogram per stage, labelled with
+    the instance's role. Prefill: reservation wait, queue, prefill, KV transfer (time and
+    bytes, by transport); mixed: queue, prefill, admission, first step; decode: KV wait,
+    admission, first step. Thread-safe (prometheus-client metrics); observed once per request
+    when it ends (prefill: after its handoff)."""
+
+    def __init__(self, role: str) -> None:
+        self.role = role
+        self.registry = CollectorRegistry()
+
+        def stage(name: str, doc: str) -> Any:
+            return Histogram(name, doc, ["role"], buckets=STAGE_BUCKETS, registry=self.registry)
+
+        self._histograms = {
+            "reservation_wait": stage(
+                "pdserve_reservation_wait_seconds",
+                "Prefill: preallocation here and the decode instance's reservation (with its "
+                "backoff while decode refuses).",
+            ),
+            "queue": stage(
+                "pdserve_request_queue_seconds",
+                "Arrival at the instance until the request's first engine step.",
+            ),
+            "prefill": stage(
+                "pdserve_request_prefill_seconds",
+                "The prompt's engine steps, from the first until its first token.",
+            ),
+            "kv_wait": stage(
+                "pdserve_request_kv_wait_seconds",
+                "Decode: from the reservation until the first-token handoff (the KV arriving).",
+            ),
+            "admission": stage(
+                "pdserve_request_decode_admission_seconds",
+                "From the first token (computed here, or handed over) until the engine step "
+                "that makes the next token starts.",
+            ),
+            "first_step": stage(
+                "pdserve_request_first_decode_step_seconds",
+                "The engine step that makes a request's second token.",
+            ),
+        }
+        self._transfer_time = Histogram(
+            "pdserve_kv_transfer_duration_seconds",
+            "Per request: the time its KV blocks took to reach decode, by transport.",
+            ["role", "transport"],
+            buckets=STAGE_BUCKETS,
+            registry=self.registry,
+        )
+        self._transfer_bytes = Histogram(
+            "pdserve_kv_transfer_request_bytes",
+            "Per request: the KV bytes sent to decode, by transport.",
+            ["role", "transport"],
+            buckets=BYTE_BUCKETS,
+            registry=self.registry,
+        )
+        self._children = {name: h.labels(role) for name, h in self._histograms.items()}
+
+    def observe(self, stage: str, seconds: float) -> None:
+        """One request's time in `stage` (a key of the histograms above)."""
+        self._children[stage].observe(seconds)
+
+    def observe_transfer(self, transport: str, seconds: float, num_bytes: int) -> None:
+        self._transfer_time.labels(self.role, transport).observe(seconds)
+        self._transfer_bytes.labels(self.role, transport).observe(num_bytes)
 
 
 StatsSource = Callable[[], common_pb2.InstanceStats]
@@ -154,6 +237,14 @@ def _engine_families(s: common_pb2.InstanceStats) -> list[Family]:
         ("counter", "pdserve_prefix_cache_hits",
          "Of those prompt tokens, the ones found in a cache tier (device or storage).", ("tier",),
          {("device",): s.device_hit_tokens, ("storage",): s.storage.storage_hit_tokens}),
+        ("counter", "pdserve_prompt_tokens_by_source",
+         "Prompt tokens by where their KV came from: computed here, device_hit (this "
+         "instance's prefix cache), storage_hit (the storage tier), transferred (received "
+         "from prefill, in whole blocks).", ("source",),
+         {("computed",): max(0, s.prefix_cache_queries - s.device_hit_tokens
+                             - s.storage.storage_hit_tokens),
+          ("device_hit",): s.device_hit_tokens, ("storage_hit",): s.storage.storage_hit_tokens,
+          ("transferred",): s.kv_blocks_received * s.block_size}),
         ("counter", "pdserve_preemptions", "Requests preempted for lack of KV blocks.", (),
          {(): s.num_preemptions}),
         ("counter", "pdserve_computed_tokens", "Tokens run through forward passes.", (),
@@ -216,9 +307,11 @@ def _storage_families(st: common_pb2.StorageStats) -> list[Family]:
     ]  # fmt: skip
 
 
-def serve_metrics(collector: Collector, host: str, port: int = 0) -> tuple[Any, int]:
-    """Serve `collector` at http://host:port/metrics on a thread; returns (server, bound port)."""
+def serve_metrics(*collectors: Collector, host: str, port: int = 0) -> tuple[Any, int]:
+    """Serve `collectors` at http://host:port/metrics on a thread; returns (server, bound
+    port)."""
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(collector)
+    for collector in collectors:
+        registry.register(collector)
     server, _ = start_http_server(port, addr=host, registry=registry)
     return server, int(server.server_port)

@@ -130,6 +130,7 @@ class LLMEngine:
         # `step` adds the text itself; an EngineLoop turns this off and adds it on its thread
         self.inline_text = True
         self._ended: list[str] = []  # finished without a final output, for `outputs` (text)
+        self._step_started = 0.0  # time.perf_counter() when the current (or last) step began
         self.grammars = Grammars(
             loaded.tokenizer, loaded.config.vocab_size, loaded.eos_token_ids
         )  # compiled on first use (xgrammar is imported only then)
@@ -399,7 +400,7 @@ class LLMEngine:
         their text when `inline_text` is on (else `add_text` is the caller's, in order).
 
         A forward pass that raises fails only its batch (`_recover`); the engine goes on."""
-        started = time.perf_counter()
+        started = self._step_started = time.perf_counter()
         outputs = self._step()
         stats = self.scheduler.stats
         stats.num_steps += 1
@@ -544,6 +545,8 @@ class LLMEngine:
         is its `stop_reason`."""
         stopped = status == RequestStatus.FINISHED_STOPPED
         stop_reason = request.output_token_ids[-1] if stopped else None
+        if request.num_output_tokens <= 2:
+            self._stamp_first_tokens(request)
         if status is not None:
             self._finish(request, status, final_output=True)
         return RequestOutput(
@@ -559,7 +562,16 @@ class LLMEngine:
             num_cached_tokens=request.num_cached_tokens,
             new_logprobs=_newest_logprob(request),
             prompt_logprobs=_prompt_logprobs_once(request),
+            stage_times=request.stage_times() if status is not None else None,
         )
+
+    def _stamp_first_tokens(self, request: Request) -> None:
+        """When its first token came (on decode: handed over) and which step made the next."""
+        now = time.perf_counter()
+        if request.num_output_tokens == 1:
+            request.first_token_at = now
+        elif request.second_token_step is None:
+            request.second_token_step = (min(self._step_started, now), now)
 
     def _kv_ready(self, request: Request) -> RequestOutput:
         return RequestOutput(

@@ -2,6 +2,7 @@
 
 import itertools
 import math
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import IntEnum
@@ -166,6 +167,21 @@ class TokenLogprob:
     top: tuple[tuple[int, float], ...] = ()
 
 
+@dataclass(frozen=True, slots=True)
+class StageTimes:
+    """Where a request's time went on one instance, in seconds: `wait_s` until its first step
+    (on decode: its reservation until the first-token handoff, the KV arriving), `prefill_s`
+    its prompt's steps up to the first token, `admission_s` from then until the step that
+    makes its next token starts, `first_step_s` that step; and its prompt's cache hits."""
+
+    wait_s: float
+    prefill_s: float
+    admission_s: float
+    first_step_s: float
+    device_hit_tokens: int
+    storage_hit_tokens: int
+
+
 _arrival_counter = itertools.count()
 
 
@@ -189,7 +205,11 @@ class Request:
     # hits at first admission (prompt tokens not computed here); None until admitted
     device_hit_tokens: int | None = None
     storage_hit_tokens: int = 0
-    first_scheduled_at: float | None = None  # time.perf_counter() of its first step
+    # when it reached each stage here (time.perf_counter()): `stage_times` reports them
+    arrived_at: float = field(default_factory=time.perf_counter)
+    first_scheduled_at: float | None = None  # its first step (decode: the first-token handoff)
+    first_token_at: float | None = None  # its first output token (decode: handed over)
+    second_token_step: tuple[float, float] | None = None  # the step that made its next token
     num_preemptions: int = 0
     arrival_order: int = field(default_factory=lambda: next(_arrival_counter))
     block_hashes: list[BlockHash] = field(default_factory=list)
@@ -233,6 +253,20 @@ class Request:
         """Prompt tokens found cached at first admission (device + storage hits)."""
         return (self.device_hit_tokens or 0) + self.storage_hit_tokens
 
+    def stage_times(self) -> "StageTimes":
+        """Where its time went here so far (stages not reached count 0)."""
+        scheduled = self.first_scheduled_at or self.arrived_at
+        first_token = self.first_token_at or scheduled
+        step_start, step_end = self.second_token_step or (first_token, first_token)
+        return StageTimes(
+            wait_s=scheduled - self.arrived_at,
+            prefill_s=max(0.0, first_token - scheduled),
+            admission_s=max(0.0, step_start - first_token),
+            first_step_s=step_end - step_start,
+            device_hit_tokens=self.device_hit_tokens or 0,
+            storage_hit_tokens=self.storage_hit_tokens,
+        )
+
     def record_first_admission(self, device_hit_tokens: int, storage_hit_tokens: int) -> bool:
         """Remember the hits of the request's first admission; False (changing nothing) when
         it was admitted before (a re-admission after preemption)."""
@@ -269,6 +303,7 @@ class RequestOutput:
     new_logprobs: tuple[TokenLogprob, ...] = ()  # of new_token_ids, when the request asks
     prompt_logprobs: tuple[TokenLogprob, ...] = ()  # prompt tokens 1.., on the first output
     block_ids: tuple[int, ...] = ()  # kv_ready: the blocks holding the prompt's KV (to send)
+    stage_times: StageTimes | None = None  # on a final output
 
     def with_text(self, text: str, stop_string: str | None = None) -> "RequestOutput":
         """This output with its text delta; with `stop_string`, finished by it. (Spelled out:
@@ -289,4 +324,5 @@ class RequestOutput:
             self.new_logprobs,
             self.prompt_logprobs,
             self.block_ids,
+            self.stage_times,
         )

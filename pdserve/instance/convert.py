@@ -3,7 +3,7 @@ objects meet generated messages (errors: `pdserve.rpc.status`)."""
 
 from collections.abc import Sequence
 
-from pdserve.engine.request import SamplingParams, TokenLogprob
+from pdserve.engine.request import SamplingParams, StageTimes, TokenLogprob
 from pdserve.errors import PdserveError
 from pdserve.instance.streams import Item, OutputStream
 from pdserve.kvcache.hashing import BlockHash, PromptHashes
@@ -128,7 +128,18 @@ def step_outputs(batch: Sequence[tuple[OutputStream, Item]]) -> common_pb2.StepO
             final.num_prompt_tokens = item.num_prompt_tokens
             final.num_output_tokens = item.num_output_tokens
             final.num_cached_tokens = item.num_cached_tokens
+            if item.stage_times is not None:
+                _timings_to_proto(item.stage_times, final.timings)
     return step
+
+
+def _timings_to_proto(times: StageTimes, message: common_pb2.StageTimings) -> None:
+    message.wait_s = times.wait_s
+    message.prefill_s = times.prefill_s
+    message.admission_s = times.admission_s
+    message.first_step_s = times.first_step_s
+    message.device_hit_tokens = times.device_hit_tokens
+    message.storage_hit_tokens = times.storage_hit_tokens
 
 
 def endpoints_to_proto(endpoints: KVEndpoints) -> decode_pb2.KVEndpoints:

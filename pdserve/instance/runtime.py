@@ -26,7 +26,7 @@ import redis
 from pdserve.config import EngineConfig, StorageConfig, TransferConfig
 from pdserve.engine.engine import LLMEngine, StorageTierFactory
 from pdserve.engine.loop import EngineLoop, Mailbox
-from pdserve.engine.request import Request, RequestOutput, SamplingParams
+from pdserve.engine.request import Request, RequestOutput, SamplingParams, StageTimes
 from pdserve.engine.tensor_parallel import RankZero
 from pdserve.errors import (
     DuplicateRequestError,
@@ -36,11 +36,18 @@ from pdserve.errors import (
     RequestNotFoundError,
 )
 from pdserve.instance.convert import step_outputs
-from pdserve.instance.streams import Item, OutputStream, Subscription, aborted_output
+from pdserve.instance.streams import (
+    Item,
+    OutputStream,
+    StreamTrace,
+    Subscription,
+    aborted_output,
+)
 from pdserve.kvcache.events import BlockStored, KVEvent, KVEventBroadcaster
 from pdserve.kvcache.hashing import BlockHash, PromptHashes
-from pdserve.metrics import InstanceCollector, serve_metrics
+from pdserve.metrics import InstanceCollector, StageMetrics, serve_metrics
 from pdserve.model.staging import KVStager
+from pdserve.observability import tracing
 from pdserve.rpc.auth import AioBearerTokenInterceptor
 from pdserve.rpc.channels import ChannelPool
 from pdserve.rpc.server import (
@@ -154,6 +161,7 @@ class InstanceRuntime:
         self.events = events
         self.stager: KVStager = engine.runner.stager
         self.counters = TransferCounters()
+        self.stage_metrics = StageMetrics(role)
         connector = engine.storage_connector
         self.storage_tier: StorageTier | None = connector.tier if connector is not None else None
         self.mooncake: MooncakeEngine | None = None
@@ -232,7 +240,9 @@ class InstanceRuntime:
         )
         if memory is not None:
             memory.bind(host_port(advertised_host(host), bound))
-        self._metrics_server, metrics_port = serve_metrics(InstanceCollector(role.stats), host)
+        self._metrics_server, metrics_port = serve_metrics(
+            InstanceCollector(role.stats), self.stage_metrics.registry, host=host
+        )
         self.metrics_address = host_port(advertised_host(host), metrics_port)
         logger.info(
             "%s instance serving on %s:%d (metrics on :%d)", self.role, host, bound, metrics_port
@@ -356,9 +366,17 @@ class InstanceRuntime:
 
     # -- output streams ---------------------------------------------------------------------------
 
-    def open_stream(self, request_id: str, attempt: str = "", subscriber: str = "") -> OutputStream:
+    def open_stream(
+        self,
+        request_id: str,
+        attempt: str = "",
+        subscriber: str = "",
+        trace_parent: tracing.Context | None = None,
+    ) -> OutputStream:
         """Register the stream that will carry the request's outputs: to the `subscriber`'s
-        subscription when given (which must be open here), else to its own reader. Raises
+        subscription when given (which must be open here), else to its own reader. A stream
+        to a subscription is traced (a span of this instance's role under `trace_parent`)
+        while tracing is on. Raises
         DuplicateRequestError when one is open, InstanceUnavailableError when the subscription
         is not."""
         with self._streams_lock:
@@ -371,7 +389,9 @@ class InstanceRuntime:
                     "instance (its router lost it): retry",
                     100,
                 )
-            stream = OutputStream(request_id, attempt, subscription)
+            traced = subscription is not None and tracing.enabled()
+            trace = StreamTrace(self.role, trace_parent, request_id) if traced else None
+            stream = OutputStream(request_id, attempt, subscription, trace)
             self._streams[request_id] = stream
         return stream
 
@@ -438,6 +458,8 @@ class InstanceRuntime:
         with self._streams_lock:
             streams = [(self._streams.get(output.request_id), output) for output in outputs]
         for stream, output in streams:
+            if output.stage_times is not None:
+                self._observe(output.stage_times)
             if stream is None:
                 continue
             if stream.subscription is None:
@@ -448,6 +470,19 @@ class InstanceRuntime:
                 batches.setdefault(stream.subscription, []).append((stream, item))
         for subscription, items in batches.items():
             subscription.push(items)
+
+    def _observe(self, times: StageTimes) -> None:
+        """A finished request's stages on this decode or mixed instance (a prefill instance
+        observes its own after each handoff)."""
+        if self.role == "prefill":
+            return
+        metrics = self.stage_metrics
+        metrics.observe("kv_wait" if self.role == "decode" else "queue", times.wait_s)
+        if self.role != "decode":
+            metrics.observe("prefill", times.prefill_s)
+        if times.first_step_s > 0:  # it made a second token
+            metrics.observe("admission", times.admission_s)
+            metrics.observe("first_step", times.first_step_s)
 
     def abort(self, request_id: str) -> bool:
         """Abort a live request on the engine thread and end its stream with an `abort` output;

@@ -14,10 +14,12 @@ import asyncio
 import contextlib
 import queue
 import threading
+import time
 from collections.abc import AsyncIterator, Iterator
 
 from pdserve.engine.request import RequestOutput
 from pdserve.errors import PdserveError, StepFailedError
+from pdserve.observability import tracing
 
 
 def aborted_output(request_id: str) -> RequestOutput:
@@ -37,15 +39,59 @@ def aborted_output(request_id: str) -> RequestOutput:
 
 
 Item = RequestOutput | PdserveError
+# a stream's span's stages, by role: the names of StageTimes' wait, prefill, admission, first step
+STAGE_NAMES = {
+    "decode": ("decode.kv_wait", "", "decode.admission", "decode.first_step"),
+    "mixed": ("mixed.queue", "mixed.compute", "mixed.admission", "mixed.first_step"),
+}
+
+
+class StreamTrace:
+    """The span of a request's part on a decode or mixed instance: opened with its stream,
+    ended with it, its stages recorded from the final output's StageTimes (they follow each
+    other from the stream's opening)."""
+
+    def __init__(self, role: str, parent: tracing.Context | None, request_id: str) -> None:
+        self.role = role
+        self.opened = time.perf_counter()
+        self.span = tracing.start(
+            role, parent, {"pdserve.request_id": request_id}, at=self.opened, server=True
+        )
+
+    def end(self, item: Item) -> None:
+        span = self.span
+        if span is None:
+            return
+        if isinstance(item, PdserveError):
+            tracing.end(span, error=item)
+            return
+        times = item.stage_times
+        if times is not None:
+            durations = (times.wait_s, times.prefill_s, times.admission_s, times.first_step_s)
+            at = self.opened
+            for name, duration in zip(STAGE_NAMES[self.role], durations, strict=True):
+                if name:
+                    tracing.record(name, span, at, at + duration)
+                at += duration
+            span.set_attribute("pdserve.device_hit_tokens", times.device_hit_tokens)
+            span.set_attribute("pdserve.storage_hit_tokens", times.storage_hit_tokens)
+        span.set_attribute("pdserve.output_tokens", item.num_output_tokens)
+        span.set_attribute("pdserve.finish_reason", item.finish_reason or "")
+        tracing.end(span)
 
 
 class OutputStream:
     def __init__(
-        self, request_id: str, attempt: str = "", subscription: "Subscription | None" = None
+        self,
+        request_id: str,
+        attempt: str = "",
+        subscription: "Subscription | None" = None,
+        trace: StreamTrace | None = None,
     ) -> None:
         self.request_id = request_id
         self.attempt = attempt  # the router's attempt it serves (GenerateRequest.attempt)
         self.subscription = subscription  # None: read here (`get`, `aget`)
+        self.trace = trace  # ended with the stream
         self._items: queue.SimpleQueue[Item] = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._ended = False
@@ -69,6 +115,8 @@ class OutputStream:
             if self._ended:
                 return
             self._ended = True
+        if self.trace is not None:
+            self.trace.end(error)
         self._hand_on(error)
 
     def accept(self, output: RequestOutput) -> Item | None:
@@ -80,6 +128,8 @@ class OutputStream:
             if self._ended:
                 return None
             self._ended = isinstance(item, PdserveError) or output.finished
+        if self._ended and self.trace is not None:
+            self.trace.end(item)
         return item
 
     def _hand_on(self, item: Item) -> None:

@@ -14,7 +14,7 @@ import grpc
 
 from pdserve.rpc.auth import AUTHORIZATION
 from pdserve.rpc.channels import CHANNEL_OPTIONS
-from pdserve.rpc.clients import DEFAULT_DEADLINES, Deadlines
+from pdserve.rpc.clients import DEFAULT_DEADLINES, Deadlines, Metadata
 from pdserve.rpc.status import error_from_rpc
 from pdserve.rpc.tls import TlsFiles
 from pdserve.v1 import (
@@ -87,21 +87,28 @@ class AioClients:
         self.deadlines = deadlines
 
     async def prefill(
-        self, address: str, message: prefill_pb2.PrefillRequest
+        self, address: str, message: prefill_pb2.PrefillRequest, metadata: Metadata = ()
     ) -> prefill_pb2.PrefillResult:
+        """`metadata`: the request's own (its trace context), sent with the credentials."""
         try:
             result: prefill_pb2.PrefillResult = await self.channels.stubs(address).prefill.Prefill(
-                message, timeout=self.deadlines.prefill_s, metadata=self.channels.metadata
+                message,
+                timeout=self.deadlines.prefill_s,
+                metadata=self.channels.metadata + metadata,
             )
         except grpc.RpcError as e:
             raise error_from_rpc(e, address) from e
         return result
 
-    async def submit(self, address: str, message: common_pb2.GenerateRequest) -> None:
+    async def submit(
+        self, address: str, message: common_pb2.GenerateRequest, metadata: Metadata = ()
+    ) -> None:
         """Queue a request on a mixed instance (its outputs go to its subscription)."""
         try:
             await self.channels.stubs(address).mixed.Submit(
-                message, timeout=self.deadlines.control_s, metadata=self.channels.metadata
+                message,
+                timeout=self.deadlines.control_s,
+                metadata=self.channels.metadata + metadata,
             )
         except grpc.RpcError as e:
             raise error_from_rpc(e, address) from e

@@ -35,6 +35,7 @@ class Deadlines:
 
 
 DEFAULT_DEADLINES = Deadlines()
+Metadata = tuple[tuple[str, str], ...]  # a call's own gRPC metadata (the channel adds auth)
 
 
 class _Client:
@@ -45,9 +46,9 @@ class _Client:
         self._channel = channels.get(address)
         self.deadlines = deadlines
 
-    def _call(self, method: Any, message: Any, timeout: float) -> Any:
+    def _call(self, method: Any, message: Any, timeout: float, metadata: Metadata = ()) -> Any:
         try:
-            return method(message, timeout=timeout)
+            return method(message, timeout=timeout, metadata=metadata or None)
         except grpc.RpcError as e:
             raise error_from_rpc(e, self.address) from e
 
@@ -77,10 +78,16 @@ class InstanceClient(_Client):
 
 
 class DecodeClient(_Client):
-    def reserve(self, message: decode_pb2.ReserveRequest) -> decode_pb2.ReserveReply:
+    """A request's calls carry `metadata` (its trace context)."""
+
+    def reserve(
+        self, message: decode_pb2.ReserveRequest, metadata: Metadata = ()
+    ) -> decode_pb2.ReserveReply:
         """Raises ResourceExhaustedError (with decode's retry-after) when refused."""
         stub = decode_pb2_grpc.DecodeServiceStub(self._channel)
-        reply: decode_pb2.ReserveReply = self._call(stub.Reserve, message, self.deadlines.reserve_s)
+        reply: decode_pb2.ReserveReply = self._call(
+            stub.Reserve, message, self.deadlines.reserve_s, metadata
+        )
         return reply
 
     def commit_kv(self, request_id: str, first_block: int, num_blocks: int) -> None:
@@ -95,9 +102,10 @@ class DecodeClient(_Client):
         request_id: str,
         first_token_id: int,
         first_logprob: common_pb2.TokenLogprob | None = None,
+        metadata: Metadata = (),
     ) -> None:
         stub = decode_pb2_grpc.DecodeServiceStub(self._channel)
         message = decode_pb2.StartDecodeRequest(
             request_id=request_id, first_token_id=first_token_id, first_logprob=first_logprob
         )
-        self._call(stub.StartDecode, message, self.deadlines.control_s)
+        self._call(stub.StartDecode, message, self.deadlines.control_s, metadata)

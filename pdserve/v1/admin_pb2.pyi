@@ -303,3 +303,127 @@ class FlushCacheReply(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___FlushCacheReply: _TypeAlias = FlushCacheReply  # noqa: Y015
+
+@_typing.final
+class RequestTraceRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
+    request_id: _builtins.str
+    def __init__(
+        self,
+        *,
+        request_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["request_id", b"request_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RequestTraceRequest: _TypeAlias = RequestTraceRequest  # noqa: Y015
+
+@_typing.final
+class TraceStage(_message.Message):
+    """One stage of a request: where it ran, when (seconds after the request arrived), how long."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    @_typing.final
+    class AttributesEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.str
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.str = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    NAME_FIELD_NUMBER: _builtins.int
+    INSTANCE_FIELD_NUMBER: _builtins.int
+    START_S_FIELD_NUMBER: _builtins.int
+    DURATION_S_FIELD_NUMBER: _builtins.int
+    ATTRIBUTES_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    """e.g. route, prefill.compute, kv.transfer, decode.first_step"""
+    instance: _builtins.str
+    """host:port of the instance; empty: the router"""
+    start_s: _builtins.float
+    duration_s: _builtins.float
+    @_builtins.property
+    def attributes(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
+        """e.g. transport, bytes, device_hit_tokens"""
+
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        instance: _builtins.str = ...,
+        start_s: _builtins.float = ...,
+        duration_s: _builtins.float = ...,
+        attributes: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attributes", b"attributes", "duration_s", b"duration_s", "instance", b"instance", "name", b"name", "start_s", b"start_s"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___TraceStage: _TypeAlias = TraceStage  # noqa: Y015
+
+@_typing.final
+class RequestTrace(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
+    TRACE_ID_FIELD_NUMBER: _builtins.int
+    STATUS_FIELD_NUMBER: _builtins.int
+    PROMPT_TOKENS_FIELD_NUMBER: _builtins.int
+    OUTPUT_TOKENS_FIELD_NUMBER: _builtins.int
+    ATTEMPTS_FIELD_NUMBER: _builtins.int
+    MIGRATIONS_FIELD_NUMBER: _builtins.int
+    DURATION_S_FIELD_NUMBER: _builtins.int
+    STAGES_FIELD_NUMBER: _builtins.int
+    request_id: _builtins.str
+    trace_id: _builtins.str
+    """empty when the request was not traced"""
+    status: _builtins.str
+    """running | stop | length | abort | error: <message>"""
+    prompt_tokens: _builtins.int
+    output_tokens: _builtins.int
+    attempts: _builtins.int
+    migrations: _builtins.int
+    duration_s: _builtins.float
+    """so far, for a running request"""
+    @_builtins.property
+    def stages(self) -> _containers.RepeatedCompositeFieldContainer[Global___TraceStage]: ...
+    def __init__(
+        self,
+        *,
+        request_id: _builtins.str = ...,
+        trace_id: _builtins.str = ...,
+        status: _builtins.str = ...,
+        prompt_tokens: _builtins.int = ...,
+        output_tokens: _builtins.int = ...,
+        attempts: _builtins.int = ...,
+        migrations: _builtins.int = ...,
+        duration_s: _builtins.float = ...,
+        stages: _abc.Iterable[Global___TraceStage] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempts", b"attempts", "duration_s", b"duration_s", "migrations", b"migrations", "output_tokens", b"output_tokens", "prompt_tokens", b"prompt_tokens", "request_id", b"request_id", "stages", b"stages", "status", b"status", "trace_id", b"trace_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RequestTrace: _TypeAlias = RequestTrace  # noqa: Y015

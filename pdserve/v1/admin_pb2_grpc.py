@@ -80,6 +80,11 @@ class AdminServiceStub:
                 request_serializer=pdserve_dot_v1_dot_common__pb2.AbortRequest.SerializeToString,
                 response_deserializer=pdserve_dot_v1_dot_common__pb2.AbortReply.FromString,
                 _registered_method=True)
+        self.GetRequestTrace = channel.unary_unary(
+                '/pdserve.v1.AdminService/GetRequestTrace',
+                request_serializer=pdserve_dot_v1_dot_admin__pb2.RequestTraceRequest.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_admin__pb2.RequestTrace.FromString,
+                _registered_method=True)
 
 
 class AdminServiceServicer:
@@ -145,6 +150,14 @@ class AdminServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetRequestTrace(self, request, context):
+        """The timeline of a running or recently finished request (observability.recent_requests
+        kept); NOT_FOUND for an id the router does not hold.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AdminServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -192,6 +205,11 @@ def add_AdminServiceServicer_to_server(servicer, server):
                     servicer.AbortRequest,
                     request_deserializer=pdserve_dot_v1_dot_common__pb2.AbortRequest.FromString,
                     response_serializer=pdserve_dot_v1_dot_common__pb2.AbortReply.SerializeToString,
+            ),
+            'GetRequestTrace': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetRequestTrace,
+                    request_deserializer=pdserve_dot_v1_dot_admin__pb2.RequestTraceRequest.FromString,
+                    response_serializer=pdserve_dot_v1_dot_admin__pb2.RequestTrace.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -437,6 +455,33 @@ class AdminService:
             '/pdserve.v1.AdminService/AbortRequest',
             pdserve_dot_v1_dot_common__pb2.AbortRequest.SerializeToString,
             pdserve_dot_v1_dot_common__pb2.AbortReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetRequestTrace(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.AdminService/GetRequestTrace',
+            pdserve_dot_v1_dot_admin__pb2.RequestTraceRequest.SerializeToString,
+            pdserve_dot_v1_dot_admin__pb2.RequestTrace.FromString,
             options,
             channel_credentials,
             insecure,

@@ -51,6 +51,10 @@ class AdminServiceStub:
     FlushCache: _grpc.UnaryUnaryMultiCallable[_admin_pb2.FlushCacheRequest, _admin_pb2.FlushCacheReply]
     """Drop cached blocks: the device prefix cache of one instance or all, or the storage tier."""
     AbortRequest: _grpc.UnaryUnaryMultiCallable[_common_pb2.AbortRequest, _common_pb2.AbortReply]
+    GetRequestTrace: _grpc.UnaryUnaryMultiCallable[_admin_pb2.RequestTraceRequest, _admin_pb2.RequestTrace]
+    """The timeline of a running or recently finished request (observability.recent_requests
+    kept); NOT_FOUND for an id the router does not hold.
+    """
 
 @_typing.type_check_only
 class AdminServiceAsyncStub(AdminServiceStub):
@@ -72,6 +76,10 @@ class AdminServiceAsyncStub(AdminServiceStub):
     FlushCache: _aio.UnaryUnaryMultiCallable[_admin_pb2.FlushCacheRequest, _admin_pb2.FlushCacheReply]  # type: ignore[assignment]
     """Drop cached blocks: the device prefix cache of one instance or all, or the storage tier."""
     AbortRequest: _aio.UnaryUnaryMultiCallable[_common_pb2.AbortRequest, _common_pb2.AbortReply]  # type: ignore[assignment]
+    GetRequestTrace: _aio.UnaryUnaryMultiCallable[_admin_pb2.RequestTraceRequest, _admin_pb2.RequestTrace]  # type: ignore[assignment]
+    """The timeline of a running or recently finished request (observability.recent_requests
+    kept); NOT_FOUND for an id the router does not hold.
+    """
 
 class AdminServiceServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
@@ -144,5 +152,15 @@ class AdminServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _common_pb2.AbortRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_common_pb2.AbortReply, _abc.Awaitable[_common_pb2.AbortReply]]: ...
+
+    @_abc_1.abstractmethod
+    def GetRequestTrace(
+        self,
+        request: _admin_pb2.RequestTraceRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_admin_pb2.RequestTrace, _abc.Awaitable[_admin_pb2.RequestTrace]]:
+        """The timeline of a running or recently finished request (observability.recent_requests
+        kept); NOT_FOUND for an id the router does not hold.
+        """
 
 def add_AdminServiceServicer_to_server(servicer: AdminServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -366,12 +366,17 @@ class TokenFinal(_message.Message):
     NUM_PROMPT_TOKENS_FIELD_NUMBER: _builtins.int
     NUM_OUTPUT_TOKENS_FIELD_NUMBER: _builtins.int
     NUM_CACHED_TOKENS_FIELD_NUMBER: _builtins.int
+    TIMINGS_FIELD_NUMBER: _builtins.int
     finish_reason: Global___FinishReason.ValueType
     stop_reason: _builtins.str
     num_prompt_tokens: _builtins.int
     num_output_tokens: _builtins.int
     num_cached_tokens: _builtins.int
     """prompt tokens this instance did not compute (device + storage)"""
+    @_builtins.property
+    def timings(self) -> Global___StageTimings:
+        """where the request's time went on this instance"""
+
     def __init__(
         self,
         *,
@@ -380,14 +385,59 @@ class TokenFinal(_message.Message):
         num_prompt_tokens: _builtins.int = ...,
         num_output_tokens: _builtins.int = ...,
         num_cached_tokens: _builtins.int = ...,
+        timings: Global___StageTimings | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["timings", b"timings"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["finish_reason", b"finish_reason", "num_cached_tokens", b"num_cached_tokens", "num_output_tokens", b"num_output_tokens", "num_prompt_tokens", b"num_prompt_tokens", "stop_reason", b"stop_reason"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["finish_reason", b"finish_reason", "num_cached_tokens", b"num_cached_tokens", "num_output_tokens", b"num_output_tokens", "num_prompt_tokens", b"num_prompt_tokens", "stop_reason", b"stop_reason", "timings", b"timings"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___TokenFinal: _TypeAlias = TokenFinal  # noqa: Y015
+
+@_typing.final
+class StageTimings(_message.Message):
+    """Where a request's time went on the instance that streamed it, in seconds."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    WAIT_S_FIELD_NUMBER: _builtins.int
+    PREFILL_S_FIELD_NUMBER: _builtins.int
+    ADMISSION_S_FIELD_NUMBER: _builtins.int
+    FIRST_STEP_S_FIELD_NUMBER: _builtins.int
+    DEVICE_HIT_TOKENS_FIELD_NUMBER: _builtins.int
+    STORAGE_HIT_TOKENS_FIELD_NUMBER: _builtins.int
+    wait_s: _builtins.float
+    """mixed: queued until its first step; decode: from its reservation until the first-token
+    handoff (its KV arriving from prefill)
+    """
+    prefill_s: _builtins.float
+    """mixed: the prompt's forward passes up to the first token; decode: 0"""
+    admission_s: _builtins.float
+    """from the first token until the step that makes the next one starts"""
+    first_step_s: _builtins.float
+    """that step"""
+    device_hit_tokens: _builtins.int
+    """prompt tokens found in this instance's device prefix cache"""
+    storage_hit_tokens: _builtins.int
+    """prompt tokens loaded from the storage tier"""
+    def __init__(
+        self,
+        *,
+        wait_s: _builtins.float = ...,
+        prefill_s: _builtins.float = ...,
+        admission_s: _builtins.float = ...,
+        first_step_s: _builtins.float = ...,
+        device_hit_tokens: _builtins.int = ...,
+        storage_hit_tokens: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["admission_s", b"admission_s", "device_hit_tokens", b"device_hit_tokens", "first_step_s", b"first_step_s", "prefill_s", b"prefill_s", "storage_hit_tokens", b"storage_hit_tokens", "wait_s", b"wait_s"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___StageTimings: _TypeAlias = StageTimings  # noqa: Y015
 
 @_typing.final
 class RequestOutputs(_message.Message):

@@ -94,6 +94,8 @@ class PrefillResult(_message.Message):
     TIMINGS_FIELD_NUMBER: _builtins.int
     TRANSPORT_FIELD_NUMBER: _builtins.int
     PROMPT_LOGPROBS_FIELD_NUMBER: _builtins.int
+    NUM_DEVICE_HIT_TOKENS_FIELD_NUMBER: _builtins.int
+    NUM_STORAGE_HIT_TOKENS_FIELD_NUMBER: _builtins.int
     first_token_id: _builtins.int
     num_prompt_tokens: _builtins.int
     num_cached_tokens: _builtins.int
@@ -104,6 +106,10 @@ class PrefillResult(_message.Message):
     kv_bytes_sent: _builtins.int
     transport: _builtins.str
     """grpc | shm | mooncake; empty when nothing was sent"""
+    num_device_hit_tokens: _builtins.int
+    """of num_cached_tokens: found in the device prefix cache"""
+    num_storage_hit_tokens: _builtins.int
+    """of num_cached_tokens: loaded from the storage tier"""
     @_builtins.property
     def timings(self) -> Global___PrefillTimings: ...
     @_builtins.property
@@ -122,10 +128,12 @@ class PrefillResult(_message.Message):
         timings: Global___PrefillTimings | None = ...,
         transport: _builtins.str = ...,
         prompt_logprobs: _abc.Iterable[_common_pb2.TokenLogprob] | None = ...,
+        num_device_hit_tokens: _builtins.int = ...,
+        num_storage_hit_tokens: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["timings", b"timings"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["first_token_id", b"first_token_id", "kv_blocks_sent", b"kv_blocks_sent", "kv_bytes_sent", b"kv_bytes_sent", "num_cached_tokens", b"num_cached_tokens", "num_decode_cached_tokens", b"num_decode_cached_tokens", "num_prompt_tokens", b"num_prompt_tokens", "prompt_logprobs", b"prompt_logprobs", "timings", b"timings", "transport", b"transport"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["first_token_id", b"first_token_id", "kv_blocks_sent", b"kv_blocks_sent", "kv_bytes_sent", b"kv_bytes_sent", "num_cached_tokens", b"num_cached_tokens", "num_decode_cached_tokens", b"num_decode_cached_tokens", "num_device_hit_tokens", b"num_device_hit_tokens", "num_prompt_tokens", b"num_prompt_tokens", "num_storage_hit_tokens", b"num_storage_hit_tokens", "prompt_logprobs", b"prompt_logprobs", "timings", b"timings", "transport", b"transport"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

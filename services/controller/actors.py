@@ -21,6 +21,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from pdserve.config import ClusterConfig, EngineConfig
 from pdserve.engine.tensor_parallel import Rendezvous, serve_worker, use_launcher
+from pdserve.observability import logs, tracing
 from pdserve.rpc.server import AioServer, advertised_host, host_port
 from services.controller.state import tls_files
 from services.decode.instance import DecodeInstance
@@ -194,9 +195,8 @@ class InstanceActor:
     ) -> None:
         if role not in ROLES:
             raise ValueError(f"unknown role {role!r}; expected one of {ROLES}")
-        logging.basicConfig(
-            level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-        )
+        observability = config.observability
+        logs.configure_logging(observability.log_format, logging.INFO)
         claim_gpus()
         engine = config.engine_for(role)
         if workers is not None:  # this process holds one instance: its launcher is the default
@@ -232,6 +232,12 @@ class InstanceActor:
                 engine, config.host, storage=config.storage, secret=secret, tls=tls
             )
         self._address = host_port(advertised_host(config.host), port)
+        tracing.configure(
+            tracing.trace_endpoint(observability.otlp_endpoint),
+            observability.trace_sample_ratio,
+            f"pdserve-{role}",
+            {"service.instance.id": self._address},
+        )
 
     def address(self) -> str:
         """host:port of this instance's gRPC server."""
@@ -264,3 +270,4 @@ class InstanceActor:
     def stop(self) -> None:
         self.server.stop(grace=2).wait()
         self.instance.stop()
+        tracing.shutdown()  # its last spans

@@ -17,7 +17,13 @@ import grpc
 import ray
 
 from pdserve.config import AdminConfig
-from pdserve.errors import ClusterError, ConfigError, InstanceUnavailableError, PdserveError
+from pdserve.errors import (
+    ClusterError,
+    ConfigError,
+    InstanceUnavailableError,
+    PdserveError,
+    RequestNotFoundError,
+)
 from pdserve.rpc.auth import BearerTokenInterceptor, secret_file
 from pdserve.rpc.server import create_server
 from pdserve.rpc.status import abort_with
@@ -205,6 +211,21 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
         found = request.request_id in self.router.active_requests()
         self.router.abort(request.request_id)
         return common_pb2.AbortReply(found=found)
+
+    def GetRequestTrace(
+        self, request: admin_pb2.RequestTraceRequest, context: grpc.ServicerContext
+    ) -> admin_pb2.RequestTrace:
+        record = self.router.recent.get(request.request_id)
+        if record is None:
+            kept = self.router.recent.capacity
+            abort_with(
+                context,
+                RequestNotFoundError(
+                    f"no request {request.request_id!r} on this router: it keeps the running "
+                    f"requests and the last {kept} finished ones (observability.recent_requests)"
+                ),
+            )
+        return record.to_proto()
 
 
 def serve_admin(

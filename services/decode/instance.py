@@ -24,6 +24,7 @@ from pdserve.errors import (
 from pdserve.instance.runtime import InstanceRuntime
 from pdserve.instance.streams import aborted_output
 from pdserve.kvcache.hashing import PromptHashes
+from pdserve.observability import tracing
 from pdserve.rpc.tls import TlsFiles
 from pdserve.transfer.base import KVEndpoints, host_id
 from pdserve.transfer.cuda_ipc import export_kv_cache
@@ -120,10 +121,12 @@ class DecodeInstance:
         hashes: PromptHashes | None = None,
         attempt: str = "",
         subscriber: str = "",
+        trace_parent: tracing.Context | None = None,
     ) -> ReservationGrant:
         """Reserve blocks for the prompt if the growth headroom of the running requests
         survives it. Its output stream opens with it, to the router's `subscriber` (empty:
-        read here), its outputs tagged with the router's `attempt`.
+        read here), its outputs tagged with the router's `attempt`, traced under
+        `trace_parent` (the prefill span that asked).
 
         Raises ResourceExhaustedError (with a retry-after) when it would not,
         InvalidRequestError / PromptTooLongError for a bad request and DuplicateRequestError
@@ -137,7 +140,7 @@ class DecodeInstance:
         request = self.runtime.make_request(
             prompt_token_ids, params, request_id, block_hashes=hashes
         )
-        stream = self.runtime.open_stream(request_id, attempt, subscriber)
+        stream = self.runtime.open_stream(request_id, attempt, subscriber, trace_parent)
         try:
             self.runtime.read_ahead(request)  # blocks this instance lacks but storage has
             return self.runtime.loop.call(lambda engine: self._reserve(engine, request))

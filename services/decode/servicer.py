@@ -16,6 +16,7 @@ from pdserve.instance.convert import (
     logprob_from_proto,
     sampling_from_proto,
 )
+from pdserve.observability import tracing
 from pdserve.rpc.server import AioServer, blocking
 from pdserve.rpc.status import abort_with, abort_with_async
 from pdserve.rpc.tls import TlsFiles
@@ -49,6 +50,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
                 hashes_from_proto(generate),
                 generate.attempt,
                 generate.subscriber,
+                tracing.extract(context.invocation_metadata() or ()),
             )
         except Exception as e:  # a refusal is RESOURCE_EXHAUSTED with decode's retry-after
             _log_unexpected(e, "Reserve", generate.request_id)

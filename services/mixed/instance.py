@@ -5,6 +5,7 @@ from pdserve.engine.request import SamplingParams
 from pdserve.errors import InvalidRequestError
 from pdserve.instance.runtime import InstanceRuntime
 from pdserve.kvcache.hashing import PromptHashes
+from pdserve.observability import tracing
 from pdserve.rpc.tls import TlsFiles
 from pdserve.v1 import common_pb2
 
@@ -40,9 +41,11 @@ class MixedInstance:
         hashes: PromptHashes | None = None,
         attempt: str = "",
         subscriber: str = "",
+        trace_parent: tracing.Context | None = None,
     ) -> None:
         """Build the request and queue it; its outputs go to the router's `subscriber`
-        subscription, tagged with its `attempt`. Raises InvalidRequestError /
+        subscription, tagged with its `attempt`, traced under `trace_parent` (the router's
+        attempt). Raises InvalidRequestError /
         PromptTooLongError, DuplicateRequestError, InstanceUnavailableError (the subscription
         is not open). Blocking: one engine-thread round trip."""
         if not subscriber:
@@ -50,7 +53,7 @@ class MixedInstance:
                 "subscriber is required: a mixed instance sends a request's outputs to its "
                 "router's subscription (InstanceService.SubscribeOutputs)"
             )
-        stream = self.runtime.open_stream(request_id, attempt, subscriber)
+        stream = self.runtime.open_stream(request_id, attempt, subscriber, trace_parent)
         try:
             request = self.runtime.make_request(
                 prompt_token_ids, params, request_id, block_hashes=hashes

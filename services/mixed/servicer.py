@@ -8,6 +8,7 @@ import grpc
 from pdserve.config import EngineConfig, StorageConfig
 from pdserve.errors import PdserveError
 from pdserve.instance.convert import hashes_from_proto, sampling_from_proto
+from pdserve.observability import tracing
 from pdserve.rpc.server import AioServer, blocking
 from pdserve.rpc.status import abort_with_async
 from pdserve.rpc.tls import TlsFiles
@@ -34,6 +35,7 @@ class MixedServicer(mixed_pb2_grpc.MixedServiceServicer):
             await blocking(
                 self.instance.submit, request.request_id, list(request.prompt_token_ids),
                 params, hashes_from_proto(request), request.attempt, request.subscriber,
+                tracing.extract(context.invocation_metadata() or ()),
             )  # fmt: skip
         except PdserveError as e:
             await abort_with_async(context, e)

@@ -33,7 +33,14 @@ from pdserve.instance.convert import endpoints_from_proto, generate_request, log
 from pdserve.instance.runtime import InstanceRuntime
 from pdserve.instance.streams import OutputStream
 from pdserve.kvcache.hashing import PromptHashes
-from pdserve.rpc.clients import DEFAULT_DEADLINES, Deadlines, DecodeClient, InstanceClient
+from pdserve.observability import logs, tracing
+from pdserve.rpc.clients import (
+    DEFAULT_DEADLINES,
+    Deadlines,
+    DecodeClient,
+    InstanceClient,
+    Metadata,
+)
 from pdserve.rpc.tls import TlsFiles
 from pdserve.transfer.base import KVEndpoints, KVTarget
 from pdserve.transfer.cuda_ipc import CudaIpcKVTransport
@@ -64,6 +71,8 @@ class PrefillOutcome:
     bytes_sent: int
     timings: PrefillTimings = field(default_factory=PrefillTimings)
     transport: str = ""  # how the KV went to decode (empty: decode held every block)
+    device_hit_tokens: int = 0  # of num_cached_tokens: in this instance's device prefix cache
+    storage_hit_tokens: int = 0  # of num_cached_tokens: loaded from the storage tier
     prompt_logprobs: tuple[TokenLogprob, ...] = ()  # when the request asked for them
 
 
@@ -126,15 +135,46 @@ class PrefillInstance:
         hashes: PromptHashes | None = None,
         attempt: str = "",
         subscriber: str = "",
+        trace_parent: tracing.Context | None = None,
     ) -> PrefillOutcome:
         """Run one request's prefill and handoff (`attempt` and `subscriber`: the router's
-        attempt and output subscription, sent to decode with the reservation).
+        attempt and output subscription, sent to decode with the reservation), traced under
+        `trace_parent` (the router's attempt) while tracing is on.
 
         Raises InvalidRequestError (bad input, here or on decode), ResourceExhaustedError
         (decode refused until the backoff ran out), KVTransferError, InstanceUnavailableError,
         StepFailedError or RequestAbortedError; blocks are released on every path.
         """
         outcome = PrefillOutcome(0, len(prompt_token_ids), 0, 0, 0, 0)
+        start = time.perf_counter()
+        span = tracing.start("prefill", trace_parent, {"pdserve.request_id": request_id,
+                             "pdserve.decode": decode_address}, at=start, server=True)  # fmt: skip
+        with logs.request_context(request_id, tracing.trace_id(span)):
+            try:
+                self._prefill(
+                    outcome, prompt_token_ids, params, request_id, decode_address, hashes,
+                    attempt, subscriber, tracing.metadata(span),
+                )  # fmt: skip
+            except BaseException as e:
+                _record(span, start, outcome, e)
+                raise
+        self._observe(outcome)
+        _record(span, start, outcome)
+        return outcome
+
+    def _prefill(
+        self,
+        outcome: PrefillOutcome,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        request_id: str,
+        decode_address: str,
+        hashes: PromptHashes | None,
+        attempt: str,
+        subscriber: str,
+        metadata: Metadata,
+    ) -> None:
+        """`prefill`'s steps, filling in `outcome` (`metadata`: of the calls to decode)."""
         start = time.perf_counter()
         request = self.runtime.make_request(
             prompt_token_ids, params, request_id, prefill_only=True, block_hashes=hashes
@@ -144,7 +184,9 @@ class PrefillInstance:
         decode_reserved = False
         try:
             try:
-                reservation = self.preallocate_resource_in_p(request, decode, attempt, subscriber)
+                reservation = self.preallocate_resource_in_p(
+                    request, decode, attempt, subscriber, metadata
+                )
             except InstanceUnavailableError:  # decode may still grant it: release it there
                 self._abort_on_decode(request_id, decode)
                 raise
@@ -155,17 +197,30 @@ class PrefillInstance:
             output = self._compute(request, stream, outcome)
             self._send_kv(request, output.block_ids, reservation, decode_address, outcome)
             _check_not_aborted(stream)  # aborted while sending: its blocks were kept until now
-            self._hand_off(request_id, decode, output, outcome)
+            self._hand_off(request_id, decode, output, outcome, metadata)
             decode_reserved = False
         finally:
             self.runtime.close_stream(request_id, stream=stream)
             self.runtime.loop.submit(lambda engine: engine.release(request_id))  # not awaited
             if decode_reserved:
                 self._abort_on_decode(request_id, decode)
-        return outcome
+
+    def _observe(self, outcome: PrefillOutcome) -> None:
+        """The request's stages into this instance's histograms."""
+        t, metrics = outcome.timings, self.runtime.stage_metrics
+        metrics.observe("reservation_wait", t.reserve_s)
+        metrics.observe("queue", t.queue_s)
+        metrics.observe("prefill", t.compute_s)
+        if outcome.transport:
+            metrics.observe_transfer(outcome.transport, t.transfer_s, outcome.bytes_sent)
 
     def _hand_off(
-        self, request_id: str, decode: DecodeClient, first: RequestOutput, outcome: PrefillOutcome
+        self,
+        request_id: str,
+        decode: DecodeClient,
+        first: RequestOutput,
+        outcome: PrefillOutcome,
+        metadata: Metadata = (),
     ) -> None:
         """The KV is on decode: give it the first token (and its logprob, when asked for),
         which starts the request there."""
@@ -173,7 +228,7 @@ class PrefillInstance:
         first_token_id = first.new_token_ids[0]
         logprob = logprob_to_proto(first.new_logprobs[0]) if first.new_logprobs else None
         try:
-            decode.start_decode(request_id, first_token_id, logprob)
+            decode.start_decode(request_id, first_token_id, logprob, metadata)
         except (InvalidRequestError, InstanceUnavailableError) as e:
             raise _from_decode(e, decode.address) from e
         except RequestNotFoundError as e:  # decode's reservation expired before the handoff
@@ -187,6 +242,7 @@ class PrefillInstance:
         decode: DecodeClient,
         router_attempt: str = "",
         subscriber: str = "",
+        metadata: Metadata = (),
     ) -> DecodeReservation:
         """Admit the prompt here (device prefix hit, storage blocks staged after it, blocks for
         the rest; when the pool is short the scheduler admits it later) and ask the decode
@@ -207,7 +263,7 @@ class PrefillInstance:
         for attempt in range(1, attempts + 1):
             asked = time.monotonic()
             try:
-                reply = decode.reserve(message)
+                reply = decode.reserve(message, metadata)
             except (InvalidRequestError, InstanceUnavailableError) as e:
                 raise _from_decode(e, decode.address) from e
             except ResourceExhaustedError as refusal:
@@ -257,6 +313,8 @@ class PrefillInstance:
         if not output.kv_ready:
             raise RequestAbortedError(f"request {request.request_id} was aborted")
         outcome.num_cached_tokens = output.num_cached_tokens
+        outcome.device_hit_tokens = request.device_hit_tokens or 0  # set before kv_ready
+        outcome.storage_hit_tokens = request.storage_hit_tokens
         outcome.prompt_logprobs = output.prompt_logprobs
         done = time.perf_counter()
         scheduled = request.first_scheduled_at or queued
@@ -322,6 +380,43 @@ class PrefillInstance:
 
     def check_integrity(self) -> None:
         self.runtime.check_integrity()
+
+
+def _record(
+    span: tracing.Span | None,
+    start: float,
+    outcome: PrefillOutcome,
+    error: BaseException | None = None,
+) -> None:
+    """End the request's prefill span with its stages (they follow each other from `start`)
+    and what it found cached and sent."""
+    if span is None:
+        return
+    t = outcome.timings
+    reserve: tracing.Attributes = {"pdserve.decode_cached_tokens": outcome.num_decode_cached_tokens}
+    compute: tracing.Attributes = {
+        "pdserve.device_hit_tokens": outcome.device_hit_tokens,
+        "pdserve.storage_hit_tokens": outcome.storage_hit_tokens,
+    }
+    transfer: tracing.Attributes = {
+        "pdserve.transport": outcome.transport,
+        "pdserve.kv_bytes": outcome.bytes_sent,
+        "pdserve.kv_blocks": outcome.blocks_sent,
+    }
+    stages: tuple[tuple[str, float, tracing.Attributes], ...] = (
+        ("prefill.reserve", t.reserve_s, reserve),
+        ("prefill.queue", t.queue_s, {}),
+        ("prefill.compute", t.compute_s, compute),
+        ("kv.transfer", t.transfer_s, transfer),
+        ("prefill.handoff", t.handoff_s, {}),
+    )
+    at = start
+    for name, duration, attributes in stages:
+        if duration > 0:
+            tracing.record(name, span, at, at + duration, attributes)
+        at += duration
+    span.set_attribute("pdserve.cached_tokens", outcome.num_cached_tokens)
+    tracing.end(span, error=error)
 
 
 def _check_not_aborted(stream: OutputStream) -> None:

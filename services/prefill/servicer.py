@@ -8,6 +8,7 @@ import grpc
 from pdserve.config import EngineConfig, PrefillConfig, StorageConfig, TransferConfig
 from pdserve.errors import InvalidRequestError, PdserveError
 from pdserve.instance.convert import hashes_from_proto, logprob_to_proto, sampling_from_proto
+from pdserve.observability import tracing
 from pdserve.rpc.server import AioServer, blocking, post
 from pdserve.rpc.status import abort_with_async
 from pdserve.rpc.tls import TlsFiles
@@ -37,7 +38,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
             outcome = await blocking(
                 self.instance.prefill, generate.request_id, list(generate.prompt_token_ids),
                 params, request.decode_address, hashes_from_proto(generate), generate.attempt,
-                generate.subscriber,
+                generate.subscriber, tracing.extract(context.invocation_metadata() or ()),
             )  # fmt: skip
         except PdserveError as e:
             logger.info(
@@ -66,6 +67,8 @@ def _result(outcome: PrefillOutcome) -> prefill_pb2.PrefillResult:
         kv_bytes_sent=outcome.bytes_sent,
         transport=outcome.transport,
         prompt_logprobs=[logprob_to_proto(lp) for lp in outcome.prompt_logprobs],
+        num_device_hit_tokens=outcome.device_hit_tokens,
+        num_storage_hit_tokens=outcome.storage_hit_tokens,
         timings=prefill_pb2.PrefillTimings(
             reserve_s=t.reserve_s,
             queue_s=t.queue_s,

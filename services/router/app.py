@@ -32,6 +32,7 @@ from pdserve.errors import (
 )
 from pdserve.metrics import RouterMetrics
 from pdserve.model.tokenizer import Tokenizer
+from pdserve.observability import tracing
 from services.router import tool_calls
 from services.router.edge import RequestEdge
 from services.router.membership import Role
@@ -205,8 +206,11 @@ async def _serve(
     ranked = count > body.n
     choice_params = [_choice_params(params, i, ranked) for i in range(count)]
 
+    def generation(i: int) -> AsyncGenerator[Event, None]:
+        return router.generate(choice_ids[i], ids, choice_params[i], arrival=started, parent=parent)
+
     def start(i: int, first: Event | None = None) -> AsyncGenerator[Event, None]:
-        events = router.generate(choice_ids[i], ids, choice_params[i]) if i else leader
+        events = generation(i) if i else leader
         return _observed(router.metrics, events, started, first)
 
     def abort_all() -> None:
@@ -214,7 +218,8 @@ async def _serve(
             router.abort(choice_id)
 
     started = time.perf_counter()
-    leader = router.generate(choice_ids[0], ids, choice_params[0])
+    parent = tracing.extract(http.headers)  # the caller's W3C traceparent, when tracing
+    leader = generation(0)
     try:
         first = _openai(await anext(leader))  # errors before the first token -> an HTTP error
     except BaseException:

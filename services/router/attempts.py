@@ -14,6 +14,7 @@ Runs on the router's event loop; `abort` and `active` may be called from other t
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -32,6 +33,8 @@ from pdserve.errors import (
 )
 from pdserve.kvcache.hashing import BlockHash, BlockHasher, PromptHashes
 from pdserve.metrics import RouterMetrics
+from pdserve.observability import tracing
+from pdserve.rpc.clients import Metadata
 from services.router.kv_index import KVEventIndex
 from services.router.load import Lease, LoadTracker
 from services.router.membership import Membership, Role
@@ -44,6 +47,7 @@ from services.router.policies import (
     make_decode_policy,
     make_policy,
 )
+from services.router.timeline import RequestRecord
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +59,8 @@ class Route:
     prefill: str  # the prefill instance, or the mixed instance
     decode: str | None  # None: `prefill` is a mixed instance
     cached_tokens: int  # prompt tokens the prefill instance holds (the index's view)
+    reason: str = ""  # why the prefill policy chose it
+    score: float = 0.0  # its score under the policy
 
 
 @dataclass(slots=True)
@@ -113,11 +119,13 @@ class Attempts:
         params: SamplingParams,
         excluded: set[str],
         aborted: Callable[[], bool],
+        record: RequestRecord,
     ) -> AsyncGenerator[TokenDelta | Finished, None]:
         """The request's events from one routed run; failures before its first token are
         retried on other instances (added to `excluded`). A failure after it blames the
         instance that was streaming (added to `excluded`) and is raised. Raises
-        RequestAbortedError once `aborted()`, NoCapacityError when every attempt failed."""
+        RequestAbortedError once `aborted()`, NoCapacityError when every attempt failed.
+        Each routing decision and attempt is a stage of `record` (and a span of its trace)."""
         hashes = self._hasher.hash_tokens(token_ids)
         chain = PromptHashes(self._hasher.root, self._hasher.block_size, tuple(hashes))
         backoff = self.config.retry_backoff_s  # doubles after each failed attempt
@@ -125,19 +133,27 @@ class Attempts:
         for attempt in range(1, self.config.max_attempts + 1):
             if aborted():
                 raise RequestAbortedError(f"request {request_id} was aborted")
-            route = self._choose(request_id, token_ids, hashes, excluded)
+            route = self._routed(record, request_id, token_ids, hashes, excluded)
             leases = self._take_leases(request_id, route, len(token_ids))
-            events = self._start(route, token_ids, params, request_id, chain)
+            dispatched = time.perf_counter()
+            record.dispatched = record.dispatched or dispatched
+            span = tracing.start("attempt", record.span, _attempt_attributes(attempt, route))
+            events = self._start(
+                route, token_ids, params, request_id, chain, tracing.metadata(span)
+            )
+            error: BaseException | None = None
             try:
                 try:
                     first = await anext(events)
                 except (InvalidRequestError, RequestAbortedError):
                     raise  # the caller's mistake, or stopped on purpose: not retried
                 except PdserveError as e:
-                    failure = e
+                    failure = error = e
                     excluded |= self._failed_attempt(e, request_id, attempt, route)
                     await asyncio.sleep(backoff * 2 ** (attempt - 1))
                     continue
+                first_token = time.perf_counter()
+                record.first_token = record.first_token or first_token
                 if route.decode is None:
                     leases[0].finish_prefill()  # mixed: the prompt is computed, decoding goes on
                 else:
@@ -145,12 +161,18 @@ class Attempts:
                 yield first
                 try:
                     async for event in events:
+                        if isinstance(event, Finished):
+                            _reported(record, route, event, dispatched, first_token)
                         yield event
                 except (InstanceUnavailableError, StepFailedError) as e:
                     excluded.add(self._lost_stream(e, route.decode or route.prefill))
                     raise
                 return
+            except BaseException as e:
+                error = e
+                raise
             finally:
+                tracing.end(span, error=error)
                 await events.aclose()
                 self._release(request_id)
         raise self._exhausted(failure)
@@ -166,6 +188,24 @@ class Attempts:
 
     # -- one attempt ------------------------------------------------------------------------------
 
+    def _routed(
+        self,
+        record: RequestRecord,
+        request_id: str,
+        token_ids: Sequence[int],
+        hashes: Sequence[BlockHash],
+        excluded: set[str],
+    ) -> Route:
+        """`_choose`, recorded as the request's `route` stage."""
+        started = time.perf_counter()
+        route = self._choose(request_id, token_ids, hashes, excluded)
+        record.attempts += 1
+        decision = {"prefill": route.prefill, "decode": route.decode or "",
+                    "policy": self.policy_name, "reason": route.reason, "score": route.score,
+                    "predicted_hit_tokens": route.cached_tokens}  # fmt: skip
+        record.add("route", started, time.perf_counter(), "", decision)
+        return route
+
     def _choose(
         self,
         request_id: str,
@@ -180,8 +220,9 @@ class Attempts:
             prefill = self._policy.choose(prefills, request, self.load.snapshot(), overlaps)
             self._metrics.decisions.labels(self.policy_name, str(prefill.reason)).inc()
             cached = prefill.overlap_blocks * self._hasher.block_size
+            reason, score = str(prefill.reason), prefill.score
             if self._membership.mixed:
-                return Route(prefill.instance_id, None, cached)
+                return Route(prefill.instance_id, None, cached, reason, score)
             decodes = self._membership.candidates(Role.DECODE, excluded)
             decode = self._decode_policy.choose(decodes, request, dict(self._decode_capacities()))
         except NoCandidateError as e:
@@ -191,7 +232,7 @@ class Attempts:
             request_id, prefill.instance_id, prefill.reason, prefill.overlap_blocks,
             decode.instance_id,
         )  # fmt: skip
-        return Route(prefill.instance_id, decode.instance_id, cached)
+        return Route(prefill.instance_id, decode.instance_id, cached, reason, score)
 
     def _take_leases(self, request_id: str, route: Route, prompt_tokens: int) -> tuple[Lease, ...]:
         """Count the request on its instances: only the tokens prefill must compute count as
@@ -210,13 +251,17 @@ class Attempts:
         params: SamplingParams,
         request_id: str,
         hashes: PromptHashes,
+        metadata: Metadata,
     ) -> AsyncGenerator[TokenDelta | Finished, None]:
         """The instances take the prompt's hash chain after checking three links of it: the
-        prompt is hashed once, here, not on every instance it passes."""
+        prompt is hashed once, here, not on every instance it passes. `metadata`: the
+        attempt's trace context."""
         if route.decode is None:
-            return self._client.generate_mixed(route.prefill, token_ids, params, request_id, hashes)
+            return self._client.generate_mixed(
+                route.prefill, token_ids, params, request_id, hashes, metadata
+            )
         return self._client.generate(
-            route.prefill, route.decode, token_ids, params, request_id, hashes
+            route.prefill, route.decode, token_ids, params, request_id, hashes, metadata
         )
 
     def _release(self, request_id: str) -> None:
@@ -234,7 +279,8 @@ class Attempts:
         self._metrics.retries.inc()
         blamed = self._blame(error, route)
         logger.warning("request %s attempt %d on %s -> %s failed: %s",
-                       request_id, attempt, route.prefill, route.decode, error)  # fmt: skip
+                       request_id, attempt, route.prefill, route.decode, error,
+                       extra={"request_id": request_id})  # fmt: skip
         self._release(request_id)
         return blamed
 
@@ -276,3 +322,19 @@ class Attempts:
             "retry later",
             retry_ms,
         )
+
+
+def _attempt_attributes(attempt: int, route: Route) -> tracing.Attributes:
+    return {"pdserve.attempt": attempt, "pdserve.prefill": route.prefill,
+            "pdserve.decode": route.decode or ""}  # fmt: skip
+
+
+def _reported(
+    record: RequestRecord, route: Route, finished: Finished, dispatched: float, first_token: float
+) -> None:
+    """The stages the attempt's instances reported with its end."""
+    if finished.prefill is not None and route.decode is not None:
+        record.prefill_reported(finished.prefill, route.prefill, dispatched)
+    if finished.timings is not None:
+        role = "mixed" if route.decode is None else "decode"
+        record.stream_reported(finished.timings, route.decode or route.prefill, role, first_token)

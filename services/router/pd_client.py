@@ -23,7 +23,7 @@ from pdserve.instance.convert import FINISH_REASON_NAMES, generate_request, logp
 from pdserve.kvcache.hashing import PromptHashes
 from pdserve.rpc.aio import AioChannelPool, AioClients
 from pdserve.rpc.channels import ChannelPool
-from pdserve.rpc.clients import DEFAULT_DEADLINES, Deadlines, InstanceClient
+from pdserve.rpc.clients import DEFAULT_DEADLINES, Deadlines, InstanceClient, Metadata
 from pdserve.v1 import common_pb2, prefill_pb2
 from services.router.outputs import OutputSubscriptions, RequestReplies
 
@@ -45,6 +45,7 @@ class Finished:
     num_prompt_tokens: int
     num_output_tokens: int
     prefill: prefill_pb2.PrefillResult | None  # None on a mixed instance
+    timings: common_pb2.StageTimings | None = None  # the streaming instance's stages
 
 
 class PDClient:
@@ -72,8 +73,10 @@ class PDClient:
         params: SamplingParams,
         request_id: str,
         hashes: PromptHashes | None = None,
+        metadata: Metadata = (),
     ) -> AsyncGenerator[TokenDelta | Finished, None]:
-        """Yield token deltas, then one Finished (`hashes`: the prompt's chain, sent along);
+        """Yield token deltas, then one Finished (`hashes`: the prompt's chain, sent along;
+        `metadata`: the attempt's own, its trace context, sent with Prefill);
         raises the typed error of a failed step. The attempt's outputs come on decode's output
         subscription, registered before Prefill starts, so the first token reaches the caller
         as soon as decode emits it (with prompt logprobs asked for, once Prefill's reply
@@ -89,7 +92,7 @@ class PDClient:
                 decode_address, prompt_token_ids, params, request_id, hashes, attempt,
                 self.outputs.subscriber,
             )  # fmt: skip
-            prefill = asyncio.ensure_future(self.aio.prefill(prefill_address, message))
+            prefill = asyncio.ensure_future(self.aio.prefill(prefill_address, message, metadata))
             try:
                 replied = await _first_replies(replies, prefill)
             except PdserveError:
@@ -123,6 +126,7 @@ class PDClient:
         params: SamplingParams,
         request_id: str,
         hashes: PromptHashes | None = None,
+        metadata: Metadata = (),
     ) -> AsyncGenerator[TokenDelta | Finished, None]:
         """One request on a mixed instance (both phases on one engine), its outputs on the
         instance's output subscription. Left unfinished, the attempt is aborted there."""
@@ -133,7 +137,7 @@ class PDClient:
             message = generate_request(
                 request_id, prompt_token_ids, params, hashes, attempt, self.outputs.subscriber
             )
-            await self.aio.submit(address, message)
+            await self.aio.submit(address, message, metadata)
             events = _Events()
             while not finished:
                 replied = await replies.get()
@@ -263,6 +267,7 @@ class _Events:
                     final.num_prompt_tokens,
                     final.num_output_tokens,
                     self._prefill,
+                    final.timings if final.HasField("timings") else None,
                 )
             )
         return events

@@ -56,6 +56,9 @@ class Decision:
     reason: RouteReason
     overlap_blocks: int = 0
     """Leading prompt blocks the chosen instance holds, per the KV-event index (0 if unused)."""
+    score: float = 0.0
+    """The chosen instance's score (`cache_aware`: cached tokens - load_weight x its in-flight
+    prefill tokens; 0 for the policies that score nothing)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -218,10 +221,11 @@ class CacheAwarePolicy(RoutingPolicy):
         ]
         start = self._turns.next() % len(candidates)
         order = itertools.chain(range(start, len(candidates)), range(start))
-        instance_id = candidates[max(order, key=scores.__getitem__)]
+        best = max(order, key=scores.__getitem__)
+        instance_id = candidates[best]
         overlap = overlaps.get(instance_id, 0)
         reason = RouteReason.CACHE_HIT if overlap else RouteReason.LOAD_OVER_CACHE
-        return Decision(instance_id, reason, overlap)
+        return Decision(instance_id, reason, overlap, scores[best][0])
 
     def _unbalanced(self, counts: Sequence[int]) -> bool:
         low, high = min(counts), max(counts)

@@ -19,7 +19,7 @@ import threading
 import time
 from collections.abc import AsyncGenerator, Callable
 
-from pdserve.config import RouterConfig
+from pdserve.config import ObservabilityConfig, RouterConfig
 from pdserve.engine.request import SamplingParams
 from pdserve.errors import (
     InstanceUnavailableError,
@@ -29,12 +29,14 @@ from pdserve.errors import (
     StepFailedError,
 )
 from pdserve.metrics import RouterMetrics
+from pdserve.observability import tracing
 from services.router.attempts import Attempts
 from services.router.followers import DecodeLoadPoller, KVEventFollower
 from services.router.membership import Membership, Role
 from services.router.migration import Transcript
 from services.router.model_info import ModelInfo
 from services.router.pd_client import Finished, PDClient, TokenDelta
+from services.router.timeline import RecentRequests, RequestRecord
 
 logger = logging.getLogger(__name__)
 
@@ -48,10 +50,14 @@ class Router:
         client: PDClient | None = None,
         *,
         on_unreachable: Callable[[], None] = lambda: None,
+        observability: ObservabilityConfig | None = None,
     ) -> None:
         """`on_unreachable` is called (from any thread, must not block) when an instance
         could not be reached: the supervisor checks liveness now."""
+        observability = observability or ObservabilityConfig()
         self.config = config
+        self.recent = RecentRequests(observability.recent_requests)  # `pdserve admin trace`
+        self._request_log = observability.request_log
         self.model = model
         self.membership = membership
         self.client = client or PDClient()
@@ -145,12 +151,22 @@ class Router:
     # -- generation -------------------------------------------------------------------------------
 
     async def generate(
-        self, request_id: str, token_ids: list[int], params: SamplingParams
+        self,
+        request_id: str,
+        token_ids: list[int],
+        params: SamplingParams,
+        *,
+        arrival: float | None = None,
+        parent: tracing.Context | None = None,
     ) -> AsyncGenerator[TokenDelta | Finished, None]:
         """Route and run one request (on the event loop). Errors before the first token are
         retried on other instances (bounded, with backoff), then raised as NoCapacityError; a
         stream whose instance fails after that continues on another (a migration, at most
-        `migration_limit` times), token-identical to an undisturbed run."""
+        `migration_limit` times), token-identical to an undisturbed run. `arrival`: when it
+        came (time.perf_counter(); default now); `parent`: the caller's trace context."""
+        record = RequestRecord(request_id, len(token_ids), arrival or time.perf_counter(), parent)
+        self.recent.started(record)
+        status, error = "abort", None  # closed before its end: the client went away
         model = self.model
         transcript = Transcript(
             model.tokenizer,
@@ -166,12 +182,14 @@ class Router:
             while True:
                 prompt, resumed = transcript.submission()
                 events = self.attempts.run(
-                    request_id, prompt, resumed, excluded, lambda: transcript.aborted
+                    request_id, prompt, resumed, excluded, lambda: transcript.aborted, record
                 )
                 try:
                     event: TokenDelta | Finished | None = None
                     async for event in events:
                         for relayed in transcript.relay(event):
+                            if isinstance(relayed, Finished):
+                                status = relayed.finish_reason
                             yield relayed
                         if transcript.finished:
                             break
@@ -179,17 +197,39 @@ class Router:
                         await asyncio.to_thread(self.abort, request_id)
                     return
                 except (InstanceUnavailableError, StepFailedError) as e:
-                    final = self._migrate(request_id, transcript, e)
+                    final = self._migrate(request_id, transcript, e, record)
                     if final is not None:
+                        status = final.finish_reason
                         yield final
                         return
                 finally:
                     await events.aclose()
+        except Exception as e:
+            status, error = f"error: {e}", e
+            raise
         finally:
             del self._transcripts[request_id]
+            record.output_tokens = len(transcript.token_ids)
+            self._finished(record, status, error)
+
+    def _finished(self, record: RequestRecord, status: str, error: BaseException | None) -> None:
+        """The request's last stage (`stream`: first token to end), its histograms, its log
+        line, its place among the recent requests."""
+        if record.first_token is not None:
+            record.add("stream", record.first_token, time.perf_counter(), "",
+                       {"output_tokens": record.output_tokens})  # fmt: skip
+        record.finish(status, error)
+        if record.dispatched is not None:
+            self.metrics.queue_time.observe(record.dispatched - record.arrival)
+        if record.first_token is not None and record.ended and record.output_tokens > 1:
+            per_token = (record.ended - record.first_token) / (record.output_tokens - 1)
+            self.metrics.time_per_output_token.observe(per_token)
+        if self._request_log:
+            _log_request(record)
+        self.recent.finished(record)
 
     def _migrate(
-        self, request_id: str, transcript: Transcript, error: PdserveError
+        self, request_id: str, transcript: Transcript, error: PdserveError, record: RequestRecord
     ) -> Finished | None:
         """Prepare `transcript` to continue after `error` broke its stream, or raise it (as
         the cause of the error that ends the stream) when the request may not migrate."""
@@ -209,9 +249,14 @@ class Router:
             ) from error
         reason = "step_failed" if isinstance(error, StepFailedError) else "instance_lost"
         self.metrics.migrations.labels(reason).inc()
+        record.migrations += 1
+        now = time.perf_counter()
+        record.add("migration", now, now, "", {"reason": reason,
+                                               "tokens": len(transcript.token_ids)})  # fmt: skip
         logger.warning(
             "request %s migrates after %d tokens (%s): %s",
             request_id, len(transcript.token_ids), reason, error,
+            extra={"request_id": request_id},
         )  # fmt: skip
         return transcript.begin_migration()
 
@@ -237,3 +282,20 @@ class Router:
             self.metrics.indexed_blocks.labels(address).set(
                 self.kv_events.index.num_blocks(address)
             )
+
+
+def _log_request(record: RequestRecord) -> None:
+    """One INFO line per finished request: its status, tokens and where its time went (the
+    stages as JSON fields with `observability.log_format: json`)."""
+    duration = (record.ended or time.perf_counter()) - record.arrival
+    stages = {name: round(seconds, 6) for name, seconds in record.stage_durations().items()}
+    logger.info(
+        "request %s %s: %d prompt + %d output tokens in %.3f s, %d attempts, %d migrations; %s",
+        record.request_id, record.status, record.prompt_tokens, record.output_tokens, duration,
+        record.attempts, record.migrations,
+        " ".join(f"{name}={seconds * 1000:.1f}ms" for name, seconds in stages.items()),
+        extra={"request_id": record.request_id, "trace_id": record.trace_id,
+               "status": record.status, "prompt_tokens": record.prompt_tokens,
+               "output_tokens": record.output_tokens, "duration_s": round(duration, 6),
+               "stages": stages},
+    )  # fmt: skip

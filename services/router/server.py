@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import uvicorn
 import uvloop
 
-from pdserve.config import EngineConfig, RouterConfig
+from pdserve.config import EngineConfig, ObservabilityConfig, RouterConfig
 from pdserve.errors import ConfigError
 from pdserve.rpc.channels import ChannelPool
 from pdserve.rpc.tls import TlsFiles
@@ -55,6 +55,7 @@ def serve_router(
     tls: TlsFiles | None = None,
     scrape_targets: ScrapeTargets | None = None,
     on_unreachable: Callable[[], None] = lambda: None,
+    observability: ObservabilityConfig | None = None,
 ) -> RunningRouter:
     """Start the HTTP router for PD pairs (or for mixed instances), calling them with the
     cluster `secret`; returns once it accepts connections. `scrape_targets(router_address)`
@@ -65,7 +66,14 @@ def serve_router(
     model = model_info(engine, config.model_name)
     membership = Membership(mixed or prefill, decode, mixed=bool(mixed))
     client = PDClient(ChannelPool(secret, tls))
-    router = Router(config, model, membership, client, on_unreachable=on_unreachable)
+    router = Router(
+        config,
+        model,
+        membership,
+        client,
+        on_unreachable=on_unreachable,
+        observability=observability,
+    )
     router.start()
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

@@ -26,7 +26,9 @@ class FakeInstance:
     def unregister(self, address: str, request_id: str, attempt: str) -> None:
         pass
 
-    async def submit(self, address: str, message: common_pb2.GenerateRequest) -> None:
+    async def submit(
+        self, address: str, message: common_pb2.GenerateRequest, metadata: object = ()
+    ) -> None:
         self.replies.push(self._output(message.request_id, 1))
         asyncio.get_running_loop().call_soon(
             self.replies.push, self._output(message.request_id, 2, last=True)
@@ -111,7 +113,9 @@ def test_outputs_read_together_make_one_delta_with_every_token_and_its_text() ->
         await asyncio.sleep(0)  # nothing read yet: the generator has not started
         return [event async for event in events]
 
-    async def submit(address: str, message: common_pb2.GenerateRequest) -> None:
+    async def submit(
+        address: str, message: common_pb2.GenerateRequest, metadata: object = ()
+    ) -> None:
         for token, text, last in ((1, "a", False), (2, "b", False), (3, "c", True)):
             output = fake._output(message.request_id, token, last)
             output.chunk.text = text

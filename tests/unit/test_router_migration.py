@@ -47,7 +47,7 @@ class DyingDecodes:
 
     async def generate(
         self, prefill: str, decode: str, ids: list[int], params: SamplingParams, request_id: str,
-        hashes: object = None,
+        hashes: object = None, metadata: object = (),
     ) -> AsyncIterator[TokenDelta | Finished]:  # fmt: skip
         self.calls.append((prefill, decode, list(ids), params))
         dies_after = self.deaths.pop(0) if self.deaths else None

@@ -43,7 +43,7 @@ class FakePDClient:
 
     async def generate(
         self, prefill: str, decode: str, ids: list[int], params: SamplingParams, request_id: str,
-        hashes: object = None,
+        hashes: object = None, metadata: object = (),
     ) -> AsyncIterator[TokenDelta | Finished]:  # fmt: skip
         self.routes.append((prefill, decode))
         outcome = self.outcomes.pop(0) if self.outcomes else "ok"
@@ -194,7 +194,7 @@ def test_leases_return_to_zero_after_random_failures_and_cancellations(
 class FakeMixedClient(FakePDClient):
     def generate_mixed(
         self, address: str, ids: list[int], params: SamplingParams, request_id: str,
-        hashes: object = None,
+        hashes: object = None, metadata: object = (),
     ) -> AsyncIterator[TokenDelta | Finished]:  # fmt: skip
         return self.generate(address, "", ids, params, request_id)
 

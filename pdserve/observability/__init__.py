@@ -1,0 +1,1 @@
+"""Traces (OpenTelemetry) and structured logs, shared by the router and the instances."""
