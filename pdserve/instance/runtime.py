@@ -613,6 +613,10 @@ class InstanceRuntime:
 
     def stop(self) -> None:
         self.events.disconnect_all()  # KV-event streams end now, not at their next poll
+        with self._streams_lock:
+            streams = list(self._streams.values())
+        for stream in streams:  # their readers are gone: ended, their spans close
+            stream.fail(InstanceUnavailableError(f"this {self.role} instance stopped"))
         if self._metrics_server is not None:
             self._metrics_server.shutdown()
             self._metrics_server.server_close()

@@ -16,29 +16,41 @@ import grpc
 from google.protobuf.json_format import MessageToDict
 from google.protobuf.message import Message
 
-from pdserve.config import load_cluster_config
+from pdserve.config import ClusterConfig, load_cluster_config
 from pdserve.v1 import admin_pb2, admin_pb2_grpc, common_pb2
 
-VERBS = ("list", "drain", "resume", "remove", "scale", "policy", "cache-stats", "flush", "abort")
+Metadata = tuple[tuple[str, str | bytes], ...]  # what every admin call carries: the bearer token
+VERBS = (
+    "list", "drain", "resume", "remove", "scale", "policy", "cache-stats", "flush", "abort",
+    "trace",
+)  # fmt: skip
 
 
 def add_parser(commands: Any) -> None:
     admin = commands.add_parser("admin", help="steer a running cluster (admin gRPC API)")
     admin.add_argument("verb", choices=VERBS)
     admin.add_argument("args", nargs="*", help="NAME | ROLE N | POLICY | TIER [NAME] | ID")
-    admin.add_argument("--config", help="the config file given to `up` (state_dir, admin)")
-    admin.add_argument("--state-dir", help="where `up` wrote cluster.json")
-    admin.add_argument("--address", help="admin host:port (default: from cluster.json)")
-    admin.add_argument("--token", help="bearer token (default: admin_token / env)")
-    admin.add_argument("--tls-ca", help="CA certificate (PEM) when the admin API serves TLS")
+    add_connection_arguments(admin)
     admin.add_argument("--json", action="store_true", help="print the reply as JSON")
 
 
-def run(args: argparse.Namespace) -> int:
+def add_connection_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options that find a running cluster's admin API (read by `connect`)."""
+    parser.add_argument("--config", help="the config file given to `up` (state_dir, admin)")
+    parser.add_argument("--state-dir", help="where `up` wrote cluster.json")
+    parser.add_argument("--address", help="admin host:port (default: from cluster.json)")
+    parser.add_argument("--token", help="bearer token (default: admin_token / env)")
+    parser.add_argument("--tls-ca", help="CA certificate (PEM) when the admin API serves TLS")
+
+
+def connect(args: argparse.Namespace, config: ClusterConfig) -> tuple[grpc.Channel, Metadata]:
+    """A channel to the admin API and the metadata every call carries: `--address`, `--token`
+    (or PDSERVE_ADMIN_TOKEN) and `--tls-ca`, else the running cluster's state. The caller
+    closes the channel. Raises ClusterError when the address is needed and no cluster.json
+    exists; SystemExit when no token is found."""
     from services.controller.cluster import read_state
     from services.controller.state import state_path
 
-    config = load_cluster_config(args.config, overrides={"state_dir": args.state_dir})
     address, token = args.address, args.token or os.environ.get("PDSERVE_ADMIN_TOKEN")
     if address is None:
         address = read_state(config)["admin_address"]
@@ -50,8 +62,13 @@ def run(args: argparse.Namespace) -> int:
         channel = grpc.secure_channel(address, credentials)
     else:
         channel = grpc.insecure_channel(address)
+    return channel, (("authorization", f"Bearer {token}"),)
+
+
+def run(args: argparse.Namespace) -> int:
+    config = load_cluster_config(args.config, overrides={"state_dir": args.state_dir})
+    channel, metadata = connect(args, config)
     stub = admin_pb2_grpc.AdminServiceStub(channel)
-    metadata: tuple[tuple[str, str | bytes], ...] = (("authorization", f"Bearer {token}"),)
     try:
         reply = _call(stub, args.verb, args.args, metadata)
     except grpc.RpcError as e:
@@ -78,14 +95,14 @@ def _read(path: Path) -> str:
     try:
         return path.read_text().strip()
     except FileNotFoundError:
-        raise SystemExit(f"pdserve admin: no token: {path} does not exist (use --token)") from None
+        raise SystemExit(f"pdserve: no admin token: {path} does not exist (use --token)") from None
 
 
 def _call(
     stub: admin_pb2_grpc.AdminServiceStub,
     verb: str,
     args: Sequence[str],
-    metadata: tuple[tuple[str, str | bytes], ...],
+    metadata: Metadata,
 ) -> Message:
     def need(count: int, usage: str) -> None:
         if len(args) < count:
@@ -114,6 +131,9 @@ def _call(
         "abort": lambda: stub.AbortRequest(
             common_pb2.AbortRequest(request_id=args[0]), metadata=metadata
         ),
+        "trace": lambda: stub.GetRequestTrace(
+            admin_pb2.RequestTraceRequest(request_id=args[0]), metadata=metadata
+        ),
     }
     usage = {
         "drain": (1, "NAME"),
@@ -123,6 +143,7 @@ def _call(
         "policy": (1, "POLICY"),
         "flush": (1, "device|storage [NAME]"),
         "abort": (1, "ID"),
+        "trace": (1, "ID"),
     }
     if verb in usage:
         need(*usage[verb])
@@ -145,6 +166,8 @@ def _print(verb: str, reply: Message) -> None:
         print(f"routing policy changed (was {reply.previous})")
     elif isinstance(reply, admin_pb2.FlushCacheReply):
         print(f"flushed {reply.blocks} blocks")
+    elif isinstance(reply, admin_pb2.RequestTrace):
+        _print_trace(reply)
     elif isinstance(reply, common_pb2.AbortReply):
         print("aborted" if reply.found else "no such request in flight")
 
@@ -166,3 +189,18 @@ def _table(headers: list[str], rows: list[list[object]]) -> None:
     print("  ".join(h.ljust(w) for h, w in zip(headers, widths, strict=True)).rstrip())
     for row in cells:
         print("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip())
+
+
+def _print_trace(trace: admin_pb2.RequestTrace) -> None:
+    """A request's timeline: one row per stage, in order, with what it moved or found."""
+    traced = f", trace {trace.trace_id}" if trace.trace_id else ""
+    print(f"request {trace.request_id}: {trace.status}, {trace.prompt_tokens} prompt + "
+          f"{trace.output_tokens} output tokens in {trace.duration_s * 1000:.1f} ms, "
+          f"{trace.attempts} attempts, {trace.migrations} migrations{traced}")  # fmt: skip
+    rows: list[list[object]] = [
+        [s.name, s.instance or "router", f"{s.start_s * 1000:.1f}", f"{s.duration_s * 1000:.1f}",
+         " ".join(f"{k}={v}" for k, v in sorted(s.attributes.items()))]
+        for s in sorted(trace.stages, key=lambda s: s.start_s)
+    ]  # fmt: skip
+    if rows:
+        _table(["stage", "instance", "at ms", "ms", "details"], rows)

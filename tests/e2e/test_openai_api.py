@@ -537,6 +537,41 @@ def test_admin_cli_prints_tables_and_json(cluster: UpCluster) -> None:
     assert bad.returncode == 2 and "UNAUTHENTICATED" in bad.stderr
 
 
+def test_top_once_shows_every_instance_and_the_router_or_says_no_cluster_runs(
+    cluster: UpCluster, client: openai.OpenAI, tmp_path: Path
+) -> None:
+    client.completions.create(model=MODEL, prompt="for top", max_tokens=4)  # a TTFT to show
+    top = subprocess.run(
+        [*CLI, "top", "--once", "--config", str(cluster.config)],
+        capture_output=True,
+        text=True,
+        env=cluster.env,
+    )
+    assert top.returncode == 0, top.stderr
+    lines = top.stdout.splitlines()
+    for name, (role, _) in cluster.instances.items():
+        [row] = [line for line in lines if f" {name} " in line]
+        assert role in row.split() and "alive" in row.split()
+    assert [line.strip() for line in lines if line.strip() in ("instances", "router")] == [
+        "instances",
+        "router",
+    ]
+    [ttft] = [line for line in lines if "TTFT p50 / p99" in line]
+    assert re.search(r"\d+\.\d ms / \d+\.\d ms", ttft), ttft
+    assert "\x1b[" not in top.stdout  # piped: no colour codes
+    nowhere = subprocess.run(
+        [*CLI, "top", "--once", "--state-dir", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        env=cluster.env,
+    )
+    assert nowhere.returncode == 3 and nowhere.stdout == ""
+    assert nowhere.stderr.strip().splitlines() == [
+        f"pdserve top: no running cluster: {tmp_path / 'cluster.json'} does not exist "
+        "(is `pdserve up` running?)"
+    ]
+
+
 def test_a_drained_instance_gets_no_new_requests_while_its_in_flight_ones_finish(
     cluster: UpCluster, client: openai.OpenAI
 ) -> None:
