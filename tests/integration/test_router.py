@@ -14,6 +14,7 @@ from pdserve_up import scrape_metrics
 from stacks import MODEL, Member, Stack, pd_stack
 from waiting import wait_for
 
+from pdserve.engine.request import SamplingParams
 from pdserve.instance.runtime import INSTANCE_SERVICE, InstanceServicer
 from pdserve.rpc.auth import AioBearerTokenInterceptor
 from pdserve.rpc.server import create_aio_server
@@ -101,3 +102,56 @@ def test_metrics_count_requests_and_latencies(stack: Stack, client: openai.OpenA
     # one per streamed chunk after the first: 2 for 3 tokens, 1 when two of them came in one
     # chunk (the instance hands a lagging reader everything since its last message)
     assert 1 <= after[itl] - before.get(itl, 0) <= 2
+
+
+def test_each_stage_of_a_request_is_observed_once_under_bounded_labels(stack: Stack) -> None:
+    """One PD request: each stage histogram counts it once, on the process where the stage
+    ran; prompt tokens are counted by source; no label carries anything per request."""
+    urls = {"router": stack.url}
+    urls |= {m.address: f"http://{m.instance.runtime.metrics_address}" for m in stack.members}
+    before = {name: scrape_metrics(url) for name, url in urls.items()}
+    prompt = list(range(3, 3 + 70))  # 4 whole blocks of 16: KV moves to decode
+    stack.generate(prompt, SamplingParams(max_tokens=4, ignore_eos=True))
+    after = {name: scrape_metrics(url) for name, url in urls.items()}
+
+    def delta(sample: str) -> float:
+        """The sample's increase summed over every process."""
+        return sum(after[n].get(sample, 0) - before[n].get(sample, 0) for n in urls)
+
+    assert delta("pdserve_router_queue_seconds_count") == 1
+    assert delta("pdserve_router_time_per_output_token_seconds_count") == 1
+    for stage in ("reservation_wait", "request_queue", "request_prefill"):
+        assert delta(f'pdserve_{stage}_seconds_count{{role="prefill"}}') == 1, stage
+    for stage in ("request_kv_wait", "request_decode_admission", "request_first_decode_step"):
+        assert delta(f'pdserve_{stage}_seconds_count{{role="decode"}}') == 1, stage
+    transfers = [
+        s
+        for n in urls
+        for s in after[n]
+        if s.startswith("pdserve_kv_transfer_duration_seconds_count")
+    ]
+    assert sum(delta(s) for s in set(transfers)) == 1
+    sizes = {
+        s for n in urls for s in after[n] if s.startswith("pdserve_kv_transfer_request_bytes_sum")
+    }
+    assert sum(delta(s) for s in sizes) > 0
+    by_source = 'pdserve_prompt_tokens_by_source_total{{role="prefill",source="{}"}}'
+    sources = ("computed", "device_hit", "storage_hit")
+    assert sum(delta(by_source.format(source)) for source in sources) == len(prompt)
+    transferred = 'pdserve_prompt_tokens_by_source_total{role="decode",source="transferred"}'
+    assert delta(transferred) >= 64
+
+    allowed = {"role", "transport", "source", "tier", "state", "direction", "kind", "endpoint",
+               "status", "policy", "reason", "backend", "name", "le", "quantile"}  # fmt: skip
+    instances = {m.address for m in stack.members}
+    for samples in after.values():
+        for sample in samples:
+            labels = dict(
+                pair.split("=", 1) for pair in sample.partition("{")[2].rstrip("}").split(",")
+                if pair
+            )  # fmt: skip
+            assert set(labels) <= allowed, sample
+            if "role" in labels:
+                assert labels["role"].strip('"') in ("prefill", "decode", "mixed"), sample
+            if "backend" in labels:  # the router's per-instance gauges: one per instance
+                assert labels["backend"].strip('"') in instances, sample
