@@ -7,12 +7,14 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+from otlp import otlp_collector
 from pdserve_up import scrape_metrics
 from stacks import MODEL, Stack, pd_stack
 from waiting import wait_for
 
 from pdserve.config import EngineConfig
 from pdserve.engine import LLMEngine, SamplingParams
+from pdserve.observability import tracing
 from services.router.membership import Role
 
 
@@ -130,3 +132,36 @@ def test_every_metrics_endpoint_passes_promtool(
             ["promtool", "check", "metrics"], input=text, capture_output=True, text=True
         )
         assert check.returncode == 0, f"{url}: {check.stdout}{check.stderr}"
+
+
+def test_a_mixed_request_is_traced_with_its_stages_and_timeline(mixed_stack: Stack) -> None:
+    """Tracing on in this process (router and instances alike): the mixed instance's span is
+    the attempt's child, with its queue, compute, admission and first step inside it."""
+    trace_id = "0af7651916cd43dd8448eb211c80319c"
+    with otlp_collector() as (collector, endpoint):
+        assert tracing.configure(endpoint, 1.0, "pdserve-test")
+        try:
+            reply = httpx.post(
+                f"{mixed_stack.url}/v1/completions",
+                json={"model": MODEL, "prompt": "trace me", "max_tokens": 4, "temperature": 0},
+                headers={"traceparent": f"00-{trace_id}-b7ad6b7169203331-01"},
+                timeout=60,
+            )
+            assert reply.status_code == 200, reply.text
+        finally:
+            tracing.shutdown()  # sends what is batched
+        stages = {"mixed.queue", "mixed.compute", "mixed.admission", "mixed.first_step"}
+        spans = [s for s in collector.wait_for(lambda got: len(got) > 0) if s.trace_id == trace_id]
+    by_name = {s.name: s for s in spans}
+    assert stages | {"request", "route", "attempt", "mixed", "stream"} <= set(by_name)
+    mixed, attempt = by_name["mixed"], by_name["attempt"]
+    assert mixed.parent_id == attempt.span_id
+    assert attempt.parent_id == by_name["request"].span_id
+    for stage in stages:
+        span = by_name[stage]
+        assert span.parent_id == mixed.span_id
+        assert mixed.start_ns <= span.start_ns <= span.end_ns <= mixed.end_ns, stage
+    request_id = reply.json()["id"].removeprefix("cmpl-")
+    record = mixed_stack.router.recent.get(request_id)
+    assert record is not None and record.trace_id == trace_id
+    assert {"mixed.queue", "mixed.compute", "mixed.first_step"} <= {s.name for s in record.stages}
