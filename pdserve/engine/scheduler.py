@@ -194,7 +194,8 @@ class Scheduler:
         request.num_preemptions += 1
         self.stats.num_preemptions += 1
         self.waiting.appendleft(request)
-        logger.info("preempted request %s (%d tokens)", request.request_id, request.num_tokens)
+        logger.info("preempted request %s (%d tokens)", request.request_id, request.num_tokens,
+                    extra={"request_id": request.request_id})  # fmt: skip
 
     def _schedule_waiting(self, output: SchedulerOutput, budget: int) -> None:
         connector = self.admission.storage_connector

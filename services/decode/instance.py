@@ -275,7 +275,8 @@ class DecodeInstance:
 
     def _release(self, reservation: Reservation, why: str) -> None:
         request_id = reservation.request.request_id
-        logger.info("releasing reservation of request %s: %s", request_id, why)
+        logger.info("releasing reservation of request %s: %s", request_id, why,
+                    extra={"request_id": request_id})  # fmt: skip
         self.runtime.loop.submit(lambda engine: engine.release(request_id))
         self.runtime.close_stream(request_id, aborted_output(request_id))
 
@@ -289,7 +290,8 @@ class DecodeInstance:
         for reservation in self.reservations.pop_expired():
             self.num_expired += 1
             request_id = reservation.request.request_id
-            logger.warning("reservation of request %s expired before its KV arrived", request_id)
+            logger.warning("reservation of request %s expired before its KV arrived", request_id,
+                           extra={"request_id": request_id})  # fmt: skip
             self._end(engine, request_id)
 
     def stats(self) -> common_pb2.InstanceStats:

@@ -129,7 +129,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
 def _log_unexpected(error: Exception, method: str, request_id: str) -> None:
     """A PdserveError is the caller's business (its status says it); anything else is a bug."""
     if not isinstance(error, PdserveError):
-        logger.exception("%s of request %s failed", method, request_id)
+        logger.exception("%s of request %s failed", method, request_id,
+                         extra={"request_id": request_id})  # fmt: skip
 
 
 class _HandlerRecorder:

@@ -373,7 +373,8 @@ class PrefillInstance:
         try:
             InstanceClient(decode.address, self.channels, self.deadlines).abort(request_id)
         except PdserveError as e:  # decode gone: its lease frees the reservation
-            logger.warning("could not abort request %s on %s: %s", request_id, decode.address, e)
+            logger.warning("could not abort request %s on %s: %s", request_id, decode.address, e,
+                           extra={"request_id": request_id})  # fmt: skip
 
     def stats(self) -> common_pb2.InstanceStats:
         return self.runtime.stats()

@@ -44,10 +44,12 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
             logger.info(
                 "prefill of request %s for %s failed: %s",
                 generate.request_id, request.decode_address, e,
+                extra={"request_id": generate.request_id},
             )  # fmt: skip
             await abort_with_async(context, e)
         except Exception as e:
-            logger.exception("prefill of request %s failed", generate.request_id)
+            logger.exception("prefill of request %s failed", generate.request_id,
+                             extra={"request_id": generate.request_id})  # fmt: skip
             await abort_with_async(context, e)
         finally:
             # at once, also when the caller went away mid-prefill (its wait for the KV then

@@ -230,7 +230,7 @@ class Attempts:
         logger.debug(
             "request %s -> prefill %s (%s, %d blocks cached) -> decode %s",
             request_id, prefill.instance_id, prefill.reason, prefill.overlap_blocks,
-            decode.instance_id,
+            decode.instance_id, extra={"request_id": request_id},
         )  # fmt: skip
         return Route(prefill.instance_id, decode.instance_id, cached, reason, score)
 

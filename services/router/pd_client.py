@@ -159,7 +159,8 @@ class PDClient:
             try:
                 self.instance(address).abort(request_id)
             except PdserveError as e:
-                logger.warning("abort of request %s on %s failed: %s", request_id, address, e)
+                logger.warning("abort of request %s on %s failed: %s", request_id, address, e,
+                               extra={"request_id": request_id})  # fmt: skip
 
     async def _abort(self, address: str, request_id: str, attempt: str) -> None:
         """Abort the attempt on `address`, best effort: it may be gone too, and then nothing
@@ -167,7 +168,8 @@ class PDClient:
         try:
             await self.aio.abort(address, request_id, attempt)
         except PdserveError as e:
-            logger.info("abort of request %s on %s failed: %s", request_id, address, e)
+            logger.info("abort of request %s on %s failed: %s", request_id, address, e,
+                        extra={"request_id": request_id})  # fmt: skip
 
     def _abort_later(self, address: str, request_id: str, attempt: str) -> None:
         """`_abort` without waiting for it (it names the attempt: a retry under the same
@@ -234,7 +236,8 @@ async def _report(
     try:
         return await prefill
     except PdserveError as e:
-        logger.warning("prefill of request %s failed after its handoff: %s", request_id, e)
+        logger.warning("prefill of request %s failed after its handoff: %s", request_id, e,
+                       extra={"request_id": request_id})  # fmt: skip
         return None
 
 
