@@ -25,12 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 import grpc
 
-from pdserve.config import (
-    ClusterConfig,
-    ObservabilityConfig,
-    load_cluster_config,
-    load_engine_config,
-)
+from pdserve.config import ClusterConfig, load_cluster_config, load_engine_config
 from pdserve.engine import LLMEngine, SamplingParams
 from pdserve.engine.engine import check_model
 from pdserve.errors import ClusterError, PdserveError
@@ -193,7 +188,7 @@ def _up(args: argparse.Namespace) -> int:
     if args.redis_url:  # replace() re-runs StorageConfig's checks on the URL
         config = replace(config, storage=replace(config.storage, redis_url=args.redis_url))
     check_model(config.engine)  # the model's config.json against the engine's: one line, exit 2
-    _observe(config.observability, args.debug)
+    config = _observe(config, args.debug)
     ray_token = _prepare_ray_auth(config)  # before Ray is imported: it reads its auth mode then
     from services.controller.cluster import Cluster, cluster_secret
     from services.controller.state import state_path
@@ -210,15 +205,22 @@ def _up(args: argparse.Namespace) -> int:
     return 0
 
 
-def _observe(config: ObservabilityConfig, debug: bool) -> None:
-    """`up`'s own logs (the router's request lines among them) and traces (the router's
-    spans)."""
+def _observe(config: ClusterConfig, debug: bool) -> ClusterConfig:
+    """Start `up`'s own logs (the router's request lines among them) and traces (the
+    router's spans); returns `config` with the collector the standard OTEL_* variables name,
+    when the config names none, so that the instances (which Ray may start on other nodes,
+    without this environment) send their spans there too."""
     from pdserve.observability import logs, tracing
 
-    logs.configure_logging(config.log_format, logging.DEBUG if debug else logging.INFO)
-    endpoint = tracing.trace_endpoint(config.otlp_endpoint)
-    if tracing.configure(endpoint, config.trace_sample_ratio, "pdserve-router"):
-        print(f"tracing on: sampling {config.trace_sample_ratio:g} of requests", flush=True)
+    settings = config.observability
+    logs.configure_logging(settings.log_format, logging.DEBUG if debug else logging.INFO)
+    endpoint = tracing.trace_endpoint(settings.otlp_endpoint)
+    if endpoint != settings.otlp_endpoint:  # replace() checks the variable's value
+        settings = replace(settings, otlp_endpoint=endpoint)
+        config = replace(config, observability=settings)
+    if tracing.configure(endpoint, settings.trace_sample_ratio, "pdserve-router"):
+        print(f"tracing on: sampling {settings.trace_sample_ratio:g} of requests", flush=True)
+    return config
 
 
 @dataclass(slots=True)

@@ -224,7 +224,7 @@ class Router:
         if record.first_token is not None and record.ended and record.output_tokens > 1:
             per_token = (record.ended - record.first_token) / (record.output_tokens - 1)
             self.metrics.time_per_output_token.observe(per_token)
-        if self._request_log:
+        if self._request_log and logger.isEnabledFor(logging.INFO):
             _log_request(record)
         self.recent.finished(record)
 
