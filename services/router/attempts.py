@@ -196,8 +196,11 @@ class Attempts:
         hashes: Sequence[BlockHash],
         excluded: set[str],
     ) -> Route:
-        """`_choose`, recorded as the request's `route` stage."""
+        """`_choose`, recorded as the request's `route` stage (after its `admission`: edge
+        checks, admission and hashing, from its arrival to its first routing)."""
         started = time.perf_counter()
+        if record.attempts == 0 and record.migrations == 0:
+            record.add("admission", record.arrival, started)
         route = self._choose(request_id, token_ids, hashes, excluded)
         record.attempts += 1
         decision = {"prefill": route.prefill, "decode": route.decode or "",

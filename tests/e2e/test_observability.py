@@ -91,7 +91,7 @@ def test_a_pd_request_is_one_trace_across_three_processes(
     assert reply.status_code == 200, reply.text
     request_id = reply.json()["id"].removeprefix("cmpl-")
 
-    expected = {"request", "route", "attempt", "stream", "prefill", "prefill.reserve",
+    expected = {"request", "admission", "route", "attempt", "stream", "prefill", "prefill.reserve",
                 "prefill.queue", "prefill.compute", "prefill.handoff", "decode",
                 "decode.kv_wait", "decode.admission", "decode.first_step"}  # fmt: skip
     spans = of_trace(
