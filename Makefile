@@ -32,14 +32,14 @@ proto: install
 	PATH=$(abspath $(VENV))/bin:$$PATH $(PY) -m grpc_tools.protoc -Iproto --python_out=. \
 	  --grpc_python_out=. --mypy_out=. --mypy_grpc_out=. proto/pdserve/v1/*.proto
 
-LINTED := pdserve services tests benchmarks scripts/config_reference.py
+LINTED := pdserve services tests benchmarks scripts/config_reference.py scripts/metrics_reference.py
 # Material for MkDocs prints a notice about MkDocs 2.0 on every build unless told not to.
 MKDOCS := NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs
 
 lint: install
 	$(VENV)/bin/ruff check $(LINTED)
 	$(VENV)/bin/ruff format --check $(LINTED)
-	$(VENV)/bin/mypy --strict pdserve services scripts/config_reference.py
+	$(VENV)/bin/mypy --strict pdserve services scripts/config_reference.py scripts/metrics_reference.py
 	$(VENV)/bin/lint-imports  # the layers contract in pyproject.toml: no upward imports, no cycles
 	$(VENV)/bin/vulture pdserve services scripts/vulture_whitelist.py --min-confidence 60 \
 	  --exclude pdserve/v1
