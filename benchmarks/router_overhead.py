@@ -33,6 +33,13 @@ router's `CompletionRequest` and returns a fixed completion: the HTTP stack and 
 (`router_cpu_us_per_request`: what one proxied request costs the router; "peer cores": CPU of
 the child process, client plus fakes, in cores, to show which side limits) and latency
 percentiles.
+
+Tracing's cost: a third side, `traced`, is the same router with tracing on at a sample ratio of
+1 (`pdserve.observability.tracing`, OpenTelemetry's SDK and OTLP/gRPC exporter), its spans sent
+to an OTLP collector in the child process that counts and drops them; it is switched on before
+the side's span and off (its last spans flushed) after, and alternates with the others.
+`tracing_cpu_ratio` = router CPU per request traced / untraced (the router with tracing off
+makes no span and sends no trace metadata: the untraced side is the default's cost).
 """
 
 import argparse
@@ -46,6 +53,7 @@ import statistics
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
+from concurrent import futures
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
@@ -55,10 +63,12 @@ import httpx
 import uvicorn
 from _common import finish, median, median_seconds, parse_args, print_table, repeats
 from fastapi import FastAPI
+from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 
 from pdserve.config import EngineConfig, RouterConfig
 from pdserve.kvcache.events import BlockRemoved, BlockStored
 from pdserve.kvcache.hashing import BlockHash, BlockHasher
+from pdserve.observability import tracing
 from pdserve.rpc.auth import BearerTokenInterceptor, new_secret
 from pdserve.rpc.server import create_server
 from pdserve.v1 import (
@@ -394,11 +404,35 @@ async def drive_http(
     }
 
 
+class CountingCollector(trace_service_pb2_grpc.TraceServiceServicer):
+    """An OTLP trace receiver that counts the spans it is sent and keeps none."""
+
+    def __init__(self) -> None:
+        self.spans = 0
+
+    def Export(self, request: Any, context: grpc.ServicerContext) -> Any:
+        self.spans += sum(
+            len(scope.spans) for rs in request.resource_spans for scope in rs.scope_spans
+        )
+        return trace_service_pb2.ExportTraceServiceResponse()
+
+
+def start_collector() -> tuple[grpc.Server, int]:
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    trace_service_pb2_grpc.add_TraceServiceServicer_to_server(CountingCollector(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    return server, port
+
+
 def peer_process(conn: Connection, secret: str) -> None:
-    """The child process: the fake instances, then the HTTP client on request."""
+    """The child process: the fake instances and a trace collector, then the HTTP client on
+    request."""
     servers, prefill_ports, decode_ports = start_fakes(secret)
+    collector, collector_port = start_collector()
+    servers.append(collector)
     try:
-        conn.send((prefill_ports, decode_ports))
+        conn.send((prefill_ports, decode_ports, collector_port))
         while (job := conn.recv()) is not None:
             conn.send(asyncio.run(drive_http(**job)))
     finally:
@@ -462,7 +496,7 @@ def bench_proxy(args: argparse.Namespace) -> dict[str, Any]:
     peer.start()
     router = bare = None
     try:
-        prefill_ports, decode_ports = parent.recv()
+        prefill_ports, decode_ports, collector_port = parent.recv()
         router = serve_router(
             RouterConfig(port=0, model_name=MODEL_NAME, prefill_policy="cache_aware"),
             EngineConfig(),
@@ -471,12 +505,18 @@ def bench_proxy(args: argparse.Namespace) -> dict[str, Any]:
             secret=secret,
         )
         bare = serve_bare()
-        sides = {"bare": bare.url, "proxy": router.url}
-        samples: dict[str, list[dict[str, Any]]] = {"bare": [], "proxy": []}
+        sides = {"bare": bare.url, "proxy": router.url, "traced": router.url}
+        samples: dict[str, list[dict[str, Any]]] = {side: [] for side in sides}
+        endpoint = f"http://127.0.0.1:{collector_port}"
         for round_index in range(rounds):
-            order = ["bare", "proxy"] if round_index % 2 == 0 else ["proxy", "bare"]
+            order = list(sides) if round_index % 2 == 0 else list(reversed(sides))
             for side in order:
-                samples[side].append(drive(parent, sides[side], body, args.workers, seconds))
+                if side == "traced":
+                    tracing.configure(endpoint, 1.0, "pdserve-router-benchmark")
+                try:
+                    samples[side].append(drive(parent, sides[side], body, args.workers, seconds))
+                finally:
+                    tracing.shutdown()  # a no-op when it was off
         loads = router.router.attempts.load.snapshot()  # instances with a live lease
         leases = sum(load.in_flight_requests for load in loads.values())
     finally:  # the router first: its channels close before the fake servers go away
@@ -533,6 +573,14 @@ def proxy_figures(
         "bare_http_rps": med("bare", "rps"),
         "proxy_ratio": statistics.median(ratios),
         "router_cpu_us_per_request": med("proxy", "server_cpu_us_per_request"),
+        "router_cpu_us_per_request_traced": med("traced", "server_cpu_us_per_request"),
+        "tracing_cpu_ratio": statistics.median(
+            t["server_cpu_us_per_request"] / p["server_cpu_us_per_request"]
+            for t, p in zip(samples["traced"], samples["proxy"], strict=True)
+        ),
+        "traced_rps": med("traced", "rps"),
+        "traced_latency_p50_ms": med("traced", "latency_p50_ms"),
+        "traced_errors": sum(s["errors"] for s in samples["traced"]),
         "bare_cpu_us_per_request": med("bare", "server_cpu_us_per_request"),
         "proxy_latency_p50_ms": med("proxy", "latency_p50_ms"),
         "proxy_latency_p99_ms": med("proxy", "latency_p99_ms"),
@@ -588,6 +636,9 @@ def main() -> None:
         results["proxy"] = proxy
         metrics["proxy_rps"] = proxy["proxy_rps"]
         metrics["proxy_ratio"] = proxy["proxy_ratio"]
+        metrics["router_cpu_us"] = proxy["router_cpu_us_per_request"]
+        metrics["router_cpu_us_traced"] = proxy["router_cpu_us_per_request_traced"]
+        metrics["tracing_cpu_ratio"] = proxy["tracing_cpu_ratio"]
         report_proxy(proxy)
     finish(NAME, args, results, metrics)
 
@@ -644,6 +695,15 @@ def report_proxy(proxy: dict[str, Any]) -> None:
                 f"{proxy['proxy_errors']} errors",
             ],
             [
+                "router proxy, traced",
+                proxy["traced_rps"],
+                proxy["traced_latency_p50_ms"],
+                float("nan"),
+                proxy["router_cpu_us_per_request_traced"],
+                float("nan"),
+                f"tracing on, ratio 1; {proxy['traced_errors']} errors",
+            ],
+            [
                 "bare HTTP",
                 proxy["bare_http_rps"],
                 proxy["bare_latency_p50_ms"],
@@ -655,6 +715,9 @@ def report_proxy(proxy: dict[str, Any]) -> None:
         ],
     )
     print(f"\nproxy_rps {proxy['proxy_rps']:.0f}, {proxy['proxy_ratio']:.2f} x bare HTTP")
+    print(
+        f"router CPU per request with tracing on at ratio 1: {proxy['tracing_cpu_ratio']:.2f} x off"
+    )
 
 
 if __name__ == "__main__":
