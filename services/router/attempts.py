@@ -168,7 +168,7 @@ class Attempts:
                     excluded.add(self._lost_stream(e, route.decode or route.prefill))
                     raise
                 return
-            except BaseException as e:
+            except Exception as e:  # not a consumer that stopped reading (GeneratorExit)
                 error = e
                 raise
             finally:
