@@ -74,8 +74,11 @@ SHARED_ENGINE_FIELDS = ("model", "block_size", "dtype", "kv_cache_dtype", "tenso
 # PDSERVE_* variables read outside this module, so known even though no setting is loaded from
 # them: services/controller/admin_cli.py reads PDSERVE_ADMIN_TOKEN without loading a config, and
 # services/controller/admin.py falls back to it when admin.token is unset;
-# pdserve/model/cpu_kernels.py reads PDSERVE_KERNEL_CACHE (where compiled kernels are cached).
-EXTERNAL_VARIABLES = frozenset({"PDSERVE_ADMIN_TOKEN", "PDSERVE_KERNEL_CACHE"})
+# pdserve/model/cpu_kernels.py reads PDSERVE_KERNEL_CACHE (where compiled kernels are cached),
+# pdserve/engine/profiling.py PDSERVE_STEP_TIME_CACHE (where step time fits are saved).
+EXTERNAL_VARIABLES = frozenset(
+    {"PDSERVE_ADMIN_TOKEN", "PDSERVE_KERNEL_CACHE", "PDSERVE_STEP_TIME_CACHE"}
+)
 
 
 def _choice(default: str | None, choices: Iterable[str]) -> Any:
@@ -215,6 +218,11 @@ class EngineConfig:
     (at least 10 minutes) for each instance to serve."""
     seed: int = 0
     """Sampler seed for requests without their own `seed`."""
+    step_profile_s: float = 10.0
+    """Longest profiling pass at an instance's start: synthetic batches that seed its model of
+    step times (refined by every served step); skipped when a fit of the same model, device
+    and settings is saved from an earlier start. 0: no pass, the model learns from served
+    steps only."""
 
     def __post_init__(self) -> None:
         positive = (
@@ -242,6 +250,10 @@ class EngineConfig:
             )
         if not DEVICE_PATTERN.fullmatch(self.device):
             raise ConfigError(f"engine.device must be cpu, cuda or cuda:N, got {self.device!r}")
+        if not 0 <= self.step_profile_s <= 600:
+            raise ConfigError(
+                f"engine.step_profile_s must be in [0, 600] seconds, got {self.step_profile_s}"
+            )
         for name in ("tp_timeout_s", "tp_start_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"engine.{name} must be positive, got {getattr(self, name)}")

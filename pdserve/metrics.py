@@ -3,11 +3,17 @@
 Counters end in `_total`, times are in seconds. Each process exposes its own registry.
 """
 
+import itertools
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.registry import Collector
 
 from pdserve.v1 import common_pb2
@@ -214,6 +220,22 @@ class InstanceCollector(Collector):
             for label_values, value in values.items():
                 family.add_metric([s.role, *label_values], value)
             yield family
+        if s.HasField("step_time"):
+            yield _step_time_errors(s.role, s.step_time)
+
+
+def _step_time_errors(role: str, fit: common_pb2.StepTimeFit) -> Metric:
+    """The step time model's relative errors as a histogram (cumulative buckets)."""
+    family = HistogramMetricFamily(
+        "pdserve_step_time_error_ratio",
+        "Per engine step: |predicted - measured| / measured step time, the prediction made by "
+        "the instance's step time model before the step ran.",
+        labels=["role"],
+    )
+    bounds = [*(str(b) for b in fit.error_bounds), "+Inf"]
+    cumulative = list(itertools.accumulate(fit.error_counts))
+    family.add_metric([role], list(zip(bounds, cumulative, strict=True)), fit.error_sum)
+    return family
 
 
 # (kind, name, help, labels besides role, {label values: value}) of one instance family
@@ -251,6 +273,11 @@ def _engine_families(s: common_pb2.InstanceStats) -> list[Family]:
          {(): s.num_computed_tokens}),
         ("counter", "pdserve_engine_steps", "Engine steps run (one batch each).", (),
          {(): s.num_steps}),
+        ("gauge", "pdserve_step_time_coefficient",
+         "The step time model's seconds per unit of each feature of a step's batch: constant "
+         "(per step), prefill_tokens, prefill_attention (per 1k token pairs), decode_rows, "
+         "decode_context (per 1k KV tokens attended).", ("feature",),
+         {(name,): value for name, value in s.step_time.coefficients.items()}),
         ("counter", "pdserve_engine_step_seconds",
          "Wall seconds of the engine's steps (schedule, forward pass, update).", (),
          {(): s.step_seconds}),

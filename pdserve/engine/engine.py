@@ -15,6 +15,7 @@ from pdserve.config import EngineConfig
 from pdserve.engine.admission import Admission, PromptAdmission
 from pdserve.engine.grammar import Grammars
 from pdserve.engine.output import OutputProcessor
+from pdserve.engine.perf_model import StepShape, StepTimeModel, step_shape
 from pdserve.engine.request import (
     Request,
     RequestOutput,
@@ -131,6 +132,10 @@ class LLMEngine:
         self.inline_text = True
         self._ended: list[str] = []  # finished without a final output, for `outputs` (text)
         self._step_started = 0.0  # time.perf_counter() when the current (or last) step began
+        # the step time model, fitted from every step (`step_shape` of its batch, its time)
+        self.step_time = StepTimeModel()
+        self._shape: StepShape | None = None  # the current step's, once scheduled
+        self._scheduled_at = 0.0
         self.grammars = Grammars(
             loaded.tokenizer, loaded.config.vocab_size, loaded.eos_token_ids
         )  # compiled on first use (xgrammar is imported only then)
@@ -402,9 +407,13 @@ class LLMEngine:
         A forward pass that raises fails only its batch (`_recover`); the engine goes on."""
         started = self._step_started = time.perf_counter()
         outputs = self._step()
+        ended = time.perf_counter()
         stats = self.scheduler.stats
         stats.num_steps += 1
-        stats.step_seconds += time.perf_counter() - started
+        stats.step_seconds += ended - started
+        shape, self._shape = self._shape, None
+        if shape is not None:  # from its schedule on: a wait for storage reads is not the batch's
+            self.step_time.observe(shape, ended - self._scheduled_at)
         return self.add_text(outputs) if self.inline_text else outputs
 
     def add_text(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
@@ -430,7 +439,12 @@ class LLMEngine:
     def _step(self) -> list[RequestOutput]:
         if self.storage_connector is not None:
             self.storage_connector.apply_fetched(wait=not self.scheduler.has_schedulable_requests())
+        self._scheduled_at = time.perf_counter()
         scheduled = self.scheduler.schedule()
+        if scheduled.chunks:
+            self._shape = step_shape(
+                (c.request.num_computed_tokens, c.num_new_tokens) for c in scheduled.chunks
+            )
         try:
             sampled = self._run(scheduled)
         except Exception as error:

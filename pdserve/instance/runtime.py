@@ -26,6 +26,8 @@ import redis
 from pdserve.config import EngineConfig, StorageConfig, TransferConfig
 from pdserve.engine.engine import LLMEngine, StorageTierFactory
 from pdserve.engine.loop import EngineLoop, Mailbox
+from pdserve.engine.perf_model import ERROR_BUCKETS, StepTimeModel
+from pdserve.engine.profiling import seed_step_time
 from pdserve.engine.request import Request, RequestOutput, SamplingParams, StageTimes
 from pdserve.engine.tensor_parallel import RankZero
 from pdserve.errors import (
@@ -198,6 +200,7 @@ class InstanceRuntime:
             storage_tier=_tier_factory(storage, channels, secret),
             wake=mailbox.wake,
         )
+        logger.info("%s instance: %s", role, seed_step_time(engine, config))  # before serving
         return cls(role, engine, events, mailbox, secret, channels, tls, on_tick)
 
     # -- serving --------------------------------------------------------------------------------
@@ -531,6 +534,7 @@ class InstanceRuntime:
             storage = self._storage_stats(engine)
             if storage is not None:
                 stats.storage.CopyFrom(storage)
+            _fill_step_time(engine.step_time, stats.step_time)
             return stats
 
         stats = self.loop.call(snapshot)
@@ -631,6 +635,15 @@ class InstanceRuntime:
 
 KV_EVENT_POLL_S = 0.5
 _NO_EVENT: Any = object()  # no event within KV_EVENT_POLL_S
+
+
+def _fill_step_time(model: StepTimeModel, message: common_pb2.StepTimeFit) -> None:
+    message.coefficients.update(model.named_coefficients())
+    message.samples = model.samples
+    message.median_error = model.median_error()
+    message.error_bounds.extend(ERROR_BUCKETS)
+    message.error_counts.extend(model.error_counts)
+    message.error_sum = model.error_sum
 
 
 def _next_event(subscriber: "queue.Queue[KVEvent | None]") -> Any:

@@ -692,6 +692,7 @@ class InstanceStats(_message.Message):
     TP_COLLECTIVES_FIELD_NUMBER: _builtins.int
     NUM_STEPS_FIELD_NUMBER: _builtins.int
     STEP_SECONDS_FIELD_NUMBER: _builtins.int
+    STEP_TIME_FIELD_NUMBER: _builtins.int
     role: _builtins.str
     num_blocks: _builtins.int
     num_free_blocks: _builtins.int
@@ -737,6 +738,10 @@ class InstanceStats(_message.Message):
     def kv_transfer_seconds_by_transport(self) -> _containers.ScalarMap[_builtins.str, _builtins.float]: ...
     @_builtins.property
     def kv_transfer_failures_by_transport(self) -> _containers.ScalarMap[_builtins.str, _builtins.int]: ...
+    @_builtins.property
+    def step_time(self) -> Global___StepTimeFit:
+        """the fitted model of this instance's step time"""
+
     def __init__(
         self,
         *,
@@ -768,14 +773,87 @@ class InstanceStats(_message.Message):
         tp_collectives: _builtins.int = ...,
         num_steps: _builtins.int = ...,
         step_seconds: _builtins.float = ...,
+        step_time: Global___StepTimeFit | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["storage", b"storage"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["step_time", b"step_time", "storage", b"storage"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "device_hit_tokens", b"device_hit_tokens", "kv_blocks_received", b"kv_blocks_received", "kv_blocks_sent", b"kv_blocks_sent", "kv_blocks_sent_by_transport", b"kv_blocks_sent_by_transport", "kv_bytes_received", b"kv_bytes_received", "kv_bytes_sent", b"kv_bytes_sent", "kv_bytes_sent_by_transport", b"kv_bytes_sent_by_transport", "kv_transfer_failures_by_transport", b"kv_transfer_failures_by_transport", "kv_transfer_seconds_by_transport", b"kv_transfer_seconds_by_transport", "num_blocks", b"num_blocks", "num_cached_blocks", b"num_cached_blocks", "num_computed_tokens", b"num_computed_tokens", "num_expired_reservations", b"num_expired_reservations", "num_free_blocks", b"num_free_blocks", "num_preemptions", b"num_preemptions", "num_reservations", b"num_reservations", "num_reserved_blocks", b"num_reserved_blocks", "num_running", b"num_running", "num_steps", b"num_steps", "num_waiting", b"num_waiting", "prefix_cache_queries", b"prefix_cache_queries", "role", b"role", "step_seconds", b"step_seconds", "storage", b"storage", "tensor_parallel_size", b"tensor_parallel_size", "tp_collective_seconds", b"tp_collective_seconds", "tp_collectives", b"tp_collectives"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "device_hit_tokens", b"device_hit_tokens", "kv_blocks_received", b"kv_blocks_received", "kv_blocks_sent", b"kv_blocks_sent", "kv_blocks_sent_by_transport", b"kv_blocks_sent_by_transport", "kv_bytes_received", b"kv_bytes_received", "kv_bytes_sent", b"kv_bytes_sent", "kv_bytes_sent_by_transport", b"kv_bytes_sent_by_transport", "kv_transfer_failures_by_transport", b"kv_transfer_failures_by_transport", "kv_transfer_seconds_by_transport", b"kv_transfer_seconds_by_transport", "num_blocks", b"num_blocks", "num_cached_blocks", b"num_cached_blocks", "num_computed_tokens", b"num_computed_tokens", "num_expired_reservations", b"num_expired_reservations", "num_free_blocks", b"num_free_blocks", "num_preemptions", b"num_preemptions", "num_reservations", b"num_reservations", "num_reserved_blocks", b"num_reserved_blocks", "num_running", b"num_running", "num_steps", b"num_steps", "num_waiting", b"num_waiting", "prefix_cache_queries", b"prefix_cache_queries", "role", b"role", "step_seconds", b"step_seconds", "step_time", b"step_time", "storage", b"storage", "tensor_parallel_size", b"tensor_parallel_size", "tp_collective_seconds", b"tp_collective_seconds", "tp_collectives", b"tp_collectives"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___InstanceStats: _TypeAlias = InstanceStats  # noqa: Y015
+
+@_typing.final
+class StepTimeFit(_message.Message):
+    """The instance's step time model (pdserve.engine.perf_model): seconds per unit of each feature
+    of a step's batch, and how far its predictions were from the measured steps.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    @_typing.final
+    class CoefficientsEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.float
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.float = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    COEFFICIENTS_FIELD_NUMBER: _builtins.int
+    SAMPLES_FIELD_NUMBER: _builtins.int
+    MEDIAN_ERROR_FIELD_NUMBER: _builtins.int
+    ERROR_BOUNDS_FIELD_NUMBER: _builtins.int
+    ERROR_COUNTS_FIELD_NUMBER: _builtins.int
+    ERROR_SUM_FIELD_NUMBER: _builtins.int
+    samples: _builtins.int
+    """(per 1k token pairs), decode_rows, decode_context
+    (per 1k KV tokens attended)
+    steps fitted (the start's profiling pass included)
+    """
+    median_error: _builtins.float
+    """median |predicted - measured| / measured, recent steps"""
+    error_sum: _builtins.float
+    @_builtins.property
+    def coefficients(self) -> _containers.ScalarMap[_builtins.str, _builtins.float]:
+        """constant (per step), prefill_tokens, prefill_attention"""
+
+    @_builtins.property
+    def error_bounds(self) -> _containers.RepeatedScalarFieldContainer[_builtins.float]:
+        """relative-error histogram: upper bounds"""
+
+    @_builtins.property
+    def error_counts(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """per bucket (one more than bounds: above the last)"""
+
+    def __init__(
+        self,
+        *,
+        coefficients: _abc.Mapping[_builtins.str, _builtins.float] | None = ...,
+        samples: _builtins.int = ...,
+        median_error: _builtins.float = ...,
+        error_bounds: _abc.Iterable[_builtins.float] | None = ...,
+        error_counts: _abc.Iterable[_builtins.int] | None = ...,
+        error_sum: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["coefficients", b"coefficients", "error_bounds", b"error_bounds", "error_counts", b"error_counts", "error_sum", b"error_sum", "median_error", b"median_error", "samples", b"samples"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___StepTimeFit: _TypeAlias = StepTimeFit  # noqa: Y015
 
 @_typing.final
 class StorageStats(_message.Message):

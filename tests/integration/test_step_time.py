@@ -1,0 +1,74 @@
+"""An instance's step time model: profiled at its first start (nothing of the pass left
+behind), loaded at the next, refined while serving, exported in GetStats and on /metrics."""
+
+import subprocess
+from pathlib import Path
+
+import httpx
+import pytest
+from credentials import SECRET
+from pdserve_up import scrape_metrics
+
+from pdserve.config import EngineConfig
+from pdserve.engine.profiling import CACHE_VARIABLE, fit_key, fit_path
+from pdserve.engine.request import SamplingParams
+from services.mixed.servicer import serve_mixed
+
+
+def test_the_first_start_profiles_the_next_loads_and_serving_refines(
+    tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(CACHE_VARIABLE, str(tmp_path))
+    config = EngineConfig(model=str(tiny_model_dir), num_kv_blocks=256, step_profile_s=5.0)
+    first, server, _ = serve_mixed(config, secret=SECRET)
+    try:
+        path = fit_path(fit_key(config, first.runtime.engine))
+        assert path.is_file()  # profiled and saved
+        stats = first.stats()
+        profiled = stats.step_time.samples
+        assert profiled >= 20 and stats.step_time.coefficients["constant"] > 0
+        # the pass left nothing: no step counted, no block cached or held, no request
+        assert stats.num_steps == 0 and stats.prefix_cache_queries == 0
+        assert stats.num_cached_blocks == 0 and stats.num_free_blocks == stats.num_blocks
+    finally:
+        server.stop(0)
+        first.stop()
+    saved = path.stat().st_mtime_ns
+
+    second, server, _ = serve_mixed(config, secret=SECRET)
+    try:
+        engine = second.runtime.engine
+        assert engine.step_time.samples == profiled  # loaded, not profiled again
+        assert path.stat().st_mtime_ns == saved
+        prompts = [[5 + i] * (20 + 7 * i) for i in range(8)]
+        params = SamplingParams(max_tokens=6, ignore_eos=True)
+        second.runtime.loop.call(lambda e: e.generate(prompts, params))
+        stats = second.stats()
+        assert stats.step_time.samples > profiled  # every served step refines it
+        assert sum(stats.step_time.error_counts) > 0 and stats.step_time.median_error >= 0
+        url = f"http://{second.runtime.metrics_address}"
+        samples = scrape_metrics(url)
+        assert samples['pdserve_step_time_error_ratio_count{role="mixed"}'] == sum(
+            stats.step_time.error_counts
+        )
+        assert 'pdserve_step_time_coefficient{feature="decode_rows",role="mixed"}' in samples
+        check = subprocess.run(["promtool", "check", "metrics"], capture_output=True, text=True,
+                               input=httpx.get(f"{url}/metrics", timeout=10).text)  # fmt: skip
+        assert check.returncode == 0, check.stdout + check.stderr
+    finally:
+        server.stop(0)
+        second.stop()
+
+
+def test_no_profiling_pass_when_it_is_turned_off(
+    tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(CACHE_VARIABLE, str(tmp_path))
+    config = EngineConfig(model=str(tiny_model_dir), num_kv_blocks=256, step_profile_s=0)
+    instance, server, _ = serve_mixed(config, secret=SECRET)
+    try:
+        assert instance.stats().step_time.samples == 0
+        assert not fit_path(fit_key(config, instance.runtime.engine)).exists()
+    finally:
+        server.stop(0)
+        instance.stop()
