@@ -81,8 +81,9 @@ def seed_step_time(engine: LLMEngine, config: EngineConfig) -> str:
 
 
 def profile(engine: LLMEngine, budget_s: float, seed: int = 0) -> int:
-    """Run the synthetic scenarios until done or `budget_s` is spent (engine thread, before
-    it serves: nothing else may be queued); returns the steps run."""
+    """Run the synthetic scenarios until done or `budget_s` is spent (the requests running
+    then are stopped; engine thread, before it serves: nothing else may be queued); returns
+    the steps run."""
     cache = engine.kv_cache
     stats, caching = dataclasses.replace(engine.scheduler.stats), cache.enable_prefix_caching
     steps_before = engine.step_time.samples
@@ -98,9 +99,12 @@ def profile(engine: LLMEngine, budget_s: float, seed: int = 0) -> int:
                 prompt = [rng.randrange(vocab) for _ in range(length)]
                 params = SamplingParams(max_tokens=tokens, ignore_eos=True)
                 engine.add_request(prompt, params, f"profile-{rng.getrandbits(64):016x}")
-            while engine.has_unfinished_requests():
+            while engine.has_unfinished_requests() and time.perf_counter() < deadline:
                 engine.step()
     finally:
+        for request_id in list(engine.scheduler.requests):  # cut short by the budget
+            engine.stop_computing(request_id)
+        engine.add_text([])  # their ends reach the output processor
         cache.enable_prefix_caching = caching
         engine.scheduler.stats = stats
     return engine.step_time.samples - steps_before

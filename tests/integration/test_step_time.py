@@ -10,7 +10,8 @@ from credentials import SECRET
 from pdserve_up import scrape_metrics
 
 from pdserve.config import EngineConfig
-from pdserve.engine.profiling import CACHE_VARIABLE, fit_key, fit_path
+from pdserve.engine.engine import LLMEngine
+from pdserve.engine.profiling import CACHE_VARIABLE, fit_key, fit_path, profile
 from pdserve.engine.request import SamplingParams
 from services.mixed.servicer import serve_mixed
 
@@ -72,3 +73,15 @@ def test_no_profiling_pass_when_it_is_turned_off(
     finally:
         server.stop(0)
         instance.stop()
+
+
+def test_a_pass_cut_short_by_its_budget_leaves_nothing_running(tiny_model_dir: Path) -> None:
+    engine = LLMEngine.from_config(EngineConfig(model=str(tiny_model_dir), num_kv_blocks=256))
+    steps = profile(engine, budget_s=0.3)
+    assert steps > 0 and engine.step_time.samples == steps
+    assert not engine.has_unfinished_requests()
+    assert engine.num_free_blocks == engine.kv_cache.num_blocks
+    assert engine.kv_cache.num_cached_blocks == 0  # nothing published
+    engine.check_integrity()
+    [completion] = engine.generate([[7] * 40], SamplingParams(max_tokens=3, ignore_eos=True))
+    assert len(completion.token_ids) == 3
