@@ -297,7 +297,8 @@ class LLMEngine:
         when `inline_text` is off: the caller hands it to the loop's output thread).
         """
         request.num_computed_tokens = request.num_prompt_tokens
-        request.first_scheduled_at = time.perf_counter()  # not counted as a routing hit here
+        # not counted as a routing hit here; its prefill took no time here (StageTimes says 0)
+        request.first_scheduled_at = request.first_token_at = time.perf_counter()
         self.kv_cache.update_cache_blocks(request, request.num_prompt_tokens)
         self.scheduler.admit_running(request)
         self.outputs.register(request.request_id, request.sampling_params.stop)
@@ -583,7 +584,7 @@ class LLMEngine:
         """When its first token came (on decode: handed over) and which step made the next."""
         now = time.perf_counter()
         if request.num_output_tokens == 1:
-            request.first_token_at = now
+            request.first_token_at = request.first_token_at or now
         elif request.second_token_step is None:
             request.second_token_step = (min(self._step_started, now), now)
 

@@ -170,8 +170,9 @@ class TokenLogprob:
 @dataclass(frozen=True, slots=True)
 class StageTimes:
     """Where a request's time went on one instance, in seconds: `wait_s` until its first step
-    (on decode: its reservation until the first-token handoff, the KV arriving), `prefill_s`
-    its prompt's steps up to the first token, `admission_s` from then until the step that
+    (when its KV came from prefill: its reservation until the first-token handoff, the KV
+    arriving), `prefill_s` its prompt's steps up to the first token (exactly 0 when its KV came
+    from prefill), `admission_s` from then until the step that
     makes its next token starts, `first_step_s` that step; and its prompt's cache hits."""
 
     wait_s: float

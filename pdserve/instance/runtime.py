@@ -375,11 +375,12 @@ class InstanceRuntime:
         attempt: str = "",
         subscriber: str = "",
         trace_parent: tracing.Context | None = None,
+        prefills: bool = False,
     ) -> OutputStream:
         """Register the stream that will carry the request's outputs: to the `subscriber`'s
         subscription when given (which must be open here), else to its own reader. A stream
-        to a subscription is traced (a span of this instance's role under `trace_parent`)
-        while tracing is on. Raises
+        to a subscription is traced (a span of this instance's role under `trace_parent`;
+        `prefills`: the prompt is computed here, not received) while tracing is on. Raises
         DuplicateRequestError when one is open, InstanceUnavailableError when the subscription
         is not."""
         with self._streams_lock:
@@ -393,10 +394,40 @@ class InstanceRuntime:
                     100,
                 )
             traced = subscription is not None and tracing.enabled()
-            trace = StreamTrace(self.role, trace_parent, request_id) if traced else None
+            trace = StreamTrace(self.role, prefills, trace_parent, request_id) if traced else None
             stream = OutputStream(request_id, attempt, subscription, trace)
             self._streams[request_id] = stream
         return stream
+
+    def submit_generation(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        hashes: PromptHashes | None,
+        attempt: str,
+        subscriber: str,
+        trace_parent: tracing.Context | None = None,
+        admit: Callable[[LLMEngine, Request], None] = LLMEngine.submit,
+    ) -> None:
+        """Build a whole generation (prefill and decode here) and queue it with `admit` (on the
+        engine thread; it may refuse by raising); its outputs go to the router's `subscriber`
+        subscription, tagged with its `attempt`, traced under `trace_parent`. Raises
+        InvalidRequestError / PromptTooLongError, DuplicateRequestError,
+        InstanceUnavailableError (the subscription is not open), or what `admit` raised.
+        Blocking: one engine-thread round trip."""
+        if not subscriber:
+            raise InvalidRequestError(
+                f"subscriber is required: a {self.role} instance sends a request's outputs to "
+                "its router's subscription (InstanceService.SubscribeOutputs)"
+            )
+        stream = self.open_stream(request_id, attempt, subscriber, trace_parent, prefills=True)
+        try:
+            request = self.make_request(prompt_token_ids, params, request_id, block_hashes=hashes)
+            self.loop.call(lambda engine: admit(engine, request))
+        except BaseException:
+            self.close_stream(request_id, stream=stream)
+            raise
 
     def subscribe(self, subscriber: str) -> Subscription:
         """Open `subscriber`'s output subscription (a newer one replaces it: the older one
@@ -480,8 +511,9 @@ class InstanceRuntime:
         if self.role == "prefill":
             return
         metrics = self.stage_metrics
-        metrics.observe("kv_wait" if self.role == "decode" else "queue", times.wait_s)
-        if self.role != "decode":
+        received = times.prefill_s == 0  # its KV came from prefill (see StageTimes)
+        metrics.observe("kv_wait" if received else "queue", times.wait_s)
+        if not received:
             metrics.observe("prefill", times.prefill_s)
         if times.first_step_s > 0:  # it made a second token
             metrics.observe("admission", times.admission_s)

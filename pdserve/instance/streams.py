@@ -39,11 +39,14 @@ def aborted_output(request_id: str) -> RequestOutput:
 
 
 Item = RequestOutput | PdserveError
-# a stream's span's stages, by role: the names of StageTimes' wait, prefill, admission, first step
-STAGE_NAMES = {
-    "decode": ("decode.kv_wait", "", "decode.admission", "decode.first_step"),
-    "mixed": ("mixed.queue", "mixed.compute", "mixed.admission", "mixed.first_step"),
-}
+
+
+def stage_names(role: str, prefills: bool) -> tuple[str, str, str, str]:
+    """The names of a stream's StageTimes (wait, prefill, admission, first step) as spans: a
+    request whose KV came from prefill waited for it (`kv_wait`) and computed nothing."""
+    if not prefills:
+        return (f"{role}.kv_wait", "", f"{role}.admission", f"{role}.first_step")
+    return (f"{role}.queue", f"{role}.compute", f"{role}.admission", f"{role}.first_step")
 
 
 class StreamTrace:
@@ -51,8 +54,11 @@ class StreamTrace:
     ended with it, its stages recorded from the final output's StageTimes (they follow each
     other from the stream's opening)."""
 
-    def __init__(self, role: str, parent: tracing.Context | None, request_id: str) -> None:
+    def __init__(
+        self, role: str, prefills: bool, parent: tracing.Context | None, request_id: str
+    ) -> None:
         self.role = role
+        self.names = stage_names(role, prefills)
         self.opened = time.perf_counter()
         self.span = tracing.start(
             role, parent, {"pdserve.request_id": request_id}, at=self.opened, server=True
@@ -69,7 +75,7 @@ class StreamTrace:
         if times is not None:
             durations = (times.wait_s, times.prefill_s, times.admission_s, times.first_step_s)
             at = self.opened
-            for name, duration in zip(STAGE_NAMES[self.role], durations, strict=True):
+            for name, duration in zip(self.names, durations, strict=True):
                 if name:
                     tracing.record(name, span, at, at + duration)
                 at += duration

@@ -408,11 +408,11 @@ class StageTimings(_message.Message):
     DEVICE_HIT_TOKENS_FIELD_NUMBER: _builtins.int
     STORAGE_HIT_TOKENS_FIELD_NUMBER: _builtins.int
     wait_s: _builtins.float
-    """mixed: queued until its first step; decode: from its reservation until the first-token
-    handoff (its KV arriving from prefill)
+    """queued until its first step; when its KV came from prefill: from its reservation until the
+    first-token handoff (the KV arriving)
     """
     prefill_s: _builtins.float
-    """mixed: the prompt's forward passes up to the first token; decode: 0"""
+    """the prompt's forward passes up to the first token: exactly 0 when its KV came from prefill"""
     admission_s: _builtins.float
     """from the first token until the step that makes the next one starts"""
     first_step_s: _builtins.float

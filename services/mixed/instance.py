@@ -2,7 +2,6 @@
 
 from pdserve.config import EngineConfig, StorageConfig
 from pdserve.engine.request import SamplingParams
-from pdserve.errors import InvalidRequestError
 from pdserve.instance.runtime import InstanceRuntime
 from pdserve.kvcache.hashing import PromptHashes
 from pdserve.observability import tracing
@@ -48,20 +47,9 @@ class MixedInstance:
         attempt). Raises InvalidRequestError /
         PromptTooLongError, DuplicateRequestError, InstanceUnavailableError (the subscription
         is not open). Blocking: one engine-thread round trip."""
-        if not subscriber:
-            raise InvalidRequestError(
-                "subscriber is required: a mixed instance sends a request's outputs to its "
-                "router's subscription (InstanceService.SubscribeOutputs)"
-            )
-        stream = self.runtime.open_stream(request_id, attempt, subscriber, trace_parent)
-        try:
-            request = self.runtime.make_request(
-                prompt_token_ids, params, request_id, block_hashes=hashes
-            )
-            self.runtime.loop.call(lambda engine: engine.submit(request))
-        except BaseException:
-            self.runtime.close_stream(request_id, stream=stream)
-            raise
+        self.runtime.submit_generation(
+            request_id, prompt_token_ids, params, hashes, attempt, subscriber, trace_parent
+        )
 
     def abort(self, request_id: str) -> bool:
         return self.runtime.abort(request_id)

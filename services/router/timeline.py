@@ -108,19 +108,20 @@ class RequestRecord:
     def stream_reported(
         self, timings: common_pb2.StageTimings, instance: str, role: str, first_token: float
     ) -> None:
-        """The stages the streaming instance reported (`role`: decode or mixed), around its
-        first token at `first_token`."""
+        """The stages the streaming instance (`role`: decode or mixed) reported, around its
+        first token at `first_token`: a prompt computed there queued and computed, one whose
+        KV came from prefill waited for it (`prefill_s` exactly 0)."""
         waits: tuple[tuple[str, float], ...]
         hits: dict[str, int] = {}
-        if role == "decode":
-            waits = (("decode.kv_wait", timings.wait_s),)
+        if timings.prefill_s == 0:
+            waits = ((f"{role}.kv_wait", timings.wait_s),)
         else:
             hits = {"device_hit_tokens": timings.device_hit_tokens,
                     "storage_hit_tokens": timings.storage_hit_tokens}  # fmt: skip
-            waits = (("mixed.queue", timings.wait_s), ("mixed.compute", timings.prefill_s))
+            waits = ((f"{role}.queue", timings.wait_s), (f"{role}.compute", timings.prefill_s))
         at = first_token - sum(duration for _, duration in waits)
         for name, duration in waits:
-            attributes = hits if name == "mixed.compute" else {}
+            attributes = hits if name.endswith(".compute") else {}
             self.add(name, at, at + duration, instance, attributes, span=False)
             at += duration
         if timings.first_step_s > 0:
