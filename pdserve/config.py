@@ -67,6 +67,7 @@ STORES = ("directory", "memory")
 DEVICE_WRITE_POLICIES = ("on_eviction", "write_through", "off")
 REDIS_SCHEMES = ("redis", "rediss", "unix")
 LOG_FORMATS = ("text", "json")
+DISAGGREGATION_MODES = ("always", "never", "auto")
 # Engine settings a role may not change: KV blocks move between prefill and decode instances
 # byte for byte, and the router hashes prompt blocks with the base engine's model, block size
 # and dtype, so every role must agree with the base engine on them.
@@ -402,9 +403,22 @@ class RouterConfig:
     max_concurrent_requests: int = 4096
     """Generations the router runs at once (each of `n` choices counts); more get 503 with
     `Retry-After`."""
+    disaggregation: str = _choice("always", DISAGGREGATION_MODES)
+    """Where a request's prompt is computed: `always` on a prefill instance, its KV then moved
+    to the decode instance; `never` on the decode instance itself; `auto` on whichever the
+    instances' step time models (`GetStats`) predict the earlier first token for (queue,
+    compute and transfer, the prompt's cached tokens on each side), request by request.
+
+    With `never` and `auto` the router also follows the decode instances' KV events."""
+    kv_transfer_gbps: float = 1.0
+    """KV transfer speed `auto` assumes (GB/s) until a prefill instance has measured its own."""
 
     def __post_init__(self) -> None:
         _check_choices(self, "router")
+        if not self.kv_transfer_gbps > 0:
+            raise ConfigError(
+                f"router.kv_transfer_gbps must be positive, got {self.kv_transfer_gbps}"
+            )
         if self.max_concurrent_requests < 1:
             raise ConfigError("router.max_concurrent_requests must be at least 1")
         if self.migration_limit < 0:

@@ -63,6 +63,13 @@ class RouterMetrics:
             ["policy", "reason"],
             registry=self.registry,
         )
+        self.disaggregation = Counter(
+            "pdserve_router_disaggregation",
+            "Where PD requests' prompts were computed (router.disaggregation): remote (a "
+            "prefill instance, the KV moved to decode) or local (the decode instance itself).",
+            ["path"],
+            registry=self.registry,
+        )
         self._add_failure_metrics()
         self.in_flight = Gauge(
             "pdserve_router_in_flight_requests",

@@ -189,16 +189,18 @@ def _stage_metrics() -> tuple[MetricDoc, ...]:
 
 
 def _observed_stages(role: str) -> CollectorRegistry:
-    """A `role` instance's StageMetrics registry after one request: `InstanceRuntime._observe`
-    (decode and mixed) and, on prefill, `PrefillInstance._observe` (after each handoff), each
-    run on a stand-in that holds only what it reads."""
+    """A `role` instance's StageMetrics registry after its kinds of request:
+    `InstanceRuntime._observe` of one whose prompt was computed there (decode and mixed) and one
+    whose KV came from prefill (decode: `prefill_s` 0) and, on prefill, `PrefillInstance._observe`
+    (after each handoff), each run on a stand-in that holds only what it reads."""
     metrics = StageMetrics(role)
     runtime = SimpleNamespace(role=role, stage_metrics=metrics)
-    times = StageTimes(
-        wait_s=1.0, prefill_s=1.0, admission_s=1.0, first_step_s=1.0,
-        device_hit_tokens=0, storage_hit_tokens=0,
-    )  # fmt: skip
-    InstanceRuntime._observe(cast(InstanceRuntime, runtime), times)
+    for prefill_s in (1.0, 0.0) if role == "decode" else (1.0,):
+        times = StageTimes(
+            wait_s=1.0, prefill_s=prefill_s, admission_s=1.0, first_step_s=1.0,
+            device_hit_tokens=0, storage_hit_tokens=0,
+        )  # fmt: skip
+        InstanceRuntime._observe(cast(InstanceRuntime, runtime), times)
     if role == "prefill":
         outcome = PrefillOutcome(
             first_token_id=0, num_prompt_tokens=1, num_cached_tokens=0,

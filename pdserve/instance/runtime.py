@@ -555,6 +555,8 @@ class InstanceRuntime:
                 num_steps=scheduler.stats.num_steps,
                 step_seconds=scheduler.stats.step_seconds,
                 tensor_parallel_size=engine.loaded.model.shard.size,
+                max_num_batched_tokens=scheduler.config.max_num_batched_tokens,
+                kv_block_bytes=self.stager.block_bytes,
                 **extra,
             )
             group = engine.runner.tp.group if isinstance(engine.runner.tp, RankZero) else None

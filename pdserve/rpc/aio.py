@@ -20,6 +20,7 @@ from pdserve.rpc.tls import TlsFiles
 from pdserve.v1 import (
     common_pb2,
     common_pb2_grpc,
+    decode_pb2_grpc,
     mixed_pb2_grpc,
     prefill_pb2,
     prefill_pb2_grpc,
@@ -35,6 +36,7 @@ class Stubs:
     prefill: "prefill_pb2_grpc.PrefillServiceAsyncStub"
     mixed: "mixed_pb2_grpc.MixedServiceAsyncStub"
     instance: "common_pb2_grpc.InstanceServiceAsyncStub"
+    decode: "decode_pb2_grpc.DecodeServiceAsyncStub"
 
 
 class AioChannelPool:
@@ -57,6 +59,7 @@ class AioChannelPool:
                 prefill_pb2_grpc.PrefillServiceStub(channel),
                 mixed_pb2_grpc.MixedServiceStub(channel),
                 common_pb2_grpc.InstanceServiceStub(channel),
+                decode_pb2_grpc.DecodeServiceStub(channel),
             )
             self._stubs[address] = stubs
         return stubs
@@ -101,11 +104,18 @@ class AioClients:
         return result
 
     async def submit(
-        self, address: str, message: common_pb2.GenerateRequest, metadata: Metadata = ()
+        self,
+        address: str,
+        message: common_pb2.GenerateRequest,
+        metadata: Metadata = (),
+        on_decode: bool = False,
     ) -> None:
-        """Queue a request on a mixed instance (its outputs go to its subscription)."""
+        """Queue a whole generation on a mixed instance, or (`on_decode`) on a decode instance
+        that computes the prompt itself; its outputs go to its subscription."""
+        stubs = self.channels.stubs(address)
+        call = stubs.decode.Generate if on_decode else stubs.mixed.Submit
         try:
-            await self.channels.stubs(address).mixed.Submit(
+            await call(
                 message,
                 timeout=self.deadlines.control_s,
                 metadata=self.channels.metadata + metadata,

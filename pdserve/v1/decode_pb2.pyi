@@ -20,6 +20,21 @@ else:
 DESCRIPTOR: _descriptor.FileDescriptor
 
 @_typing.final
+class GenerateReply(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GenerateReply: _TypeAlias = GenerateReply  # noqa: Y015
+
+@_typing.final
 class ReserveRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 

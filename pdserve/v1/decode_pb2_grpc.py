@@ -3,6 +3,7 @@
 import grpc
 import warnings
 
+from pdserve.v1 import common_pb2 as pdserve_dot_v1_dot_common__pb2
 from pdserve.v1 import decode_pb2 as pdserve_dot_v1_dot_decode__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
@@ -56,6 +57,11 @@ class DecodeServiceStub:
                 request_serializer=pdserve_dot_v1_dot_decode__pb2.StartDecodeRequest.SerializeToString,
                 response_deserializer=pdserve_dot_v1_dot_decode__pb2.StartDecodeReply.FromString,
                 _registered_method=True)
+        self.Generate = channel.unary_unary(
+                '/pdserve.v1.DecodeService/Generate',
+                request_serializer=pdserve_dot_v1_dot_common__pb2.GenerateRequest.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_decode__pb2.GenerateReply.FromString,
+                _registered_method=True)
 
 
 class DecodeServiceServicer:
@@ -92,6 +98,15 @@ class DecodeServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Generate(self, request, context):
+        """A whole generation here, its prompt computed by this instance (the router chose local
+        prefill over disaggregation); refused with RESOURCE_EXHAUSTED (a retry-after) when its
+        blocks would eat the growth headroom of the running requests. Outputs as for StartDecode.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DecodeServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -114,6 +129,11 @@ def add_DecodeServiceServicer_to_server(servicer, server):
                     servicer.StartDecode,
                     request_deserializer=pdserve_dot_v1_dot_decode__pb2.StartDecodeRequest.FromString,
                     response_serializer=pdserve_dot_v1_dot_decode__pb2.StartDecodeReply.SerializeToString,
+            ),
+            'Generate': grpc.unary_unary_rpc_method_handler(
+                    servicer.Generate,
+                    request_deserializer=pdserve_dot_v1_dot_common__pb2.GenerateRequest.FromString,
+                    response_serializer=pdserve_dot_v1_dot_decode__pb2.GenerateReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -226,6 +246,33 @@ class DecodeService:
             '/pdserve.v1.DecodeService/StartDecode',
             pdserve_dot_v1_dot_decode__pb2.StartDecodeRequest.SerializeToString,
             pdserve_dot_v1_dot_decode__pb2.StartDecodeReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Generate(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.DecodeService/Generate',
+            pdserve_dot_v1_dot_common__pb2.GenerateRequest.SerializeToString,
+            pdserve_dot_v1_dot_decode__pb2.GenerateReply.FromString,
             options,
             channel_credentials,
             insecure,

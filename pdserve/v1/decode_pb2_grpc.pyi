@@ -5,6 +5,7 @@ The decode instance: reserves blocks, receives KV, generates and streams tokens.
 
 from collections import abc as _abc
 from grpc import aio as _aio
+from pdserve.v1 import common_pb2 as _common_pb2
 from pdserve.v1 import decode_pb2 as _decode_pb2
 import abc as _abc_1
 import grpc as _grpc
@@ -45,6 +46,11 @@ class DecodeServiceStub:
     """First-token handoff: the KV is complete; the request joins the running batch. Its outputs
     go to the subscription its GenerateRequest named (InstanceService.SubscribeOutputs).
     """
+    Generate: _grpc.UnaryUnaryMultiCallable[_common_pb2.GenerateRequest, _decode_pb2.GenerateReply]
+    """A whole generation here, its prompt computed by this instance (the router chose local
+    prefill over disaggregation); refused with RESOURCE_EXHAUSTED (a retry-after) when its
+    blocks would eat the growth headroom of the running requests. Outputs as for StartDecode.
+    """
 
 @_typing.type_check_only
 class DecodeServiceAsyncStub(DecodeServiceStub):
@@ -62,6 +68,11 @@ class DecodeServiceAsyncStub(DecodeServiceStub):
     StartDecode: _aio.UnaryUnaryMultiCallable[_decode_pb2.StartDecodeRequest, _decode_pb2.StartDecodeReply]  # type: ignore[assignment]
     """First-token handoff: the KV is complete; the request joins the running batch. Its outputs
     go to the subscription its GenerateRequest named (InstanceService.SubscribeOutputs).
+    """
+    Generate: _aio.UnaryUnaryMultiCallable[_common_pb2.GenerateRequest, _decode_pb2.GenerateReply]  # type: ignore[assignment]
+    """A whole generation here, its prompt computed by this instance (the router chose local
+    prefill over disaggregation); refused with RESOURCE_EXHAUSTED (a retry-after) when its
+    blocks would eat the growth headroom of the running requests. Outputs as for StartDecode.
     """
 
 class DecodeServiceServicer(metaclass=_abc_1.ABCMeta):
@@ -101,6 +112,17 @@ class DecodeServiceServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_decode_pb2.StartDecodeReply, _abc.Awaitable[_decode_pb2.StartDecodeReply]]:
         """First-token handoff: the KV is complete; the request joins the running batch. Its outputs
         go to the subscription its GenerateRequest named (InstanceService.SubscribeOutputs).
+        """
+
+    @_abc_1.abstractmethod
+    def Generate(
+        self,
+        request: _common_pb2.GenerateRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_decode_pb2.GenerateReply, _abc.Awaitable[_decode_pb2.GenerateReply]]:
+        """A whole generation here, its prompt computed by this instance (the router chose local
+        prefill over disaggregation); refused with RESOURCE_EXHAUSTED (a retry-after) when its
+        blocks would eat the growth headroom of the running requests. Outputs as for StartDecode.
         """
 
 def add_DecodeServiceServicer_to_server(servicer: DecodeServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -194,6 +194,45 @@ class DecodeInstance:
         ):
             engine.release(request.request_id)
 
+    # -- local prefill ----------------------------------------------------------------------------
+
+    def generate(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        hashes: PromptHashes | None = None,
+        attempt: str = "",
+        subscriber: str = "",
+        trace_parent: tracing.Context | None = None,
+    ) -> None:
+        """A whole generation here, its prompt computed by this engine (the router chose
+        local prefill); queued only if the growth headroom of the running and reserved
+        requests survives its blocks, else ResourceExhaustedError. Its outputs go to the
+        router's `subscriber` subscription."""
+        self.runtime.submit_generation(
+            request_id, prompt_token_ids, params, hashes, attempt, subscriber, trace_parent,
+            admit=self._admit_local,
+        )  # fmt: skip
+
+    def _admit_local(self, engine: LLMEngine, request: Request) -> None:
+        """Engine thread: queue `request` if its blocks leave the running requests' growth
+        headroom free (the check `_reserve` makes)."""
+        if self.reservations.holds(request.request_id):
+            raise DuplicateRequestError(f"request id {request.request_id!r} is reserved here")
+        headroom = engine.growth_headroom_blocks(
+            self.config.reserve_horizon_tokens, self.reservations.requests()
+        )
+        needed = engine.num_blocks_needed(request)  # its device prefix hit excluded
+        if needed + headroom > engine.num_free_blocks:
+            raise ResourceExhaustedError(
+                f"decode instance cannot prefill {needed} blocks here: "
+                f"{engine.num_free_blocks} free, {headroom} kept for the growth of running "
+                "requests",
+                self.config.retry_after_ms,
+            )
+        engine.submit(request)
+
     # -- KV reception -----------------------------------------------------------------------------
 
     def receive_blocks(self, request_id: str, first_block: int, data: memoryview) -> int:

@@ -21,7 +21,7 @@ from pdserve.rpc.server import AioServer, blocking
 from pdserve.rpc.status import abort_with, abort_with_async
 from pdserve.rpc.tls import TlsFiles
 from pdserve.transfer.wire import KVChunkView, parse_kv_chunk
-from pdserve.v1 import decode_pb2, decode_pb2_grpc
+from pdserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc
 from services.decode.instance import DecodeInstance
 
 logger = logging.getLogger(__name__)
@@ -124,6 +124,24 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
             _log_unexpected(e, "StartDecode", request.request_id)
             abort_with(context, e)
         return decode_pb2.StartDecodeReply()
+
+    def Generate(
+        self, request: common_pb2.GenerateRequest, context: grpc.ServicerContext
+    ) -> decode_pb2.GenerateReply:
+        try:
+            self.instance.generate(
+                request.request_id,
+                list(request.prompt_token_ids),
+                sampling_from_proto(request.sampling),
+                hashes_from_proto(request),
+                request.attempt,
+                request.subscriber,
+                tracing.extract(context.invocation_metadata() or ()),
+            )
+        except Exception as e:
+            _log_unexpected(e, "Generate", request.request_id)
+            abort_with(context, e)
+        return decode_pb2.GenerateReply()
 
 
 def _log_unexpected(error: Exception, method: str, request_id: str) -> None:

@@ -35,6 +35,8 @@ from pdserve.kvcache.hashing import BlockHash, BlockHasher, PromptHashes
 from pdserve.metrics import RouterMetrics
 from pdserve.observability import tracing
 from pdserve.rpc.clients import Metadata
+from pdserve.v1.common_pb2 import InstanceStats
+from services.router.disaggregation import Disaggregation, PathChoice
 from services.router.kv_index import KVEventIndex
 from services.router.load import Lease, LoadTracker
 from services.router.membership import Membership, Role
@@ -61,6 +63,10 @@ class Route:
     cached_tokens: int  # prompt tokens the prefill instance holds (the index's view)
     reason: str = ""  # why the prefill policy chose it
     score: float = 0.0  # its score under the policy
+    # `prefill` is a decode instance that computes the prompt itself (conditional
+    # disaggregation chose local prefill; `decode` is None)
+    on_decode: bool = False
+    path: PathChoice | None = None  # the disaggregation decision, when one was made
 
 
 @dataclass(slots=True)
@@ -82,7 +88,10 @@ class Attempts:
         client: PDClient,
         metrics: RouterMetrics,
         on_unreachable: Callable[[], None],
+        stats: Callable[[str], InstanceStats | None] = lambda address: None,
     ) -> None:
+        """`stats(address)`: an instance's last polled GetStats (conditional
+        disaggregation's step time models)."""
         self.config = config
         self.load = LoadTracker()
         self._hasher = hasher
@@ -92,6 +101,10 @@ class Attempts:
         self._client = client
         self._metrics = metrics
         self._on_unreachable = on_unreachable  # an instance could not be reached
+        self._stats = stats
+        self.disaggregation = Disaggregation(
+            config.disaggregation, config.kv_transfer_gbps, hasher.block_size
+        )
         tuning = PolicyConfig(
             load_weight=config.load_weight,
             balance_abs_threshold=config.balance_abs_threshold,
@@ -203,9 +216,16 @@ class Attempts:
             record.add("admission", record.arrival, started)
         route = self._choose(request_id, token_ids, hashes, excluded)
         record.attempts += 1
-        decision = {"prefill": route.prefill, "decode": route.decode or "",
-                    "policy": self.policy_name, "reason": route.reason, "score": route.score,
-                    "predicted_hit_tokens": route.cached_tokens}  # fmt: skip
+        decision: dict[str, object] = {
+            "prefill": route.prefill, "decode": route.decode or "", "policy": self.policy_name,
+            "reason": route.reason, "score": route.score,
+            "predicted_hit_tokens": route.cached_tokens,
+        }  # fmt: skip
+        if route.path is not None:
+            decision["path"] = "local" if route.on_decode else "remote"
+            if route.path.remote_s == route.path.remote_s:  # predicted (not nan)
+                decision["predicted_remote_ttft_s"] = round(route.path.remote_s, 6)
+                decision["predicted_local_ttft_s"] = round(route.path.local_s, 6)
         record.add("route", started, time.perf_counter(), "", decision)
         return route
 
@@ -230,12 +250,42 @@ class Attempts:
             decode = self._decode_policy.choose(decodes, request, dict(self._decode_capacities()))
         except NoCandidateError as e:
             raise NoCapacityError(str(e), 1000) from e
+        path = self._path(len(token_ids), hashes, prefill.instance_id, cached, decode.instance_id)
+        self._metrics.disaggregation.labels("local" if path.local else "remote").inc()
+        if path.local:
+            decode_cached = (
+                self._index.overlaps(hashes, [decode.instance_id]).get(decode.instance_id, 0)
+                * self._hasher.block_size
+            )
+            return Route(decode.instance_id, None, decode_cached, reason, score, True, path)
         logger.debug(
             "request %s -> prefill %s (%s, %d blocks cached) -> decode %s",
             request_id, prefill.instance_id, prefill.reason, prefill.overlap_blocks,
             decode.instance_id, extra={"request_id": request_id},
         )  # fmt: skip
-        return Route(prefill.instance_id, decode.instance_id, cached, reason, score)
+        return Route(prefill.instance_id, decode.instance_id, cached, reason, score, path=path)
+
+    def _path(
+        self,
+        prompt_tokens: int,
+        hashes: Sequence[BlockHash],
+        prefill: str,
+        prefill_cached: int,
+        decode: str,
+    ) -> PathChoice:
+        """Remote prefill on `prefill`, or local prefill on `decode` (`router.disaggregation`)."""
+        disaggregation = self.disaggregation
+        if disaggregation.mode != "auto":
+            return disaggregation.choose(prompt_tokens, None, 0, 0, None, 0)
+        decode_blocks = self._index.overlaps(hashes, [decode]).get(decode, 0)
+        return disaggregation.choose(
+            prompt_tokens,
+            self._stats(prefill),
+            prefill_cached,
+            self.load.load_of(prefill).in_flight_prefill_tokens,
+            self._stats(decode),
+            decode_blocks * self._hasher.block_size,
+        )
 
     def _take_leases(self, request_id: str, route: Route, prompt_tokens: int) -> tuple[Lease, ...]:
         """Count the request on its instances: only the tokens prefill must compute count as
@@ -261,7 +311,7 @@ class Attempts:
         attempt's trace context."""
         if route.decode is None:
             return self._client.generate_mixed(
-                route.prefill, token_ids, params, request_id, hashes, metadata
+                route.prefill, token_ids, params, request_id, hashes, metadata, route.on_decode
             )
         return self._client.generate(
             route.prefill, route.decode, token_ids, params, request_id, hashes, metadata
@@ -339,5 +389,5 @@ def _reported(
     if finished.prefill is not None and route.decode is not None:
         record.prefill_reported(finished.prefill, route.prefill, dispatched)
     if finished.timings is not None:
-        role = "mixed" if route.decode is None else "decode"
+        role = "decode" if route.decode is not None or route.on_decode else "mixed"
         record.stream_reported(finished.timings, route.decode or route.prefill, role, first_token)

@@ -121,18 +121,23 @@ class KVEventFollower:
 
 
 class DecodeLoadPoller:
-    """Every `interval_s`, each decode instance's capacity (`capacities`)."""
+    """Every `interval_s`, each decode instance's capacity (`capacities`) and stats (`stats`);
+    with `prefill_too`, the prefill instances' stats as well (conditional disaggregation
+    compares both sides' step time models)."""
 
     def __init__(
         self,
         membership: Membership,
         client: PDClient,
         interval_s: float,
+        prefill_too: bool = False,
     ) -> None:
         self._membership = membership
         self._client = client
         self._interval_s = interval_s
+        self._roles = (Role.DECODE, Role.PREFILL) if prefill_too else (Role.DECODE,)
         self._capacities: dict[str, DecodeCapacity] = {}
+        self._stats: dict[str, common_pb2.InstanceStats] = {}
         self._threads = _Threads()
 
     def start(self) -> None:
@@ -145,12 +150,23 @@ class DecodeLoadPoller:
         """The last answer of each decode instance that answered its last poll (a copy)."""
         return dict(self._capacities)
 
+    def stats(self, address: str) -> common_pb2.InstanceStats | None:
+        """The instance's last stats, when it answered its last poll."""
+        return self._stats.get(address)
+
     def _poll(self) -> None:
         while not self._threads.stopped.wait(self._interval_s):
-            for address in self._membership.members(Role.DECODE):
-                try:
-                    stats = self._client.instance(address).stats()
-                except PdserveError:
-                    self._capacities.pop(address, None)
-                    continue
-                self._capacities[address] = DecodeCapacity(stats.num_free_blocks, stats.num_running)
+            for role in self._roles:
+                for address in self._membership.members(role):
+                    self._poll_one(address, role)
+
+    def _poll_one(self, address: str, role: Role) -> None:
+        try:
+            stats = self._client.instance(address).stats()
+        except PdserveError:
+            self._capacities.pop(address, None)
+            self._stats.pop(address, None)
+            return
+        self._stats[address] = stats
+        if role == Role.DECODE:
+            self._capacities[address] = DecodeCapacity(stats.num_free_blocks, stats.num_running)

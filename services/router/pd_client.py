@@ -127,9 +127,11 @@ class PDClient:
         request_id: str,
         hashes: PromptHashes | None = None,
         metadata: Metadata = (),
+        on_decode: bool = False,
     ) -> AsyncGenerator[TokenDelta | Finished, None]:
-        """One request on a mixed instance (both phases on one engine), its outputs on the
-        instance's output subscription. Left unfinished, the attempt is aborted there."""
+        """One request on a mixed instance (both phases on one engine), or (`on_decode`) on a
+        decode instance that computes the prompt itself, its outputs on the instance's output
+        subscription. Left unfinished, the attempt is aborted there."""
         attempt = uuid.uuid4().hex
         finished = False
         try:
@@ -137,7 +139,7 @@ class PDClient:
             message = generate_request(
                 request_id, prompt_token_ids, params, hashes, attempt, self.outputs.subscriber
             )
-            await self.aio.submit(address, message, metadata)
+            await self.aio.submit(address, message, metadata, on_decode)
             events = _Events()
             while not finished:
                 replied = await replies.get()

@@ -63,7 +63,9 @@ class Router:
         self.client = client or PDClient()
         self.metrics = RouterMetrics()
         self.kv_events = KVEventFollower(membership, self.client)
-        self.decode_load = DecodeLoadPoller(membership, self.client, config.stats_interval_s)
+        self.decode_load = DecodeLoadPoller(
+            membership, self.client, config.stats_interval_s, config.disaggregation == "auto"
+        )
         self.attempts = Attempts(
             config,
             model.hasher,
@@ -73,6 +75,7 @@ class Router:
             self.client,
             self.metrics,
             on_unreachable,
+            self.decode_load.stats,
         )
         self._transcripts: dict[str, Transcript] = {}  # every request being generated
         self._draining = False  # shutting down: new requests are refused, in-flight ones finish
@@ -83,6 +86,9 @@ class Router:
     def start(self) -> None:
         for address in self.membership.members(Role.PREFILL):
             self.kv_events.follow(address)
+        if self.attempts.disaggregation.follows_decode:
+            for address in self.membership.members(Role.DECODE):
+                self.kv_events.follow(address)
         self.decode_load.start()
 
     def stop(self) -> None:
@@ -95,6 +101,8 @@ class Router:
         """Start routing to a new instance (prefill, mixed or decode)."""
         if role == Role.DECODE:
             self.membership.add(Role.DECODE, address)
+            if self.attempts.disaggregation.follows_decode:
+                self.kv_events.follow(address)
             return
         self.membership.add(Role.PREFILL, address)  # a mixed instance takes the prefill role
         self.kv_events.follow(address)

@@ -142,7 +142,8 @@ def test_each_stage_of_a_request_is_observed_once_under_bounded_labels(stack: St
     assert delta(transferred) >= 64
 
     allowed = {"role", "transport", "source", "tier", "state", "direction", "kind", "endpoint",
-               "status", "policy", "reason", "backend", "name", "le", "quantile"}  # fmt: skip
+               "status", "policy", "reason", "backend", "name", "le", "quantile", "path",
+               "feature"}  # fmt: skip
     instances = {m.address for m in stack.members}
     for samples in after.values():
         for sample in samples:

@@ -183,11 +183,16 @@ def test_choice_settings_list_their_choices() -> None:
     assert choices["EngineConfig.attention_backend"] == ("auto", "reference", "cpu", "triton")
     assert choices["TransferConfig.transport"] == tuple(TransportName)
     assert choices["EngineConfig.kv_cache_dtype"] == ("auto", "fp8_e4m3")
-    assert len(choices) == 11
+    assert choices["RouterConfig.disaggregation"] == ("always", "never", "auto")
+    assert len(choices) == 12
     with pytest.raises(ConfigError, match=r"engine\.attention_backend must be one of auto, "):
         EngineConfig(attention_backend="flash")
     with pytest.raises(ConfigError, match=r"storage\.device_write_policy must be one of"):
         StorageConfig(device_write_policy="always")
+    with pytest.raises(ConfigError, match=r"router\.disaggregation must be one of"):
+        RouterConfig(disaggregation="sometimes")
+    with pytest.raises(ConfigError, match=r"router\.kv_transfer_gbps must be positive"):
+        RouterConfig(kv_transfer_gbps=0)
     assert RouterConfig(tool_parser=None).tool_parser is None
 
 

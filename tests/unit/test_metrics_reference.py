@@ -79,7 +79,8 @@ def test_the_stage_histograms_name_the_roles_that_observe_them() -> None:
     }
     assert rows["pdserve_reservation_wait_seconds"].endswith("| prefill |")
     assert rows["pdserve_request_kv_wait_seconds"].endswith("| decode |")
-    assert rows["pdserve_request_prefill_seconds"].endswith("| prefill, mixed |")
+    # a decode instance computes a prompt itself when the router chose local prefill
+    assert rows["pdserve_request_prefill_seconds"].endswith("| prefill, decode, mixed |")
     assert rows["pdserve_request_first_decode_step_seconds"].endswith("| decode, mixed |")
 
 

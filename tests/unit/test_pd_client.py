@@ -27,7 +27,11 @@ class FakeInstance:
         pass
 
     async def submit(
-        self, address: str, message: common_pb2.GenerateRequest, metadata: object = ()
+        self,
+        address: str,
+        message: common_pb2.GenerateRequest,
+        metadata: object = (),
+        on_decode: bool = False,
     ) -> None:
         self.replies.push(self._output(message.request_id, 1))
         asyncio.get_running_loop().call_soon(
@@ -114,7 +118,10 @@ def test_outputs_read_together_make_one_delta_with_every_token_and_its_text() ->
         return [event async for event in events]
 
     async def submit(
-        address: str, message: common_pb2.GenerateRequest, metadata: object = ()
+        address: str,
+        message: common_pb2.GenerateRequest,
+        metadata: object = (),
+        on_decode: bool = False,
     ) -> None:
         for token, text, last in ((1, "a", False), (2, "b", False), (3, "c", True)):
             output = fake._output(message.request_id, token, last)

@@ -194,7 +194,7 @@ def test_leases_return_to_zero_after_random_failures_and_cancellations(
 class FakeMixedClient(FakePDClient):
     def generate_mixed(
         self, address: str, ids: list[int], params: SamplingParams, request_id: str,
-        hashes: object = None, metadata: object = (),
+        hashes: object = None, metadata: object = (), on_decode: bool = False,
     ) -> AsyncIterator[TokenDelta | Finished]:  # fmt: skip
         return self.generate(address, "", ids, params, request_id)
 

@@ -1,0 +1,143 @@
+"""Conditional disaggregation: compute a prompt on a prefill instance and move its KV, or on
+the decode instance itself — whichever is predicted to give the first token sooner.
+
+The prediction uses what each instance reports in `GetStats`: its step time model's
+coefficients (`pdserve.engine.perf_model`: a constant per step, per prefill token, per 1k
+token pairs of prefill attention, per decode row, per 1k KV tokens the decode rows attend), its
+step token budget, its running requests and the KV they hold, its block bytes; and what the
+router knows: the prompt's cached tokens on each side (the KV-event index) and the prefill
+tokens it has in flight on the prefill instance (its leases).
+
+    remote = queue on prefill + the prompt's uncached chunks there
+             + the blocks decode lacks ÷ the measured transfer speed + one decode step
+    local  = the prompt's uncached chunks on decode, each step also carrying decode's running
+             batch (rows and the KV they attend)
+
+A chunk of `new` tokens after `cached` ones costs c0 + c1·new + c2·new·(cached + new/2)/1000
+(+ c3·rows + c4·context/1000 on a step shared with decoding requests). `always` and `never`
+skip the prediction; `auto` falls back to `always` while either model is unfitted.
+"""
+
+import math
+from dataclasses import dataclass
+
+from pdserve.v1 import common_pb2
+
+GB = 1e9
+
+
+@dataclass(frozen=True, slots=True)
+class PathChoice:
+    local: bool  # compute the prompt on the decode instance
+    remote_s: float  # predicted time to first token through prefill (nan: not predicted)
+    local_s: float  # predicted time to first token on decode (nan: not predicted)
+
+
+NOT_PREDICTED = float("nan")
+
+
+def prompt_seconds(
+    fit: common_pb2.StepTimeFit,
+    budget: int,
+    tokens: int,
+    cached: int = 0,
+    rows: int = 0,
+    context: int = 0,
+) -> float:
+    """Seconds of the steps that compute `tokens` prompt tokens after `cached` ones, in chunks
+    of `budget`, each step also carrying `rows` decoding requests that attend `context` KV
+    tokens."""
+    c = fit.coefficients
+    shared = c["decode_rows"] * rows + c["decode_context"] * context / 1000
+    seconds, done = 0.0, cached
+    for start in range(0, tokens, max(1, budget)):
+        new = min(budget, tokens - start)
+        attention = new * (done + new / 2) / 1000
+        seconds += c["constant"] + c["prefill_tokens"] * new + c["prefill_attention"] * attention
+        seconds += shared
+        done += new
+    return seconds
+
+
+def decode_step_seconds(fit: common_pb2.StepTimeFit, rows: int, context: int) -> float:
+    """Seconds of a step of `rows` decoding requests attending `context` KV tokens."""
+    c = fit.coefficients
+    return float(c["constant"] + c["decode_rows"] * rows + c["decode_context"] * context / 1000)
+
+
+def transfer_bytes_per_s(stats: common_pb2.InstanceStats, default: float) -> float:
+    """The prefill instance's measured KV transfer speed (all transports), else `default`."""
+    seconds = sum(stats.kv_transfer_seconds_by_transport.values())
+    sent = sum(stats.kv_bytes_sent_by_transport.values())
+    return sent / seconds if seconds > 0 and sent > 0 else default
+
+
+class Disaggregation:
+    """`router.disaggregation` (always | never | auto). Pure: safe from any thread."""
+
+    def __init__(self, mode: str, kv_transfer_gbps: float, block_size: int) -> None:
+        self.mode = mode
+        self.default_bytes_per_s = kv_transfer_gbps * GB
+        self.block_size = block_size
+
+    @property
+    def follows_decode(self) -> bool:
+        """Whether decode instances' cached prefixes matter (their KV events are followed)."""
+        return self.mode != "always"
+
+    def choose(
+        self,
+        prompt_tokens: int,
+        prefill: common_pb2.InstanceStats | None,
+        prefill_cached: int,
+        prefill_queued: int,
+        decode: common_pb2.InstanceStats | None,
+        decode_cached: int,
+    ) -> PathChoice:
+        """Where to compute a prompt of `prompt_tokens` (`*_cached`: tokens each side holds;
+        `prefill_queued`: prefill tokens in flight on the prefill instance)."""
+        if self.mode != "auto":
+            return PathChoice(self.mode == "never", NOT_PREDICTED, NOT_PREDICTED)
+        if prefill is None or decode is None or not _fitted(prefill) or not _fitted(decode):
+            return PathChoice(False, NOT_PREDICTED, NOT_PREDICTED)
+        remote = self._remote_seconds(prompt_tokens, prefill, prefill_cached, prefill_queued)
+        remote += self._transfer_seconds(prompt_tokens, prefill, decode, decode_cached)
+        held = _held_tokens(decode) + prompt_tokens  # with the prompt's KV: its first step
+        remote += decode_step_seconds(decode.step_time, decode.num_running + 1, held)
+        local = prompt_seconds(
+            decode.step_time,
+            decode.max_num_batched_tokens,
+            prompt_tokens - decode_cached,
+            decode_cached,
+            rows=decode.num_running,
+            context=_held_tokens(decode),
+        )
+        return PathChoice(local < remote, remote, local)
+
+    def _remote_seconds(
+        self, prompt_tokens: int, prefill: common_pb2.InstanceStats, cached: int, queued: int
+    ) -> float:
+        budget = prefill.max_num_batched_tokens
+        queue = prompt_seconds(prefill.step_time, budget, queued)
+        return queue + prompt_seconds(prefill.step_time, budget, prompt_tokens - cached, cached)
+
+    def _transfer_seconds(
+        self,
+        prompt_tokens: int,
+        prefill: common_pb2.InstanceStats,
+        decode: common_pb2.InstanceStats,
+        decode_cached: int,
+    ) -> float:
+        blocks = math.ceil(prompt_tokens / self.block_size) - decode_cached // self.block_size
+        speed = transfer_bytes_per_s(prefill, self.default_bytes_per_s)
+        return max(0, blocks) * decode.kv_block_bytes / speed
+
+
+def _fitted(stats: common_pb2.InstanceStats) -> bool:
+    fit = stats.step_time
+    return fit.samples > 0 and any(fit.coefficients.values()) and stats.max_num_batched_tokens > 0
+
+
+def _held_tokens(stats: common_pb2.InstanceStats) -> int:
+    """The KV tokens the instance's requests hold (blocks in use × block size)."""
+    return (stats.num_blocks - stats.num_free_blocks) * stats.block_size
