@@ -9,9 +9,11 @@ router knows: the prompt's cached tokens on each side (the KV-event index) and t
 tokens it has in flight on the prefill instance (its leases).
 
     remote = queue on prefill + the prompt's uncached chunks there
-             + the blocks decode lacks ÷ the measured transfer speed + one decode step
-    local  = the prompt's uncached chunks on decode, each step also carrying decode's running
-             batch (rows and the KV they attend)
+             + the blocks decode lacks ÷ the measured transfer speed
+             (the first token is prefill's, streamed by decode at the handoff)
+    local  = the decode step running now (when decode is busy) + the prompt's uncached
+             chunks on decode, each step also carrying decode's running batch (rows and the KV
+             they attend)
 
 A chunk of `new` tokens after `cached` ones costs c0 + c1·new + c2·new·(cached + new/2)/1000
 (+ c3·rows + c4·context/1000 on a step shared with decoding requests). `always` and `never`
@@ -102,15 +104,17 @@ class Disaggregation:
             return PathChoice(False, NOT_PREDICTED, NOT_PREDICTED)
         remote = self._remote_seconds(prompt_tokens, prefill, prefill_cached, prefill_queued)
         remote += self._transfer_seconds(prompt_tokens, prefill, decode, decode_cached)
-        held = _held_tokens(decode) + prompt_tokens  # with the prompt's KV: its first step
-        remote += decode_step_seconds(decode.step_time, decode.num_running + 1, held)
-        local = prompt_seconds(
+        # the first token is prefill's, streamed by decode at the handoff: no decode step
+        # waits for it; on decode, a prompt first waits for the step running there
+        held = _held_tokens(decode)
+        running = decode_step_seconds(decode.step_time, decode.num_running, held)
+        local = (running if decode.num_running else 0.0) + prompt_seconds(
             decode.step_time,
             decode.max_num_batched_tokens,
             prompt_tokens - decode_cached,
             decode_cached,
             rows=decode.num_running,
-            context=_held_tokens(decode),
+            context=held,
         )
         return PathChoice(local < remote, remote, local)
 
