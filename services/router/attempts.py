@@ -250,13 +250,15 @@ class Attempts:
             decode = self._decode_policy.choose(decodes, request, dict(self._decode_capacities()))
         except NoCandidateError as e:
             raise NoCapacityError(str(e), 1000) from e
-        path = self._path(len(token_ids), hashes, prefill.instance_id, cached, decode.instance_id)
+        decode_cached = 0  # the decode instance's own prefix, followed when it may prefill
+        if self.disaggregation.follows_decode:
+            blocks = self._index.overlaps(hashes, [decode.instance_id])
+            decode_cached = blocks.get(decode.instance_id, 0) * self._hasher.block_size
+        path = self._path(
+            len(token_ids), prefill.instance_id, cached, decode.instance_id, decode_cached
+        )
         self._metrics.disaggregation.labels("local" if path.local else "remote").inc()
         if path.local:
-            decode_cached = (
-                self._index.overlaps(hashes, [decode.instance_id]).get(decode.instance_id, 0)
-                * self._hasher.block_size
-            )
             return Route(decode.instance_id, None, decode_cached, reason, score, True, path)
         logger.debug(
             "request %s -> prefill %s (%s, %d blocks cached) -> decode %s",
@@ -266,25 +268,20 @@ class Attempts:
         return Route(prefill.instance_id, decode.instance_id, cached, reason, score, path=path)
 
     def _path(
-        self,
-        prompt_tokens: int,
-        hashes: Sequence[BlockHash],
-        prefill: str,
-        prefill_cached: int,
-        decode: str,
+        self, prompt_tokens: int, prefill: str, prefill_cached: int, decode: str, decode_cached: int
     ) -> PathChoice:
-        """Remote prefill on `prefill`, or local prefill on `decode` (`router.disaggregation`)."""
+        """Remote prefill on `prefill`, or local prefill on `decode` (`router.disaggregation`;
+        `*_cached`: the prompt's tokens each holds)."""
         disaggregation = self.disaggregation
         if disaggregation.mode != "auto":
             return disaggregation.choose(prompt_tokens, None, 0, 0, None, 0)
-        decode_blocks = self._index.overlaps(hashes, [decode]).get(decode, 0)
         return disaggregation.choose(
             prompt_tokens,
             self._stats(prefill),
             prefill_cached,
             self.load.load_of(prefill).in_flight_prefill_tokens,
             self._stats(decode),
-            decode_blocks * self._hasher.block_size,
+            decode_cached,
         )
 
     def _take_leases(self, request_id: str, route: Route, prompt_tokens: int) -> tuple[Lease, ...]:
