@@ -67,8 +67,8 @@ def seed_step_time(engine: LLMEngine, config: EngineConfig) -> str:
     try:
         if engine.step_time.load(json.loads(path.read_text())):
             return f"step time model loaded from {path}"
-    except (OSError, ValueError):
-        pass  # none saved, or unreadable: profile
+    except (OSError, ValueError, TypeError):
+        pass  # none saved, or unreadable or not a fit: profile
     if config.step_profile_s <= 0:
         return "step time model: no profiling pass (engine.step_profile_s is 0)"
     started = time.perf_counter()

@@ -1,6 +1,7 @@
 """An instance's step time model: profiled at its first start (nothing of the pass left
 behind), loaded at the next, refined while serving, exported in GetStats and on /metrics."""
 
+import json
 import subprocess
 from pathlib import Path
 
@@ -11,7 +12,8 @@ from pdserve_up import scrape_metrics
 
 from pdserve.config import EngineConfig
 from pdserve.engine.engine import LLMEngine
-from pdserve.engine.profiling import CACHE_VARIABLE, fit_key, fit_path, profile
+from pdserve.engine.perf_model import StepTimeModel
+from pdserve.engine.profiling import CACHE_VARIABLE, fit_key, fit_path, profile, seed_step_time
 from pdserve.engine.request import SamplingParams
 from services.mixed.servicer import serve_mixed
 
@@ -85,3 +87,17 @@ def test_a_pass_cut_short_by_its_budget_leaves_nothing_running(tiny_model_dir: P
     engine.check_integrity()
     [completion] = engine.generate([[7] * 40], SamplingParams(max_tokens=3, ignore_eos=True))
     assert len(completion.token_ids) == 3
+
+
+def test_a_corrupt_saved_fit_is_profiled_again(
+    tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(CACHE_VARIABLE, str(tmp_path))
+    config = EngineConfig(model=str(tiny_model_dir), num_kv_blocks=256, step_profile_s=0.5)
+    engine = LLMEngine.from_config(config)
+    path = fit_path(fit_key(config, engine))
+    for corrupt in ('{"gram": [["x"]], "features": 1}', "not json", '{"features": []}'):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(corrupt)
+        assert "profiled" in seed_step_time(engine, config)
+        assert StepTimeModel().load(json.loads(path.read_text()))  # replaced by a real fit
