@@ -32,7 +32,8 @@ proto: install
 	PATH=$(abspath $(VENV))/bin:$$PATH $(PY) -m grpc_tools.protoc -Iproto --python_out=. \
 	  --grpc_python_out=. --mypy_out=. --mypy_grpc_out=. proto/pdserve/v1/*.proto
 
-LINTED := pdserve services tests benchmarks scripts/config_reference.py scripts/metrics_reference.py
+LINTED := pdserve services tests benchmarks scripts/config_reference.py scripts/metrics_reference.py \
+  scripts/reference_page.py
 # Material for MkDocs prints a notice about MkDocs 2.0 on every build unless told not to.
 MKDOCS := NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs
 

@@ -9,17 +9,16 @@ below it).
 `tests/unit/test_config_reference.py` fails when the committed page differs from `render()`.
 """
 
-import argparse
 import ast
 import dataclasses
 import inspect
-import sys
 import textwrap
 import types
 from pathlib import Path
 from typing import Any, Union, get_args, get_origin, get_type_hints
 
 from pdserve import config
+from scripts.reference_page import one_line, write_or_check
 
 PAGE = Path(__file__).resolve().parent.parent / "docs" / "reference" / "configuration.md"
 COMMAND = ".venv/bin/python -m scripts.config_reference"
@@ -99,13 +98,13 @@ def _section(section: str, cls: type) -> str:
             kind = _kind(hints[field.name], config.choices_of(field))
             default = _default(field.default)
             variable = f"`{config.variable_name(section, field.name)}`"
-        rows.append(f"| `{field.name}` | {kind} | {default} | {variable} | {_one_line(summary)} |")
+        rows.append(f"| `{field.name}` | {kind} | {default} | {variable} | {one_line(summary)} |")
         if rest:
-            details.append(f"- **`{field.name}`**: {_one_line(rest)}")
+            details.append(f"- **`{field.name}`**: {one_line(rest)}")
     lines = [
         f"## {section}",
         "",
-        _one_line(inspect.cleandoc(cls.__doc__ or "")),
+        one_line(inspect.cleandoc(cls.__doc__ or "")),
         "",
         "| setting | type | default | variable | meaning |",
         "| --- | --- | --- | --- | --- |",
@@ -138,25 +137,9 @@ def _default(value: Any) -> str:
     return f"`{value}`"
 
 
-def _one_line(text: str) -> str:
-    return " ".join(text.split()).replace("|", "\\|")
-
-
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--check", action="store_true", help="exit 1 when the page is stale")
-    args = parser.parse_args(argv)
-    page = render()
-    if args.check:
-        if not PAGE.exists() or PAGE.read_text() != page:
-            print(f"{PAGE} is stale: run `{COMMAND}`", file=sys.stderr)
-            return 1
-        return 0
-    PAGE.parent.mkdir(parents=True, exist_ok=True)
-    PAGE.write_text(page)
-    print(f"wrote {PAGE}")
-    return 0
+    return write_or_check(render, PAGE, COMMAND, __doc__ or "", argv)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())

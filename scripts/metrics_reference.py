@@ -9,8 +9,6 @@ a storage section, and each role's `StageMetrics`. No list is kept here.
 `tests/unit/test_metrics_reference.py` fails when the committed page differs from `render()`.
 """
 
-import argparse
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
@@ -26,6 +24,7 @@ from pdserve.engine.request import StageTimes
 from pdserve.instance.runtime import InstanceRuntime
 from pdserve.metrics import InstanceCollector, RouterMetrics, StageMetrics
 from pdserve.v1 import common_pb2
+from scripts.reference_page import one_line, write_or_check
 from services.prefill.instance import PrefillInstance, PrefillOutcome, PrefillTimings
 
 PAGE = Path(__file__).resolve().parent.parent / "docs" / "reference" / "metrics.md"
@@ -122,13 +121,13 @@ def _section(section: Section) -> str:
     rows = []
     for m in section.metrics:
         labels = ", ".join(f"`{label}`" for label in m.labels) or "—"
-        row = f"| `{m.scraped}` | {_kind(m)} | {labels} | {_one_line(m.help)} |"
+        row = f"| `{m.scraped}` | {_kind(m)} | {labels} | {one_line(m.help)} |"
         rows.append(row + (f" {', '.join(m.observed_on)} |" if staged else ""))
     return "\n".join(
         [
             f"## {section.title}",
             "",
-            _one_line(section.intro),
+            one_line(section.intro),
             "",
             header,
             "| --- " * header.count(" |") + "|",
@@ -244,25 +243,9 @@ def _number(value: float) -> str:
     return str(int(value)) if value.is_integer() else f"{value:g}"
 
 
-def _one_line(text: str) -> str:
-    return " ".join(text.split()).replace("|", "\\|")
-
-
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--check", action="store_true", help="exit 1 when the page is stale")
-    args = parser.parse_args(argv)
-    page = render()
-    if args.check:
-        if not PAGE.exists() or PAGE.read_text() != page:
-            print(f"{PAGE} is stale: run `{COMMAND}`", file=sys.stderr)
-            return 1
-        return 0
-    PAGE.parent.mkdir(parents=True, exist_ok=True)
-    PAGE.write_text(page)
-    print(f"wrote {PAGE}")
-    return 0
+    return write_or_check(render, PAGE, COMMAND, __doc__ or "", argv)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())
