@@ -40,6 +40,10 @@ to an OTLP collector in the child process that counts and drops them; it is swit
 the side's span and off (its last spans flushed) after, and alternates with the others.
 `tracing_cpu_ratio` = router CPU per request traced / untraced (the router with tracing off
 makes no span and sends no trace metadata: the untraced side is the default's cost).
+
+Prints tables, writes benchmarks/results/router_overhead.json, ends with one RESULT line:
+`RESULT router_overhead decision_us=… auth_us=… proxy_rps=… proxy_ratio=… router_cpu_us=…
+router_cpu_us_traced=… tracing_cpu_ratio=…` (the proxy figures nan with `--skip-proxy`).
 """
 
 import argparse

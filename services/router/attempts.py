@@ -150,7 +150,11 @@ class Attempts:
             leases = self._take_leases(request_id, route, len(token_ids))
             dispatched = time.perf_counter()
             record.dispatched = record.dispatched or dispatched
-            span = tracing.start("attempt", record.span, _attempt_attributes(attempt, route))
+            span = (
+                tracing.start("attempt", record.span, _attempt_attributes(attempt, route))
+                if record.span is not None
+                else None
+            )
             events = self._start(
                 route, token_ids, params, request_id, chain, tracing.metadata(span)
             )

@@ -79,7 +79,7 @@ class RequestRecord:
         self.stages.append(
             Stage(name, start, end - start, instance, {k: str(v) for k, v in attributes.items()})
         )
-        if span:
+        if span and self.span is not None:
             traced = {f"pdserve.{k}": v for k, v in attributes.items()}
             tracing.record(name, self.span, start, end, traced)
 
