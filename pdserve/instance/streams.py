@@ -57,7 +57,6 @@ class StreamTrace:
     def __init__(
         self, role: str, prefills: bool, parent: tracing.Context | None, request_id: str
     ) -> None:
-        self.role = role
         self.names = stage_names(role, prefills)
         self.opened = time.perf_counter()
         self.span = tracing.start(
