@@ -712,7 +712,7 @@ async def drive(
 
 
 class RoutingProbe:
-    """Wraps the router's prefill policy (`Router.attempts`' own, a private attribute: the
+    """Wraps the router's prefill policy (`Router.attempts.routing`'s own, a private attribute: the
     router has no hook for it) and its client's Prefill call (`PDClient.aio.prefill`) with no
     behaviour change, to record per request the decision (reason, chosen overlap, best
     overlap) and the actual hit."""
@@ -720,8 +720,8 @@ class RoutingProbe:
     def __init__(self, router: Any) -> None:
         self.decisions: dict[str, dict[str, Any]] = {}
         self.results: dict[str, tuple[int, int]] = {}
-        attempts = router.attempts
-        policy = attempts._policy
+        routing = router.attempts.routing
+        policy = routing._policy
         aio = router.client.aio
         block_size = router.model.hasher.block_size
         original_prefill = aio.prefill
@@ -759,7 +759,7 @@ class RoutingProbe:
             )
             return result
 
-        attempts._policy = Policy()
+        routing._policy = Policy()
         aio.prefill = prefill
         self.block_size = block_size
 

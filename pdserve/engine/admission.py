@@ -6,6 +6,7 @@ admission of waiting requests, `preallocate_resource_in_p` and `preallocate_reso
 call `admit`. Engine thread only (it changes the KV cache manager).
 """
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from pdserve.engine.request import Request
@@ -50,8 +51,9 @@ class PromptAdmission:
         """Give a request without blocks its prefix hit plus blocks for up to `token_budget`
         more tokens (None: the rest of its tokens), if `growth_headroom_blocks` stay free after.
 
-        Sets `num_computed_tokens` to the hit and loads the staged storage blocks. Returns None,
-        changing nothing, when the pool is too short.
+        Sets `num_computed_tokens` to the hit, loads the staged storage blocks and records the
+        hits of the request's first admission. Returns None, changing nothing, when the pool is
+        too short.
         """
         kv = self.kv_cache
         prefix = self._match(request)
@@ -72,6 +74,7 @@ class PromptAdmission:
         ):
             kv.update_cache_blocks(request, computed)
         request.num_computed_tokens = computed
+        request.record_first_admission(prefix.num_tokens, staged * kv.block_size)
         return Admission(prefix.num_tokens, staged * kv.block_size, tuple(table))
 
     def _match(self, request: Request) -> PrefixMatch:
@@ -81,6 +84,24 @@ class PromptAdmission:
         """Free blocks `admit(request)` would take (for refusal messages)."""
         prefix = self._match(request)
         return self.kv_cache.num_blocks_to_allocate(request, request.num_tokens, prefix)
+
+    def fits(self, request: Request, headroom_blocks: int) -> bool:
+        """Whether the whole prompt's blocks fit with `headroom_blocks` left free (no change)."""
+        return self.num_blocks_needed(request) + headroom_blocks <= self.kv_cache.num_free_blocks
+
+    def growth_headroom_blocks(
+        self, decoding: Iterable[Request], horizon_tokens: int | None, max_model_len: int
+    ) -> int:
+        """Free blocks the `decoding` requests may still need: each grows by its remaining
+        `max_tokens`, at most `horizon_tokens` (None: no limit), up to `max_model_len`."""
+        kv, total = self.kv_cache, 0
+        for request in decoding:
+            remaining = request.sampling_params.max_tokens - request.num_output_tokens
+            growth = remaining if horizon_tokens is None else min(remaining, horizon_tokens)
+            target = min(request.num_tokens + growth, max_model_len)
+            held = len(kv.block_table(request.request_id))
+            total += max(0, -(-target // kv.block_size) - held)
+        return total
 
 
 def _reuses_kv(request: Request) -> bool:

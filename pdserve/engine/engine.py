@@ -280,12 +280,7 @@ class LLMEngine:
         """Admit a request that is not queued (`PromptAdmission.admit`: device hit, the blocks
         staged from storage, blocks for the whole prompt) if `growth_headroom_blocks` stay free.
         Returns None, changing nothing, when the pool cannot hold it now."""
-        admission = self.admission.admit(request, growth_headroom_blocks=growth_headroom_blocks)
-        if admission is not None:
-            request.record_first_admission(
-                admission.device_hit_tokens, admission.storage_hit_tokens
-            )
-        return admission
+        return self.admission.admit(request, growth_headroom_blocks=growth_headroom_blocks)
 
     def admit_prefilled(
         self, request: Request, first_token_id: int, first_logprob: TokenLogprob | None = None
@@ -296,11 +291,9 @@ class LLMEngine:
         instance), applies the stop conditions to it and returns its output (without its text
         when `inline_text` is off: the caller hands it to the loop's output thread).
         """
-        request.num_computed_tokens = request.num_prompt_tokens
         # not counted as a routing hit here; its prefill took no time here (StageTimes says 0)
         request.first_scheduled_at = request.first_token_at = time.perf_counter()
-        self.kv_cache.update_cache_blocks(request, request.num_prompt_tokens)
-        self.scheduler.admit_running(request)
+        self.scheduler.admit_prefilled(request)
         self.outputs.register(request.request_id, request.sampling_params.stop)
         request.append_output_token(first_token_id, first_logprob)
         output = self._emit(request, self._check_stop(request))
@@ -383,14 +376,9 @@ class LLMEngine:
         """Free blocks the decoding requests (running, or prefilled and waiting for a place in
         the batch) and the `reserved` ones may still need: each grows by its remaining
         `max_tokens`, at most `horizon_tokens` (None: no limit), up to the context window."""
-        total = 0
-        for request in [*self.scheduler.running, *self.scheduler.prefilled, *reserved]:
-            remaining = request.sampling_params.max_tokens - request.num_output_tokens
-            growth = remaining if horizon_tokens is None else min(remaining, horizon_tokens)
-            target = min(request.num_tokens + growth, self.max_model_len)
-            held = len(self.kv_cache.block_table(request.request_id))
-            total += max(0, -(-target // self.block_size) - held)
-        return total
+        scheduler = self.scheduler
+        decoding = [*scheduler.running, *scheduler.prefilled, *reserved]
+        return self.admission.growth_headroom_blocks(decoding, horizon_tokens, self.max_model_len)
 
     def stop_computing(self, request_id: str) -> None:
         """Abort a live request unless its KV is being handed over (TRANSFERRING: its blocks
@@ -529,13 +517,9 @@ class LLMEngine:
         tokens = iter(sampled)
         outputs = []
         for chunk in scheduled.chunks:
-            request = chunk.request
-            samples = chunk.completes_known_tokens
-            request.num_computed_tokens += chunk.num_new_tokens
-            self.scheduler.stats.num_computed_tokens += chunk.num_new_tokens
-            self.kv_cache.update_cache_blocks(request, request.num_computed_tokens)
-            if not samples:
+            if not self.scheduler.computed(chunk):
                 continue
+            request = chunk.request
             request.append_output_token(*next(tokens))
             if request.prefill_only:
                 self.scheduler.hold_for_transfer(request)

@@ -77,6 +77,15 @@ class StepTimeModel:
         self.error_sum = 0.0
         self._recent: deque[float] = deque(maxlen=RECENT)
 
+    @classmethod
+    def fixed(cls, coefficients: Mapping[str, float]) -> "StepTimeModel":
+        """A model that predicts with `coefficients` (by feature name: a fit an instance
+        exported) until it observes steps of its own."""
+        model = cls()
+        model.coefficients = np.array([float(coefficients[name]) for name in FEATURES])
+        model.samples = MIN_STEPS
+        return model
+
     @property
     def fitted(self) -> bool:
         return self.samples >= MIN_STEPS

@@ -2,8 +2,10 @@
 
 Each step it first continues running requests (oldest first: a decode token, or the next prefill
 chunk), then admits waiting requests in arrival order while the budget, the sequence limit and the
-KV pool allow. When a running request cannot get a block, the newest running request is preempted
-(its blocks freed, its KV recomputed later: published blocks usually still hit the prefix cache).
+KV pool allow (a request whose blocks were preallocated, which PD prefill does, is not held back
+by an earlier one the pool cannot hold yet). When a running request cannot get a block, the
+newest running request is preempted (its blocks freed, its KV recomputed later: published blocks
+usually still hit the prefix cache).
 """
 
 import bisect
@@ -145,6 +147,23 @@ class Scheduler:
         else:
             self._run(request)
 
+    def admit_prefilled(self, request: Request) -> None:
+        """`admit_running` for a request whose whole prompt's KV is in its (allocated) blocks:
+        the prompt counts as computed and its full blocks are published."""
+        request.num_computed_tokens = request.num_prompt_tokens
+        self.kv_cache.update_cache_blocks(request, request.num_prompt_tokens)
+        self.admit_running(request)
+
+    def computed(self, chunk: ScheduledChunk) -> bool:
+        """A scheduled chunk's forward pass ran: its tokens count as computed and the blocks
+        they filled are published. Returns whether its logits give the request's next token."""
+        request = chunk.request
+        samples = chunk.completes_known_tokens
+        request.num_computed_tokens += chunk.num_new_tokens
+        self.stats.num_computed_tokens += chunk.num_new_tokens
+        self.kv_cache.update_cache_blocks(request, request.num_computed_tokens)
+        return samples
+
     def _run(self, request: Request) -> None:
         request.status = RequestStatus.RUNNING
         bisect.insort(self.running, request, key=lambda r: r.arrival_order)
@@ -199,23 +218,26 @@ class Scheduler:
 
     def _schedule_waiting(self, output: SchedulerOutput, budget: int) -> None:
         connector = self.admission.storage_connector
+        # once the pool cannot hold a request, later ones wait behind it (arrival order),
+        # except those whose blocks were preallocated: they hold them already, and waiting
+        # would pin them until the head's blocks free, which may be never
+        short = False
         for request in list(self.waiting):
             if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
                 return
             if connector is not None and connector.is_pending(request.request_id):
                 continue  # its storage read is in flight; later requests may go first
             if not self.kv_cache.has_request(request.request_id):  # else: preallocated
+                if short:
+                    continue
                 if connector is not None:
                     device_blocks = self.admission.device_hit_blocks(request)
                     if connector.needs_prefetch(request, device_blocks):
                         connector.prefetch(request, device_blocks)
                         continue
-                admission = self.admission.admit(request, token_budget=budget)
-                if admission is None:
-                    return
-                request.record_first_admission(
-                    admission.device_hit_tokens, admission.storage_hit_tokens
-                )
+                if self.admission.admit(request, token_budget=budget) is None:
+                    short = True
+                    continue
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             if not self.kv_cache.can_allocate(request, request.num_computed_tokens + num_new):
                 return

@@ -223,10 +223,9 @@ class DecodeInstance:
         headroom = engine.growth_headroom_blocks(
             self.config.reserve_horizon_tokens, self.reservations.requests()
         )
-        needed = engine.num_blocks_needed(request)  # its device prefix hit excluded
-        if needed + headroom > engine.num_free_blocks:
+        if not engine.admission.fits(request, headroom):  # its device prefix hit excluded
             raise ResourceExhaustedError(
-                f"decode instance cannot prefill {needed} blocks here: "
+                f"decode instance cannot prefill {engine.num_blocks_needed(request)} blocks here: "
                 f"{engine.num_free_blocks} free, {headroom} kept for the growth of running "
                 "requests",
                 self.config.retry_after_ms,

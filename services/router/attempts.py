@@ -24,7 +24,6 @@ from pdserve.errors import (
     DecodeUnavailableError,
     InstanceUnavailableError,
     InvalidRequestError,
-    NoCandidateError,
     NoCapacityError,
     PdserveError,
     RequestAbortedError,
@@ -36,37 +35,15 @@ from pdserve.metrics import RouterMetrics
 from pdserve.observability import tracing
 from pdserve.rpc.clients import Metadata
 from pdserve.v1.common_pb2 import InstanceStats
-from services.router.disaggregation import Disaggregation, PathChoice
 from services.router.kv_index import KVEventIndex
-from services.router.load import Lease, LoadTracker
-from services.router.membership import Membership, Role
+from services.router.load import Lease
+from services.router.membership import Membership
 from services.router.pd_client import Finished, PDClient, TokenDelta
-from services.router.policies import (
-    DecodeCapacity,
-    PolicyConfig,
-    RouteRequest,
-    RoutingPolicy,
-    make_decode_policy,
-    make_policy,
-)
+from services.router.policies import DecodeCapacity
+from services.router.routing import Route, Routing
 from services.router.timeline import RequestRecord
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True, slots=True)
-class Route:
-    """Where one attempt runs."""
-
-    prefill: str  # the prefill instance, or the mixed instance
-    decode: str | None  # None: `prefill` is a mixed instance
-    cached_tokens: int  # prompt tokens the prefill instance holds (the index's view)
-    reason: str = ""  # why the prefill policy chose it
-    score: float = 0.0  # its score under the policy
-    # `prefill` is a decode instance that computes the prompt itself (conditional
-    # disaggregation chose local prefill; `decode` is None)
-    on_decode: bool = False
-    path: PathChoice | None = None  # the disaggregation decision, when one was made
 
 
 @dataclass(slots=True)
@@ -93,33 +70,25 @@ class Attempts:
         """`stats(address)`: an instance's last polled GetStats (conditional
         disaggregation's step time models)."""
         self.config = config
-        self.load = LoadTracker()
         self._hasher = hasher
         self._membership = membership
-        self._index = index
-        self._decode_capacities = decode_capacities
         self._client = client
         self._metrics = metrics
         self._on_unreachable = on_unreachable  # an instance could not be reached
-        self._stats = stats
-        self.disaggregation = Disaggregation(
-            config.disaggregation, config.kv_transfer_gbps, hasher.block_size
+        self.routing = Routing(
+            config, hasher.block_size, membership, index, decode_capacities, metrics, stats
         )
-        tuning = PolicyConfig(
-            load_weight=config.load_weight,
-            balance_abs_threshold=config.balance_abs_threshold,
-            balance_rel_threshold=config.balance_rel_threshold,
-        )
-        self.policy_name = config.prefill_policy
-        self._policy: RoutingPolicy = make_policy(config.prefill_policy, tuning)
-        self._decode_policy = make_decode_policy("least_kv_usage", tuning)
+        self.load = self.routing.load
+        self.disaggregation = self.routing.disaggregation
         self._active: dict[str, _Active] = {}
 
     def set_policy(self, name: str) -> str:
         """Switch the prefill routing policy; returns the previous one. Raises ConfigError."""
-        self._policy = make_policy(name, self._policy.config)
-        previous, self.policy_name = self.policy_name, name
-        return previous
+        return self.routing.set_policy(name)
+
+    @property
+    def policy_name(self) -> str:
+        return self.routing.policy_name
 
     def active(self) -> set[str]:
         """Ids of the requests with an attempt running now."""
@@ -218,7 +187,7 @@ class Attempts:
         started = time.perf_counter()
         if record.attempts == 0 and record.migrations == 0:
             record.add("admission", record.arrival, started)
-        route = self._choose(request_id, token_ids, hashes, excluded)
+        route = self.routing.choose(request_id, len(token_ids), hashes, excluded)
         record.attempts += 1
         decision: dict[str, object] = {
             "prefill": route.prefill, "decode": route.decode or "", "policy": self.policy_name,
@@ -233,68 +202,8 @@ class Attempts:
         record.add("route", started, time.perf_counter(), "", decision)
         return route
 
-    def _choose(
-        self,
-        request_id: str,
-        token_ids: Sequence[int],
-        hashes: Sequence[BlockHash],
-        excluded: set[str],
-    ) -> Route:
-        prefills = self._membership.candidates(Role.PREFILL, excluded)
-        request = RouteRequest(request_id, len(token_ids), self._hasher.block_size)
-        try:
-            overlaps = self._index.overlaps(hashes, prefills)
-            prefill = self._policy.choose(prefills, request, self.load.snapshot(), overlaps)
-            self._metrics.decisions.labels(self.policy_name, str(prefill.reason)).inc()
-            cached = prefill.overlap_blocks * self._hasher.block_size
-            reason, score = str(prefill.reason), prefill.score
-            if self._membership.mixed:
-                return Route(prefill.instance_id, None, cached, reason, score)
-            decodes = self._membership.candidates(Role.DECODE, excluded)
-            decode = self._decode_policy.choose(decodes, request, dict(self._decode_capacities()))
-        except NoCandidateError as e:
-            raise NoCapacityError(str(e), 1000) from e
-        decode_cached = 0  # the decode instance's own prefix, followed when it may prefill
-        if self.disaggregation.follows_decode:
-            blocks = self._index.overlaps(hashes, [decode.instance_id])
-            decode_cached = blocks.get(decode.instance_id, 0) * self._hasher.block_size
-        path = self._path(
-            len(token_ids), prefill.instance_id, cached, decode.instance_id, decode_cached
-        )
-        self._metrics.disaggregation.labels("local" if path.local else "remote").inc()
-        if path.local:
-            return Route(decode.instance_id, None, decode_cached, reason, score, True, path)
-        logger.debug(
-            "request %s -> prefill %s (%s, %d blocks cached) -> decode %s",
-            request_id, prefill.instance_id, prefill.reason, prefill.overlap_blocks,
-            decode.instance_id, extra={"request_id": request_id},
-        )  # fmt: skip
-        return Route(prefill.instance_id, decode.instance_id, cached, reason, score, path=path)
-
-    def _path(
-        self, prompt_tokens: int, prefill: str, prefill_cached: int, decode: str, decode_cached: int
-    ) -> PathChoice:
-        """Remote prefill on `prefill`, or local prefill on `decode` (`router.disaggregation`;
-        `*_cached`: the prompt's tokens each holds)."""
-        disaggregation = self.disaggregation
-        if disaggregation.mode != "auto":
-            return disaggregation.choose(prompt_tokens, None, 0, 0, None, 0)
-        return disaggregation.choose(
-            prompt_tokens,
-            self._stats(prefill),
-            prefill_cached,
-            self.load.load_of(prefill).in_flight_prefill_tokens,
-            self._stats(decode),
-            decode_cached,
-        )
-
     def _take_leases(self, request_id: str, route: Route, prompt_tokens: int) -> tuple[Lease, ...]:
-        """Count the request on its instances: only the tokens prefill must compute count as
-        its prefill load."""
-        uncached = max(1, prompt_tokens - route.cached_tokens)
-        leases: tuple[Lease, ...] = (self.load.acquire(route.prefill, uncached),)
-        if route.decode is not None:
-            leases += (self.load.acquire(route.decode, 0),)
+        leases = self.routing.leases(route, prompt_tokens)
         self._active[request_id] = _Active(route, leases)
         return leases
 

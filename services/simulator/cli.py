@@ -1,15 +1,30 @@
-"""`pdserve simulate`: the capacity-planning question ("how much device and storage cache, how
-many instances, which policies, for this trace?") answered by replaying the trace."""
+"""`pdserve simulate`: the capacity-planning questions answered by replaying a trace. By default
+"how much device and storage cache, how many instances, which policies?" (hit rates over a
+sweep); with `--latency`, "what TTFT and ITL does this cluster give this trace?" (a simulated
+cluster in simulated time: `services.simulator.latency`)."""
 
 import argparse
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from pdserve.errors import InvalidRequestError
+from tqdm import tqdm
+
+from pdserve.config import load_cluster_config
+from pdserve.errors import ConfigError, InvalidRequestError
+from services.simulator.latency import ClusterSpec, Simulation
+from services.simulator.latency_report import format_summary, plot_timeline, summarize
+from services.simulator.profiles import (
+    STEP_MODELS,
+    cluster_spec,
+    from_config,
+    from_instances,
+    step_model,
+)
 from services.simulator.replay import SimConfig
 from services.simulator.report import Sweep, format_table, plot, run_sweep, write_json
-from services.simulator.trace import BUILT_IN, built_in, load_trace
+from services.simulator.trace import BUILT_IN, TraceRecord, built_in, load_trace
 
 
 def add_parser(commands: Any) -> None:
@@ -38,6 +53,31 @@ def add_parser(commands: Any) -> None:
     sim.add_argument("--json", type=Path, help="write the report as JSON here")
     sim.add_argument("--plot", type=Path, help="write a PNG of hit rate vs capacity here")
     sim.add_argument("--quiet", action="store_true", help="no progress bar")
+    latency = sim.add_argument_group("latency mode (--latency)")
+    latency.add_argument("--latency", action="store_true",
+                         help="simulate TTFT and ITL instead of hit rates")  # fmt: skip
+    latency.add_argument("--config", help="cluster config: roles, engine, router settings")
+    latency.add_argument("--from-cluster", type=Path,
+                         help="`pdserve admin list --json` of a running cluster: each role's "
+                              "step time fit, KV pool and instance count")  # fmt: skip
+    latency.add_argument("--step-model", default="tiny-cpu",
+                         help=f"without --from-cluster: {', '.join(STEP_MODELS)} or a JSON file of "
+                              "coefficients (tiny-cpu)")  # fmt: skip
+    latency.add_argument(
+        "--kv-blocks", type=int, help="KV blocks per instance (without --from-cluster)"
+    )
+    for role in ("prefill", "decode", "mixed"):
+        latency.add_argument(
+            f"--{role}", type=int, help=f"{role} instances (default: the config's)"
+        )
+    latency.add_argument("--transfer-gbps", type=float,
+                         help="KV bytes GB/s (default: router.kv_transfer_gbps)")  # fmt: skip
+    latency.add_argument("--time-scale", type=float, default=1.0,
+                         help="multiply the trace's timestamps (0.5: twice the rate)")  # fmt: skip
+    latency.add_argument("--ttft-slo-s", type=float, default=2.0, help="goodput's TTFT SLO (2)")
+    latency.add_argument("--itl-slo-s", type=float, default=0.2, help="goodput's ITL SLO (0.2)")
+    latency.add_argument("--vocab-size", type=int, default=32_000,
+                         help="prompt tokens are drawn below it (32000)")  # fmt: skip
 
 
 def run(args: argparse.Namespace) -> int:
@@ -52,6 +92,8 @@ def run(args: argparse.Namespace) -> int:
         records = load_trace(path, args.requests)
     if not records:
         raise InvalidRequestError(f"{args.trace}: no records")
+    if args.latency:
+        return run_latency(records, args)
     sweep = Sweep(
         device_blocks=_ints(args.device_blocks, "--device-blocks"),
         storage_blocks=_ints(args.storage_blocks, "--storage-blocks", zero=True),
@@ -80,6 +122,55 @@ def run(args: argparse.Namespace) -> int:
         plot(report, args.plot)
         print(f"plot: {args.plot}")
     return 0
+
+
+def run_latency(records: list[TraceRecord], args: argparse.Namespace) -> int:
+    if args.time_scale <= 0:
+        raise InvalidRequestError("--time-scale must be positive")
+    records = scale_time(records, args.time_scale)
+    spec = latency_spec(args)
+    bar = tqdm(total=len(records), unit="req", disable=args.quiet or not sys.stderr.isatty(),
+               leave=False)  # fmt: skip
+    result = Simulation(spec, args.block_tokens, args.seed).run(records, lambda: bar.update(1))
+    bar.close()
+    summary = summarize(result, args.ttft_slo_s, args.itl_slo_s)
+    print(f"{len(records)} requests from {args.trace}")
+    print(format_summary(summary))
+    if args.json:
+        write_json(summary, args.json)
+        print(f"report: {args.json}")
+    if args.plot:
+        plot_timeline(result, args.plot, args.ttft_slo_s)
+        print(f"plot: {args.plot}")
+    return 0
+
+
+def latency_spec(args: argparse.Namespace) -> ClusterSpec:
+    """The simulated cluster of `--config`, `--from-cluster` or `--step-model`, and the role
+    counts given."""
+    config = load_cluster_config(args.config)
+    if args.from_cluster is not None:
+        profiles, counts = from_instances(args.from_cluster, config)
+    else:
+        profiles = from_config(config, step_model(args.step_model), args.kv_blocks)
+        counts = {role: getattr(config, role).replicas for role in profiles}
+    for role in ("prefill", "decode", "mixed"):
+        if getattr(args, role) is not None:
+            counts[role] = getattr(args, role)
+    if counts.get("mixed") and args.prefill is None and args.decode is None:
+        counts["prefill"] = counts["decode"] = 0
+    try:
+        return cluster_spec(config, profiles, counts, args.transfer_gbps, args.vocab_size)
+    except ConfigError as e:
+        raise InvalidRequestError(str(e)) from e
+
+
+def scale_time(records: list[TraceRecord], factor: float) -> list[TraceRecord]:
+    """The records with timestamps × `factor` from the first one."""
+    if factor == 1.0 or not records:
+        return records
+    start = records[0].timestamp_ms
+    return [replace(r, timestamp_ms=start + (r.timestamp_ms - start) * factor) for r in records]
 
 
 def _ints(text: str, option: str, zero: bool = False) -> tuple[int, ...]:

@@ -235,3 +235,28 @@ def test_status_codes_of_errors() -> None:
         grpc.StatusCode.INTERNAL,
         "internal error",
     )
+
+
+def test_preallocated_requests_run_behind_a_request_the_pool_cannot_hold(
+    make_engine: MakeEngine,
+) -> None:
+    """PD prefill preallocates a prompt's blocks before queueing it; one that found the pool
+    short is admitted by the scheduler later. Queued first, it must not pin the preallocated
+    ones behind it: they hold the blocks it waits for (found by the latency simulator)."""
+    engine = make_engine(num_kv_blocks=12, block_size=16)
+    big = engine.make_request(prompt(150, 1), GREEDY, "big", prefill_only=True)  # 10 blocks
+    small = engine.make_request(prompt(60, 2), GREEDY, "small", prefill_only=True)  # 4 blocks
+    assert engine.preallocate(small) is not None
+    assert engine.preallocate(big) is None  # 8 blocks free: it waits for the scheduler
+    engine.submit(big)
+    engine.submit(small)
+    for _ in range(10):
+        engine.step()
+        if small.status == RequestStatus.TRANSFERRING:
+            break
+    assert small.status == RequestStatus.TRANSFERRING
+    assert big.status == RequestStatus.WAITING  # arrival order kept among the rest
+    engine.release("small")
+    while big.status != RequestStatus.TRANSFERRING:
+        engine.step()
+    engine.release("big")

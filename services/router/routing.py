@@ -1,0 +1,158 @@
+"""Routing: where one attempt of a request runs, and the load leases it takes there.
+
+The prefill policy chooses a prefill (or mixed) instance over the KV-event index's prefix
+overlaps and the leases in flight; the decode policy chooses a decode instance from the
+capacities the instances reported; conditional disaggregation then decides between prefill
+on that prefill instance and prefill on the decode instance itself. The router's attempts
+call it for every attempt, and `pdserve simulate --latency` calls the same object for every
+simulated request: what the simulator predicts is what this code decides.
+
+Thread-safe: the policies, the index and the load tracker are; `choose` mutates nothing but
+the policies' rotation counters and the decision counters.
+"""
+
+import logging
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+from pdserve.config import RouterConfig
+from pdserve.errors import NoCandidateError, NoCapacityError
+from pdserve.kvcache.hashing import BlockHash
+from pdserve.metrics import RouterMetrics
+from pdserve.v1.common_pb2 import InstanceStats
+from services.router.disaggregation import Disaggregation, PathChoice
+from services.router.kv_index import KVEventIndex
+from services.router.load import Lease, LoadTracker
+from services.router.membership import Membership, Role
+from services.router.policies import (
+    DecodeCapacity,
+    PolicyConfig,
+    RouteRequest,
+    RoutingPolicy,
+    make_decode_policy,
+    make_policy,
+)
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class Route:
+    """Where one attempt runs."""
+
+    prefill: str  # the prefill instance, or the mixed instance
+    decode: str | None  # None: `prefill` is a mixed instance
+    cached_tokens: int  # prompt tokens the prefill instance holds (the index's view)
+    reason: str = ""  # why the prefill policy chose it
+    score: float = 0.0  # its score under the policy
+    # `prefill` is a decode instance that computes the prompt itself (conditional
+    # disaggregation chose local prefill; `decode` is None)
+    on_decode: bool = False
+    path: PathChoice | None = None  # the disaggregation decision, when one was made
+
+
+class Routing:
+    def __init__(
+        self,
+        config: RouterConfig,
+        block_size: int,
+        membership: Membership,
+        index: KVEventIndex,
+        decode_capacities: Callable[[], Mapping[str, DecodeCapacity]],
+        metrics: RouterMetrics,
+        stats: Callable[[str], InstanceStats | None] = lambda address: None,
+    ) -> None:
+        """`decode_capacities()`: the decode instances' last reported capacities;
+        `stats(address)`: an instance's last polled GetStats (conditional disaggregation's
+        step time models)."""
+        self.load = LoadTracker()
+        self.block_size = block_size
+        self._membership = membership
+        self._index = index
+        self._decode_capacities = decode_capacities
+        self._metrics = metrics
+        self._stats = stats
+        self.disaggregation = Disaggregation(
+            config.disaggregation, config.kv_transfer_gbps, block_size
+        )
+        tuning = PolicyConfig(
+            load_weight=config.load_weight,
+            balance_abs_threshold=config.balance_abs_threshold,
+            balance_rel_threshold=config.balance_rel_threshold,
+        )
+        self.policy_name = config.prefill_policy
+        self._policy: RoutingPolicy = make_policy(config.prefill_policy, tuning)
+        self._decode_policy = make_decode_policy("least_kv_usage", tuning)
+
+    def set_policy(self, name: str) -> str:
+        """Switch the prefill routing policy; returns the previous one. Raises ConfigError."""
+        self._policy = make_policy(name, self._policy.config)
+        previous, self.policy_name = self.policy_name, name
+        return previous
+
+    def choose(
+        self,
+        request_id: str,
+        prompt_tokens: int,
+        hashes: Sequence[BlockHash],
+        excluded: set[str],
+    ) -> Route:
+        """The route of a prompt of `prompt_tokens` tokens whose full blocks hash to `hashes`,
+        avoiding the `excluded` instances. Raises NoCapacityError when a role has no
+        candidate."""
+        prefills = self._membership.candidates(Role.PREFILL, excluded)
+        request = RouteRequest(request_id, prompt_tokens, self.block_size)
+        try:
+            overlaps = self._index.overlaps(hashes, prefills)
+            prefill = self._policy.choose(prefills, request, self.load.snapshot(), overlaps)
+            self._metrics.decisions.labels(self.policy_name, str(prefill.reason)).inc()
+            cached = prefill.overlap_blocks * self.block_size
+            reason, score = str(prefill.reason), prefill.score
+            if self._membership.mixed:
+                return Route(prefill.instance_id, None, cached, reason, score)
+            decodes = self._membership.candidates(Role.DECODE, excluded)
+            decode = self._decode_policy.choose(decodes, request, dict(self._decode_capacities()))
+        except NoCandidateError as e:
+            raise NoCapacityError(str(e), 1000) from e
+        decode_cached = 0  # the decode instance's own prefix, followed when it may prefill
+        if self.disaggregation.follows_decode:
+            blocks = self._index.overlaps(hashes, [decode.instance_id])
+            decode_cached = blocks.get(decode.instance_id, 0) * self.block_size
+        path = self._path(
+            prompt_tokens, prefill.instance_id, cached, decode.instance_id, decode_cached
+        )
+        self._metrics.disaggregation.labels("local" if path.local else "remote").inc()
+        if path.local:
+            return Route(decode.instance_id, None, decode_cached, reason, score, True, path)
+        logger.debug(
+            "request %s -> prefill %s (%s, %d blocks cached) -> decode %s",
+            request_id, prefill.instance_id, prefill.reason, prefill.overlap_blocks,
+            decode.instance_id, extra={"request_id": request_id},
+        )  # fmt: skip
+        return Route(prefill.instance_id, decode.instance_id, cached, reason, score, path=path)
+
+    def _path(
+        self, prompt_tokens: int, prefill: str, prefill_cached: int, decode: str, decode_cached: int
+    ) -> PathChoice:
+        """Remote prefill on `prefill`, or local prefill on `decode` (`router.disaggregation`;
+        `*_cached`: the prompt's tokens each holds)."""
+        disaggregation = self.disaggregation
+        if disaggregation.mode != "auto":
+            return disaggregation.choose(prompt_tokens, None, 0, 0, None, 0)
+        return disaggregation.choose(
+            prompt_tokens,
+            self._stats(prefill),
+            prefill_cached,
+            self.load.load_of(prefill).in_flight_prefill_tokens,
+            self._stats(decode),
+            decode_cached,
+        )
+
+    def leases(self, route: Route, prompt_tokens: int) -> tuple[Lease, ...]:
+        """Count the request on its instances: only the tokens prefill must compute count as
+        its prefill load. The first lease is the prompt's instance's, the second decode's."""
+        uncached = max(1, prompt_tokens - route.cached_tokens)
+        leases: tuple[Lease, ...] = (self.load.acquire(route.prefill, uncached),)
+        if route.decode is not None:
+            leases += (self.load.acquire(route.decode, 0),)
+        return leases

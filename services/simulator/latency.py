@@ -1,0 +1,577 @@
+"""The latency simulator: a trace replayed through simulated instances in simulated time.
+
+Each simulated instance is pdserve's own scheduler (`Scheduler`: continuous batching under
+`max_num_seqs` and `max_num_batched_tokens`, chunked prefill, preemption when blocks run out)
+over its own KV cache manager and eviction policy, with `PromptAdmission` giving prompts their
+blocks; only the forward pass is missing. A step's duration is what the instance's step time
+model (`StepTimeModel`, the fit a live instance exports in `GetStats`) predicts for the step's
+shape. Requests are routed by the router's own `Routing` (the prefill policy over the exact
+KV-event index, which the simulated caches feed; the decode policy over the capacities polled
+every `router.stats_interval_s`; conditional disaggregation over the polled step time models).
+
+A disaggregated request follows the prefill instance's protocol: prefill admits the prompt,
+decode reserves blocks for it unless the growth headroom of its running requests would not
+survive (refusals retried after `decode.retry_after_ms`, at most `prefill.reserve_max_backoff_s`,
+`prefill.reserve_max_attempts` times, then the router retries another pair after
+`router.retry_backoff_s`, doubling), prefill computes it as a prefill-only request, the blocks
+decode lacks move in `bytes ÷ bandwidth` seconds, and decode starts generating with prefill's
+first token. A local or mixed request runs whole on one instance.
+
+Not simulated: the time between steps that the step time model does not see (the engine
+loop's own work), network latency other than KV bytes, reservation leases expiring, the storage
+tier, failures.
+"""
+
+import heapq
+import itertools
+import math
+from array import array
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from pdserve.config import DecodeConfig, PrefillConfig, RouterConfig
+from pdserve.engine.admission import PromptAdmission
+from pdserve.engine.perf_model import FEATURES, StepTimeModel, step_shape
+from pdserve.engine.request import Request, RequestStatus, SamplingParams
+from pdserve.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from pdserve.engine.stop import stop_status
+from pdserve.engine.validation import validate_request
+from pdserve.errors import ConfigError, NoCapacityError, PdserveError
+from pdserve.kvcache.events import KVEvent
+from pdserve.kvcache.eviction import make_eviction_policy
+from pdserve.kvcache.hashing import BlockHash, BlockHasher
+from pdserve.kvcache.manager import KVCacheManager
+from pdserve.metrics import RouterMetrics
+from pdserve.v1 import common_pb2
+from services.router.disaggregation import GB
+from services.router.kv_index import KVEventIndex
+from services.router.load import Lease
+from services.router.membership import Membership, Role
+from services.router.policies import DecodeCapacity
+from services.router.routing import Route, Routing
+from services.simulator.trace import TraceRecord
+
+MIN_STEP_S = 1e-6  # a step takes at least this long (a fit can predict 0 for tiny steps)
+OUTPUT_TOKEN = 1  # the token every simulated step samples (ignore_eos: never a stop)
+
+
+@dataclass(frozen=True, slots=True)
+class InstanceProfile:
+    """What one simulated instance is: its KV cache, its scheduler's limits, its speed."""
+
+    num_blocks: int
+    block_size: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    coefficients: Mapping[str, float]  # the step time model (`perf_model.FEATURES`)
+    kv_block_bytes: int
+    max_model_len: int
+    eviction_policy: str = "lrfu"
+    lrfu_half_life_s: float = 60.0
+    lrfu_score_capacity: int = 8
+
+    def __post_init__(self) -> None:
+        missing = [name for name in FEATURES if name not in self.coefficients]
+        if missing:
+            raise ConfigError(f"step time model lacks coefficients: {', '.join(missing)}")
+        if min(self.num_blocks, self.block_size, self.max_num_seqs,
+               self.max_num_batched_tokens, self.max_model_len) < 1:  # fmt: skip
+            raise ConfigError("an instance profile needs positive sizes and limits")
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterSpec:
+    """The simulated cluster: instances per role, their profiles and the settings they run."""
+
+    profiles: Mapping[str, InstanceProfile]  # by role
+    prefill: int = 1
+    decode: int = 1
+    mixed: int = 0
+    router: RouterConfig = field(default_factory=RouterConfig)
+    prefill_config: PrefillConfig = field(default_factory=PrefillConfig)
+    decode_config: DecodeConfig = field(default_factory=DecodeConfig)
+    transfer_gbps: float = 1.0  # KV bytes between instances, GB/s
+    vocab_size: int = 32_000  # prompt tokens are drawn below it
+
+    def __post_init__(self) -> None:
+        if self.mixed and (self.prefill or self.decode):
+            raise ConfigError("a cluster runs mixed instances or prefill + decode, not both")
+        if not self.mixed and not (self.prefill and self.decode):
+            raise ConfigError("a disaggregated cluster needs at least one prefill and one decode")
+        for role in self.roles():
+            if role not in self.profiles:
+                raise ConfigError(f"no instance profile for role {role}")
+        if self.transfer_gbps <= 0:
+            raise ConfigError(f"transfer bandwidth must be positive, got {self.transfer_gbps}")
+
+    def roles(self) -> tuple[str, ...]:
+        return ("mixed",) if self.mixed else ("prefill", "decode")
+
+    def count(self, role: str) -> int:
+        return int(getattr(self, role))
+
+
+@dataclass(slots=True, eq=False)
+class RequestResult:
+    """One trace request's life in the simulation (times in seconds of simulated time)."""
+
+    index: int
+    arrival: float
+    prompt_tokens: int
+    output_tokens: int
+    cached_tokens: int = 0  # prompt tokens its computing instance held at admission
+    path: str = ""  # remote (prefill, then decode) | local (decode alone) | mixed
+    attempts: int = 0
+    first_token: float | None = None
+    last_token: float | None = None
+    tokens: int = 0  # output tokens delivered
+    failed: str = ""  # why it failed (empty: it did not)
+
+    @property
+    def ttft(self) -> float | None:
+        return None if self.first_token is None else self.first_token - self.arrival
+
+    @property
+    def tpot(self) -> float | None:
+        """Mean time between its output tokens (None with fewer than two)."""
+        if self.tokens < 2 or self.first_token is None or self.last_token is None:
+            return None
+        return (self.last_token - self.first_token) / (self.tokens - 1)
+
+
+@dataclass(slots=True)
+class Sample:
+    """The cluster at one poll: per instance (running, waiting, KV blocks in use)."""
+
+    at: float
+    instances: dict[str, tuple[int, int, int]]
+
+
+@dataclass(slots=True)
+class LatencyResult:
+    spec: ClusterSpec
+    requests: list[RequestResult]
+    itl: "array[float]"  # every gap between consecutive output tokens of a request, in seconds
+    samples: list[Sample]
+    started: float  # the first arrival
+    ended: float  # the last request's end
+    preemptions: int
+    instance_names: dict[str, str]  # name -> role
+
+    @property
+    def instance_seconds(self) -> float:
+        return len(self.instance_names) * (self.ended - self.started)
+
+
+class TokenSource:
+    """Prompt tokens for trace records: each hash id stands for `block_tokens` tokens drawn
+    from a generator seeded by the id (equal ids, equal tokens), below `vocab_size`."""
+
+    def __init__(self, block_tokens: int, vocab_size: int, seed: int = 0) -> None:
+        self.block_tokens = block_tokens
+        self.vocab_size = vocab_size
+        self.seed = seed
+        self._blocks: dict[int, list[int]] = {}
+
+    def prompt(self, record: TraceRecord) -> list[int]:
+        tokens: list[int] = []
+        for hash_id in record.hash_ids:
+            tokens += self._block(hash_id)
+            if len(tokens) >= record.input_length:
+                break
+        if len(tokens) < record.input_length:  # fewer ids than the length covers: pad
+            tokens += self._block(-1 - record.input_length)[: record.input_length - len(tokens)]
+        return tokens[: record.input_length]
+
+    def _block(self, hash_id: int) -> list[int]:
+        block = self._blocks.get(hash_id)
+        if block is None:
+            rng = np.random.default_rng([self.seed, hash_id & (2**63 - 1), hash_id < 0])
+            block = rng.integers(1, self.vocab_size, self.block_tokens).tolist()
+            if len(self._blocks) > 200_000:
+                self._blocks.clear()
+            self._blocks[hash_id] = block
+        return block
+
+
+class SimInstance:
+    """One instance: pdserve's scheduler, KV cache and admission, stepped in simulated time."""
+
+    def __init__(self, name: str, role: str, profile: InstanceProfile, sim: "Simulation") -> None:
+        self.name, self.role, self.profile, self.sim = name, role, profile, sim
+        follows = role != "decode" or sim.routing.disaggregation.follows_decode
+        eviction = make_eviction_policy(
+            profile.eviction_policy,
+            profile.num_blocks,
+            half_life_s=profile.lrfu_half_life_s,
+            score_capacity=profile.lrfu_score_capacity,
+            clock=sim.clock,
+        )
+        self.kv = KVCacheManager(
+            profile.num_blocks,
+            profile.block_size,
+            event_sink=self._publish if follows else None,
+            eviction=eviction,
+        )
+        self.admission = PromptAdmission(self.kv, None)
+        self.scheduler = Scheduler(
+            SchedulerConfig(profile.max_num_seqs, profile.max_num_batched_tokens),
+            self.kv,
+            self.admission,
+        )
+        self.scheduler.clock = sim.clock
+        self.model = StepTimeModel.fixed(profile.coefficients)
+        self.busy = False
+        self.reserved: dict[str, Request] = {}  # decode: reservations awaiting their KV
+        self.transferred_bytes = 0
+        self.transfer_seconds = 0.0
+
+    def _publish(self, event: KVEvent) -> None:
+        self.sim.index.apply(self.name, event)
+
+    # -- what the cluster asks of it -------------------------------------------------------------
+
+    def growth_headroom(self) -> int:
+        scheduler = self.scheduler
+        decoding = [*scheduler.running, *scheduler.prefilled, *self.reserved.values()]
+        horizon = self.sim.spec.decode_config.reserve_horizon_tokens
+        return self.admission.growth_headroom_blocks(decoding, horizon, self.profile.max_model_len)
+
+    def submit(self, request: Request) -> None:
+        self.scheduler.add_request(request)
+        self.kick()
+
+    def stats(self) -> common_pb2.InstanceStats:
+        """What its GetStats would answer (the fields the router reads)."""
+        kv, scheduler = self.kv, self.scheduler
+        stats = common_pb2.InstanceStats(
+            role=self.role,
+            block_size=kv.block_size,
+            num_blocks=kv.num_blocks,
+            num_free_blocks=kv.num_free_blocks,
+            num_running=len(scheduler.running),
+            num_waiting=len(scheduler.waiting) + len(scheduler.prefilled),
+            max_num_batched_tokens=scheduler.config.max_num_batched_tokens,
+            kv_block_bytes=self.profile.kv_block_bytes,
+        )
+        stats.step_time.samples = self.model.samples
+        stats.step_time.coefficients.update(self.model.named_coefficients())
+        if self.transfer_seconds > 0:
+            stats.kv_bytes_sent_by_transport["simulated"] = self.transferred_bytes
+            stats.kv_transfer_seconds_by_transport["simulated"] = self.transfer_seconds
+        return stats
+
+    # -- steps -----------------------------------------------------------------------------------
+
+    def kick(self) -> None:
+        """Start a step if none runs and one can advance a request."""
+        if self.busy or not self.scheduler.has_schedulable_requests():
+            return
+        scheduled = self.scheduler.schedule()
+        if not scheduled.chunks:
+            return  # nothing fits now: a request that ends or frees blocks kicks again
+        shape = step_shape(
+            (c.request.num_computed_tokens, c.num_new_tokens) for c in scheduled.chunks
+        )
+        self.busy = True
+        seconds = max(self.model.predict(shape), MIN_STEP_S)
+        self.sim.at(self.sim.now + seconds, lambda: self._stepped(scheduled))
+
+    def _stepped(self, scheduled: SchedulerOutput) -> None:
+        """The step ended: its tokens are computed (requests ending now start no step: the
+        next one is scheduled after every chunk is accounted for)."""
+        for chunk in scheduled.chunks:
+            if not self.scheduler.computed(chunk):
+                continue
+            request = chunk.request
+            request.append_output_token(OUTPUT_TOKEN)
+            if request.prefill_only:
+                self.scheduler.hold_for_transfer(request)
+                self.sim.kv_ready(self, request)
+            else:
+                self.sim.token(self, request)
+        self.busy = False
+        self.kick()
+
+    def end(self, request: Request, status: RequestStatus) -> None:
+        """Finish a request here (its blocks freed; a prefill's after its transfer)."""
+        self.scheduler.finish(request, status)
+        self.kick()
+
+    def check_stop(self, request: Request) -> RequestStatus | None:
+        return stop_status(
+            request.output_token_ids,
+            request.num_prompt_tokens,
+            request.sampling_params,
+            eos_token_ids=(),
+            max_model_len=self.profile.max_model_len,
+        )
+
+
+@dataclass(slots=True, eq=False)
+class _Flight:
+    """A request in flight: its result, its prompt and where it runs now."""
+
+    result: RequestResult
+    tokens: list[int]
+    hashes: list[BlockHash]
+    params: SamplingParams
+    excluded: set[str] = field(default_factory=set)
+    route: Route | None = None
+    leases: tuple[Lease, ...] = ()
+    decode_cached: int = 0  # tokens decode held when it reserved (not sent)
+
+
+class Simulation:
+    """One replay of a trace through one cluster. Use `run`."""
+
+    def __init__(self, spec: ClusterSpec, block_tokens: int, seed: int = 0) -> None:
+        self.spec = spec
+        self.now = 0.0
+        self._events: list[tuple[float, int, Callable[[], object]]] = []
+        self._seq = itertools.count()
+        roles = spec.roles()
+        block_size = spec.profiles[roles[0]].block_size
+        if any(spec.profiles[r].block_size != block_size for r in roles):
+            raise ConfigError("every role must use the same block_size")
+        self.hasher = BlockHasher.for_model(block_size, "simulated")
+        self.tokens = TokenSource(block_tokens, spec.vocab_size, seed)
+        self.index = KVEventIndex()
+        self.membership = Membership(mixed=bool(spec.mixed))
+        self._stats: dict[str, common_pb2.InstanceStats] = {}
+        self._capacities: dict[str, DecodeCapacity] = {}
+        self.routing = Routing(
+            spec.router,
+            block_size,
+            self.membership,
+            self.index,
+            lambda: self._capacities,
+            RouterMetrics(),
+            self._stats.get,
+        )
+        self.instances: dict[str, SimInstance] = {}
+        for role in roles:
+            for n in range(spec.count(role)):
+                name = f"{role}-{n}"
+                self.instances[name] = SimInstance(name, role, spec.profiles[role], self)
+                self.membership.add(Role.DECODE if role == "decode" else Role.PREFILL, name)
+        self._results: list[RequestResult] = []
+        self._flights: dict[str, _Flight] = {}  # by request id
+        self._itl = array("d")
+        self._samples: list[Sample] = []
+        self._live = 0  # requests not yet ended
+
+    def clock(self) -> float:
+        return self.now
+
+    def at(self, time_s: float, action: Callable[[], object]) -> None:
+        heapq.heappush(self._events, (time_s, next(self._seq), action))
+
+    def run(
+        self, records: Sequence[TraceRecord], progress: Callable[[], object] = lambda: None
+    ) -> LatencyResult:
+        if not records:
+            raise ConfigError("the trace has no records")
+        start = records[0].timestamp_ms / 1000
+        self.now = start
+        self._poll()
+        for n, record in enumerate(records):
+            self._advance(record.timestamp_ms / 1000)
+            self._arrive(n, record)
+            progress()
+        self._advance(math.inf)
+        ended = max((r.last_token or r.arrival for r in self._results), default=start)
+        preemptions = sum(i.scheduler.stats.num_preemptions for i in self.instances.values())
+        for instance in self.instances.values():
+            instance.kv.check_integrity()
+        self.routing.load.check_integrity()
+        names = {name: instance.role for name, instance in self.instances.items()}
+        return LatencyResult(self.spec, self._results, self._itl, self._samples, start, ended,
+                             preemptions, names)  # fmt: skip
+
+    def _advance(self, until_s: float) -> None:
+        events = self._events
+        while events and events[0][0] <= until_s:
+            time_s, _, action = heapq.heappop(events)
+            self.now = max(self.now, time_s)
+            action()
+            if until_s == math.inf and not self._live and events and self._only_polls():
+                return
+        if until_s != math.inf:
+            self.now = max(self.now, until_s)
+
+    def _only_polls(self) -> bool:
+        return all(getattr(action, "__name__", "") == "_poll" for _, _, action in self._events)
+
+    def _poll(self) -> None:
+        """The router's stats poll: every instance's stats, decode capacities, a sample."""
+        sample = Sample(self.now, {})
+        for name, instance in self.instances.items():
+            stats = instance.stats()
+            self._stats[name] = stats
+            if instance.role == "decode":
+                self._capacities[name] = DecodeCapacity(stats.num_free_blocks, stats.num_running)
+            used = stats.num_blocks - stats.num_free_blocks
+            sample.instances[name] = (stats.num_running, stats.num_waiting, used)
+        self._samples.append(sample)
+        self.at(self.now + self.spec.router.stats_interval_s, self._poll)
+
+    # -- a request's life ------------------------------------------------------------------------
+
+    def _arrive(self, index: int, record: TraceRecord) -> None:
+        tokens = self.tokens.prompt(record)
+        result = RequestResult(index, self.now, len(tokens), record.output_length)
+        self._results.append(result)
+        self._live += 1
+        if record.output_length < 1:
+            self._fail(_Flight(result, tokens, [], SamplingParams()), "no output tokens asked")
+            return
+        params = SamplingParams(max_tokens=record.output_length, ignore_eos=True)
+        window = min(p.max_model_len for p in self.spec.profiles.values())
+        try:  # the router's edge check: prompt and output must fit the context window
+            validate_request(tokens, params, vocab_size=self.spec.vocab_size, max_model_len=window)
+        except PdserveError as e:
+            self._fail(_Flight(result, tokens, [], params), f"refused: {e}")
+            return
+        flight = _Flight(result, tokens, self.hasher.hash_tokens(tokens), params)
+        self._flights[f"r{index}"] = flight
+        self._attempt(flight)
+
+    def _request(self, flight: _Flight, prefill_only: bool = False) -> Request:
+        """The request as one instance builds it (its own object, the router's chain)."""
+        return Request(
+            request_id=f"r{flight.result.index}",
+            prompt_token_ids=tuple(flight.tokens),
+            sampling_params=flight.params,
+            hasher=self.hasher,
+            prefill_only=prefill_only,
+            block_hashes=list(flight.hashes),
+        )
+
+    def _attempt(self, flight: _Flight) -> None:
+        result = flight.result
+        result.attempts += 1
+        request_id = f"r{result.index}"
+        try:
+            route = self.routing.choose(
+                request_id, len(flight.tokens), flight.hashes, flight.excluded
+            )
+        except NoCapacityError as e:
+            self._fail(flight, str(e))
+            return
+        flight.route = route
+        flight.leases = self.routing.leases(route, len(flight.tokens))
+        if route.decode is None:
+            self._run_whole(flight, self.instances[route.prefill], route.on_decode)
+        else:
+            self._prefill(flight, self.instances[route.prefill], self.instances[route.decode])
+
+    def _run_whole(self, flight: _Flight, instance: SimInstance, on_decode: bool) -> None:
+        """Mixed, or local prefill on a decode instance (refused when its blocks would eat
+        the running requests' growth headroom, as the decode instance refuses)."""
+        request = self._request(flight)
+        if on_decode and not instance.admission.fits(request, instance.growth_headroom()):
+            self._retry(flight, instance.name)
+            return
+        flight.result.path = "local" if on_decode else "mixed"
+        instance.submit(request)
+
+    def _prefill(self, flight: _Flight, prefill: SimInstance, decode: SimInstance) -> None:
+        flight.result.path = "remote"
+        request = self._request(flight, prefill_only=True)
+        prefill.admission.admit(request)  # None: the scheduler admits it when blocks free
+        self._reserve(flight, prefill, decode, request, 1)
+
+    def _reserve(
+        self, flight: _Flight, prefill: SimInstance, decode: SimInstance, request: Request,
+        tries: int,
+    ) -> None:  # fmt: skip
+        """Decode reserves blocks for the prompt, or refuses; prefill asks again after the
+        refusal's retry-after, at most `reserve_max_attempts` times."""
+        mine = self._request(flight)
+        admission = decode.admission.admit(mine, growth_headroom_blocks=decode.growth_headroom())
+        if admission is None:
+            config = self.spec.prefill_config
+            if tries >= config.reserve_max_attempts:
+                prefill.kv.free(request.request_id)
+                self._retry(flight, decode.name)
+                return
+            wait = min(self.spec.decode_config.retry_after_ms / 1000, config.reserve_max_backoff_s)
+            self.at(self.now + wait, lambda: self._reserve(flight, prefill, decode, request,
+                                                           tries + 1))  # fmt: skip
+            return
+        decode.reserved[mine.request_id] = mine
+        flight.decode_cached = admission.num_computed_tokens
+        prefill.submit(request)
+
+    def _retry(self, flight: _Flight, refused_by: str) -> None:
+        """The attempt failed before its first token (a decode instance refused): the router
+        releases its leases and tries another pair after its backoff, or gives up."""
+        for lease in flight.leases:
+            lease.release()
+        flight.excluded.add(refused_by)
+        config = self.spec.router
+        attempts = flight.result.attempts
+        if attempts >= config.max_attempts:
+            self._fail(flight, f"refused on {attempts} attempts")
+            return
+        self.at(self.now + config.retry_backoff_s * 2 ** (attempts - 1),
+                lambda: self._attempt(flight))  # fmt: skip
+
+    def kv_ready(self, prefill: SimInstance, request: Request) -> None:
+        """Prefill computed the prompt: the blocks decode lacks move, then decode starts."""
+        flight = self._flights[request.request_id]
+        assert flight.route is not None and flight.route.decode is not None
+        decode = self.instances[flight.route.decode]
+        block_size = prefill.profile.block_size
+        blocks = -(-request.num_prompt_tokens // block_size) - flight.decode_cached // block_size
+        num_bytes = max(0, blocks) * decode.profile.kv_block_bytes
+        seconds = num_bytes / (self.spec.transfer_gbps * GB)
+        prefill.transferred_bytes += num_bytes
+        prefill.transfer_seconds += seconds
+        first = request.output_token_ids[-1]
+        self.at(self.now + seconds, lambda: self._hand_off(flight, prefill, request, decode, first))
+
+    def _hand_off(
+        self, flight: _Flight, prefill: SimInstance, sent: Request, decode: SimInstance,
+        first_token: int,
+    ) -> None:  # fmt: skip
+        prefill.end(sent, RequestStatus.FINISHED_STOPPED)
+        request = decode.reserved.pop(sent.request_id)
+        decode.scheduler.admit_prefilled(request)
+        request.append_output_token(first_token)
+        flight.result.cached_tokens = sent.num_cached_tokens
+        flight.leases[0].release()  # prefill is done once the first token exists
+        self.token(decode, request)
+        decode.kick()
+
+    def token(self, instance: SimInstance, request: Request) -> None:
+        """An output token reached the client."""
+        flight = self._flights[request.request_id]
+        result = flight.result
+        if result.first_token is None:
+            result.first_token = self.now
+            if flight.route is not None and flight.route.decode is None:
+                result.cached_tokens = request.num_cached_tokens
+                flight.leases[0].finish_prefill()
+        else:
+            assert result.last_token is not None
+            self._itl.append(self.now - result.last_token)
+        result.last_token = self.now
+        result.tokens += 1
+        status = instance.check_stop(request)
+        if status is not None:
+            instance.end(request, status)
+            for lease in flight.leases:
+                lease.release()
+            self._done(flight)
+
+    def _fail(self, flight: _Flight, why: str) -> None:
+        flight.result.failed = why
+        self._done(flight)
+
+    def _done(self, flight: _Flight) -> None:
+        self._flights.pop(f"r{flight.result.index}", None)
+        self._live -= 1
