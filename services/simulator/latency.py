@@ -9,7 +9,9 @@ shape. Requests are routed by the router's own `Routing` (the prefill policy ove
 KV-event index, which the simulated caches feed; the decode policy over the capacities polled
 every `router.stats_interval_s`; conditional disaggregation over the polled step time models).
 
-A disaggregated request follows the prefill instance's protocol: prefill admits the prompt,
+What another thread asks of an engine (admission, a reservation, a handoff, a release) waits for
+the step running there to end, as the engine loop takes its mailbox between steps. A
+disaggregated request follows the prefill instance's protocol: prefill admits the prompt,
 decode reserves blocks for it unless the growth headroom of its running requests would not
 survive (refusals retried after `decode.retry_after_ms`, at most `prefill.reserve_max_backoff_s`,
 `prefill.reserve_max_attempts` times, then the router retries another pair after
@@ -224,6 +226,8 @@ class SimInstance:
         self.scheduler.clock = sim.clock
         self.model = StepTimeModel.fixed(profile.coefficients)
         self.busy = False
+        self._calls: list[Callable[[], object]] = []  # waiting for the step to end
+        self._between_steps = False
         self.reserved: dict[str, Request] = {}  # decode: reservations awaiting their KV
         self.transferred_bytes = 0
         self.transfer_seconds = 0.0
@@ -238,6 +242,14 @@ class SimInstance:
         decoding = [*scheduler.running, *scheduler.prefilled, *self.reserved.values()]
         horizon = self.sim.spec.decode_config.reserve_horizon_tokens
         return self.admission.growth_headroom_blocks(decoding, horizon, self.profile.max_model_len)
+
+    def call(self, action: Callable[[], object]) -> None:
+        """Run `action` on the engine thread: at once when no step runs, else when the running
+        step ends (the engine loop takes its mailbox between steps)."""
+        if self.busy:
+            self._calls.append(action)
+        else:
+            action()
 
     def submit(self, request: Request) -> None:
         self.scheduler.add_request(request)
@@ -267,7 +279,7 @@ class SimInstance:
 
     def kick(self) -> None:
         """Start a step if none runs and one can advance a request."""
-        if self.busy or not self.scheduler.has_schedulable_requests():
+        if self.busy or self._between_steps or not self.scheduler.has_schedulable_requests():
             return
         scheduled = self.scheduler.schedule()
         if not scheduled.chunks:
@@ -293,6 +305,11 @@ class SimInstance:
             else:
                 self.sim.token(self, request)
         self.busy = False
+        self._between_steps = True
+        calls, self._calls = self._calls, []
+        for action in calls:
+            action()
+        self._between_steps = False
         self.kick()
 
     def end(self, request: Request, status: RequestStatus) -> None:
@@ -471,6 +488,9 @@ class Simulation:
     def _run_whole(self, flight: _Flight, instance: SimInstance, on_decode: bool) -> None:
         """Mixed, or local prefill on a decode instance (refused when its blocks would eat
         the running requests' growth headroom, as the decode instance refuses)."""
+        instance.call(lambda: self._queue_whole(flight, instance, on_decode))
+
+    def _queue_whole(self, flight: _Flight, instance: SimInstance, on_decode: bool) -> None:
         request = self._request(flight)
         if on_decode and not instance.admission.fits(request, instance.growth_headroom()):
             self._retry(flight, instance.name)
@@ -481,8 +501,12 @@ class Simulation:
     def _prefill(self, flight: _Flight, prefill: SimInstance, decode: SimInstance) -> None:
         flight.result.path = "remote"
         request = self._request(flight, prefill_only=True)
-        prefill.admission.admit(request)  # None: the scheduler admits it when blocks free
-        self._reserve(flight, prefill, decode, request, 1)
+
+        def preallocate() -> None:
+            prefill.admission.admit(request)  # None: the scheduler admits it when blocks free
+            decode.call(lambda: self._reserve(flight, prefill, decode, request, 1))
+
+        prefill.call(preallocate)
 
     def _reserve(
         self, flight: _Flight, prefill: SimInstance, decode: SimInstance, request: Request,
@@ -495,16 +519,16 @@ class Simulation:
         if admission is None:
             config = self.spec.prefill_config
             if tries >= config.reserve_max_attempts:
-                prefill.kv.free(request.request_id)
+                prefill.call(lambda: prefill.kv.free(request.request_id))
                 self._retry(flight, decode.name)
                 return
             wait = min(self.spec.decode_config.retry_after_ms / 1000, config.reserve_max_backoff_s)
-            self.at(self.now + wait, lambda: self._reserve(flight, prefill, decode, request,
-                                                           tries + 1))  # fmt: skip
+            self.at(self.now + wait, lambda: decode.call(
+                lambda: self._reserve(flight, prefill, decode, request, tries + 1)))  # fmt: skip
             return
         decode.reserved[mine.request_id] = mine
         flight.decode_cached = admission.num_computed_tokens
-        prefill.submit(request)
+        prefill.call(lambda: prefill.submit(request))
 
     def _retry(self, flight: _Flight, refused_by: str) -> None:
         """The attempt failed before its first token (a decode instance refused): the router
@@ -532,13 +556,14 @@ class Simulation:
         prefill.transferred_bytes += num_bytes
         prefill.transfer_seconds += seconds
         first = request.output_token_ids[-1]
-        self.at(self.now + seconds, lambda: self._hand_off(flight, prefill, request, decode, first))
+        self.at(self.now + seconds, lambda: decode.call(
+            lambda: self._hand_off(flight, prefill, request, decode, first)))  # fmt: skip
 
     def _hand_off(
         self, flight: _Flight, prefill: SimInstance, sent: Request, decode: SimInstance,
         first_token: int,
     ) -> None:  # fmt: skip
-        prefill.end(sent, RequestStatus.FINISHED_STOPPED)
+        prefill.call(lambda: prefill.end(sent, RequestStatus.FINISHED_STOPPED))
         request = decode.reserved.pop(sent.request_id)
         decode.scheduler.admit_prefilled(request)
         request.append_output_token(first_token)
