@@ -7,7 +7,7 @@ with `--block-tokens` 32 per hash id (prompts of ~130–960 tokens, answers of 1
 at `--rate` requests/s (3: what two cores hold with room) for `--seconds` (60; quick 20).
 
 Live: `pdserve up` (its own local Ray; one prefill and one decode instance on the built-in tiny
-model, one torch thread each, 2,048 KV blocks) replays it open-loop: each record becomes a
+model, one torch thread each, 2,048 KV blocks, no storage tier: the simulator has none) replays it open-loop: each record becomes a
 streamed `/v1/completions` of its prompt's token ids (each hash id's tokens drawn from a
 generator seeded by the id, as the simulator draws them), greedy, `ignore_eos`,
 `max_tokens` its output length, sent at its timestamp. TTFT: sent -> first token at the
@@ -52,6 +52,7 @@ CONFIG: dict[str, Any] = {
     "prefill": {"num_cpus": 0.5},
     "decode": {"num_cpus": 0.5},
     "router": {"stats_interval_s": 0.2, "model_name": "tiny"},
+    "storage": {"enabled": False},  # the simulator does not model the storage tier
 }
 
 

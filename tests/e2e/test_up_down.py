@@ -15,7 +15,7 @@ def test_up_generate_down_on_a_running_ray_cluster(
     config = (
         f"engine:\n  model: {tiny_model_dir}\n  torch_threads: 1\n  num_kv_blocks: 128\n"
         f"prefill:\n  num_cpus: 1\ndecode:\n  num_cpus: 1\n"
-        f"router:\n  port: 0\n"
+        f"router:\n  port: 0\nadmin:\n  port: 0\n"
         f"cluster:\n  namespace: pdserve-e2e\n  state_dir: {tmp_path}\n"
     )
     with pdserve_up(config, tmp_path, ray.get_runtime_context().gcs_address) as up:
