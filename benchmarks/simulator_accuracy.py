@@ -7,11 +7,12 @@ with `--block-tokens` 32 per hash id (prompts of ~130–960 tokens, answers of 1
 at `--rate` requests/s (3: what two cores hold with room) for `--seconds` (60; quick 20).
 
 Live: `pdserve up` (its own local Ray; one prefill and one decode instance on the built-in tiny
-model, one torch thread each, 2,048 KV blocks, no storage tier: the simulator has none) replays it open-loop: each record becomes a
-streamed `/v1/completions` of its prompt's token ids (each hash id's tokens drawn from a
-generator seeded by the id, as the simulator draws them), greedy, `ignore_eos`,
-`max_tokens` its output length, sent at its timestamp. TTFT: sent -> first token at the
-client; ITL: the gaps between a request's streamed chunks (one per engine step).
+model, one torch thread each, 2,048 KV blocks, no storage tier: the simulator has none) replays
+it open-loop: each record becomes a streamed `/v1/completions` of its prompt's token ids
+(each hash id's tokens drawn from a generator seeded by the id, as the simulator draws them),
+greedy, `ignore_eos`, `max_tokens` its output length, sent at its timestamp. TTFT: sent ->
+first token at the client; ITL: the gaps between a request's streamed chunks (one per engine
+step).
 
 Simulated: the same records through `pdserve simulate --latency`'s simulation, its instances
 taken from the live cluster after the replay (`pdserve admin list --json`: each role's step

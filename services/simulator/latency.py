@@ -24,8 +24,6 @@ loop's own work), network latency other than KV bytes, reservation leases expiri
 tier, failures.
 """
 
-import heapq
-import itertools
 import math
 from array import array
 from collections.abc import Callable, Mapping, Sequence
@@ -53,6 +51,7 @@ from services.router.load import Lease
 from services.router.membership import Membership, Role
 from services.router.policies import DecodeCapacity
 from services.router.routing import Route, Routing
+from services.simulator.events import EventQueue
 from services.simulator.trace import TraceRecord
 
 MIN_STEP_S = 1e-6  # a step takes at least this long (a fit can predict 0 for tiny steps)
@@ -346,9 +345,7 @@ class Simulation:
 
     def __init__(self, spec: ClusterSpec, block_tokens: int, seed: int = 0) -> None:
         self.spec = spec
-        self.now = 0.0
-        self._events: list[tuple[float, int, Callable[[], object]]] = []
-        self._seq = itertools.count()
+        self.events = EventQueue()
         roles = spec.roles()
         block_size = spec.profiles[roles[0]].block_size
         if any(spec.profiles[r].block_size != block_size for r in roles):
@@ -380,11 +377,15 @@ class Simulation:
         self._samples: list[Sample] = []
         self._live = 0  # requests not yet ended
 
+    @property
+    def now(self) -> float:
+        return self.events.now
+
     def clock(self) -> float:
-        return self.now
+        return self.events.now
 
     def at(self, time_s: float, action: Callable[[], object]) -> None:
-        heapq.heappush(self._events, (time_s, next(self._seq), action))
+        self.events.at(time_s, action)
 
     def run(
         self, records: Sequence[TraceRecord], progress: Callable[[], object] = lambda: None
@@ -392,13 +393,13 @@ class Simulation:
         if not records:
             raise ConfigError("the trace has no records")
         start = records[0].timestamp_ms / 1000
-        self.now = start
+        self.events.now = start
         self._poll()
         for n, record in enumerate(records):
-            self._advance(record.timestamp_ms / 1000)
+            self.events.advance(record.timestamp_ms / 1000)
             self._arrive(n, record)
             progress()
-        self._advance(math.inf)
+        self.events.advance(math.inf, lambda: not self._live and self._only_polls())
         ended = max((r.last_token or r.arrival for r in self._results), default=start)
         preemptions = sum(i.scheduler.stats.num_preemptions for i in self.instances.values())
         for instance in self.instances.values():
@@ -408,19 +409,8 @@ class Simulation:
         return LatencyResult(self.spec, self._results, self._itl, self._samples, start, ended,
                              preemptions, names)  # fmt: skip
 
-    def _advance(self, until_s: float) -> None:
-        events = self._events
-        while events and events[0][0] <= until_s:
-            time_s, _, action = heapq.heappop(events)
-            self.now = max(self.now, time_s)
-            action()
-            if until_s == math.inf and not self._live and events and self._only_polls():
-                return
-        if until_s != math.inf:
-            self.now = max(self.now, until_s)
-
     def _only_polls(self) -> bool:
-        return all(getattr(action, "__name__", "") == "_poll" for _, _, action in self._events)
+        return all(getattr(action, "__name__", "") == "_poll" for action in self.events.actions())
 
     def _poll(self) -> None:
         """The router's stats poll: every instance's stats, decode capacities, a sample."""

@@ -10,7 +10,6 @@ a device go to the storage tier (an LRU of `storage_blocks`), as `device_write_p
 on_eviction` does.
 """
 
-import heapq
 from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -20,6 +19,7 @@ from pdserve.kvcache.hashing import BlockHash
 from pdserve.kvcache.manager import KVCacheManager
 from services.router.load import Lease, LoadTracker
 from services.router.policies import PolicyConfig, RouteRequest, make_policy
+from services.simulator.events import EventQueue
 from services.simulator.trace import TraceRecord
 
 
@@ -130,7 +130,7 @@ class Simulation:
 
     def __init__(self, config: SimConfig) -> None:
         self.config = config
-        self.now = 0.0
+        self.events = EventQueue()
         self.storage = StorageModel(config.storage_blocks) if config.storage_blocks else None
         self.managers = [
             KVCacheManager(
@@ -141,7 +141,7 @@ class Simulation:
                     config.eviction,
                     config.device_blocks,
                     half_life_s=config.half_life_s,
-                    clock=lambda: self.now,
+                    clock=lambda: self.events.now,
                 ),
             )
             for _ in range(config.instances)
@@ -150,38 +150,25 @@ class Simulation:
         self.policy = make_policy(config.routing, PolicyConfig(load_weight=config.load_weight))
         self.load = LoadTracker()
         self.result = SimResult(config, per_instance=[Tally() for _ in self.names])
-        self._events: list[tuple[float, int, Callable[[], object]]] = []
-        self._seq = 0
         self._waiting: list[deque[_Request]] = [deque() for _ in self.names]
 
     def run(
         self, records: Sequence[TraceRecord], progress: Callable[[], object] = lambda: None
     ) -> SimResult:
         for n, record in enumerate(records):
-            self._advance(record.timestamp_ms / 1000)
+            self.events.advance(record.timestamp_ms / 1000)
             chain = full_chain(record, self.config.block_tokens)
             request = _Request(f"r{n}", record.input_length, chain, record)
             self._arrive(request)
             progress()
-        self._advance(float("inf"))
+        self.events.advance(float("inf"))
         for manager in self.managers:
             manager.check_integrity()
         return self.result
 
-    # -- events -------------------------------------------------------------------------------
-
-    def _at(self, time_s: float, action: Callable[[], object]) -> None:
-        self._seq += 1
-        heapq.heappush(self._events, (time_s, self._seq, action))
-
-    def _advance(self, until_s: float) -> None:
-        events = self._events
-        while events and events[0][0] <= until_s:
-            time_s, _, action = heapq.heappop(events)
-            self.now = max(self.now, time_s)
-            action()
-        if until_s != float("inf"):
-            self.now = max(self.now, until_s)
+    @property
+    def now(self) -> float:
+        return self.events.now
 
     # -- a request's life ---------------------------------------------------------------------
 
@@ -220,8 +207,8 @@ class Simulation:
         lease = self.load.acquire(self.names[index], max(1, uncached))
         prefill_end = self.now + max(uncached, 1) / config.prefill_tokens_per_s
         end = prefill_end + request.record.output_length * config.time_per_output_token_s
-        self._at(prefill_end, lease.finish_prefill)
-        self._at(end, lambda: self._finish(index, request, lease))
+        self.events.at(prefill_end, lease.finish_prefill)
+        self.events.at(end, lambda: self._finish(index, request, lease))
         return True
 
     def _finish(self, index: int, request: _Request, lease: Lease) -> None:
