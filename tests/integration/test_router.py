@@ -76,8 +76,12 @@ def test_dead_prefill_is_routed_around_and_rejoins_when_it_returns(
             interceptors=[AioBearerTokenInterceptor(SECRET)],
         )
         stack.prefill[0] = Member(instance, revived, member.port)
-    # Its KV events flow again: a prompt prefilled there shows up in the router's index.
-    wait_for(lambda: address in router.membership.routable(Role.PREFILL), 10)
+    # Its KV event stream is back (its snapshot is in the index, which marks it healthy;
+    # gRPC's reconnect backoff decides when, not the unhealthy cooldown: routing to it earlier
+    # could fail again and send every prompt elsewhere) ...
+    wait_for(lambda: address in index.instances(), 60)
+    assert address in router.membership.routable(Role.PREFILL)
+    # ... and its events flow: a prompt prefilled there shows up in the router's index.
     for n in range(4):
         client.completions.create(
             model=MODEL, prompt=f"after {n} " * 8, max_tokens=2, temperature=0
