@@ -184,7 +184,8 @@ def main() -> None:
     )
     metrics["within_target"] = float(within)
     metrics["simulate_s"] = simulate_s
-    finish(NAME, args, {"figures": figures, "simulated": simulated, "live": live,
+    finish(NAME, args, {"figures": figures, "simulated": simulated,
+                        "live_ttft_s": [r["ttft"] for r in live],
                         "instances": saved, "link_gbps": gbps,
                         "live_stage_means_s": stages}, metrics)  # fmt: skip
 

@@ -5,6 +5,7 @@ cluster in simulated time: `services.simulator.latency`)."""
 
 import argparse
 import sys
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -113,15 +114,8 @@ def run(args: argparse.Namespace) -> int:
         report = run_sweep(records, sweep, base, progress=not args.quiet and sys.stderr.isatty())
     except ValueError as e:  # an unknown policy name
         raise InvalidRequestError(str(e)) from e
-    print(f"{len(records)} requests from {args.trace}")
-    print(format_table(report))
-    if args.json:
-        write_json(report, args.json)
-        print(f"report: {args.json}")
-    if args.plot:
-        plot(report, args.plot)
-        print(f"plot: {args.plot}")
-    return 0
+    return _report(args, len(records), format_table(report), report,
+                   lambda path: plot(report, path))  # fmt: skip
 
 
 def run_latency(records: list[TraceRecord], args: argparse.Namespace) -> int:
@@ -134,13 +128,25 @@ def run_latency(records: list[TraceRecord], args: argparse.Namespace) -> int:
     result = Simulation(spec, args.block_tokens, args.seed).run(records, lambda: bar.update(1))
     bar.close()
     summary = summarize(result, args.ttft_slo_s, args.itl_slo_s)
-    print(f"{len(records)} requests from {args.trace}")
-    print(format_summary(summary))
+    return _report(args, len(records), format_summary(summary), summary,
+                   lambda path: plot_timeline(result, path, args.ttft_slo_s))  # fmt: skip
+
+
+def _report(
+    args: argparse.Namespace,
+    requests: int,
+    text: str,
+    report: dict[str, Any],
+    draw: Callable[[Path], None],
+) -> int:
+    """Print the report, and write it as JSON (`--json`) and its plot (`--plot`)."""
+    print(f"{requests} requests from {args.trace}")
+    print(text)
     if args.json:
-        write_json(summary, args.json)
+        write_json(report, args.json)
         print(f"report: {args.json}")
     if args.plot:
-        plot_timeline(result, args.plot, args.ttft_slo_s)
+        draw(args.plot)
         print(f"plot: {args.plot}")
     return 0
 

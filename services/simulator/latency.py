@@ -38,7 +38,7 @@ from pdserve.engine.request import Request, RequestStatus, SamplingParams
 from pdserve.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from pdserve.engine.stop import stop_status
 from pdserve.engine.validation import validate_request
-from pdserve.errors import ConfigError, NoCapacityError, PdserveError
+from pdserve.errors import ConfigError, IntegrityError, NoCapacityError, PdserveError
 from pdserve.kvcache.events import KVEvent
 from pdserve.kvcache.eviction import make_eviction_policy
 from pdserve.kvcache.hashing import BlockHash, BlockHasher
@@ -337,6 +337,7 @@ class _Flight:
     excluded: set[str] = field(default_factory=set)
     route: Route | None = None
     leases: tuple[Lease, ...] = ()
+    decode: "SimInstance | None" = None  # where its KV goes, once decode reserved for it
     decode_cached: int = 0  # tokens decode held when it reserved (not sent)
 
 
@@ -517,7 +518,7 @@ class Simulation:
                 lambda: self._reserve(flight, prefill, decode, request, tries + 1)))  # fmt: skip
             return
         decode.reserved[mine.request_id] = mine
-        flight.decode_cached = admission.num_computed_tokens
+        flight.decode, flight.decode_cached = decode, admission.num_computed_tokens
         prefill.call(lambda: prefill.submit(request))
 
     def _retry(self, flight: _Flight, refused_by: str) -> None:
@@ -537,8 +538,11 @@ class Simulation:
     def kv_ready(self, prefill: SimInstance, request: Request) -> None:
         """Prefill computed the prompt: the blocks decode lacks move, then decode starts."""
         flight = self._flights[request.request_id]
-        assert flight.route is not None and flight.route.decode is not None
-        decode = self.instances[flight.route.decode]
+        decode = flight.decode
+        if decode is None:
+            raise IntegrityError(
+                f"request {request.request_id} was prefilled without a reservation"
+            )
         block_size = prefill.profile.block_size
         blocks = -(-request.num_prompt_tokens // block_size) - flight.decode_cached // block_size
         num_bytes = max(0, blocks) * decode.profile.kv_block_bytes
@@ -566,14 +570,13 @@ class Simulation:
         """An output token reached the client."""
         flight = self._flights[request.request_id]
         result = flight.result
+        if result.last_token is not None:
+            self._itl.append(self.now - result.last_token)
+        elif flight.decode is None:  # its first token, from the instance that computed it
+            result.cached_tokens = request.num_cached_tokens
+            flight.leases[0].finish_prefill()
         if result.first_token is None:
             result.first_token = self.now
-            if flight.route is not None and flight.route.decode is None:
-                result.cached_tokens = request.num_cached_tokens
-                flight.leases[0].finish_prefill()
-        else:
-            assert result.last_token is not None
-            self._itl.append(self.now - result.last_token)
         result.last_token = self.now
         result.tokens += 1
         status = instance.check_stop(request)
