@@ -137,10 +137,10 @@ class RouterMetrics:
 
 class StageMetrics:
     """Where an instance's requests spent their time, one histogram per stage, labelled with
-    the instance's role. Prefill: reservation wait, queue, prefill, KV transfer (time and
-    bytes, by transport); mixed: queue, prefill, admission, first step; decode: KV wait,
-    admission, first step. Thread-safe (prometheus-client metrics); observed once per request
-    when it ends (prefill: after its handoff)."""
+    the role the instance serves now (`role`). Prefill: reservation wait, queue, prefill, KV
+    transfer (time and bytes, by transport); mixed: queue, prefill, admission, first step;
+    decode: KV wait, admission, first step. Thread-safe (prometheus-client metrics); observed
+    once per request when it ends (prefill: after its handoff)."""
 
     def __init__(self, role: str) -> None:
         self.role = role
@@ -191,11 +191,10 @@ class StageMetrics:
             buckets=BYTE_BUCKETS,
             registry=self.registry,
         )
-        self._children = {name: h.labels(role) for name, h in self._histograms.items()}
 
     def observe(self, stage: str, seconds: float) -> None:
         """One request's time in `stage` (a key of the histograms above)."""
-        self._children[stage].observe(seconds)
+        self._histograms[stage].labels(self.role).observe(seconds)
 
     def observe_transfer(self, transport: str, seconds: float, num_bytes: int) -> None:
         self._transfer_time.labels(self.role, transport).observe(seconds)

@@ -25,6 +25,13 @@ intercept_unary_stream
 intercept_stream_unary
 intercept_stream_stream
 
+# services/{prefill,decode,mixed}/servicer.py: one instance of a role and its server, outside
+# Ray (the instance actor serves every role's service instead): benchmarks/kv_transfer.py,
+# benchmarks/serve_load.py and the integration tests' stacks run instances with them.
+serve_prefill
+serve_decode
+serve_mixed
+
 # -- pydantic (services/router/openai_schema.py) -----------------------------------------------
 
 # Each model's configuration (extra fields allowed, ignored or refused) is read by pydantic.

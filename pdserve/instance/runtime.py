@@ -153,9 +153,8 @@ class InstanceRuntime:
         secret: str,
         channels: ChannelPool,
         tls: TlsFiles | None = None,
-        on_tick: Callable[[LLMEngine], None] = lambda engine: None,
     ) -> None:
-        self.role = role
+        self.role = role  # the role served now (`ServedRole` changes it)
         self.engine = engine
         self.secret = secret  # the cluster secret: required of callers, sent to peers
         self.channels = channels  # to peers (decode instances, storage peers); carries `secret`
@@ -172,7 +171,9 @@ class InstanceRuntime:
         self._streams: dict[str, OutputStream] = {}
         self._subscriptions: dict[str, Subscription] = {}  # by subscriber
         self._streams_lock = threading.Lock()  # guards both
-        self.loop = EngineLoop(engine, self.deliver, mailbox, on_tick=on_tick)
+        # the role's housekeeping between steps (decode: expiring reservations); engine thread
+        self.on_tick: Callable[[LLMEngine], None] = _nothing
+        self.loop = EngineLoop(engine, self.deliver, mailbox, on_tick=lambda e: self.on_tick(e))
 
     @classmethod
     def create(
@@ -182,7 +183,6 @@ class InstanceRuntime:
         *,
         secret: str,
         tls: TlsFiles | None = None,
-        on_tick: Callable[[LLMEngine], None] = lambda engine: None,
         storage: StorageConfig | None = None,
         shared_kv_cache: bool = False,
     ) -> "InstanceRuntime":
@@ -201,26 +201,26 @@ class InstanceRuntime:
             wake=mailbox.wake,
         )
         logger.info("%s instance: %s", role, seed_step_time(engine, config))  # before serving
-        return cls(role, engine, events, mailbox, secret, channels, tls, on_tick)
+        return cls(role, engine, events, mailbox, secret, channels, tls)
 
     # -- serving --------------------------------------------------------------------------------
 
     def serve(
         self,
         register: Callable[[grpc.aio.Server], None],
-        service_name: str,
+        service_names: Sequence[str],
         role: InstanceRole,
         host: str,
         port: int,
     ) -> tuple[AioServer, int]:
-        """Start the instance's gRPC server with its role's service (`register`) and
-        InstanceService (answered by `role`) on an asyncio server (`AioServer`), plus the
-        storage service when its storage tier keeps blocks in host memory (then named after
-        the server's address), and its
-        Prometheus endpoint (`/metrics` on a port of its own). Returns (server, bound port)."""
+        """Start the instance's gRPC server with its role services (`register`, named
+        `service_names`) and InstanceService (answered by `role`) on an asyncio server
+        (`AioServer`), plus the storage service when its storage tier keeps blocks in host
+        memory (then named after the server's address), and its Prometheus endpoint
+        (`/metrics` on a port of its own). Returns (server, bound port)."""
         store = self.storage_tier.store if self.storage_tier is not None else None
         memory = store if isinstance(store, HostMemoryStore) else None
-        services = [service_name, INSTANCE_SERVICE] + ([STORAGE_SERVICE] if memory else [])
+        services = [*service_names, INSTANCE_SERVICE] + ([STORAGE_SERVICE] if memory else [])
 
         def register_all(server: grpc.aio.Server) -> None:
             register(server)
@@ -257,7 +257,10 @@ class InstanceRuntime:
     ) -> "MooncakeEngine | None":
         """This instance's Mooncake transfer engines with its KV cache registered (a `sender`
         runs `sender_engines(config)` of them, a receiver one), when `transfer.mooncake` is on
-        and the package loads; None otherwise."""
+        and the package loads; None otherwise. Once started they stay, whatever role the
+        instance serves next (a receiver's one engine also sends)."""
+        if self.mooncake is not None:
+            return self.mooncake
         if not (config.mooncake or config.transport == "mooncake"):
             return None
         if is_loopback(host) and config.transport != "mooncake":
@@ -556,6 +559,7 @@ class InstanceRuntime:
                 step_seconds=scheduler.stats.step_seconds,
                 tensor_parallel_size=engine.loaded.model.shard.size,
                 max_num_batched_tokens=scheduler.config.max_num_batched_tokens,
+                max_num_seqs=scheduler.config.max_num_seqs,
                 kv_block_bytes=self.stager.block_bytes,
                 **extra,
             )
@@ -649,6 +653,20 @@ class InstanceRuntime:
     def start(self) -> None:
         self.loop.start()
 
+    def request_ids(self) -> list[str]:
+        """The requests whose streams are open here."""
+        with self._streams_lock:
+            return list(self._streams)
+
+    def end_requests(self, error: PdserveError) -> None:
+        """End every request held here: its stream fails with `error` first (the router,
+        reading it, continues the request elsewhere), then the engine drops it."""
+        with self._streams_lock:
+            streams = list(self._streams.values())
+        for stream in streams:
+            stream.fail(error)
+            self.abort(stream.request_id)
+
     def stop(self) -> None:
         self.events.disconnect_all()  # KV-event streams end now, not at their next poll
         with self._streams_lock:
@@ -665,6 +683,10 @@ class InstanceRuntime:
             self.mooncake.close()
         self.channels.close()
         self.engine.close()
+
+
+def _nothing(engine: LLMEngine) -> None:
+    pass
 
 
 KV_EVENT_POLL_S = 0.5

@@ -86,6 +86,7 @@ class AioServer:
         self.loop = asyncio.new_event_loop()
         self.loop.set_default_executor(executor)
         self._server: grpc.aio.Server | None = None
+        self._health: health.aio.HealthServicer | None = None
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self.loop.run_forever, name="grpc-aio", daemon=True)
         self._thread.start()
@@ -115,8 +116,18 @@ class AioServer:
             await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
         bound = _reflect_and_bind(server, service_names, address, credentials)
         await server.start()
-        self._server = server
+        self._server, self._health = server, health_servicer
         return bound
+
+    def set_serving(self, service_name: str, serving: bool) -> None:
+        """What the health service answers for `service_name` from now on (from another
+        thread): an instance that changed role serves its old role's service no more."""
+        health_servicer = self._health
+        if health_servicer is None:
+            raise RuntimeError("the server is not serving")
+        status = health_pb2.HealthCheckResponse
+        value = status.SERVING if serving else status.NOT_SERVING
+        self.run(health_servicer.set(service_name, value))
 
     def stop(self, grace: float | None) -> threading.Event:
         """Stop serving (calls still running get `grace` seconds), then the loop and the

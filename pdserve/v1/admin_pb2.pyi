@@ -150,6 +150,30 @@ class ScaleRoleRequest(_message.Message):
 Global___ScaleRoleRequest: _TypeAlias = ScaleRoleRequest  # noqa: Y015
 
 @_typing.final
+class ChangeRoleRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    ROLE_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    """e.g. prefill-1"""
+    role: _builtins.str
+    """prefill | decode"""
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        role: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["name", b"name", "role", b"role"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ChangeRoleRequest: _TypeAlias = ChangeRoleRequest  # noqa: Y015
+
+@_typing.final
 class SetRoutingPolicyRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 

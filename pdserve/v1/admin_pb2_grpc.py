@@ -60,6 +60,11 @@ class AdminServiceStub:
                 request_serializer=pdserve_dot_v1_dot_admin__pb2.ScaleRoleRequest.SerializeToString,
                 response_deserializer=pdserve_dot_v1_dot_admin__pb2.ListInstancesReply.FromString,
                 _registered_method=True)
+        self.ChangeRole = channel.unary_unary(
+                '/pdserve.v1.AdminService/ChangeRole',
+                request_serializer=pdserve_dot_v1_dot_admin__pb2.ChangeRoleRequest.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_admin__pb2.InstanceInfo.FromString,
+                _registered_method=True)
         self.SetRoutingPolicy = channel.unary_unary(
                 '/pdserve.v1.AdminService/SetRoutingPolicy',
                 request_serializer=pdserve_dot_v1_dot_admin__pb2.SetRoutingPolicyRequest.SerializeToString,
@@ -125,6 +130,16 @@ class AdminServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ChangeRole(self, request, context):
+        """Switch an instance between prefill and decode in place: it is drained (as by
+        RemoveInstance), keeps its process, weights, prefix cache and address, and serves the new
+        role. NOT_FOUND: no such instance; FAILED_PRECONDITION: it is not serving, it is the last
+        of its role, or the two roles' engine settings differ beyond the scheduler's limits.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def SetRoutingPolicy(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -185,6 +200,11 @@ def add_AdminServiceServicer_to_server(servicer, server):
                     servicer.ScaleRole,
                     request_deserializer=pdserve_dot_v1_dot_admin__pb2.ScaleRoleRequest.FromString,
                     response_serializer=pdserve_dot_v1_dot_admin__pb2.ListInstancesReply.SerializeToString,
+            ),
+            'ChangeRole': grpc.unary_unary_rpc_method_handler(
+                    servicer.ChangeRole,
+                    request_deserializer=pdserve_dot_v1_dot_admin__pb2.ChangeRoleRequest.FromString,
+                    response_serializer=pdserve_dot_v1_dot_admin__pb2.InstanceInfo.SerializeToString,
             ),
             'SetRoutingPolicy': grpc.unary_unary_rpc_method_handler(
                     servicer.SetRoutingPolicy,
@@ -347,6 +367,33 @@ class AdminService:
             '/pdserve.v1.AdminService/ScaleRole',
             pdserve_dot_v1_dot_admin__pb2.ScaleRoleRequest.SerializeToString,
             pdserve_dot_v1_dot_admin__pb2.ListInstancesReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ChangeRole(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.AdminService/ChangeRole',
+            pdserve_dot_v1_dot_admin__pb2.ChangeRoleRequest.SerializeToString,
+            pdserve_dot_v1_dot_admin__pb2.InstanceInfo.FromString,
             options,
             channel_credentials,
             insecure,

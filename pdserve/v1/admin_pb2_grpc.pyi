@@ -46,6 +46,12 @@ class AdminServiceStub:
     """Add or remove prefill, decode or mixed instances (Ray actors) until `replicas` run; removed
     ones are drained first, as by RemoveInstance.
     """
+    ChangeRole: _grpc.UnaryUnaryMultiCallable[_admin_pb2.ChangeRoleRequest, _admin_pb2.InstanceInfo]
+    """Switch an instance between prefill and decode in place: it is drained (as by
+    RemoveInstance), keeps its process, weights, prefix cache and address, and serves the new
+    role. NOT_FOUND: no such instance; FAILED_PRECONDITION: it is not serving, it is the last
+    of its role, or the two roles' engine settings differ beyond the scheduler's limits.
+    """
     SetRoutingPolicy: _grpc.UnaryUnaryMultiCallable[_admin_pb2.SetRoutingPolicyRequest, _admin_pb2.SetRoutingPolicyReply]
     GetCacheStats: _grpc.UnaryUnaryMultiCallable[_admin_pb2.CacheStatsRequest, _admin_pb2.CacheStatsReply]
     FlushCache: _grpc.UnaryUnaryMultiCallable[_admin_pb2.FlushCacheRequest, _admin_pb2.FlushCacheReply]
@@ -70,6 +76,12 @@ class AdminServiceAsyncStub(AdminServiceStub):
     ScaleRole: _aio.UnaryUnaryMultiCallable[_admin_pb2.ScaleRoleRequest, _admin_pb2.ListInstancesReply]  # type: ignore[assignment]
     """Add or remove prefill, decode or mixed instances (Ray actors) until `replicas` run; removed
     ones are drained first, as by RemoveInstance.
+    """
+    ChangeRole: _aio.UnaryUnaryMultiCallable[_admin_pb2.ChangeRoleRequest, _admin_pb2.InstanceInfo]  # type: ignore[assignment]
+    """Switch an instance between prefill and decode in place: it is drained (as by
+    RemoveInstance), keeps its process, weights, prefix cache and address, and serves the new
+    role. NOT_FOUND: no such instance; FAILED_PRECONDITION: it is not serving, it is the last
+    of its role, or the two roles' engine settings differ beyond the scheduler's limits.
     """
     SetRoutingPolicy: _aio.UnaryUnaryMultiCallable[_admin_pb2.SetRoutingPolicyRequest, _admin_pb2.SetRoutingPolicyReply]  # type: ignore[assignment]
     GetCacheStats: _aio.UnaryUnaryMultiCallable[_admin_pb2.CacheStatsRequest, _admin_pb2.CacheStatsReply]  # type: ignore[assignment]
@@ -122,6 +134,18 @@ class AdminServiceServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_admin_pb2.ListInstancesReply, _abc.Awaitable[_admin_pb2.ListInstancesReply]]:
         """Add or remove prefill, decode or mixed instances (Ray actors) until `replicas` run; removed
         ones are drained first, as by RemoveInstance.
+        """
+
+    @_abc_1.abstractmethod
+    def ChangeRole(
+        self,
+        request: _admin_pb2.ChangeRoleRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_admin_pb2.InstanceInfo, _abc.Awaitable[_admin_pb2.InstanceInfo]]:
+        """Switch an instance between prefill and decode in place: it is drained (as by
+        RemoveInstance), keeps its process, weights, prefix cache and address, and serves the new
+        role. NOT_FOUND: no such instance; FAILED_PRECONDITION: it is not serving, it is the last
+        of its role, or the two roles' engine settings differ beyond the scheduler's limits.
         """
 
     @_abc_1.abstractmethod

@@ -695,6 +695,7 @@ class InstanceStats(_message.Message):
     STEP_TIME_FIELD_NUMBER: _builtins.int
     MAX_NUM_BATCHED_TOKENS_FIELD_NUMBER: _builtins.int
     KV_BLOCK_BYTES_FIELD_NUMBER: _builtins.int
+    MAX_NUM_SEQS_FIELD_NUMBER: _builtins.int
     role: _builtins.str
     num_blocks: _builtins.int
     num_free_blocks: _builtins.int
@@ -730,6 +731,8 @@ class InstanceStats(_message.Message):
     """the step token budget (prompts are computed in chunks)"""
     kv_block_bytes: _builtins.int
     """bytes of one KV block (what a transfer moves per block)"""
+    max_num_seqs: _builtins.int
+    """sequences a step may run (the role's scheduler limit)"""
     @_builtins.property
     def storage(self) -> Global___StorageStats:
         """absent when the instance runs without the storage tier"""
@@ -782,10 +785,11 @@ class InstanceStats(_message.Message):
         step_time: Global___StepTimeFit | None = ...,
         max_num_batched_tokens: _builtins.int = ...,
         kv_block_bytes: _builtins.int = ...,
+        max_num_seqs: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["step_time", b"step_time", "storage", b"storage"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "device_hit_tokens", b"device_hit_tokens", "kv_block_bytes", b"kv_block_bytes", "kv_blocks_received", b"kv_blocks_received", "kv_blocks_sent", b"kv_blocks_sent", "kv_blocks_sent_by_transport", b"kv_blocks_sent_by_transport", "kv_bytes_received", b"kv_bytes_received", "kv_bytes_sent", b"kv_bytes_sent", "kv_bytes_sent_by_transport", b"kv_bytes_sent_by_transport", "kv_transfer_failures_by_transport", b"kv_transfer_failures_by_transport", "kv_transfer_seconds_by_transport", b"kv_transfer_seconds_by_transport", "max_num_batched_tokens", b"max_num_batched_tokens", "num_blocks", b"num_blocks", "num_cached_blocks", b"num_cached_blocks", "num_computed_tokens", b"num_computed_tokens", "num_expired_reservations", b"num_expired_reservations", "num_free_blocks", b"num_free_blocks", "num_preemptions", b"num_preemptions", "num_reservations", b"num_reservations", "num_reserved_blocks", b"num_reserved_blocks", "num_running", b"num_running", "num_steps", b"num_steps", "num_waiting", b"num_waiting", "prefix_cache_queries", b"prefix_cache_queries", "role", b"role", "step_seconds", b"step_seconds", "step_time", b"step_time", "storage", b"storage", "tensor_parallel_size", b"tensor_parallel_size", "tp_collective_seconds", b"tp_collective_seconds", "tp_collectives", b"tp_collectives"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "device_hit_tokens", b"device_hit_tokens", "kv_block_bytes", b"kv_block_bytes", "kv_blocks_received", b"kv_blocks_received", "kv_blocks_sent", b"kv_blocks_sent", "kv_blocks_sent_by_transport", b"kv_blocks_sent_by_transport", "kv_bytes_received", b"kv_bytes_received", "kv_bytes_sent", b"kv_bytes_sent", "kv_bytes_sent_by_transport", b"kv_bytes_sent_by_transport", "kv_transfer_failures_by_transport", b"kv_transfer_failures_by_transport", "kv_transfer_seconds_by_transport", b"kv_transfer_seconds_by_transport", "max_num_batched_tokens", b"max_num_batched_tokens", "max_num_seqs", b"max_num_seqs", "num_blocks", b"num_blocks", "num_cached_blocks", b"num_cached_blocks", "num_computed_tokens", b"num_computed_tokens", "num_expired_reservations", b"num_expired_reservations", "num_free_blocks", b"num_free_blocks", "num_preemptions", b"num_preemptions", "num_reservations", b"num_reservations", "num_reserved_blocks", b"num_reserved_blocks", "num_running", b"num_running", "num_steps", b"num_steps", "num_waiting", b"num_waiting", "prefix_cache_queries", b"prefix_cache_queries", "role", b"role", "step_seconds", b"step_seconds", "step_time", b"step_time", "storage", b"storage", "tensor_parallel_size", b"tensor_parallel_size", "tp_collective_seconds", b"tp_collective_seconds", "tp_collectives", b"tp_collectives"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -20,20 +20,31 @@ from ray.util.placement_group import PlacementGroup
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from pdserve.config import ClusterConfig, EngineConfig
+from pdserve.engine.engine import LLMEngine
+from pdserve.engine.scheduler import SchedulerConfig
 from pdserve.engine.tensor_parallel import Rendezvous, serve_worker, use_launcher
+from pdserve.errors import InstanceUnavailableError
+from pdserve.instance.roles import Role, ServedRole
+from pdserve.instance.runtime import InstanceRuntime
 from pdserve.observability import logs, tracing
-from pdserve.rpc.server import AioServer, advertised_host, host_port
+from pdserve.rpc.server import advertised_host, host_port
 from services.controller.state import tls_files
+from services.decode import servicer as decode_servicer
 from services.decode.instance import DecodeInstance
-from services.decode.servicer import serve_decode
+from services.mixed import servicer as mixed_servicer
 from services.mixed.instance import MixedInstance
-from services.mixed.servicer import serve_mixed
+from services.prefill import servicer as prefill_servicer
 from services.prefill.instance import PrefillInstance
-from services.prefill.servicer import serve_prefill
 
 logger = logging.getLogger(__name__)
 
 ROLES = ("prefill", "decode", "mixed")
+# each role's gRPC service: its name and how it is registered on an instance's server
+ROLE_SERVICES: dict[str, tuple[str, Callable[[ServedRole, Any], None]]] = {
+    "prefill": (prefill_servicer.SERVICE_NAME, prefill_servicer.add_prefill_servicer),
+    "decode": (decode_servicer.SERVICE_NAME, decode_servicer.add_decode_servicer),
+    "mixed": (mixed_servicer.SERVICE_NAME, mixed_servicer.add_mixed_servicer),
+}
 # Set by the controller for GPU actors (`Cluster._create_actor`): Ray then leaves the actor's
 # CUDA_VISIBLE_DEVICES alone, and the actor sets it itself (`claim_gpus`).
 NOSET_CUDA_VISIBLE_DEVICES = "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES"
@@ -183,7 +194,9 @@ class TPWorkerActor:
 
 class InstanceActor:
     """Ray calls its methods one at a time (a synchronous actor); the instance it holds runs its own
-    threads.
+    threads. Its gRPC server registers every role's service: the one of the role it serves
+    now answers (`ServedRole`), the others refuse as UNAVAILABLE, so that `change_role`
+    switches roles without a new process, engine or port.
     """
 
     def __init__(
@@ -201,36 +214,36 @@ class InstanceActor:
         engine = config.engine_for(role)
         if workers is not None:  # this process holds one instance: its launcher is the default
             use_launcher(workers.launch, advertised_host(config.host))
-        tls = tls_files(config)
         if engine.torch_threads is not None:
             torch.set_num_threads(engine.torch_threads)
-        self.role = role
-        self.instance: PrefillInstance | DecodeInstance | MixedInstance
-        self.server: AioServer
-        if role == "prefill":
-            self.instance, self.server, port = serve_prefill(
-                engine,
-                config.prefill,
-                config.host,
-                storage=config.storage,
-                transfer=config.transfer,
-                secret=secret,
-                tls=tls,
-            )
-        elif role == "decode":
-            self.instance, self.server, port = serve_decode(
-                engine,
-                config.decode,
-                config.host,
-                storage=config.storage,
-                transfer=config.transfer,
-                secret=secret,
-                tls=tls,
-            )
-        else:
-            self.instance, self.server, port = serve_mixed(
-                engine, config.host, storage=config.storage, secret=secret, tls=tls
-            )
+        self.config = config
+        runtime = InstanceRuntime.create(
+            role,
+            engine,
+            secret=secret,
+            tls=tls_files(config),
+            storage=config.storage,
+            # a prefill instance may become a decode instance, whose cache prefill peers
+            # on this host write into
+            shared_kv_cache=role != "mixed" and config.transfer.shared_memory,
+        )
+        self.served = ServedRole(self._role(role, runtime))
+        runtime.start()
+
+        def register(server: Any) -> None:
+            for _, add in ROLE_SERVICES.values():
+                add(self.served, server)
+
+        self.server, port = runtime.serve(
+            register,
+            [name for name, _ in ROLE_SERVICES.values()],
+            self.served,
+            config.host,
+            0,
+        )
+        for other in ROLES:
+            if other != role:
+                self.server.set_serving(ROLE_SERVICES[other][0], False)
         self._address = host_port(advertised_host(config.host), port)
         tracing.configure(
             tracing.trace_endpoint(observability.otlp_endpoint),
@@ -238,6 +251,44 @@ class InstanceActor:
             f"pdserve-{role}",
             {"service.instance.id": self._address},
         )
+
+    def _role(self, role: str, runtime: InstanceRuntime) -> Role:
+        config = self.config
+        if role == "prefill":
+            return PrefillInstance(runtime, config.prefill, config.transfer, config.host)
+        if role == "decode":
+            return DecodeInstance(runtime, config.decode, config.transfer, config.host)
+        return MixedInstance(runtime)
+
+    @property
+    def instance(self) -> Role:
+        return self.served.current
+
+    def change_role(self, role: str) -> None:
+        """Serve `role` from now on, on the same engine (weights, KV cache, prefix cache), gRPC
+        server and address, with the role's scheduler limits. Call once the router holds no
+        request here (`pdserve admin role` drains first): a request the old role still holds
+        fails over to another instance (its stream ends as UNAVAILABLE: the router migrates
+        it). The controller checked that the two roles' engine settings allow it
+        (`role_change_refusal`)."""
+        if role not in ROLES:
+            raise ValueError(f"unknown role {role!r}; expected one of {ROLES}")
+        if role == self.served.name:
+            return
+        runtime = self.served.runtime
+        limits = self.config.engine_for(role)
+        scheduler = SchedulerConfig(limits.max_num_seqs, limits.max_num_batched_tokens)
+
+        def set_limits(engine: LLMEngine) -> None:
+            engine.scheduler.config = scheduler
+
+        runtime.loop.call(set_limits)
+        previous = self.served.change(self._role(role, runtime))
+        self.server.set_serving(ROLE_SERVICES[role][0], True)
+        self.server.set_serving(ROLE_SERVICES[previous.ROLE][0], False)
+        # what outlived the drain continues elsewhere, as when an instance is removed
+        previous.leave(InstanceUnavailableError(f"this instance left the {previous.ROLE} role"))
+        logger.warning("this instance serves the %s role now (was %s)", role, previous.ROLE)
 
     def address(self) -> str:
         """host:port of this instance's gRPC server."""
@@ -269,5 +320,5 @@ class InstanceActor:
 
     def stop(self) -> None:
         self.server.stop(grace=2).wait()
-        self.instance.stop()
+        self.instance.stop()  # the runtime, with the role's own
         tracing.shutdown()  # its last spans

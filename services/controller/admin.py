@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -28,7 +29,7 @@ from pdserve.rpc.auth import BearerTokenInterceptor, secret_file
 from pdserve.rpc.server import create_server
 from pdserve.rpc.status import abort_with
 from pdserve.v1 import admin_pb2, admin_pb2_grpc, common_pb2
-from services.controller.cluster import Cluster, InstanceInfo
+from services.controller.cluster import Cluster, InstanceInfo, role_change_refusal
 from services.router.router import Router
 
 logger = logging.getLogger(__name__)
@@ -146,6 +147,60 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
                 self._retire(info)
             self._on_change()
         return self.ListInstances(admin_pb2.ListInstancesRequest(), context)
+
+    def ChangeRole(
+        self, request: admin_pb2.ChangeRoleRequest, context: grpc.ServicerContext
+    ) -> admin_pb2.InstanceInfo:
+        info = self._find(request.name, context)
+        if request.role not in ROLES:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"role must be one of {ROLES}")
+        if request.role == info.role:
+            return self._describe(info)
+        refusal = role_change_refusal(self.cluster.config, info.role, request.role)
+        if refusal is not None:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, refusal)
+        with self._lock:
+            info = self._find(request.name, context)  # as it is now, under the lock
+            peers = [i for i in self.cluster.instances if i.role == info.role and i != info]
+            if not peers:
+                context.abort(
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    f"{info.name} is the only {info.role} instance: add one first",
+                )
+            if not self._describe(info).alive:
+                context.abort(
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    f"{info.name} is not serving (dead or restarting): its role cannot change",
+                )
+            try:
+                changed = self._change_role(info, request.role)
+            except PdserveError as e:
+                abort_with(context, e)
+            finally:
+                self._on_change()
+        return self._describe(changed)
+
+    def _change_role(self, info: InstanceInfo, role: str) -> InstanceInfo:
+        """Drain `info` (up to `cluster.drain_timeout_s`), take it out of routing, switch its
+        actor to `role` and route to it in that role. A failed switch (the actor died) leaves
+        the instance to the supervisor, which restarts it in its old role."""
+        started = time.monotonic()
+        router = self.router
+        router.membership.set_drained(info.address, True)
+        idle = router.wait_idle(info.address, self.cluster.config.drain_timeout_s)
+        router.remove_instance(info.address)
+        try:
+            ray.get(self.cluster.actor(info.name).change_role.remote(role), timeout=60)
+        except (ray.exceptions.RayError, TimeoutError) as e:
+            router.add_instance(info.role, info.address)
+            raise InstanceUnavailableError(f"{info.name} failed to change role: {e}") from e
+        changed = self.cluster.set_role(info.name, role)
+        router.add_instance(role, changed.address)
+        logger.warning(
+            "instance %s serves the %s role now (was %s; %.2f s%s)", info.name, role, info.role,
+            time.monotonic() - started, "" if idle else ", drain timed out: streams migrated",
+        )  # fmt: skip
+        return changed
 
     def SetRoutingPolicy(
         self, request: admin_pb2.SetRoutingPolicyRequest, context: grpc.ServicerContext

@@ -21,15 +21,17 @@ from pdserve.v1 import admin_pb2, admin_pb2_grpc, common_pb2
 
 Metadata = tuple[tuple[str, str | bytes], ...]  # what every admin call carries: the bearer token
 VERBS = (
-    "list", "drain", "resume", "remove", "scale", "policy", "cache-stats", "flush", "abort",
-    "trace",
+    "list", "drain", "resume", "remove", "scale", "role", "policy", "cache-stats", "flush",
+    "abort", "trace",
 )  # fmt: skip
 
 
 def add_parser(commands: Any) -> None:
     admin = commands.add_parser("admin", help="steer a running cluster (admin gRPC API)")
     admin.add_argument("verb", choices=VERBS)
-    admin.add_argument("args", nargs="*", help="NAME | ROLE N | POLICY | TIER [NAME] | ID")
+    admin.add_argument(
+        "args", nargs="*", help="NAME | ROLE N | NAME ROLE | POLICY | TIER [NAME] | ID"
+    )
     add_connection_arguments(admin)
     admin.add_argument("--json", action="store_true", help="print the reply as JSON")
 
@@ -84,9 +86,14 @@ def run(args: argparse.Namespace) -> int:
 
 
 def exit_code(status: grpc.StatusCode) -> int:
-    """3: try again later (the cluster, or a part it needs, is unavailable); 2: anything else
-    (a wrong token, a bad argument)."""
-    if status in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+    """3: the cluster cannot do it now (it, or a part it needs, is unavailable; no such
+    instance; not in a state to do it); 2: anything else (a wrong token, a bad argument)."""
+    if status in (
+        grpc.StatusCode.UNAVAILABLE,
+        grpc.StatusCode.DEADLINE_EXCEEDED,
+        grpc.StatusCode.NOT_FOUND,
+        grpc.StatusCode.FAILED_PRECONDITION,
+    ):
         return 3
     return 2
 
@@ -120,6 +127,9 @@ def _call(
         "scale": lambda: stub.ScaleRole(
             admin_pb2.ScaleRoleRequest(role=args[0], replicas=int(args[1])), metadata=metadata
         ),
+        "role": lambda: stub.ChangeRole(
+            admin_pb2.ChangeRoleRequest(name=args[0], role=args[1]), metadata=metadata
+        ),
         "policy": lambda: stub.SetRoutingPolicy(
             admin_pb2.SetRoutingPolicyRequest(policy=args[0]), metadata=metadata
         ),
@@ -140,6 +150,7 @@ def _call(
         "resume": (1, "NAME"),
         "remove": (1, "NAME"),
         "scale": (2, "ROLE REPLICAS"),
+        "role": (2, "NAME prefill|decode"),
         "policy": (1, "POLICY"),
         "flush": (1, "device|storage [NAME]"),
         "abort": (1, "ID"),

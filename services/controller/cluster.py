@@ -13,7 +13,7 @@ import os
 import shutil
 import threading
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -270,6 +270,17 @@ class Cluster:
             _kill_quietly(actor)
             raise ClusterError(f"instance {name} failed to start: {e}") from e
 
+    def set_role(self, name: str, role: str) -> InstanceInfo:
+        """Record that instance `name` serves `role` now (`InstanceActor.change_role`): a
+        restart recreates it in that role."""
+        with self.lock:
+            info = self.info(name)
+            if info is None:
+                raise ClusterError(f"instance {name} was removed")
+            changed = replace(info, role=role)
+            self.instances = [changed if i.name == name else i for i in self.instances]
+            return changed
+
     def remove_instance(self, name: str) -> None:
         """Stop one instance (its requests should have been drained first)."""
         with self.lock:
@@ -339,6 +350,50 @@ class Cluster:
         tmp = path.with_suffix(".tmp")
         tmp.write_text(json.dumps(state, indent=2))
         tmp.replace(path)
+
+
+SCHEDULER_LIMITS = ("max_num_seqs", "max_num_batched_tokens")
+
+
+def role_change_refusal(config: ClusterConfig, current: str, role: str) -> str | None:
+    """Why an instance serving `current` cannot serve `role` in place; None when it can. Pure.
+
+    Instances switch between prefill and decode; they keep their process, resources and
+    engine, so the two roles' resources and engine settings must agree, except the
+    scheduler's limits, which the change applies (on a GPU they may not grow: CUDA graphs
+    and activation memory were sized for the old ones)."""
+    roles = ("prefill", "decode")
+    if current not in roles or role not in roles:
+        return (
+            f"an instance changes between prefill and decode only, not {current} -> {role} (a "
+            "disaggregated cluster's decode instances prefill short prompts themselves with "
+            "router.disaggregation: auto)"
+        )
+    old, new = config.engine_for(current), config.engine_for(role)
+    differ = [
+        f.name
+        for f in fields(old)
+        if f.name not in SCHEDULER_LIMITS and getattr(old, f.name) != getattr(new, f.name)
+    ]
+    old_section, new_section = getattr(config, current), getattr(config, role)
+    differ += [
+        f"{resource} (Ray resources)"
+        for resource in ("num_cpus", "num_gpus")
+        if getattr(old_section, resource) != getattr(new_section, resource)
+    ]
+    if differ:
+        return (
+            f"the {current} and {role} roles' settings differ in {', '.join(differ)}; an "
+            "instance keeps its engine and resources when it changes role: make them equal, "
+            "or scale the roles instead (`pdserve admin scale`)"
+        )
+    grown = [name for name in SCHEDULER_LIMITS if getattr(new, name) > getattr(old, name)]
+    if old.device != "cpu" and grown:
+        return (
+            f"{role}'s {', '.join(grown)} exceed {current}'s on {old.device}: the engine's "
+            "memory and CUDA graphs were sized for the smaller limits"
+        )
+    return None
 
 
 def _stop(name: str, actor: Any) -> None:

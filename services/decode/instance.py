@@ -43,33 +43,25 @@ class ReservationGrant:
 
 
 class DecodeInstance:
+    ROLE = "decode"
+
     def __init__(
         self,
-        engine_config: EngineConfig,
+        runtime: InstanceRuntime,
         config: DecodeConfig,
-        storage: StorageConfig | None = None,
         transfer: TransferConfig | None = None,
         host: str = "127.0.0.1",
-        *,
-        secret: str,
-        tls: TlsFiles | None = None,
     ) -> None:
+        """The decode role on `runtime` (new, or another role's: `ServedRole.change`); prefill
+        instances on this host write into its KV cache directly when the runtime's cache is in
+        shared memory (`transfer.shared_memory`)."""
         self.config = config
+        self.runtime = runtime
         self.reservations = ReservationTable()
-        self.runtime = InstanceRuntime.create(
-            "decode",
-            engine_config,
-            secret=secret,
-            tls=tls,
-            on_tick=self._expire_leases,
-            storage=storage,
-            shared_kv_cache=transfer is not None and transfer.shared_memory,
-        )
-        runtime = self.runtime
         mooncake = runtime.start_mooncake(transfer, host) if transfer is not None else None
         stager = runtime.stager
         # a GPU cache is shared over CUDA IPC (prefill instances of this host copy into it);
-        # the export holds the shared view for the instance's lifetime
+        # the export holds the shared view while this role serves
         if not stager.direct_writes:  # tensor parallel: each rank's cache, written by rank
             self.cuda_ipc = None
             self.endpoints = KVEndpoints(
@@ -87,6 +79,30 @@ class DecodeInstance:
                 gpu_uuid=self.cuda_ipc.gpu_uuid if self.cuda_ipc is not None else "",
             )
         self.num_expired = 0  # engine thread only
+
+    @classmethod
+    def create(
+        cls,
+        engine_config: EngineConfig,
+        config: DecodeConfig,
+        storage: StorageConfig | None = None,
+        transfer: TransferConfig | None = None,
+        host: str = "127.0.0.1",
+        *,
+        secret: str,
+        tls: TlsFiles | None = None,
+    ) -> "DecodeInstance":
+        """A decode instance on a runtime of its own (an engine for `engine_config`, its KV
+        cache in shared memory with `transfer.shared_memory`)."""
+        runtime = InstanceRuntime.create(
+            "decode",
+            engine_config,
+            secret=secret,
+            tls=tls,
+            storage=storage,
+            shared_kv_cache=transfer is not None and transfer.shared_memory,
+        )
+        return cls(runtime, config, transfer, host)
 
     def _rank_endpoints(self) -> tuple[KVEndpoints, ...]:
         """Each rank's cache of a tensor-parallel instance: its segment (shared memory; rank
@@ -110,6 +126,14 @@ class DecodeInstance:
 
     def stop(self) -> None:
         self.runtime.stop()
+
+    def on_tick(self, engine: LLMEngine) -> None:
+        self._expire_leases(engine)
+
+    def leave(self, error: PdserveError) -> None:
+        for request in self.reservations.requests():
+            self.abort(request.request_id)  # its prefill instance's push or handoff fails
+        self.runtime.end_requests(error)
 
     # -- reservation (preallocate_resource_in_d) ------------------------------------------------
 

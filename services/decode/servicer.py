@@ -16,6 +16,7 @@ from pdserve.instance.convert import (
     logprob_from_proto,
     sampling_from_proto,
 )
+from pdserve.instance.roles import ServedRole
 from pdserve.observability import tracing
 from pdserve.rpc.server import AioServer, blocking
 from pdserve.rpc.status import abort_with, abort_with_async
@@ -35,15 +36,16 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
     server's event loop, which must see a broken stream at once. The outputs go out on the
     router's subscription (InstanceService.SubscribeOutputs)."""
 
-    def __init__(self, instance: DecodeInstance) -> None:
-        self.instance = instance
+    def __init__(self, served: ServedRole) -> None:
+        self.served = served
 
     def Reserve(
         self, request: decode_pb2.ReserveRequest, context: grpc.ServicerContext
     ) -> decode_pb2.ReserveReply:
         generate = request.request
         try:
-            grant = self.instance.preallocate_resource_in_d(
+            instance = self.served.get(DecodeInstance)
+            grant = instance.preallocate_resource_in_d(
                 generate.request_id,
                 list(generate.prompt_token_ids),
                 sampling_from_proto(generate.sampling),
@@ -60,16 +62,17 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
             num_blocks=grant.num_blocks,
             block_bytes=grant.block_bytes,
             block_ids=grant.block_ids,
-            lease_ms=int(self.instance.config.reservation_timeout_s * 1000),
-            endpoints=endpoints_to_proto(self.instance.endpoints),
-            kv_layout=self.instance.runtime.kv_tag,
+            lease_ms=int(instance.config.reservation_timeout_s * 1000),
+            endpoints=endpoints_to_proto(instance.endpoints),
+            kv_layout=instance.runtime.kv_tag,
         )
 
     def CommitKV(
         self, request: decode_pb2.CommitKVRequest, context: grpc.ServicerContext
     ) -> decode_pb2.CommitKVReply:
         try:
-            self.instance.commit_blocks(request.request_id, request.first_block, request.num_blocks)
+            instance = self.served.get(DecodeInstance)
+            instance.commit_blocks(request.request_id, request.first_block, request.num_blocks)
         except Exception as e:
             _log_unexpected(e, "CommitKV", request.request_id)
             abort_with(context, e)
@@ -84,6 +87,10 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         A stream that breaks — the sender cancels, its deadline passes, it ends without its
         `last` chunk, a write fails — releases its reservations at once, not at lease expiry
         (a write still running when the handler is cancelled defers the release to its end)."""
+        try:
+            instance = self.served.get(DecodeInstance)
+        except PdserveError as e:
+            await abort_with_async(context, e)
         blocks = received = 0
         request_ids: set[str] = set()
         completed = saw_last = False
@@ -91,7 +98,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         def settle_if_broken() -> None:  # idempotent
             if not completed:
                 for request_id in request_ids:
-                    self.instance.transfer_failed(request_id)
+                    instance.transfer_failed(request_id)
 
         try:
             async for chunk in request_iterator:
@@ -99,7 +106,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
                 saw_last = saw_last or chunk.last
                 data = memoryview(chunk.data)  # a view when parsed by parse_kv_chunk
                 blocks += await blocking(
-                    self.instance.receive_blocks, chunk.request_id, chunk.first_block, data
+                    instance.receive_blocks, chunk.request_id, chunk.first_block, data
                 )
                 received += len(data)
             completed = saw_last
@@ -119,7 +126,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
                 if request.HasField("first_logprob")
                 else None
             )
-            self.instance.start_decode(request.request_id, request.first_token_id, logprob)
+            instance = self.served.get(DecodeInstance)
+            instance.start_decode(request.request_id, request.first_token_id, logprob)
         except Exception as e:
             _log_unexpected(e, "StartDecode", request.request_id)
             abort_with(context, e)
@@ -129,7 +137,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         self, request: common_pb2.GenerateRequest, context: grpc.ServicerContext
     ) -> decode_pb2.GenerateReply:
         try:
-            self.instance.generate(
+            self.served.get(DecodeInstance).generate(
                 request.request_id,
                 list(request.prompt_token_ids),
                 sampling_from_proto(request.sampling),
@@ -165,11 +173,11 @@ class _HandlerRecorder:
         self.handlers = dict(handlers)
 
 
-def add_decode_servicer(servicer: DecodeServicer, server: grpc.aio.Server) -> None:
+def add_decode_servicer(served: ServedRole, server: grpc.aio.Server) -> None:
     """Register the generated DecodeService handlers, with PushKV parsing KV chunks without
     copying their data (`parse_kv_chunk`)."""
     recorder = _HandlerRecorder()
-    decode_pb2_grpc.add_DecodeServiceServicer_to_server(servicer, recorder)  # type: ignore[arg-type]
+    decode_pb2_grpc.add_DecodeServiceServicer_to_server(DecodeServicer(served), recorder)  # type: ignore[arg-type]
     handlers = recorder.handlers
     handlers["PushKV"] = handlers["PushKV"]._replace(request_deserializer=parse_kv_chunk)  # type: ignore[attr-defined]
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
@@ -188,12 +196,12 @@ def serve_decode(
 ) -> tuple[DecodeInstance, AioServer, int]:
     """Start a decode instance and its gRPC server (every call must carry `secret`); returns
     (instance, server, port)."""
-    instance = DecodeInstance(
+    instance = DecodeInstance.create(
         engine_config, config, storage, transfer, host, secret=secret, tls=tls
     )
     instance.start()
-    servicer = DecodeServicer(instance)
+    served = ServedRole(instance)
     server, bound = instance.runtime.serve(
-        lambda s: add_decode_servicer(servicer, s), SERVICE_NAME, instance, host, port
+        lambda s: add_decode_servicer(served, s), [SERVICE_NAME], served, host, port
     )
     return instance, server, bound

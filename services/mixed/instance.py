@@ -1,7 +1,9 @@
 """MixedInstance: serves whole generations from one engine (no disaggregation)."""
 
 from pdserve.config import EngineConfig, StorageConfig
+from pdserve.engine.engine import LLMEngine
 from pdserve.engine.request import SamplingParams
+from pdserve.errors import PdserveError
 from pdserve.instance.runtime import InstanceRuntime
 from pdserve.kvcache.hashing import PromptHashes
 from pdserve.observability import tracing
@@ -14,16 +16,23 @@ class MixedInstance:
     OutputStreams; the runtime's engine thread generates.
     """
 
-    def __init__(
-        self,
+    ROLE = "mixed"
+
+    def __init__(self, runtime: InstanceRuntime) -> None:
+        self.runtime = runtime
+
+    @classmethod
+    def create(
+        cls,
         engine_config: EngineConfig,
         storage: StorageConfig | None = None,
         *,
         secret: str,
         tls: TlsFiles | None = None,
-    ) -> None:
-        self.runtime = InstanceRuntime.create(
-            "mixed", engine_config, secret=secret, tls=tls, storage=storage
+    ) -> "MixedInstance":
+        """A mixed instance on a runtime of its own (an engine for `engine_config`)."""
+        return cls(
+            InstanceRuntime.create("mixed", engine_config, secret=secret, tls=tls, storage=storage)
         )
 
     def start(self) -> None:
@@ -31,6 +40,12 @@ class MixedInstance:
 
     def stop(self) -> None:
         self.runtime.stop()
+
+    def on_tick(self, engine: LLMEngine) -> None:
+        pass
+
+    def leave(self, error: PdserveError) -> None:
+        self.runtime.end_requests(error)
 
     def submit(
         self,

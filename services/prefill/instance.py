@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from pdserve.config import EngineConfig, PrefillConfig, StorageConfig, TransferConfig
+from pdserve.engine.engine import LLMEngine
 from pdserve.engine.request import Request, RequestOutput, SamplingParams, TokenLogprob
 from pdserve.errors import (
     DecodeUnavailableError,
@@ -90,8 +91,35 @@ class PrefillInstance:
     """Threads: one gRPC handler thread per request runs `prefill`; the runtime's engine thread
     computes. Shared state: the runtime (thread-safe) and the transport selector (thread-safe)."""
 
+    ROLE = "prefill"
+
     def __init__(
         self,
+        runtime: InstanceRuntime,
+        config: PrefillConfig,
+        transfer: TransferConfig | None = None,
+        host: str = "127.0.0.1",
+        deadlines: Deadlines = DEFAULT_DEADLINES,
+    ) -> None:
+        """The prefill role on `runtime` (new, or another role's: `ServedRole.change`)."""
+        self.config = config
+        self.runtime = runtime
+        self.channels = runtime.channels
+        self.deadlines = deadlines
+        self.transfer = transfer or TransferConfig()
+        self.transports = TransportSelector(
+            self.transfer,
+            self.channels,
+            config.transfer_chunk_bytes,
+            runtime.start_mooncake(self.transfer, host, sender=True)
+            if transfer is not None
+            else None,
+            cuda_ipc=CudaIpcKVTransport(self.channels, runtime.stager.device),
+        )
+
+    @classmethod
+    def create(
+        cls,
         engine_config: EngineConfig,
         config: PrefillConfig,
         storage: StorageConfig | None = None,
@@ -101,23 +129,12 @@ class PrefillInstance:
         *,
         secret: str,
         tls: TlsFiles | None = None,
-    ) -> None:
-        self.config = config
-        self.runtime = InstanceRuntime.create(
+    ) -> "PrefillInstance":
+        """A prefill instance on a runtime of its own (an engine for `engine_config`)."""
+        runtime = InstanceRuntime.create(
             "prefill", engine_config, secret=secret, tls=tls, storage=storage
         )
-        self.channels = self.runtime.channels
-        self.deadlines = deadlines
-        self.transfer = transfer or TransferConfig()
-        self.transports = TransportSelector(
-            self.transfer,
-            self.channels,
-            config.transfer_chunk_bytes,
-            self.runtime.start_mooncake(self.transfer, host, sender=True)
-            if transfer is not None
-            else None,
-            cuda_ipc=CudaIpcKVTransport(self.channels, self.runtime.stager.device),
-        )
+        return cls(runtime, config, transfer, host, deadlines)
 
     def start(self) -> None:
         self.runtime.start()
@@ -125,6 +142,14 @@ class PrefillInstance:
     def stop(self) -> None:
         self.transports.close()
         self.runtime.stop()
+
+    def on_tick(self, engine: LLMEngine) -> None:
+        pass
+
+    def leave(self, error: PdserveError) -> None:
+        for request_id in self.runtime.request_ids():
+            self.abort(request_id, error)
+        self.transports.close()
 
     def prefill(
         self,
@@ -355,17 +380,18 @@ class PrefillInstance:
             self.runtime.counters.sent(transport.name, result)
         outcome.timings.transfer_s = time.perf_counter() - started
 
-    def abort(self, request_id: str) -> bool:
-        """Abort a request being prefilled: its handler raises RequestAbortedError at its next
-        step and releases everything. Its computation stops now; the blocks of a request whose
-        KV is being sent are freed by the handler once the send ended (never under it)."""
+    def abort(self, request_id: str, error: PdserveError | None = None) -> bool:
+        """Abort a request being prefilled: its handler raises `error` (default
+        RequestAbortedError) at its next step and releases everything. Its computation stops
+        now; the blocks of a request whose KV is being sent are freed by the handler once the
+        send ended (never under it)."""
         try:
             stream = self.runtime.stream(request_id)
         except RequestNotFoundError:
             return False
         if stream.ended:
             return False
-        stream.fail(RequestAbortedError(f"request {request_id} was aborted"))
+        stream.fail(error or RequestAbortedError(f"request {request_id} was aborted"))
         self.runtime.loop.call(lambda engine: engine.stop_computing(request_id))
         return True
 

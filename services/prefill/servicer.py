@@ -8,6 +8,7 @@ import grpc
 from pdserve.config import EngineConfig, PrefillConfig, StorageConfig, TransferConfig
 from pdserve.errors import InvalidRequestError, PdserveError
 from pdserve.instance.convert import hashes_from_proto, logprob_to_proto, sampling_from_proto
+from pdserve.instance.roles import ServedRole
 from pdserve.observability import tracing
 from pdserve.rpc.server import AioServer, blocking, post
 from pdserve.rpc.status import abort_with_async
@@ -24,19 +25,23 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
     """Thin: a coroutine on the server's event loop that runs the blocking PrefillInstance
     (thread-safe) on the server's executor."""
 
-    def __init__(self, instance: PrefillInstance) -> None:
-        self.instance = instance
+    def __init__(self, served: ServedRole) -> None:
+        self.served = served
 
     async def Prefill(
         self, request: prefill_pb2.PrefillRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> prefill_pb2.PrefillResult:
         generate = request.request
         try:
+            instance = self.served.get(PrefillInstance)
+        except PdserveError as e:
+            await abort_with_async(context, e)
+        try:
             if not request.decode_address:
                 raise InvalidRequestError("decode_address is required")
             params = sampling_from_proto(generate.sampling)
             outcome = await blocking(
-                self.instance.prefill, generate.request_id, list(generate.prompt_token_ids),
+                instance.prefill, generate.request_id, list(generate.prompt_token_ids),
                 params, request.decode_address, hashes_from_proto(generate), generate.attempt,
                 generate.subscriber, tracing.extract(context.invocation_metadata() or ()),
             )  # fmt: skip
@@ -54,7 +59,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         finally:
             # at once, also when the caller went away mid-prefill (its wait for the KV then
             # ends); a no-op after a handoff
-            post(self.instance.abort, generate.request_id)
+            post(instance.abort, generate.request_id)
         return _result(outcome)
 
 
@@ -81,6 +86,10 @@ def _result(outcome: PrefillOutcome) -> prefill_pb2.PrefillResult:
     )
 
 
+def add_prefill_servicer(served: ServedRole, server: grpc.aio.Server) -> None:
+    prefill_pb2_grpc.add_PrefillServiceServicer_to_server(PrefillServicer(served), server)
+
+
 def serve_prefill(
     engine_config: EngineConfig,
     config: PrefillConfig,
@@ -94,16 +103,12 @@ def serve_prefill(
 ) -> tuple[PrefillInstance, AioServer, int]:
     """Start a prefill instance and its gRPC server (every call must carry `secret`); returns
     (instance, server, port)."""
-    instance = PrefillInstance(
+    instance = PrefillInstance.create(
         engine_config, config, storage, transfer, host, secret=secret, tls=tls
     )
     instance.start()
-    servicer = PrefillServicer(instance)
+    served = ServedRole(instance)
     server, bound = instance.runtime.serve(
-        lambda s: prefill_pb2_grpc.add_PrefillServiceServicer_to_server(servicer, s),
-        SERVICE_NAME,
-        instance,
-        host,
-        port,
+        lambda s: add_prefill_servicer(served, s), [SERVICE_NAME], served, host, port
     )
     return instance, server, bound

@@ -59,15 +59,26 @@ class KVEventFollower:
         self._membership = membership
         self._client = client
         self._threads = _Threads()
+        # each followed instance's token: its thread follows while the token is current (a
+        # forgotten instance followed again gets a new thread, the old one ends)
+        self._followed: dict[str, object] = {}
         self._streams: dict[str, Any] = {}  # each followed instance's open stream
         self._lock = threading.Lock()
 
     def follow(self, address: str) -> None:
-        """Mirror `address`'s KV events until it stops being a member (or `stop`)."""
-        self._threads.spawn(self._follow, address)
+        """Mirror `address`'s KV events until `forget` (or `stop`)."""
+        token = object()
+        with self._lock:
+            self._followed[address] = token
+        self._threads.spawn(self._follow, address, token)
 
     def forget(self, address: str) -> None:
-        """Drop `address`'s view now (its thread ends at its next event or reconnect)."""
+        """Drop `address`'s view now and end its subscription."""
+        with self._lock:
+            self._followed.pop(address, None)
+            stream = self._streams.pop(address, None)
+        if stream is not None:
+            stream.cancel()
         self.index.drop_instance(address)
 
     def stop(self) -> None:
@@ -82,27 +93,31 @@ class KVEventFollower:
         """Some subscription's thread still runs."""
         return self._threads.alive()
 
-    def _following(self, address: str) -> bool:
-        return not self._threads.stopped.is_set() and self._membership.is_member(address)
+    def _following(self, address: str, token: object) -> bool:
+        return not self._threads.stopped.is_set() and self._followed.get(address) is token
 
-    def _follow(self, address: str) -> None:
+    def _follow(self, address: str, token: object) -> None:
         """Each subscription starts with a snapshot that replaces the view, then live events.
         On disconnect drop the view and resubscribe."""
-        while self._following(address):
+        while self._following(address, token):
             stream = self._client.instance(address).kv_events()
             with self._lock:
                 self._streams[address] = stream
-            if self._threads.stopped.is_set():
-                stream.cancel()  # `stop` came between the check and the registration
+            if not self._following(address, token):
+                stream.cancel()  # `stop` or `forget` came between the check and here
             try:
                 for event in stream:
-                    self._apply(address, event)
-                    if not self._following(address):
+                    if not self._following(address, token):
                         stream.cancel()
+                        break
+                    self._apply(address, event)
             except grpc.RpcError:
                 pass
             with self._lock:
-                self._streams.pop(address, None)
+                if self._streams.get(address) is stream:
+                    del self._streams[address]
+            if not self._following(address, token):
+                return  # a newer thread (or none) keeps the view
             self.index.drop_instance(address)
             self._threads.stopped.wait(RESUBSCRIBE_S)
 

@@ -53,10 +53,6 @@ class Membership:
         with self._lock:
             return tuple(self._members[role])
 
-    def is_member(self, address: str) -> bool:
-        with self._lock:
-            return any(address in members for members in self._members.values())
-
     def is_drained(self, address: str) -> bool:
         with self._lock:
             return address in self._drained

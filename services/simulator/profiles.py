@@ -99,6 +99,7 @@ def from_instances(path: Path, config: ClusterConfig) -> tuple[dict[str, Instanc
             context,
             block_size=block_size,
             budget=int(stats.get("max_num_batched_tokens", engine.max_num_batched_tokens)),
+            max_num_seqs=int(stats.get("max_num_seqs", engine.max_num_seqs)),
         )
     if not profiles:
         raise InvalidRequestError(f"{path}: no instance reports a step time fit")
@@ -114,11 +115,12 @@ def _profile(
     *,
     block_size: int | None = None,
     budget: int | None = None,
+    max_num_seqs: int | None = None,
 ) -> InstanceProfile:
     return InstanceProfile(
         num_blocks=num_blocks,
         block_size=block_size or engine.block_size,
-        max_num_seqs=engine.max_num_seqs,
+        max_num_seqs=max_num_seqs or engine.max_num_seqs,
         max_num_batched_tokens=budget or engine.max_num_batched_tokens,
         coefficients=dict(coefficients),
         kv_block_bytes=block_bytes,

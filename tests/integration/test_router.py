@@ -15,6 +15,7 @@ from stacks import MODEL, Member, Stack, pd_stack
 from waiting import wait_for
 
 from pdserve.engine.request import SamplingParams
+from pdserve.instance.roles import ServedRole
 from pdserve.instance.runtime import INSTANCE_SERVICE, InstanceServicer
 from pdserve.rpc.auth import AioBearerTokenInterceptor
 from pdserve.rpc.server import create_aio_server
@@ -61,12 +62,12 @@ def test_dead_prefill_is_routed_around_and_rejoins_when_it_returns(
             assert result.choices[0].finish_reason == "length"
         wait_for(lambda: address not in index.instances())
     finally:
-        servicer = PrefillServicer(instance)
+        served = ServedRole(instance)
 
         def register(s: grpc.aio.Server) -> None:
-            prefill_pb2_grpc.add_PrefillServiceServicer_to_server(servicer, s)
+            prefill_pb2_grpc.add_PrefillServiceServicer_to_server(PrefillServicer(served), s)
             common_pb2_grpc.add_InstanceServiceServicer_to_server(
-                InstanceServicer(instance, instance.runtime), s
+                InstanceServicer(served, instance.runtime), s
             )
 
         revived, _ = create_aio_server(
