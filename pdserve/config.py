@@ -536,6 +536,66 @@ class AdminConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class PlannerConfig:
+    """The SLA planner: every `interval_s` it forecasts the next interval's load from the
+    router's recent requests, predicts each prefill/decode split's latency with the latency
+    simulator on the instances' own step time models, and moves the cluster to the smallest
+    split that meets the targets (role changes first, then adding or removing instances)."""
+
+    enabled: bool = False
+    """Run the planner in `pdserve up` (a disaggregated cluster: prefill + decode instances)."""
+    ttft_p90_s: float = 2.0
+    """Target: 90 % of requests see their first token within this many seconds."""
+    itl_p90_s: float = 0.2
+    """Target: 90 % of requests average at most this many seconds per output token after the
+    first."""
+    interval_s: float = 30.0
+    """How often the planner decides; also the window whose arrivals set the forecast rate."""
+    history_s: float = 120.0
+    """How far back the request lengths it samples from reach."""
+    min_prefill: int = 1
+    """Fewest prefill instances."""
+    max_prefill: int = 8
+    """Most prefill instances."""
+    min_decode: int = 1
+    """Fewest decode instances."""
+    max_decode: int = 8
+    """Most decode instances."""
+    max_instances: int = 8
+    """Most instances in all."""
+    cooldown_s: float = 60.0
+    """After acting, the planner only watches this long (new instances warm up, the router's
+    history fills with the new split's requests)."""
+    confirm_intervals: int = 2
+    """A change is made once the same split has been chosen this many intervals in a row."""
+    headroom: float = 0.15
+    """A split meets the targets when its predicted p90s are this fraction under them (the
+    forecast's error margin)."""
+
+    def __post_init__(self) -> None:
+        positive = {"ttft_p90_s": self.ttft_p90_s, "itl_p90_s": self.itl_p90_s,
+                    "interval_s": self.interval_s, "history_s": self.history_s}  # fmt: skip
+        for name, value in positive.items():
+            if value <= 0:
+                raise ConfigError(f"planner.{name} must be > 0, got {value}")
+        if self.cooldown_s < 0 or self.confirm_intervals < 1 or not 0 <= self.headroom < 1:
+            raise ConfigError(
+                "planner.cooldown_s must be >= 0, planner.confirm_intervals >= 1 and "
+                "planner.headroom in [0, 1)"
+            )
+        if not (1 <= self.min_prefill <= self.max_prefill and 1 <= self.min_decode
+                <= self.max_decode):  # fmt: skip
+            raise ConfigError(
+                "planner: need 1 <= min_prefill <= max_prefill and 1 <= min_decode <= max_decode"
+            )
+        if self.max_instances < self.min_prefill + self.min_decode:
+            raise ConfigError(
+                f"planner.max_instances ({self.max_instances}) is below min_prefill + "
+                f"min_decode ({self.min_prefill + self.min_decode})"
+            )
+
+
+@dataclass(frozen=True, slots=True)
 class ObservabilityConfig:
     """Traces of every request, the format of log lines, the router's record of recent
     requests (`pdserve admin trace`)."""
@@ -590,6 +650,7 @@ class ClusterConfig:
     transfer: TransferConfig = TransferConfig()
     admin: AdminConfig = AdminConfig()
     observability: ObservabilityConfig = ObservabilityConfig()
+    planner: PlannerConfig = PlannerConfig()
     ray_address: str | None = None
     """Ray to join: `auto` or `host:port`; null: start a local Ray."""
     namespace: str = "pdserve"
@@ -699,6 +760,7 @@ SECTIONS: dict[str, type] = {
     "storage": StorageConfig,
     "transfer": TransferConfig,
     "admin": AdminConfig,
+    "planner": PlannerConfig,
     "observability": ObservabilityConfig,
 }  # the YAML sections set by PDSERVE_<SECTION>_<SETTING>; `engine` and `cluster` have no prefix
 

@@ -32,6 +32,7 @@ from pdserve.metrics import RouterMetrics
 from pdserve.observability import tracing
 from services.router.attempts import Attempts
 from services.router.followers import DecodeLoadPoller, KVEventFollower
+from services.router.history import RequestHistory
 from services.router.membership import Membership, Role
 from services.router.migration import Transcript
 from services.router.model_info import ModelInfo
@@ -57,6 +58,7 @@ class Router:
         observability = observability or ObservabilityConfig()
         self.config = config
         self.recent = RecentRequests(observability.recent_requests)  # `pdserve admin trace`
+        self.history = RequestHistory()  # what the planner forecasts from
         self._request_log = observability.request_log
         self.model = model
         self.membership = membership
@@ -229,9 +231,11 @@ class Router:
         record.finish(status, error)
         if record.dispatched is not None:
             self.metrics.queue_time.observe(record.dispatched - record.arrival)
-        if record.first_token is not None and record.ended and record.output_tokens > 1:
-            per_token = (record.ended - record.first_token) / (record.output_tokens - 1)
-            self.metrics.time_per_output_token.observe(per_token)
+        sample = record.sample()
+        if sample.tpot_s is not None:
+            self.metrics.time_per_output_token.observe(sample.tpot_s)
+        if status in ("stop", "length"):  # served whole: a sample of the workload
+            self.history.add(sample)
         if self._request_log and logger.isEnabledFor(logging.INFO):
             _log_request(record)
         self.recent.finished(record)

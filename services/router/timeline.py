@@ -20,6 +20,7 @@ from typing import Any
 
 from pdserve.observability import tracing
 from pdserve.v1 import admin_pb2, common_pb2, prefill_pb2
+from services.router.history import Sample
 
 
 @dataclass(slots=True)
@@ -136,6 +137,24 @@ class RequestRecord:
             self.span.set_attribute("pdserve.output_tokens", self.output_tokens)
             self.span.set_attribute("pdserve.status", status)
         tracing.end(self.span, self.ended, error)
+
+    def sample(self) -> Sample:
+        """The finished request's shape and latency (`RequestHistory`): its prompt tokens
+        found cached where the prompt was computed (the last attempt's), TTFT, and time per
+        output token after the first."""
+        cached = 0
+        for stage in self.stages:
+            if stage.name.endswith(".compute"):
+                hits = stage.attributes
+                cached = int(hits.get("device_hit_tokens", 0)) + int(
+                    hits.get("storage_hit_tokens", 0)
+                )
+        first, ended = self.first_token, self.ended
+        tpot = None
+        if first is not None and ended is not None and self.output_tokens > 1:
+            tpot = (ended - first) / (self.output_tokens - 1)
+        ttft = first - self.arrival if first is not None else None
+        return Sample(self.arrival, self.prompt_tokens, cached, self.output_tokens, ttft, tpot)
 
     def stage_durations(self) -> dict[str, float]:
         """Seconds per stage name (summed over attempts), for the log line."""

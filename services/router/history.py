@@ -1,0 +1,35 @@
+"""RequestHistory: the shape and latency of the router's recently finished requests, which the
+planner forecasts from (arrival rate, and the distributions of prompt, cached and output
+lengths) and checks its predictions against."""
+
+import threading
+from collections import deque
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class Sample:
+    arrival: float  # time.perf_counter() when the router received it
+    prompt_tokens: int
+    cached_tokens: int  # of the prompt, found in a prefix cache where it was computed
+    output_tokens: int
+    ttft_s: float | None  # None: no token came
+    tpot_s: float | None  # mean time per output token after the first; None: fewer than two
+
+
+class RequestHistory:
+    """The last `capacity` finished requests (oldest dropped first). Thread-safe: the router's
+    event loop adds, the planner reads."""
+
+    def __init__(self, capacity: int = 20_000) -> None:
+        self._samples: deque[Sample] = deque(maxlen=capacity)
+        self._lock = threading.Lock()
+
+    def add(self, sample: Sample) -> None:
+        with self._lock:
+            self._samples.append(sample)
+
+    def since(self, arrival: float) -> list[Sample]:
+        """The requests that arrived at or after `arrival` (perf_counter), oldest first."""
+        with self._lock:
+            return [s for s in self._samples if s.arrival >= arrival]
