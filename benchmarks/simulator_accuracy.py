@@ -42,7 +42,7 @@ from pdserve.config import load_cluster_config
 from pdserve.model.tiny import default_model_dir
 from services.simulator.latency import Simulation, TokenSource
 from services.simulator.latency_report import percentiles, summarize
-from services.simulator.profiles import cluster_spec, from_instances
+from services.simulator.profiles import cluster_spec, from_instances, measured_link_gbps
 from services.simulator.trace import TraceRecord, documents
 
 NAME = "simulator_accuracy"
@@ -135,13 +135,10 @@ def stage_means(url: str, instances: dict[str, Any]) -> dict[str, float]:
 
 def link_gbps(instances: Path) -> float:
     """Prefill's measured KV transfer speed (GB/s)."""
-    for instance in json.loads(instances.read_text())["instances"]:
-        stats = instance.get("stats") or {}
-        sent = sum(float(v) for v in stats.get("kv_bytes_sent_by_transport", {}).values())
-        seconds = sum(float(v) for v in stats.get("kv_transfer_seconds_by_transport", {}).values())
-        if instance["role"] == "prefill" and sent and seconds:
-            return sent / seconds / 1e9
-    raise RuntimeError("prefill measured no KV transfer")
+    gbps = measured_link_gbps(json.loads(instances.read_text())["instances"])
+    if gbps is None:
+        raise RuntimeError("prefill measured no KV transfer")
+    return gbps
 
 
 def main() -> None:

@@ -695,6 +695,11 @@ class ClusterConfig:
                 "cluster.max_restarts, cluster.restart_backoff_s and cluster.drain_timeout_s "
                 "must be >= 0"
             )
+        if self.planner.enabled and self.mixed.replicas:
+            raise ConfigError(
+                "planner.enabled needs a disaggregated cluster (prefill + decode instances): "
+                "it splits them between the roles; mixed.replicas must be 0"
+            )
         tls = (self.tls_cert, self.tls_key, self.tls_ca)
         if any(tls) and not all(tls):
             raise ConfigError(

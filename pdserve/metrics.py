@@ -135,6 +135,59 @@ class RouterMetrics:
         )
 
 
+class PlannerMetrics:
+    """The SLA planner's decisions, in the router's registry (`pdserve up` serves both on the
+    router's /metrics). Thread-safe (prometheus-client metrics)."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.decisions = Counter(
+            "pdserve_planner_decisions",
+            "The planner's interval decisions, by action: hold (the split stays), wait "
+            "(cooling down, or an instance not serving yet), change (roles or instances "
+            "changed), failed (a change stopped part way).",
+            ["action"],
+            registry=registry,
+        )
+        self.target = Gauge(
+            "pdserve_planner_target_instances",
+            "Instances per role of the split the planner chose last.",
+            ["role"],
+            registry=registry,
+        )
+        self.predicted = Gauge(
+            "pdserve_planner_predicted_p90_seconds",
+            "The chosen split's predicted p90 of TTFT (ttft) and of time per output token "
+            "(itl) for the next interval.",
+            ["metric"],
+            registry=registry,
+        )
+        self.observed = Gauge(
+            "pdserve_planner_observed_p90_seconds",
+            "The last interval's measured p90 of TTFT (ttft) and of time per output token "
+            "(itl), next to the prediction made for it.",
+            ["metric"],
+            registry=registry,
+        )
+        self.unreachable = Gauge(
+            "pdserve_planner_slo_unreachable",
+            "1 when no split within the planner's bounds is predicted to meet the targets (it "
+            "holds the best one), else 0.",
+            registry=registry,
+        )
+
+    def observe(self, decision: Any) -> None:
+        """One `services.planner.planner.Decision`."""
+        self.decisions.labels(decision.action).inc()
+        self.target.labels("prefill").set(decision.target.prefill)
+        self.target.labels("decode").set(decision.target.decode)
+        self.unreachable.set(1.0 if decision.unreachable else 0.0)
+        for gauge, prediction in ((self.predicted, decision.predicted),
+                                  (self.observed, decision.observed)):  # fmt: skip
+            if prediction is not None:
+                gauge.labels("ttft").set(prediction.ttft_p90_s)
+                gauge.labels("itl").set(prediction.itl_p90_s)
+
+
 class StageMetrics:
     """Where an instance's requests spent their time, one histogram per stage, labelled with
     the role the instance serves now (`role`). Prefill: reservation wait, queue, prefill, KV

@@ -174,6 +174,96 @@ class ChangeRoleRequest(_message.Message):
 Global___ChangeRoleRequest: _TypeAlias = ChangeRoleRequest  # noqa: Y015
 
 @_typing.final
+class PlannerStatusRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PlannerStatusRequest: _TypeAlias = PlannerStatusRequest  # noqa: Y015
+
+@_typing.final
+class PlannerDecision(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    AT_UNIX_S_FIELD_NUMBER: _builtins.int
+    ACTION_FIELD_NUMBER: _builtins.int
+    CURRENT_FIELD_NUMBER: _builtins.int
+    TARGET_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    UNREACHABLE_FIELD_NUMBER: _builtins.int
+    PREDICTED_TTFT_P90_S_FIELD_NUMBER: _builtins.int
+    PREDICTED_ITL_P90_S_FIELD_NUMBER: _builtins.int
+    OBSERVED_TTFT_P90_S_FIELD_NUMBER: _builtins.int
+    OBSERVED_ITL_P90_S_FIELD_NUMBER: _builtins.int
+    at_unix_s: _builtins.float
+    action: _builtins.str
+    """hold | wait | change"""
+    current: _builtins.str
+    """e.g. 2P1D: prefill and decode instances then"""
+    target: _builtins.str
+    """the split chosen"""
+    reason: _builtins.str
+    unreachable: _builtins.bool
+    """no split within the bounds meets the targets"""
+    predicted_ttft_p90_s: _builtins.float
+    """of the target, for the next interval (0: none)"""
+    predicted_itl_p90_s: _builtins.float
+    observed_ttft_p90_s: _builtins.float
+    """the last interval's requests (0: none)"""
+    observed_itl_p90_s: _builtins.float
+    def __init__(
+        self,
+        *,
+        at_unix_s: _builtins.float = ...,
+        action: _builtins.str = ...,
+        current: _builtins.str = ...,
+        target: _builtins.str = ...,
+        reason: _builtins.str = ...,
+        unreachable: _builtins.bool = ...,
+        predicted_ttft_p90_s: _builtins.float = ...,
+        predicted_itl_p90_s: _builtins.float = ...,
+        observed_ttft_p90_s: _builtins.float = ...,
+        observed_itl_p90_s: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["action", b"action", "at_unix_s", b"at_unix_s", "current", b"current", "observed_itl_p90_s", b"observed_itl_p90_s", "observed_ttft_p90_s", b"observed_ttft_p90_s", "predicted_itl_p90_s", b"predicted_itl_p90_s", "predicted_ttft_p90_s", b"predicted_ttft_p90_s", "reason", b"reason", "target", b"target", "unreachable", b"unreachable"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PlannerDecision: _TypeAlias = PlannerDecision  # noqa: Y015
+
+@_typing.final
+class PlannerStatus(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ENABLED_FIELD_NUMBER: _builtins.int
+    DECISIONS_FIELD_NUMBER: _builtins.int
+    enabled: _builtins.bool
+    @_builtins.property
+    def decisions(self) -> _containers.RepeatedCompositeFieldContainer[Global___PlannerDecision]: ...
+    def __init__(
+        self,
+        *,
+        enabled: _builtins.bool = ...,
+        decisions: _abc.Iterable[Global___PlannerDecision] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["decisions", b"decisions", "enabled", b"enabled"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PlannerStatus: _TypeAlias = PlannerStatus  # noqa: Y015
+
+@_typing.final
 class SetRoutingPolicyRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 

@@ -65,6 +65,11 @@ class AdminServiceStub:
                 request_serializer=pdserve_dot_v1_dot_admin__pb2.ChangeRoleRequest.SerializeToString,
                 response_deserializer=pdserve_dot_v1_dot_admin__pb2.InstanceInfo.FromString,
                 _registered_method=True)
+        self.GetPlannerStatus = channel.unary_unary(
+                '/pdserve.v1.AdminService/GetPlannerStatus',
+                request_serializer=pdserve_dot_v1_dot_admin__pb2.PlannerStatusRequest.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_admin__pb2.PlannerStatus.FromString,
+                _registered_method=True)
         self.SetRoutingPolicy = channel.unary_unary(
                 '/pdserve.v1.AdminService/SetRoutingPolicy',
                 request_serializer=pdserve_dot_v1_dot_admin__pb2.SetRoutingPolicyRequest.SerializeToString,
@@ -140,6 +145,13 @@ class AdminServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetPlannerStatus(self, request, context):
+        """The SLA planner's last decisions (planner.enabled), newest last.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def SetRoutingPolicy(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -205,6 +217,11 @@ def add_AdminServiceServicer_to_server(servicer, server):
                     servicer.ChangeRole,
                     request_deserializer=pdserve_dot_v1_dot_admin__pb2.ChangeRoleRequest.FromString,
                     response_serializer=pdserve_dot_v1_dot_admin__pb2.InstanceInfo.SerializeToString,
+            ),
+            'GetPlannerStatus': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetPlannerStatus,
+                    request_deserializer=pdserve_dot_v1_dot_admin__pb2.PlannerStatusRequest.FromString,
+                    response_serializer=pdserve_dot_v1_dot_admin__pb2.PlannerStatus.SerializeToString,
             ),
             'SetRoutingPolicy': grpc.unary_unary_rpc_method_handler(
                     servicer.SetRoutingPolicy,
@@ -394,6 +411,33 @@ class AdminService:
             '/pdserve.v1.AdminService/ChangeRole',
             pdserve_dot_v1_dot_admin__pb2.ChangeRoleRequest.SerializeToString,
             pdserve_dot_v1_dot_admin__pb2.InstanceInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetPlannerStatus(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.AdminService/GetPlannerStatus',
+            pdserve_dot_v1_dot_admin__pb2.PlannerStatusRequest.SerializeToString,
+            pdserve_dot_v1_dot_admin__pb2.PlannerStatus.FromString,
             options,
             channel_credentials,
             insecure,

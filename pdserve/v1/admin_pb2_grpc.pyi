@@ -52,6 +52,8 @@ class AdminServiceStub:
     role. NOT_FOUND: no such instance; FAILED_PRECONDITION: it is not serving, it is the last
     of its role, or the two roles' engine settings differ beyond the scheduler's limits.
     """
+    GetPlannerStatus: _grpc.UnaryUnaryMultiCallable[_admin_pb2.PlannerStatusRequest, _admin_pb2.PlannerStatus]
+    """The SLA planner's last decisions (planner.enabled), newest last."""
     SetRoutingPolicy: _grpc.UnaryUnaryMultiCallable[_admin_pb2.SetRoutingPolicyRequest, _admin_pb2.SetRoutingPolicyReply]
     GetCacheStats: _grpc.UnaryUnaryMultiCallable[_admin_pb2.CacheStatsRequest, _admin_pb2.CacheStatsReply]
     FlushCache: _grpc.UnaryUnaryMultiCallable[_admin_pb2.FlushCacheRequest, _admin_pb2.FlushCacheReply]
@@ -83,6 +85,8 @@ class AdminServiceAsyncStub(AdminServiceStub):
     role. NOT_FOUND: no such instance; FAILED_PRECONDITION: it is not serving, it is the last
     of its role, or the two roles' engine settings differ beyond the scheduler's limits.
     """
+    GetPlannerStatus: _aio.UnaryUnaryMultiCallable[_admin_pb2.PlannerStatusRequest, _admin_pb2.PlannerStatus]  # type: ignore[assignment]
+    """The SLA planner's last decisions (planner.enabled), newest last."""
     SetRoutingPolicy: _aio.UnaryUnaryMultiCallable[_admin_pb2.SetRoutingPolicyRequest, _admin_pb2.SetRoutingPolicyReply]  # type: ignore[assignment]
     GetCacheStats: _aio.UnaryUnaryMultiCallable[_admin_pb2.CacheStatsRequest, _admin_pb2.CacheStatsReply]  # type: ignore[assignment]
     FlushCache: _aio.UnaryUnaryMultiCallable[_admin_pb2.FlushCacheRequest, _admin_pb2.FlushCacheReply]  # type: ignore[assignment]
@@ -147,6 +151,14 @@ class AdminServiceServicer(metaclass=_abc_1.ABCMeta):
         role. NOT_FOUND: no such instance; FAILED_PRECONDITION: it is not serving, it is the last
         of its role, or the two roles' engine settings differ beyond the scheduler's limits.
         """
+
+    @_abc_1.abstractmethod
+    def GetPlannerStatus(
+        self,
+        request: _admin_pb2.PlannerStatusRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_admin_pb2.PlannerStatus, _abc.Awaitable[_admin_pb2.PlannerStatus]]:
+        """The SLA planner's last decisions (planner.enabled), newest last."""
 
     @_abc_1.abstractmethod
     def SetRoutingPolicy(

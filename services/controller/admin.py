@@ -9,17 +9,15 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
-import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 import grpc
 import ray
 
 from pdserve.config import AdminConfig
 from pdserve.errors import (
-    ClusterError,
     ConfigError,
     InstanceUnavailableError,
     PdserveError,
@@ -29,13 +27,15 @@ from pdserve.rpc.auth import BearerTokenInterceptor, secret_file
 from pdserve.rpc.server import create_server
 from pdserve.rpc.status import abort_with
 from pdserve.v1 import admin_pb2, admin_pb2_grpc, common_pb2
-from services.controller.cluster import Cluster, InstanceInfo, role_change_refusal
-from services.router.router import Router
+from services.controller.cluster import InstanceInfo
+from services.controller.topology import Refused, Topology
+from services.planner.loop import PlannerLoop
+
+T = TypeVar("T")
 
 logger = logging.getLogger(__name__)
 
 SERVICE_NAME = "pdserve.v1.AdminService"
-ROLES = ("prefill", "decode", "mixed")
 
 
 def admin_token(config: AdminConfig, state_dir: Path) -> str:
@@ -48,49 +48,26 @@ def admin_token(config: AdminConfig, state_dir: Path) -> str:
 
 
 class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
-    """Runs on the admin server's handler threads; scaling and draining change the router's
-    membership (its own lock) through the router.
-    """
+    """Runs on the admin server's handler threads; changes to the instance set go through the
+    `Topology` (one at a time, shared with the planner)."""
 
-    def __init__(
-        self, cluster: Cluster, router: Router, on_change: Callable[[], None] = lambda: None
-    ) -> None:
-        self.cluster = cluster
-        self.router = router
-        self._on_change = on_change  # the instance set changed (scrape targets follow)
-        self._lock = threading.Lock()  # scaling and draining change the topology one at a time
+    def __init__(self, topology: Topology, planner: PlannerLoop | None = None) -> None:
+        self.topology = topology
+        self.cluster = topology.cluster
+        self.router = topology.router
+        self.planner = planner
 
     def _find(self, name: str, context: grpc.ServicerContext) -> InstanceInfo:
-        for info in self.cluster.instances:
-            if info.name == name:
-                return info
-        names = ", ".join(i.name for i in self.cluster.instances)
-        context.abort(grpc.StatusCode.NOT_FOUND, f"no instance {name!r}; instances: {names}")
-        raise AssertionError("unreachable")  # context.abort raises
-
-    def _describe(self, info: InstanceInfo) -> admin_pb2.InstanceInfo:
-        message = admin_pb2.InstanceInfo(
-            name=info.name,
-            role=info.role,
-            address=info.address,
-            metrics_address=info.metrics_address,
-            drained=self.router.membership.is_drained(info.address),
-            restarts=info.restarts,
-            pid=info.pid,
-        )
         try:
-            message.stats.CopyFrom(self.router.client.instance(info.address).stats())
-            message.alive = True
-        except PdserveError:  # unreachable, or no answer within the deadline
-            message.alive = False
-        return message
+            return self.topology.find(name)
+        except Refused as e:
+            context.abort(e.code, str(e))
+            raise AssertionError("unreachable") from e  # context.abort raises
 
     def ListInstances(
         self, request: admin_pb2.ListInstancesRequest, context: grpc.ServicerContext
     ) -> admin_pb2.ListInstancesReply:
-        return admin_pb2.ListInstancesReply(
-            instances=[self._describe(i) for i in self.cluster.instances]
-        )
+        return admin_pb2.ListInstancesReply(instances=self.topology.describe_all())
 
     def DrainInstance(
         self, request: admin_pb2.InstanceRef, context: grpc.ServicerContext
@@ -98,7 +75,7 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
         info = self._find(request.name, context)
         self.router.membership.set_drained(info.address, True)
         logger.warning("instance %s drained: no new requests", info.name)
-        return self._describe(info)
+        return self.topology.describe(info)
 
     def ResumeInstance(
         self, request: admin_pb2.InstanceRef, context: grpc.ServicerContext
@@ -106,101 +83,43 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
         info = self._find(request.name, context)
         self.router.membership.set_drained(info.address, False)
         logger.warning("instance %s resumed", info.name)
-        return self._describe(info)
+        return self.topology.describe(info)
 
     def RemoveInstance(
         self, request: admin_pb2.InstanceRef, context: grpc.ServicerContext
     ) -> admin_pb2.ListInstancesReply:
-        info = self._find(request.name, context)
-        with self._lock:
-            self._retire(info)
-            self._on_change()
+        self._change(context, lambda: self.topology.retire(request.name))
         return self.ListInstances(admin_pb2.ListInstancesRequest(), context)
-
-    def _retire(self, info: InstanceInfo) -> None:
-        """Drain `info`, wait up to `cluster.drain_timeout_s` until the router holds no request
-        on it, then take it out of routing and stop it (a stream still on it migrates)."""
-        self.router.membership.set_drained(info.address, True)
-        idle = self.router.wait_idle(info.address, self.cluster.config.drain_timeout_s)
-        self.router.remove_instance(info.address)
-        self.cluster.remove_instance(info.name)
-        logger.warning("instance %s removed%s", info.name, "" if idle else " (drain timed out)")
 
     def ScaleRole(
         self, request: admin_pb2.ScaleRoleRequest, context: grpc.ServicerContext
     ) -> admin_pb2.ListInstancesReply:
-        role, target = request.role, request.replicas
-        if role not in ROLES:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"role must be one of {ROLES}")
-        with self._lock:
-            current = [i for i in self.cluster.instances if i.role == role]
-            try:
-                for _ in range(target - len(current)):
-                    info = self.cluster.add_instance(role)
-                    self.router.add_instance(role, info.address)
-                    logger.warning("instance %s added at %s", info.name, info.address)
-            except ClusterError as e:
-                context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
-            finally:
-                self._on_change()
-            for info in current[target:][::-1] if target < len(current) else []:
-                self._retire(info)
-            self._on_change()
+        self._change(context, lambda: self.topology.scale(request.role, request.replicas))
         return self.ListInstances(admin_pb2.ListInstancesRequest(), context)
 
     def ChangeRole(
         self, request: admin_pb2.ChangeRoleRequest, context: grpc.ServicerContext
     ) -> admin_pb2.InstanceInfo:
-        info = self._find(request.name, context)
-        if request.role not in ROLES:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"role must be one of {ROLES}")
-        if request.role == info.role:
-            return self._describe(info)
-        refusal = role_change_refusal(self.cluster.config, info.role, request.role)
-        if refusal is not None:
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION, refusal)
-        with self._lock:
-            info = self._find(request.name, context)  # as it is now, under the lock
-            peers = [i for i in self.cluster.instances if i.role == info.role and i != info]
-            if not peers:
-                context.abort(
-                    grpc.StatusCode.FAILED_PRECONDITION,
-                    f"{info.name} is the only {info.role} instance: add one first",
-                )
-            if not self._describe(info).alive:
-                context.abort(
-                    grpc.StatusCode.FAILED_PRECONDITION,
-                    f"{info.name} is not serving (dead or restarting): its role cannot change",
-                )
-            try:
-                changed = self._change_role(info, request.role)
-            except PdserveError as e:
-                abort_with(context, e)
-            finally:
-                self._on_change()
-        return self._describe(changed)
+        topology = self.topology
+        changed = self._change(context, lambda: topology.change_role(request.name, request.role))
+        return topology.describe(changed)
 
-    def _change_role(self, info: InstanceInfo, role: str) -> InstanceInfo:
-        """Drain `info` (up to `cluster.drain_timeout_s`), take it out of routing, switch its
-        actor to `role` and route to it in that role. A failed switch (the actor died) leaves
-        the instance to the supervisor, which restarts it in its old role."""
-        started = time.monotonic()
-        router = self.router
-        router.membership.set_drained(info.address, True)
-        idle = router.wait_idle(info.address, self.cluster.config.drain_timeout_s)
-        router.remove_instance(info.address)
+    def _change(self, context: grpc.ServicerContext, change: Callable[[], T]) -> T:
+        """Run a topology change; its refusal or failure becomes the call's status."""
         try:
-            ray.get(self.cluster.actor(info.name).change_role.remote(role), timeout=60)
-        except (ray.exceptions.RayError, TimeoutError) as e:
-            router.add_instance(info.role, info.address)
-            raise InstanceUnavailableError(f"{info.name} failed to change role: {e}") from e
-        changed = self.cluster.set_role(info.name, role)
-        router.add_instance(role, changed.address)
-        logger.warning(
-            "instance %s serves the %s role now (was %s; %.2f s%s)", info.name, role, info.role,
-            time.monotonic() - started, "" if idle else ", drain timed out: streams migrated",
-        )  # fmt: skip
-        return changed
+            return change()
+        except Refused as e:
+            context.abort(e.code, str(e))
+        except PdserveError as e:
+            abort_with(context, e)
+        raise AssertionError("unreachable")  # both abort
+
+    def GetPlannerStatus(
+        self, request: admin_pb2.PlannerStatusRequest, context: grpc.ServicerContext
+    ) -> admin_pb2.PlannerStatus:
+        if self.planner is None:
+            return admin_pb2.PlannerStatus(enabled=False)
+        return self.planner.status()
 
     def SetRoutingPolicy(
         self, request: admin_pb2.SetRoutingPolicyRequest, context: grpc.ServicerContext
@@ -284,11 +203,7 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
 
 
 def serve_admin(
-    config: AdminConfig,
-    token: str,
-    cluster: Cluster,
-    router: Router,
-    on_change: Callable[[], None] = lambda: None,
+    config: AdminConfig, token: str, topology: Topology, planner: PlannerLoop | None = None
 ) -> tuple[grpc.Server, int]:
     """Start the admin server (TLS when `tls_cert`/`tls_key` are set); returns (server, port)."""
     credentials = None
@@ -297,7 +212,7 @@ def serve_admin(
             raise ConfigError("admin.tls_cert and admin.tls_key go together")
         pair = (Path(config.tls_key).read_bytes(), Path(config.tls_cert).read_bytes())
         credentials = grpc.ssl_server_credentials([pair])
-    servicer = AdminServicer(cluster, router, on_change)
+    servicer = AdminServicer(topology, planner)
     return create_server(
         lambda s: admin_pb2_grpc.add_AdminServiceServicer_to_server(servicer, s),
         [SERVICE_NAME],

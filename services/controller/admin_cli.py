@@ -8,6 +8,7 @@ import argparse
 import json
 import os
 import sys
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -21,8 +22,8 @@ from pdserve.v1 import admin_pb2, admin_pb2_grpc, common_pb2
 
 Metadata = tuple[tuple[str, str | bytes], ...]  # what every admin call carries: the bearer token
 VERBS = (
-    "list", "drain", "resume", "remove", "scale", "role", "policy", "cache-stats", "flush",
-    "abort", "trace",
+    "list", "drain", "resume", "remove", "scale", "role", "planner", "policy", "cache-stats",
+    "flush", "abort", "trace",
 )  # fmt: skip
 
 
@@ -130,6 +131,9 @@ def _call(
         "role": lambda: stub.ChangeRole(
             admin_pb2.ChangeRoleRequest(name=args[0], role=args[1]), metadata=metadata
         ),
+        "planner": lambda: stub.GetPlannerStatus(
+            admin_pb2.PlannerStatusRequest(), metadata=metadata
+        ),
         "policy": lambda: stub.SetRoutingPolicy(
             admin_pb2.SetRoutingPolicyRequest(policy=args[0]), metadata=metadata
         ),
@@ -177,6 +181,8 @@ def _print(verb: str, reply: Message) -> None:
         print(f"routing policy changed (was {reply.previous})")
     elif isinstance(reply, admin_pb2.FlushCacheReply):
         print(f"flushed {reply.blocks} blocks")
+    elif isinstance(reply, admin_pb2.PlannerStatus):
+        _print_planner(reply)
     elif isinstance(reply, admin_pb2.RequestTrace):
         _print_trace(reply)
     elif isinstance(reply, common_pb2.AbortReply):
@@ -200,6 +206,27 @@ def _table(headers: list[str], rows: list[list[object]]) -> None:
     print("  ".join(h.ljust(w) for h, w in zip(headers, widths, strict=True)).rstrip())
     for row in cells:
         print("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip())
+
+
+def _print_planner(status: admin_pb2.PlannerStatus) -> None:
+    """The planner's last decisions, oldest first: when, what, the split before and chosen,
+    predicted and observed p90s (ms), why."""
+    if not status.enabled:
+        print("the planner is off (planner.enabled: false)")
+        return
+
+    def ms(seconds: float) -> str:
+        return f"{seconds * 1000:.0f}" if seconds else "-"
+
+    rows: list[list[object]] = [
+        [time.strftime("%H:%M:%S", time.localtime(d.at_unix_s)), d.action, d.current, d.target,
+         f"{ms(d.predicted_ttft_p90_s)}/{ms(d.predicted_itl_p90_s)}",
+         f"{ms(d.observed_ttft_p90_s)}/{ms(d.observed_itl_p90_s)}",
+         d.reason + (" (targets unreachable)" if d.unreachable else "")]
+        for d in status.decisions
+    ]  # fmt: skip
+    _table(["at", "action", "split", "target", "predicted ttft/itl p90 ms",
+            "observed ttft/itl p90 ms", "reason"], rows)  # fmt: skip
 
 
 def _print_trace(trace: admin_pb2.RequestTrace) -> None:

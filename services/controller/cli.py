@@ -37,6 +37,7 @@ from services.simulator import cli as simulator_cli
 if TYPE_CHECKING:
     from services.controller.cluster import Cluster, InstanceInfo
     from services.controller.supervisor import Supervisor
+    from services.planner.loop import PlannerLoop
     from services.router.server import RunningRouter
 
 EXIT_USAGE = 2
@@ -229,6 +230,7 @@ class _Running:
 
     router: "RunningRouter | None" = None
     admin: grpc.Server | None = None
+    planner: "PlannerLoop | None" = None
 
 
 def _prepare_ray_auth(config: ClusterConfig) -> Path | None:
@@ -254,9 +256,12 @@ def _serve_cluster(
 ) -> None:
     """Place the instances, start the router and admin API (kept in `running`), publish
     the state, then watch until a signal arrives."""
+    from pdserve.metrics import PlannerMetrics
     from services.controller.admin import admin_token, serve_admin
     from services.controller.state import state_path, tls_files
     from services.controller.supervisor import Supervisor
+    from services.controller.topology import Topology
+    from services.planner.loop import PlannerLoop
     from services.router.server import serve_router
 
     stop = threading.Event()
@@ -287,12 +292,18 @@ def _serve_cluster(
         publish()
         cluster.write_state(path, router_url=router.url, admin_address=admin_address)
 
-    admin_server, admin_port = serve_admin(config.admin, token, cluster, router.router, changed)
+    topology = Topology(cluster, router.router, changed)
+    if config.planner.enabled:
+        metrics = PlannerMetrics(router.router.metrics.registry)  # on the router's /metrics
+        running.planner = PlannerLoop(topology, metrics)
+    admin_server, admin_port = serve_admin(config.admin, token, topology, running.planner)
     running.admin = admin_server
     admin_address = f"{config.admin.host}:{admin_port}"
     cluster.write_state(path, router_url=router.url, admin_address=admin_address)
     _print_endpoints(cluster, router, targets_path, admin_address, path)
     supervisor = Supervisor(cluster, router.router, changed, _report)
+    if running.planner is not None:
+        running.planner.start()
     _watch(cluster, supervisor, stop, wake, args.health_interval)
 
 
@@ -316,6 +327,8 @@ def _shut_down(
     from services.controller.state import state_path
 
     router, admin_server = running.router, running.admin
+    if running.planner is not None:
+        running.planner.stop()  # no change starts while the cluster goes down
     if router is not None and not router.router.drain(config.drain_timeout_s):
         left = len(router.router.active_requests())
         print(f"drain timed out: {left} requests cut short", file=sys.stderr, flush=True)

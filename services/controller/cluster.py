@@ -93,7 +93,7 @@ class Cluster:
             raise ClusterError("no instances configured: set prefill/decode or mixed replicas")
         counters = dict.fromkeys(("prefill", "decode", "mixed"), 0)
         if self._ranks() == 1:  # else each instance reserves its own group (`_launch`)
-            self._placement_group = self._reserve([self._bundle(role) for role in roles])
+            self._placement_group = self._reserve([self.bundle(role) for role in roles])
         pending = []
         try:
             for bundle, role in enumerate(roles):
@@ -113,7 +113,7 @@ class Cluster:
         """Create the actor of instance `name` (it starts serving in the background); a
         tensor-parallel instance first gets its placement group (kept across restarts)."""
         if self._ranks() > 1 and name not in self._instance_groups:
-            bundles = [self._bundle(role)] * self._ranks()
+            bundles = [self.bundle(role)] * self._ranks()
             self._instance_groups[name] = self._reserve(bundles, TP_PLACEMENT_STRATEGY)
         self._actors[name] = self._create_actor(name, role, bundle)
         self._bundles[name] = bundle
@@ -189,7 +189,8 @@ class Cluster:
             ) from e
         return group
 
-    def _bundle(self, role: str) -> dict[str, float]:
+    def bundle(self, role: str) -> dict[str, float]:
+        """The Ray resources of one rank of a `role` instance."""
         settings = self._settings(role)
         bundle = {"CPU": settings.num_cpus}
         if settings.num_gpus:

@@ -3,7 +3,7 @@ step time fit and KV pool, as `pdserve admin list --json` prints them) or a clus
 a step time model (a built-in one, or a JSON file of coefficients)."""
 
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -80,6 +80,14 @@ def from_instances(path: Path, config: ClusterConfig) -> tuple[dict[str, Instanc
         raise InvalidRequestError(
             f"{path}: not the JSON of `pdserve admin list --json` ({e})"
         ) from e
+    return from_listing(instances, config, str(path))
+
+
+def from_listing(
+    instances: Sequence[Mapping[str, Any]], config: ClusterConfig, source: str = "the cluster"
+) -> tuple[dict[str, InstanceProfile], dict[str, int]]:
+    """`from_instances` of the instances as `ListInstances` describes them (each message as
+    JSON with the proto's field names). Raises InvalidRequestError when none has a fit."""
     profiles: dict[str, InstanceProfile] = {}
     counts: dict[str, int] = {}
     for instance in instances:
@@ -102,7 +110,7 @@ def from_instances(path: Path, config: ClusterConfig) -> tuple[dict[str, Instanc
             max_num_seqs=int(stats.get("max_num_seqs", engine.max_num_seqs)),
         )
     if not profiles:
-        raise InvalidRequestError(f"{path}: no instance reports a step time fit")
+        raise InvalidRequestError(f"{source}: no instance reports a step time fit")
     return profiles, counts
 
 
@@ -129,6 +137,19 @@ def _profile(
         lrfu_half_life_s=engine.lrfu_half_life_s,
         lrfu_score_capacity=engine.lrfu_score_capacity,
     )
+
+
+def measured_link_gbps(instances: Sequence[Mapping[str, Any]]) -> float | None:
+    """The KV transfer speed (GB/s) prefill instances measured (None: no transfer yet)."""
+    sent = seconds = 0.0
+    for instance in instances:
+        stats = instance.get("stats") or {}
+        if instance.get("role") == "prefill":
+            sent += sum(float(v) for v in stats.get("kv_bytes_sent_by_transport", {}).values())
+            seconds += sum(
+                float(v) for v in stats.get("kv_transfer_seconds_by_transport", {}).values()
+            )
+    return sent / seconds / 1e9 if sent and seconds else None
 
 
 def cluster_spec(

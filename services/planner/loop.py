@@ -1,0 +1,171 @@
+"""PlannerLoop: the SLA planner inside `pdserve up`.
+
+Every `planner.interval_s` a daemon thread reads the cluster — the instances and their step
+time fits (`Topology.describe_all`), the router's recent requests (`Router.history`) — forecasts
+the next interval, lets the `Planner` decide with the latency simulator as its model, and
+carries a change out through the `Topology`: role changes first (seconds, no new resources),
+then instances added (their resources asked of Ray's autoscaler first), then retired. Each
+decision is logged with its reason and exported (`PlannerMetrics`); `pdserve admin planner`
+shows the last ones.
+"""
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+from google.protobuf.json_format import MessageToDict
+
+from pdserve.errors import PdserveError
+from pdserve.metrics import PlannerMetrics
+from pdserve.v1 import admin_pb2
+from services.controller.topology import Refused, Topology
+from services.planner.evaluate import SimulatedCluster, predict, synthetic_trace
+from services.planner.planner import (
+    Decision,
+    Forecast,
+    Planner,
+    Prediction,
+    Split,
+    forecast,
+    observed,
+)
+from services.simulator.profiles import from_listing, measured_link_gbps
+from services.simulator.trace import TraceRecord
+
+logger = logging.getLogger(__name__)
+
+
+class PlannerLoop:
+    """`tick` runs on the loop's thread (or a test's); `status` on any."""
+
+    def __init__(
+        self,
+        topology: Topology,
+        metrics: PlannerMetrics,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.topology = topology
+        self.config = topology.cluster.config
+        self.metrics = metrics
+        self._clock = clock
+        self.planner = Planner(self.config.planner, self._evaluate, clock)
+        self._simulated: SimulatedCluster | None = None
+        self._trace: list[TraceRecord] = []
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="planner", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stopped.set()
+        if self._thread.is_alive():
+            self._thread.join(60)
+
+    def _run(self) -> None:
+        while not self._stopped.wait(self.config.planner.interval_s):
+            try:
+                self.tick()
+            except Exception:  # a bug: logged, the next interval tries again
+                logger.exception("planner: the interval's decision failed")
+
+    def tick(self) -> Decision:
+        """Read the cluster, decide, act. Returns the decision."""
+        router, planner_config = self.topology.router, self.config.planner
+        instances = self.topology.describe_all()
+        current = Split(
+            sum(1 for i in instances if i.role == "prefill"),
+            sum(1 for i in instances if i.role == "decode"),
+        )
+        not_ready = [i.name for i in instances if not i.alive or i.stats.num_steps == 0]
+        now = time.perf_counter()
+        reach = max(planner_config.history_s, 2 * planner_config.interval_s)
+        samples = router.history.since(now - reach)
+        load = forecast(samples, now, planner_config)
+        if load is not None and not not_ready:
+            self._prepare(instances, load, router.model.vocab_size)
+        decision = self.planner.decide(current, load, observed(samples, now, planner_config),
+                                       not_ready)  # fmt: skip
+        self._report(decision)
+        if decision.action == "change":
+            self._apply(decision)
+        return decision
+
+    def _prepare(
+        self, instances: list[admin_pb2.InstanceInfo], load: Forecast, vocab_size: int
+    ) -> None:
+        """The simulated cluster of this interval (profiles from the instances' fits, the
+        measured link) and the trace every candidate split replays."""
+        listing = [MessageToDict(i, preserving_proto_field_name=True) for i in instances]
+        profiles, _ = from_listing(listing, self.config)
+        link = measured_link_gbps(listing)
+        self._simulated = SimulatedCluster(self.config, profiles, link, vocab_size)
+        block_tokens = profiles["prefill"].block_size
+        self._trace = synthetic_trace(load, 2 * self.config.planner.interval_s, block_tokens)
+
+    def _evaluate(self, split: Split, load: Forecast) -> Prediction:
+        if self._simulated is None:
+            raise RuntimeError("planner: no simulated cluster prepared")
+        return predict(self._simulated, split, self._trace)
+
+    def _report(self, decision: Decision) -> None:
+        self.metrics.observe(decision)
+        level = logging.WARNING if decision.action == "change" else logging.INFO
+        predicted = decision.predicted
+        figures = (
+            f"; predicted p90 TTFT {predicted.ttft_p90_s:.3f} s, ITL {predicted.itl_p90_s:.4f} s"
+            if predicted is not None
+            else ""
+        )
+        logger.log(level, "planner: %s %s -> %s: %s%s", decision.action, decision.current,
+                   decision.target, decision.reason, figures)  # fmt: skip
+
+    def _apply(self, decision: Decision) -> None:
+        """Role changes first, then instances added, then retired; a refused or failed step
+        ends the change (logged and counted) and the next interval plans again."""
+        topology, target = self.topology, decision.target
+        try:
+            for role, other in (("prefill", "decode"), ("decode", "prefill")):
+                while self._count(role) < getattr(target, role) and self._count(other) > getattr(
+                    target, other
+                ):
+                    topology.change_role(self._idlest(other), role)
+            for role in ("prefill", "decode"):
+                if self._count(role) < getattr(target, role):
+                    topology.scale(role, getattr(target, role))
+            for role in ("prefill", "decode"):
+                if self._count(role) > getattr(target, role):
+                    topology.scale(role, getattr(target, role))
+        except (Refused, PdserveError) as e:
+            self.metrics.decisions.labels("failed").inc()
+            logger.warning("planner: the change to %s stopped: %s", target, e)
+
+    def _count(self, role: str) -> int:
+        return sum(1 for i in self.topology.cluster.instances if i.role == role)
+
+    def _idlest(self, role: str) -> str:
+        """The `role` instance running the fewest requests (the quickest to drain)."""
+        described = [i for i in self.topology.describe_all() if i.role == role]
+        return min(described, key=lambda i: (i.stats.num_running, i.name)).name
+
+    def status(self) -> admin_pb2.PlannerStatus:
+        """The last decisions, newest last, for `pdserve admin planner`."""
+        offset = time.time() - self._clock()
+        reply = admin_pb2.PlannerStatus(enabled=True)
+        for d in self.planner.recent():
+            message = reply.decisions.add(
+                at_unix_s=d.at + offset,
+                action=d.action,
+                current=str(d.current),
+                target=str(d.target),
+                reason=d.reason,
+                unreachable=d.unreachable,
+            )
+            if d.predicted is not None:
+                message.predicted_ttft_p90_s = d.predicted.ttft_p90_s
+                message.predicted_itl_p90_s = d.predicted.itl_p90_s
+            if d.observed is not None:
+                message.observed_ttft_p90_s = d.observed.ttft_p90_s
+                message.observed_itl_p90_s = d.observed.itl_p90_s
+        return reply
