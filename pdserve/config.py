@@ -569,8 +569,9 @@ class PlannerConfig:
     confirm_intervals: int = 2
     """A change is made once the same split has been chosen this many intervals in a row."""
     headroom: float = 0.15
-    """A split meets the targets when its predicted p90s are this fraction under them (the
-    forecast's error margin)."""
+    """A split the planner moves to must meet the targets at this fraction more load than
+    forecast (the forecast's error margin); the current one is kept while it meets them at
+    the forecast. The gap between the two keeps a wandering load from toggling splits."""
 
     def __post_init__(self) -> None:
         positive = {"ttft_p90_s": self.ttft_p90_s, "itl_p90_s": self.itl_p90_s,

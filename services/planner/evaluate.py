@@ -22,7 +22,7 @@ from services.simulator.latency_report import summarize
 from services.simulator.profiles import cluster_spec
 from services.simulator.trace import TraceRecord
 
-MAX_REQUESTS = 300  # per simulated split: ~0.2 s on one core
+MAX_REQUESTS = 200  # per simulated split: ~0.3-1 s on one core
 UNIQUE_IDS = 1 << 40  # the first hash id of requests' own blocks
 
 

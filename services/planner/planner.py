@@ -6,9 +6,9 @@ latency simulator in production, a fake in tests); `services/planner/loop.py` fe
 cluster's state and carries its decisions out.
 
 Why it does not oscillate (each rule is a test with a fake clock):
-- a band, not a line: the current split is kept while its predicted p90s are within the targets;
-  a move to fewer instances needs the smaller split to be under them by `headroom`, so a load
-  near a target does not toggle between two splits;
+- a band, not a line: the current split is kept while its predicted p90s are within the targets
+  at the forecast load; a split moved to must meet them at `headroom` more load than forecast,
+  so a load that wanders near a target does not toggle between two splits;
 - the same change must be chosen `confirm_intervals` times in a row before it is made;
 - after any change, `cooldown_s` of watching only; and none while an instance is not ready
   (added or restarted instances that have not stepped yet would make the load look lighter or
@@ -184,8 +184,10 @@ class Planner:
         if load is None:
             self._streak = None
             return hold("hold", "no requests in the last interval")
-        predictions = {split: self._evaluate(split, load) for split in self.candidates(current)}
-        target, reason, unreachable = self._choose(current, predictions)
+        heavier = Forecast(load.rate_per_s * (1.0 + self.config.headroom), load.samples)
+        predictions = {split: self._evaluate(split, heavier) for split in self.candidates(current)}
+        as_is = self._evaluate(current, load)
+        target, reason, unreachable = self._choose(current, as_is, predictions)
         predicted = predictions.get(target)
         if target == current:
             self._streak = None
@@ -203,18 +205,17 @@ class Planner:
                         predictions)  # fmt: skip
 
     def _choose(
-        self, current: Split, predictions: dict[Split, Prediction]
+        self, current: Split, now: Prediction, predictions: dict[Split, Prediction]
     ) -> tuple[Split, str, bool]:
-        """(target, why, no split meets the targets)."""
-        c = self.config
-        strict = [s for s, p in predictions.items() if self._meets(p, 1.0 - c.headroom)]
-        now = predictions.get(current)
+        """(target, why, no split meets the targets). `now`: the current split at the forecast
+        load; `predictions`: every candidate at `headroom` more."""
+        strict = [s for s, p in predictions.items() if self._meets(p)]
 
         def best(splits: list[Split]) -> Split:
             return min(splits, key=lambda s: (s.total, -predictions[s].goodput,
                                               s.moves_from(current), s))  # fmt: skip
 
-        if now is not None and self._meets(now, 1.0):
+        if self._meets(now):
             fewer = [s for s in strict if s.total < current.total]
             if fewer:
                 target = best(fewer)
@@ -224,17 +225,14 @@ class Planner:
             target = best(strict)
             return target, f"{current} misses the targets, {target} meets them", False
         target = max(predictions, key=lambda s: (predictions[s].goodput, -s.moves_from(current)))
-        gain = predictions[target].goodput - (now.goodput if now is not None else 0.0)
+        gain = predictions[target].goodput - predictions.get(current, now).goodput
         if target != current and gain >= UNREACHABLE_GAIN:
             return target, f"no split meets the targets; {target} serves the most within them", True
         return current, "no split meets the targets; holding the best one", True
 
-    def _meets(self, prediction: Prediction, fraction: float) -> bool:
+    def _meets(self, prediction: Prediction) -> bool:
         c = self.config
-        return (
-            prediction.ttft_p90_s <= c.ttft_p90_s * fraction
-            and prediction.itl_p90_s <= c.itl_p90_s * fraction
-        )
+        return prediction.ttft_p90_s <= c.ttft_p90_s and prediction.itl_p90_s <= c.itl_p90_s
 
 
 def steps(current: Split, target: Split) -> list[tuple[str, str]]:

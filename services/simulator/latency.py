@@ -311,6 +311,12 @@ class SimInstance:
         self._between_steps = False
         self.kick()
 
+    def free(self, request_id: str) -> None:
+        """Drop a request's preallocated blocks (its reservation elsewhere was refused): a
+        request waiting for blocks may now fit."""
+        self.kv.free(request_id)
+        self.kick()
+
     def end(self, request: Request, status: RequestStatus) -> None:
         """Finish a request here (its blocks freed; a prefill's after its transfer)."""
         self.scheduler.finish(request, status)
@@ -510,7 +516,7 @@ class Simulation:
         if admission is None:
             config = self.spec.prefill_config
             if tries >= config.reserve_max_attempts:
-                prefill.call(lambda: prefill.kv.free(request.request_id))
+                prefill.call(lambda: prefill.free(request.request_id))
                 self._retry(flight, decode.name)
                 return
             wait = min(self.spec.decode_config.retry_after_ms / 1000, config.reserve_max_backoff_s)
