@@ -561,6 +561,9 @@ class PlannerConfig:
     """Fewest decode instances."""
     max_decode: int = 8
     """Most decode instances."""
+    min_instances: int = 2
+    """Fewest instances in all (a floor of capacity for bursts; with `max_instances` equal,
+    the planner only moves instances between the roles)."""
     max_instances: int = 8
     """Most instances in all."""
     cooldown_s: float = 60.0
@@ -589,11 +592,14 @@ class PlannerConfig:
             raise ConfigError(
                 "planner: need 1 <= min_prefill <= max_prefill and 1 <= min_decode <= max_decode"
             )
-        if self.max_instances < self.min_prefill + self.min_decode:
+        floor = max(self.min_instances, self.min_prefill + self.min_decode)
+        if self.max_instances < floor:
             raise ConfigError(
-                f"planner.max_instances ({self.max_instances}) is below min_prefill + "
-                f"min_decode ({self.min_prefill + self.min_decode})"
+                f"planner.max_instances ({self.max_instances}) is below min_instances or "
+                f"min_prefill + min_decode ({floor})"
             )
+        if self.min_instances > self.max_prefill + self.max_decode:
+            raise ConfigError("planner.min_instances is above max_prefill + max_decode")
 
 
 @dataclass(frozen=True, slots=True)

@@ -22,7 +22,7 @@ from prometheus_client.samples import Sample
 from pdserve.config import ROLES
 from pdserve.engine.request import StageTimes
 from pdserve.instance.runtime import InstanceRuntime
-from pdserve.metrics import InstanceCollector, RouterMetrics, StageMetrics
+from pdserve.metrics import InstanceCollector, PlannerMetrics, RouterMetrics, StageMetrics
 from pdserve.v1 import common_pb2
 from scripts.reference_page import one_line, write_or_check
 from services.prefill.instance import PrefillInstance, PrefillOutcome, PrefillTimings
@@ -75,6 +75,12 @@ class Section:
     metrics: tuple[MetricDoc, ...]
 
 
+def _planner_registry() -> CollectorRegistry:
+    registry = CollectorRegistry()
+    PlannerMetrics(registry)
+    return registry
+
+
 def sections() -> list[Section]:
     """The page's sections, one per group of processes that exports the same families."""
     engine, storage = _instance_metrics()
@@ -84,6 +90,12 @@ def sections() -> list[Section]:
             "Exported by the router, in `pdserve up`'s process; the supervisor, which runs "
             "there too, reports its restarts and dead instances here.",
             tuple(_registry_metrics(RouterMetrics().registry)),
+        ),
+        Section(
+            "SLA planner",
+            "Exported on the router's `/metrics` when `planner.enabled`: one decision per "
+            "`planner.interval_s`.",
+            tuple(_registry_metrics(_planner_registry())),
         ),
         Section(
             "Every instance",

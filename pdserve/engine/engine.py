@@ -132,6 +132,7 @@ class LLMEngine:
         self.inline_text = True
         self._ended: list[str] = []  # finished without a final output, for `outputs` (text)
         self._step_started = 0.0  # time.perf_counter() when the current (or last) step began
+        self._left_work_at: float | None = None  # when the last step ended with work left
         # the step time model, fitted from every step (`step_shape` of its batch, its time)
         self.step_time = StepTimeModel()
         self._shape: StepShape | None = None  # the current step's, once scheduled
@@ -395,11 +396,15 @@ class LLMEngine:
 
         A forward pass that raises fails only its batch (`_recover`); the engine goes on."""
         started = self._step_started = time.perf_counter()
+        stats = self.scheduler.stats
+        if self._left_work_at is not None:
+            stats.step_gaps += 1
+            stats.step_gap_seconds += started - self._left_work_at
         outputs = self._step()
         ended = time.perf_counter()
-        stats = self.scheduler.stats
         stats.num_steps += 1
         stats.step_seconds += ended - started
+        self._left_work_at = ended if self.has_work() else None
         shape, self._shape = self._shape, None
         if shape is not None:  # from its schedule on: a wait for storage reads is not the batch's
             self.step_time.observe(shape, ended - self._scheduled_at)

@@ -56,6 +56,9 @@ class SchedulerStats:
     num_computed_tokens: int = 0  # tokens run through forward passes
     num_steps: int = 0  # engine steps run (`LLMEngine.step`)
     step_seconds: float = 0.0  # their wall time: schedule, forward pass, update
+    # between a step that left work and the next: the loop's mailbox, outputs, GIL waits
+    step_gaps: int = 0
+    step_gap_seconds: float = 0.0
 
 
 class Scheduler:

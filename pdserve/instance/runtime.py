@@ -560,6 +560,8 @@ class InstanceRuntime:
                 tensor_parallel_size=engine.loaded.model.shard.size,
                 max_num_batched_tokens=scheduler.config.max_num_batched_tokens,
                 max_num_seqs=scheduler.config.max_num_seqs,
+                step_gaps=scheduler.stats.step_gaps,
+                step_gap_seconds=scheduler.stats.step_gap_seconds,
                 kv_block_bytes=self.stager.block_bytes,
                 **extra,
             )

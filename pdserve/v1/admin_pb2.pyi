@@ -189,6 +189,58 @@ class PlannerStatusRequest(_message.Message):
 Global___PlannerStatusRequest: _TypeAlias = PlannerStatusRequest  # noqa: Y015
 
 @_typing.final
+class PlannerTargets(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TTFT_P90_S_FIELD_NUMBER: _builtins.int
+    ITL_P90_S_FIELD_NUMBER: _builtins.int
+    ttft_p90_s: _builtins.float
+    itl_p90_s: _builtins.float
+    def __init__(
+        self,
+        *,
+        ttft_p90_s: _builtins.float = ...,
+        itl_p90_s: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["itl_p90_s", b"itl_p90_s", "ttft_p90_s", b"ttft_p90_s"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PlannerTargets: _TypeAlias = PlannerTargets  # noqa: Y015
+
+@_typing.final
+class SplitPrediction(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SPLIT_FIELD_NUMBER: _builtins.int
+    TTFT_P90_S_FIELD_NUMBER: _builtins.int
+    ITL_P90_S_FIELD_NUMBER: _builtins.int
+    GOODPUT_FIELD_NUMBER: _builtins.int
+    split: _builtins.str
+    """e.g. 1P2D"""
+    ttft_p90_s: _builtins.float
+    itl_p90_s: _builtins.float
+    goodput: _builtins.float
+    """fraction of requests within both targets"""
+    def __init__(
+        self,
+        *,
+        split: _builtins.str = ...,
+        ttft_p90_s: _builtins.float = ...,
+        itl_p90_s: _builtins.float = ...,
+        goodput: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["goodput", b"goodput", "itl_p90_s", b"itl_p90_s", "split", b"split", "ttft_p90_s", b"ttft_p90_s"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SplitPrediction: _TypeAlias = SplitPrediction  # noqa: Y015
+
+@_typing.final
 class PlannerDecision(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -202,6 +254,7 @@ class PlannerDecision(_message.Message):
     PREDICTED_ITL_P90_S_FIELD_NUMBER: _builtins.int
     OBSERVED_TTFT_P90_S_FIELD_NUMBER: _builtins.int
     OBSERVED_ITL_P90_S_FIELD_NUMBER: _builtins.int
+    CANDIDATES_FIELD_NUMBER: _builtins.int
     at_unix_s: _builtins.float
     action: _builtins.str
     """hold | wait | change"""
@@ -213,11 +266,16 @@ class PlannerDecision(_message.Message):
     unreachable: _builtins.bool
     """no split within the bounds meets the targets"""
     predicted_ttft_p90_s: _builtins.float
-    """of the target, for the next interval (0: none)"""
+    """of the target (at the forecast if it is the current"""
     predicted_itl_p90_s: _builtins.float
+    """split, else as in candidates); 0: none"""
     observed_ttft_p90_s: _builtins.float
     """the last interval's requests (0: none)"""
     observed_itl_p90_s: _builtins.float
+    @_builtins.property
+    def candidates(self) -> _containers.RepeatedCompositeFieldContainer[Global___SplitPrediction]:
+        """every candidate split, at planner.headroom more load than forecast"""
+
     def __init__(
         self,
         *,
@@ -231,10 +289,11 @@ class PlannerDecision(_message.Message):
         predicted_itl_p90_s: _builtins.float = ...,
         observed_ttft_p90_s: _builtins.float = ...,
         observed_itl_p90_s: _builtins.float = ...,
+        candidates: _abc.Iterable[Global___SplitPrediction] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["action", b"action", "at_unix_s", b"at_unix_s", "current", b"current", "observed_itl_p90_s", b"observed_itl_p90_s", "observed_ttft_p90_s", b"observed_ttft_p90_s", "predicted_itl_p90_s", b"predicted_itl_p90_s", "predicted_ttft_p90_s", b"predicted_ttft_p90_s", "reason", b"reason", "target", b"target", "unreachable", b"unreachable"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["action", b"action", "at_unix_s", b"at_unix_s", "candidates", b"candidates", "current", b"current", "observed_itl_p90_s", b"observed_itl_p90_s", "observed_ttft_p90_s", b"observed_ttft_p90_s", "predicted_itl_p90_s", b"predicted_itl_p90_s", "predicted_ttft_p90_s", b"predicted_ttft_p90_s", "reason", b"reason", "target", b"target", "unreachable", b"unreachable"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -246,18 +305,22 @@ class PlannerStatus(_message.Message):
 
     ENABLED_FIELD_NUMBER: _builtins.int
     DECISIONS_FIELD_NUMBER: _builtins.int
+    TARGETS_FIELD_NUMBER: _builtins.int
     enabled: _builtins.bool
     @_builtins.property
     def decisions(self) -> _containers.RepeatedCompositeFieldContainer[Global___PlannerDecision]: ...
+    @_builtins.property
+    def targets(self) -> Global___PlannerTargets: ...
     def __init__(
         self,
         *,
         enabled: _builtins.bool = ...,
         decisions: _abc.Iterable[Global___PlannerDecision] | None = ...,
+        targets: Global___PlannerTargets | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["targets", b"targets"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["decisions", b"decisions", "enabled", b"enabled"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["decisions", b"decisions", "enabled", b"enabled", "targets", b"targets"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -70,6 +70,11 @@ class AdminServiceStub:
                 request_serializer=pdserve_dot_v1_dot_admin__pb2.PlannerStatusRequest.SerializeToString,
                 response_deserializer=pdserve_dot_v1_dot_admin__pb2.PlannerStatus.FromString,
                 _registered_method=True)
+        self.SetPlannerTargets = channel.unary_unary(
+                '/pdserve.v1.AdminService/SetPlannerTargets',
+                request_serializer=pdserve_dot_v1_dot_admin__pb2.PlannerTargets.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_admin__pb2.PlannerStatus.FromString,
+                _registered_method=True)
         self.SetRoutingPolicy = channel.unary_unary(
                 '/pdserve.v1.AdminService/SetRoutingPolicy',
                 request_serializer=pdserve_dot_v1_dot_admin__pb2.SetRoutingPolicyRequest.SerializeToString,
@@ -146,7 +151,15 @@ class AdminServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def GetPlannerStatus(self, request, context):
-        """The SLA planner's last decisions (planner.enabled), newest last.
+        """The SLA planner's targets and last decisions (planner.enabled), newest last.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def SetPlannerTargets(self, request, context):
+        """New latency targets for the planner, from its next decision on (INVALID_ARGUMENT: not
+        positive; FAILED_PRECONDITION: the planner is off).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -221,6 +234,11 @@ def add_AdminServiceServicer_to_server(servicer, server):
             'GetPlannerStatus': grpc.unary_unary_rpc_method_handler(
                     servicer.GetPlannerStatus,
                     request_deserializer=pdserve_dot_v1_dot_admin__pb2.PlannerStatusRequest.FromString,
+                    response_serializer=pdserve_dot_v1_dot_admin__pb2.PlannerStatus.SerializeToString,
+            ),
+            'SetPlannerTargets': grpc.unary_unary_rpc_method_handler(
+                    servicer.SetPlannerTargets,
+                    request_deserializer=pdserve_dot_v1_dot_admin__pb2.PlannerTargets.FromString,
                     response_serializer=pdserve_dot_v1_dot_admin__pb2.PlannerStatus.SerializeToString,
             ),
             'SetRoutingPolicy': grpc.unary_unary_rpc_method_handler(
@@ -437,6 +455,33 @@ class AdminService:
             target,
             '/pdserve.v1.AdminService/GetPlannerStatus',
             pdserve_dot_v1_dot_admin__pb2.PlannerStatusRequest.SerializeToString,
+            pdserve_dot_v1_dot_admin__pb2.PlannerStatus.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SetPlannerTargets(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.AdminService/SetPlannerTargets',
+            pdserve_dot_v1_dot_admin__pb2.PlannerTargets.SerializeToString,
             pdserve_dot_v1_dot_admin__pb2.PlannerStatus.FromString,
             options,
             channel_credentials,

@@ -53,7 +53,11 @@ class AdminServiceStub:
     of its role, or the two roles' engine settings differ beyond the scheduler's limits.
     """
     GetPlannerStatus: _grpc.UnaryUnaryMultiCallable[_admin_pb2.PlannerStatusRequest, _admin_pb2.PlannerStatus]
-    """The SLA planner's last decisions (planner.enabled), newest last."""
+    """The SLA planner's targets and last decisions (planner.enabled), newest last."""
+    SetPlannerTargets: _grpc.UnaryUnaryMultiCallable[_admin_pb2.PlannerTargets, _admin_pb2.PlannerStatus]
+    """New latency targets for the planner, from its next decision on (INVALID_ARGUMENT: not
+    positive; FAILED_PRECONDITION: the planner is off).
+    """
     SetRoutingPolicy: _grpc.UnaryUnaryMultiCallable[_admin_pb2.SetRoutingPolicyRequest, _admin_pb2.SetRoutingPolicyReply]
     GetCacheStats: _grpc.UnaryUnaryMultiCallable[_admin_pb2.CacheStatsRequest, _admin_pb2.CacheStatsReply]
     FlushCache: _grpc.UnaryUnaryMultiCallable[_admin_pb2.FlushCacheRequest, _admin_pb2.FlushCacheReply]
@@ -86,7 +90,11 @@ class AdminServiceAsyncStub(AdminServiceStub):
     of its role, or the two roles' engine settings differ beyond the scheduler's limits.
     """
     GetPlannerStatus: _aio.UnaryUnaryMultiCallable[_admin_pb2.PlannerStatusRequest, _admin_pb2.PlannerStatus]  # type: ignore[assignment]
-    """The SLA planner's last decisions (planner.enabled), newest last."""
+    """The SLA planner's targets and last decisions (planner.enabled), newest last."""
+    SetPlannerTargets: _aio.UnaryUnaryMultiCallable[_admin_pb2.PlannerTargets, _admin_pb2.PlannerStatus]  # type: ignore[assignment]
+    """New latency targets for the planner, from its next decision on (INVALID_ARGUMENT: not
+    positive; FAILED_PRECONDITION: the planner is off).
+    """
     SetRoutingPolicy: _aio.UnaryUnaryMultiCallable[_admin_pb2.SetRoutingPolicyRequest, _admin_pb2.SetRoutingPolicyReply]  # type: ignore[assignment]
     GetCacheStats: _aio.UnaryUnaryMultiCallable[_admin_pb2.CacheStatsRequest, _admin_pb2.CacheStatsReply]  # type: ignore[assignment]
     FlushCache: _aio.UnaryUnaryMultiCallable[_admin_pb2.FlushCacheRequest, _admin_pb2.FlushCacheReply]  # type: ignore[assignment]
@@ -158,7 +166,17 @@ class AdminServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _admin_pb2.PlannerStatusRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_admin_pb2.PlannerStatus, _abc.Awaitable[_admin_pb2.PlannerStatus]]:
-        """The SLA planner's last decisions (planner.enabled), newest last."""
+        """The SLA planner's targets and last decisions (planner.enabled), newest last."""
+
+    @_abc_1.abstractmethod
+    def SetPlannerTargets(
+        self,
+        request: _admin_pb2.PlannerTargets,
+        context: _ServicerContext,
+    ) -> _typing.Union[_admin_pb2.PlannerStatus, _abc.Awaitable[_admin_pb2.PlannerStatus]]:
+        """New latency targets for the planner, from its next decision on (INVALID_ARGUMENT: not
+        positive; FAILED_PRECONDITION: the planner is off).
+        """
 
     @_abc_1.abstractmethod
     def SetRoutingPolicy(

@@ -121,6 +121,20 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
             return admin_pb2.PlannerStatus(enabled=False)
         return self.planner.status()
 
+    def SetPlannerTargets(
+        self, request: admin_pb2.PlannerTargets, context: grpc.ServicerContext
+    ) -> admin_pb2.PlannerStatus:
+        if self.planner is None:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, "the planner is off "
+                          "(planner.enabled: false)")  # fmt: skip
+        try:
+            self.planner.planner.set_targets(request.ttft_p90_s, request.itl_p90_s)
+        except ConfigError as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        logger.warning("planner targets: TTFT p90 %.3f s, ITL p90 %.4f s", request.ttft_p90_s,
+                       request.itl_p90_s)  # fmt: skip
+        return self.planner.status()
+
     def SetRoutingPolicy(
         self, request: admin_pb2.SetRoutingPolicyRequest, context: grpc.ServicerContext
     ) -> admin_pb2.SetRoutingPolicyReply:

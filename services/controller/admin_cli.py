@@ -131,8 +131,13 @@ def _call(
         "role": lambda: stub.ChangeRole(
             admin_pb2.ChangeRoleRequest(name=args[0], role=args[1]), metadata=metadata
         ),
-        "planner": lambda: stub.GetPlannerStatus(
-            admin_pb2.PlannerStatusRequest(), metadata=metadata
+        "planner": lambda: (
+            stub.SetPlannerTargets(
+                admin_pb2.PlannerTargets(ttft_p90_s=float(args[0]), itl_p90_s=float(args[1])),
+                metadata=metadata,
+            )
+            if args
+            else stub.GetPlannerStatus(admin_pb2.PlannerStatusRequest(), metadata=metadata)
         ),
         "policy": lambda: stub.SetRoutingPolicy(
             admin_pb2.SetRoutingPolicyRequest(policy=args[0]), metadata=metadata
@@ -154,6 +159,7 @@ def _call(
         "resume": (1, "NAME"),
         "remove": (1, "NAME"),
         "scale": (2, "ROLE REPLICAS"),
+        "planner": (0 if not args else 2, "[TTFT_P90_S ITL_P90_S]"),
         "role": (2, "NAME prefill|decode"),
         "policy": (1, "POLICY"),
         "flush": (1, "device|storage [NAME]"),
@@ -214,6 +220,8 @@ def _print_planner(status: admin_pb2.PlannerStatus) -> None:
     if not status.enabled:
         print("the planner is off (planner.enabled: false)")
         return
+    targets = status.targets
+    print(f"targets: TTFT p90 {targets.ttft_p90_s:g} s, ITL p90 {targets.itl_p90_s:g} s")
 
     def ms(seconds: float) -> str:
         return f"{seconds * 1000:.0f}" if seconds else "-"

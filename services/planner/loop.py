@@ -81,13 +81,14 @@ class PlannerLoop:
         not_ready = [i.name for i in instances if not i.alive or i.stats.num_steps == 0]
         now = time.perf_counter()
         reach = max(planner_config.history_s, 2 * planner_config.interval_s)
-        samples = router.history.since(now - reach)
-        load = forecast(samples, now, planner_config)
+        history = router.history
+        samples = history.since(now - reach)
+        load = forecast(history.arrivals_since(now - reach), samples, now, planner_config)
         if load is not None and not not_ready:
             self._prepare(instances, load, router.model.vocab_size)
         decision = self.planner.decide(current, load, observed(samples, now, planner_config),
                                        not_ready)  # fmt: skip
-        self._report(decision)
+        self._report(decision, load)
         if decision.action == "change":
             self._apply(decision)
         return decision
@@ -109,15 +110,17 @@ class PlannerLoop:
             raise RuntimeError("planner: no simulated cluster prepared")
         return predict(self._simulated, split, self._trace)
 
-    def _report(self, decision: Decision) -> None:
+    def _report(self, decision: Decision, load: Forecast | None) -> None:
         self.metrics.observe(decision)
         level = logging.WARNING if decision.action == "change" else logging.INFO
-        predicted = decision.predicted
-        figures = (
-            f"; predicted p90 TTFT {predicted.ttft_p90_s:.3f} s, ITL {predicted.itl_p90_s:.4f} s"
-            if predicted is not None
-            else ""
-        )
+        figures = ""
+        if load is not None:
+            figures += f"; forecast {load.rate_per_s:.2f} requests/s"
+        if (predicted := decision.predicted) is not None:
+            figures += (f"; predicted p90 TTFT {predicted.ttft_p90_s:.3f} s, "
+                        f"ITL {predicted.itl_p90_s:.4f} s")  # fmt: skip
+        if (seen := decision.observed) is not None:
+            figures += f"; observed {seen.ttft_p90_s:.3f} s, {seen.itl_p90_s:.4f} s"
         logger.log(level, "planner: %s %s -> %s: %s%s", decision.action, decision.current,
                    decision.target, decision.reason, figures)  # fmt: skip
 
@@ -152,7 +155,13 @@ class PlannerLoop:
     def status(self) -> admin_pb2.PlannerStatus:
         """The last decisions, newest last, for `pdserve admin planner`."""
         offset = time.time() - self._clock()
-        reply = admin_pb2.PlannerStatus(enabled=True)
+        config = self.planner.config
+        reply = admin_pb2.PlannerStatus(
+            enabled=True,
+            targets=admin_pb2.PlannerTargets(
+                ttft_p90_s=config.ttft_p90_s, itl_p90_s=config.itl_p90_s
+            ),
+        )
         for d in self.planner.recent():
             message = reply.decisions.add(
                 at_unix_s=d.at + offset,
@@ -168,4 +177,7 @@ class PlannerLoop:
             if d.observed is not None:
                 message.observed_ttft_p90_s = d.observed.ttft_p90_s
                 message.observed_itl_p90_s = d.observed.itl_p90_s
+            for split, p in sorted(d.predictions.items()):
+                message.candidates.add(split=str(split), ttft_p90_s=p.ttft_p90_s,
+                                       itl_p90_s=p.itl_p90_s, goodput=p.goodput)  # fmt: skip
         return reply

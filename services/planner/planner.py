@@ -21,7 +21,7 @@ import math
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from pdserve.config import PlannerConfig
 from services.router.history import Sample
@@ -69,25 +69,30 @@ class Decision:
     current: Split
     target: Split
     reason: str
-    predicted: Prediction | None = None  # of the target
+    # the target's: at the forecast when it is the current split, else at `headroom` more
+    predicted: Prediction | None = None
     observed: Prediction | None = None  # the last interval's requests
     unreachable: bool = False  # no split meets the targets
-    predictions: dict[Split, Prediction] = field(default_factory=dict)
+    predictions: dict[Split, Prediction] = field(default_factory=dict)  # at `headroom` more
 
 
-def forecast(samples: Sequence[Sample], now: float, config: PlannerConfig) -> Forecast | None:
-    """The next interval's load from the requests that arrived up to `now` (perf_counter):
-    the rate of the last `interval_s`, raised by its rise over the interval before (a rising
-    load is met before it arrives; a falling one is believed once seen), and the lengths of the
-    last `history_s`. None without a request in the last interval."""
+def forecast(
+    arrivals: Sequence[float], samples: Sequence[Sample], now: float, config: PlannerConfig
+) -> Forecast | None:
+    """The next interval's load at `now` (perf_counter): the arrival rate of the last
+    `interval_s` (every request that came, served or not: a saturated cluster serves less than
+    is asked of it), raised by half its rise over the interval before (a rising load is met
+    before it arrives, without doubling the noise of a steady one; a falling one is believed
+    once seen), and the lengths of the requests served in the last `history_s`. None without
+    an arrival in the last interval or a request served in the history."""
     interval = config.interval_s
-    last = sum(1 for s in samples if s.arrival >= now - interval)
-    before = sum(1 for s in samples if now - 2 * interval <= s.arrival < now - interval)
+    last = sum(1 for a in arrivals if a >= now - interval)
+    before = sum(1 for a in arrivals if now - 2 * interval <= a < now - interval)
     if last == 0:
         return None
-    rate = (last + max(0, last - before)) / interval
+    rate = (last + max(0, last - before) / 2) / interval
     recent = tuple(s for s in samples if s.arrival >= now - config.history_s)
-    return Forecast(rate, recent)
+    return Forecast(rate, recent) if recent else None
 
 
 def observed(samples: Sequence[Sample], now: float, config: PlannerConfig) -> Prediction | None:
@@ -128,6 +133,11 @@ class Planner:
         self._streak: tuple[Split, int] | None = None  # a change chosen, how many times in a row
         self.decisions: deque[Decision] = deque(maxlen=64)
 
+    def set_targets(self, ttft_p90_s: float, itl_p90_s: float) -> None:
+        """New latency targets from the next decision on. Raises ConfigError."""
+        self.config = replace(self.config, ttft_p90_s=ttft_p90_s, itl_p90_s=itl_p90_s)
+        self._streak = None
+
     def recent(self) -> list[Decision]:
         """The last decisions, newest last."""
         return list(self.decisions)
@@ -140,7 +150,7 @@ class Planner:
             Split(p, d)
             for p in range(c.min_prefill, c.max_prefill + 1)
             for d in range(c.min_decode, c.max_decode + 1)
-            if p + d <= c.max_instances and abs(p + d - current.total) <= 1
+            if c.min_instances <= p + d <= c.max_instances and abs(p + d - current.total) <= 1
         ]
 
     def decide(
@@ -188,11 +198,11 @@ class Planner:
         predictions = {split: self._evaluate(split, heavier) for split in self.candidates(current)}
         as_is = self._evaluate(current, load)
         target, reason, unreachable = self._choose(current, as_is, predictions)
-        predicted = predictions.get(target)
         if target == current:
             self._streak = None
-            return hold("hold", reason, predicted=predicted, unreachable=unreachable,
+            return hold("hold", reason, predicted=as_is, unreachable=unreachable,
                         predictions=predictions)  # fmt: skip
+        predicted = predictions[target]
         count = self._streak[1] + 1 if self._streak and self._streak[0] == target else 1
         self._streak = (target, count)
         if count < self.config.confirm_intervals:

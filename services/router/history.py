@@ -18,18 +18,31 @@ class Sample:
 
 
 class RequestHistory:
-    """The last `capacity` finished requests (oldest dropped first). Thread-safe: the router's
-    event loop adds, the planner reads."""
+    """The arrival times of the last `capacity` requests (served, failed or still running:
+    the load offered, which a saturated cluster's completions understate) and the last
+    `capacity` served ones' samples (oldest dropped first). Thread-safe: the router's event
+    loop adds, the planner reads."""
 
     def __init__(self, capacity: int = 20_000) -> None:
+        self._arrivals: deque[float] = deque(maxlen=capacity)
         self._samples: deque[Sample] = deque(maxlen=capacity)
         self._lock = threading.Lock()
+
+    def arrived(self, at: float) -> None:
+        with self._lock:
+            self._arrivals.append(at)
 
     def add(self, sample: Sample) -> None:
         with self._lock:
             self._samples.append(sample)
 
+    def arrivals_since(self, at: float) -> list[float]:
+        """When requests arrived at or after `at` (perf_counter)."""
+        with self._lock:
+            return [a for a in self._arrivals if a >= at]
+
     def since(self, arrival: float) -> list[Sample]:
-        """The requests that arrived at or after `arrival` (perf_counter), oldest first."""
+        """The served requests that arrived at or after `arrival` (perf_counter), oldest
+        first."""
         with self._lock:
             return [s for s in self._samples if s.arrival >= arrival]

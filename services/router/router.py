@@ -176,6 +176,7 @@ class Router:
         came (time.perf_counter(); default now); `parent`: the caller's trace context."""
         record = RequestRecord(request_id, len(token_ids), arrival or time.perf_counter(), parent)
         self.recent.started(record)
+        self.history.arrived(record.arrival)
         status, error = "abort", None  # closed before its end: the client went away
         model = self.model
         transcript = Transcript(

@@ -72,6 +72,7 @@ class InstanceProfile:
     eviction_policy: str = "lrfu"
     lrfu_half_life_s: float = 60.0
     lrfu_score_capacity: int = 8
+    step_gap_s: float = 0.0  # the engine loop's own time between two busy steps (measured)
 
     def __post_init__(self) -> None:
         missing = [name for name in FEATURES if name not in self.coefficients]
@@ -287,7 +288,7 @@ class SimInstance:
             (c.request.num_computed_tokens, c.num_new_tokens) for c in scheduled.chunks
         )
         self.busy = True
-        seconds = max(self.model.predict(shape), MIN_STEP_S)
+        seconds = max(self.model.predict(shape), MIN_STEP_S) + self.profile.step_gap_s
         self.sim.at(self.sim.now + seconds, lambda: self._stepped(scheduled))
 
     def _stepped(self, scheduled: SchedulerOutput) -> None:

@@ -108,6 +108,8 @@ def from_listing(
             block_size=block_size,
             budget=int(stats.get("max_num_batched_tokens", engine.max_num_batched_tokens)),
             max_num_seqs=int(stats.get("max_num_seqs", engine.max_num_seqs)),
+            step_gap_s=float(stats.get("step_gap_seconds", 0.0))
+            / max(1, int(stats.get("step_gaps", 0))),
         )
     if not profiles:
         raise InvalidRequestError(f"{source}: no instance reports a step time fit")
@@ -124,6 +126,7 @@ def _profile(
     block_size: int | None = None,
     budget: int | None = None,
     max_num_seqs: int | None = None,
+    step_gap_s: float = 0.0,
 ) -> InstanceProfile:
     return InstanceProfile(
         num_blocks=num_blocks,
@@ -136,6 +139,7 @@ def _profile(
         eviction_policy=engine.eviction_policy,
         lrfu_half_life_s=engine.lrfu_half_life_s,
         lrfu_score_capacity=engine.lrfu_score_capacity,
+        step_gap_s=step_gap_s,
     )
 
 

@@ -70,12 +70,20 @@ def test_a_forecast_meets_a_rise_before_it_arrives_and_believes_a_fall_once_seen
             Sample(15.0 + i * 10 / last, 10, 0, 1, 0.1, None) for i in range(last)
         ]
 
-    rising = forecast(arrivals(10, 20), 25.0, CONFIG)
-    assert rising is not None and rising.rate_per_s == pytest.approx(3.0)  # 2/s + its rise
-    falling = forecast(arrivals(20, 10), 25.0, CONFIG)
+    def predict(samples: list[Sample]) -> Forecast | None:
+        return forecast([s.arrival for s in samples], samples, 25.0, CONFIG)
+
+    rising = predict(arrivals(10, 20))
+    assert rising is not None and rising.rate_per_s == pytest.approx(2.5)  # 2/s + half its rise
+    falling = predict(arrivals(20, 10))
     assert falling is not None and falling.rate_per_s == pytest.approx(1.0)
     assert len(falling.samples) == 30  # the lengths of the whole history window
-    assert forecast(arrivals(10, 0), 25.0, CONFIG) is None
+    assert predict(arrivals(10, 0)) is None
+    # requests that arrived but were not served yet count towards the rate
+    served = arrivals(0, 5)
+    waiting = [15.0 + i / 2 for i in range(20)]
+    offered = forecast(waiting + [s.arrival for s in served], served, 25.0, CONFIG)
+    assert offered is not None and offered.rate_per_s == pytest.approx(3.75)
 
 
 def test_observed_p90s_are_the_last_intervals() -> None:
