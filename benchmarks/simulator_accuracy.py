@@ -16,7 +16,9 @@ step).
 
 Simulated: the same records through `pdserve simulate --latency`'s simulation, its instances
 taken from the live cluster after the replay (`pdserve admin list --json`: each role's step
-time fit and KV pool) and its link speed from prefill's measured KV transfers.
+time fit, engine-loop gap per step and KV pool), its link speed from prefill's measured KV
+transfers, and its time per message between processes half the median round trip of a gRPC
+health check to the instances, sent every 50 ms during the replay (on the same busy cores).
 
 Reported: TTFT and ITL p50/p90 live and simulated, each ratio simulated ÷ live. Target (issue's
 acceptance): p50 within 15 %, p90 within 25 %. Writes benchmarks/results/simulator_accuracy.json,
@@ -28,15 +30,19 @@ import asyncio
 import itertools
 import json
 import os
+import statistics
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
 
+import grpc
 import httpx
 from _common import finish, parse_args, print_table
 from _online import PdserveCluster
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pdserve.config import load_cluster_config
 from pdserve.model.tiny import default_model_dir
@@ -102,6 +108,35 @@ async def replay(url: str, records: list[TraceRecord], tokens: TokenSource) -> l
     return results
 
 
+class RoundTrips:
+    """gRPC health checks to the instances every 50 ms, on a thread, while the replay runs."""
+
+    def __init__(self, addresses: list[str]) -> None:
+        self.seconds: list[float] = []
+        self._channels = [grpc.insecure_channel(a) for a in addresses]
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run)
+
+    def __enter__(self) -> "RoundTrips":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        for channel in self._channels:
+            channel.close()
+
+    def _run(self) -> None:
+        stubs = [health_pb2_grpc.HealthStub(c) for c in self._channels]
+        for stub in itertools.cycle(stubs):
+            if self._stop.wait(0.05):
+                return
+            started = time.perf_counter()
+            stub.Check(health_pb2.HealthCheckRequest(), timeout=10)
+            self.seconds.append(time.perf_counter() - started)
+
+
 def live_instances(cluster: PdserveCluster, path: Path) -> None:
     """`pdserve admin list --json` of the running cluster, into `path`."""
     argv = [sys.executable, "-m", "services.controller.cli", "admin", "list", "--json",
@@ -151,7 +186,9 @@ def main() -> None:
     cluster.start()
     instances = cluster.state_dir / "instances.json"
     try:
-        live = asyncio.run(replay(cluster.url, records, tokens))
+        with RoundTrips([i["address"] for i in cluster.instances]) as trips:
+            live = asyncio.run(replay(cluster.url, records, tokens))
+        rpc_s = statistics.median(trips.seconds) / 2
         live_instances(cluster, instances)
         gbps = link_gbps(instances)
         saved = json.loads(instances.read_text())
@@ -160,7 +197,7 @@ def main() -> None:
         cluster.stop()
     config = load_cluster_config(None, overrides={"router": CONFIG["router"]})
     profiles, counts = from_instances(instances, config)
-    spec = cluster_spec(config, profiles, counts, gbps, VOCAB)
+    spec = cluster_spec(config, profiles, counts, gbps, VOCAB, rpc_s)
     started = time.perf_counter()
     result = Simulation(spec, args.block_tokens, args.seed).run(records)
     simulate_s = time.perf_counter() - started
@@ -171,6 +208,7 @@ def main() -> None:
     }
     figures = compare(measured, simulated)
     report(figures, len(records), seconds, gbps, simulate_s)
+    print(f"one message between processes: {rpc_s * 1000:.2f} ms (half a health-check round trip)")
     print("\nlive stage means (ms):")
     for name, mean in sorted(stages.items()):
         print(f"  {name}: {1000 * mean:.2f}")
@@ -183,7 +221,7 @@ def main() -> None:
     metrics["simulate_s"] = simulate_s
     finish(NAME, args, {"figures": figures, "simulated": simulated,
                         "live_ttft_s": [r["ttft"] for r in live],
-                        "instances": saved, "link_gbps": gbps,
+                        "instances": saved, "link_gbps": gbps, "rpc_s": rpc_s,
                         "live_stage_means_s": stages}, metrics)  # fmt: skip
 
 

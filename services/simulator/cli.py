@@ -73,6 +73,9 @@ def add_parser(commands: Any) -> None:
         )
     latency.add_argument("--transfer-gbps", type=float,
                          help="KV bytes GB/s (default: router.kv_transfer_gbps)")  # fmt: skip
+    latency.add_argument("--rpc-ms", type=float, default=0.0,
+                         help="one gRPC message between processes, one way (default 0; "
+                              "half a measured round trip)")  # fmt: skip
     latency.add_argument("--time-scale", type=float, default=1.0,
                          help="multiply the trace's timestamps (0.5: twice the rate)")  # fmt: skip
     latency.add_argument("--ttft-slo-s", type=float, default=2.0, help="goodput's TTFT SLO (2)")
@@ -166,7 +169,8 @@ def latency_spec(args: argparse.Namespace) -> ClusterSpec:
     if counts.get("mixed") and args.prefill is None and args.decode is None:
         counts["prefill"] = counts["decode"] = 0
     try:
-        return cluster_spec(config, profiles, counts, args.transfer_gbps, args.vocab_size)
+        return cluster_spec(config, profiles, counts, args.transfer_gbps, args.vocab_size,
+                            args.rpc_ms / 1000)  # fmt: skip
     except ConfigError as e:
         raise InvalidRequestError(str(e)) from e
 

@@ -95,6 +95,10 @@ class ClusterSpec:
     prefill_config: PrefillConfig = field(default_factory=PrefillConfig)
     decode_config: DecodeConfig = field(default_factory=DecodeConfig)
     transfer_gbps: float = 1.0  # KV bytes between instances, GB/s
+    # one gRPC message between two processes (router, instances), one way: a disaggregated
+    # request's first token takes five (to prefill, Reserve and its reply, StartDecode, the
+    # token to the router), a local or mixed one's two
+    rpc_s: float = 0.0
     vocab_size: int = 32_000  # prompt tokens are drawn below it
 
     def __post_init__(self) -> None:
@@ -107,6 +111,8 @@ class ClusterSpec:
                 raise ConfigError(f"no instance profile for role {role}")
         if self.transfer_gbps <= 0:
             raise ConfigError(f"transfer bandwidth must be positive, got {self.transfer_gbps}")
+        if self.rpc_s < 0:
+            raise ConfigError(f"the RPC latency must be >= 0, got {self.rpc_s}")
 
     def roles(self) -> tuple[str, ...]:
         return ("mixed",) if self.mixed else ("prefill", "decode")
@@ -283,6 +289,8 @@ class SimInstance:
             return
         scheduled = self.scheduler.schedule()
         if not scheduled.chunks:
+            if scheduled.preempted:  # it freed blocks: the engine loop schedules again at once
+                self.kick()
             return  # nothing fits now: a request that ends or frees blocks kicks again
         shape = step_shape(
             (c.request.num_computed_tokens, c.num_new_tokens) for c in scheduled.chunks
@@ -478,10 +486,16 @@ class Simulation:
             return
         flight.route = route
         flight.leases = self.routing.leases(route, len(flight.tokens))
+        instance = self.instances[route.prefill]
         if route.decode is None:
-            self._run_whole(flight, self.instances[route.prefill], route.on_decode)
+            self._hop(lambda: self._run_whole(flight, instance, route.on_decode))
         else:
-            self._prefill(flight, self.instances[route.prefill], self.instances[route.decode])
+            decode = self.instances[route.decode]
+            self._hop(lambda: self._prefill(flight, instance, decode))
+
+    def _hop(self, action: Callable[[], object], after_s: float = 0.0) -> None:
+        """`action` once a message sent `after_s` from now reached the other process."""
+        self.at(self.now + after_s + self.spec.rpc_s, action)
 
     def _run_whole(self, flight: _Flight, instance: SimInstance, on_decode: bool) -> None:
         """Mixed, or local prefill on a decode instance (refused when its blocks would eat
@@ -502,7 +516,8 @@ class Simulation:
 
         def preallocate() -> None:
             prefill.admission.admit(request)  # None: the scheduler admits it when blocks free
-            decode.call(lambda: self._reserve(flight, prefill, decode, request, 1))
+            self._hop(lambda: decode.call(
+                lambda: self._reserve(flight, prefill, decode, request, 1)))  # fmt: skip
 
         prefill.call(preallocate)
 
@@ -526,7 +541,7 @@ class Simulation:
             return
         decode.reserved[mine.request_id] = mine
         flight.decode, flight.decode_cached = decode, admission.num_computed_tokens
-        prefill.call(lambda: prefill.submit(request))
+        self._hop(lambda: prefill.call(lambda: prefill.submit(request)))
 
     def _retry(self, flight: _Flight, refused_by: str) -> None:
         """The attempt failed before its first token (a decode instance refused): the router
@@ -557,8 +572,8 @@ class Simulation:
         prefill.transferred_bytes += num_bytes
         prefill.transfer_seconds += seconds
         first = request.output_token_ids[-1]
-        self.at(self.now + seconds, lambda: decode.call(
-            lambda: self._hand_off(flight, prefill, request, decode, first)))  # fmt: skip
+        self._hop(lambda: decode.call(
+            lambda: self._hand_off(flight, prefill, request, decode, first)), seconds)  # fmt: skip
 
     def _hand_off(
         self, flight: _Flight, prefill: SimInstance, sent: Request, decode: SimInstance,
@@ -574,17 +589,18 @@ class Simulation:
         decode.kick()
 
     def token(self, instance: SimInstance, request: Request) -> None:
-        """An output token reached the client."""
+        """An output token was made: it reaches the client one message later."""
         flight = self._flights[request.request_id]
         result = flight.result
+        reached = self.now + self.spec.rpc_s
         if result.last_token is not None:
-            self._itl.append(self.now - result.last_token)
+            self._itl.append(reached - result.last_token)
         elif flight.decode is None:  # its first token, from the instance that computed it
             result.cached_tokens = request.num_cached_tokens
             flight.leases[0].finish_prefill()
         if result.first_token is None:
-            result.first_token = self.now
-        result.last_token = self.now
+            result.first_token = reached
+        result.last_token = reached
         result.tokens += 1
         status = instance.check_stop(request)
         if status is not None:

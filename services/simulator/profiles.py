@@ -162,9 +162,10 @@ def cluster_spec(
     counts: Mapping[str, int],
     transfer_gbps: float | None,
     vocab_size: int,
+    rpc_s: float = 0.0,
 ) -> ClusterSpec:
     """The simulated cluster: `counts` instances per role (missing roles: none) with the
-    config's role, router and transfer settings."""
+    config's role, router and transfer settings, `rpc_s` per message between processes."""
     return ClusterSpec(
         profiles=dict(profiles),
         prefill=counts.get("prefill", 0),
@@ -175,4 +176,5 @@ def cluster_spec(
         decode_config=config.decode,
         transfer_gbps=transfer_gbps or config.router.kv_transfer_gbps,
         vocab_size=vocab_size,
+        rpc_s=rpc_s,
     )
