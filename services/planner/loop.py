@@ -82,7 +82,7 @@ class PlannerLoop:
         now = time.perf_counter()
         reach = max(planner_config.history_s, 2 * planner_config.interval_s)
         history = router.history
-        samples = history.since(now - reach)
+        samples = history.served_since(now - reach)
         load = forecast(history.arrivals_since(now - reach), samples, now, planner_config)
         if load is not None and not not_ready:
             self._prepare(instances, load, router.model.vocab_size)

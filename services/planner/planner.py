@@ -83,22 +83,22 @@ def forecast(
     `interval_s` (every request that came, served or not: a saturated cluster serves less than
     is asked of it), raised by half its rise over the interval before (a rising load is met
     before it arrives, without doubling the noise of a steady one; a falling one is believed
-    once seen), and the lengths of the requests served in the last `history_s`. None without
-    an arrival in the last interval or a request served in the history."""
+    once seen), and the lengths of the requests that ended in the last `history_s`. None
+    without an arrival in the last interval or a request served in the history."""
     interval = config.interval_s
     last = sum(1 for a in arrivals if a >= now - interval)
     before = sum(1 for a in arrivals if now - 2 * interval <= a < now - interval)
     if last == 0:
         return None
     rate = (last + max(0, last - before) / 2) / interval
-    recent = tuple(s for s in samples if s.arrival >= now - config.history_s)
+    recent = tuple(s for s in samples if s.finished >= now - config.history_s)
     return Forecast(rate, recent) if recent else None
 
 
 def observed(samples: Sequence[Sample], now: float, config: PlannerConfig) -> Prediction | None:
-    """The last interval's requests' p90 TTFT and per-token time, and the fraction within both
-    targets (None without one)."""
-    window = [s for s in samples if s.arrival >= now - config.interval_s and s.ttft_s is not None]
+    """The p90 TTFT and per-token time of the requests that ended in the last interval, and the
+    fraction within both targets (None without one)."""
+    window = [s for s in samples if s.finished >= now - config.interval_s and s.ttft_s is not None]
     if not window:
         return None
     ttfts = sorted(s.ttft_s or 0.0 for s in window)
@@ -193,7 +193,8 @@ class Planner:
             return hold("wait", "cooling down after the last change")
         if load is None:
             self._streak = None
-            return hold("hold", "no requests in the last interval")
+            return hold("hold", "nothing to forecast: no arrival in the last interval, or no "
+                        "request served in planner.history_s")  # fmt: skip
         heavier = Forecast(load.rate_per_s * (1.0 + self.config.headroom), load.samples)
         predictions = {split: self._evaluate(split, heavier) for split in self.candidates(current)}
         as_is = self._evaluate(current, load)

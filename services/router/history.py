@@ -15,6 +15,7 @@ class Sample:
     output_tokens: int
     ttft_s: float | None  # None: no token came
     tpot_s: float | None  # mean time per output token after the first; None: fewer than two
+    finished: float = 0.0  # time.perf_counter() when it ended
 
 
 class RequestHistory:
@@ -41,8 +42,8 @@ class RequestHistory:
         with self._lock:
             return [a for a in self._arrivals if a >= at]
 
-    def since(self, arrival: float) -> list[Sample]:
-        """The served requests that arrived at or after `arrival` (perf_counter), oldest
-        first."""
+    def served_since(self, at: float) -> list[Sample]:
+        """The requests served whole that ended at or after `at` (perf_counter), oldest
+        first (by when they ended: under a heavy load a request ends long after it came)."""
         with self._lock:
-            return [s for s in self._samples if s.arrival >= arrival]
+            return [s for s in self._samples if s.finished >= at]

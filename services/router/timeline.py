@@ -154,7 +154,8 @@ class RequestRecord:
         if first is not None and ended is not None and self.output_tokens > 1:
             tpot = (ended - first) / (self.output_tokens - 1)
         ttft = first - self.arrival if first is not None else None
-        return Sample(self.arrival, self.prompt_tokens, cached, self.output_tokens, ttft, tpot)
+        return Sample(self.arrival, self.prompt_tokens, cached, self.output_tokens, ttft, tpot,
+                      ended if ended is not None else time.perf_counter())  # fmt: skip
 
     def stage_durations(self) -> dict[str, float]:
         """Seconds per stage name (summed over attempts), for the log line."""

@@ -24,6 +24,7 @@ from waiting import wait_for
 from pdserve.v1 import admin_pb2
 
 GENEROUS_S = 30.0  # a target nothing misses
+INTERVAL_S, HISTORY_S = 2, 4  # the planner's
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +38,8 @@ def up(
         f"prefill:\n  replicas: 2\n  num_cpus: 1\ndecode:\n  num_cpus: 1\n"
         f"router:\n  port: 0\nadmin:\n  port: 0\nstorage:\n  enabled: false\n"
         f"planner:\n  enabled: true\n  ttft_p90_s: {GENEROUS_S}\n  itl_p90_s: {GENEROUS_S}\n"
-        f"  interval_s: 2\n  history_s: 4\n  cooldown_s: 2\n  confirm_intervals: 1\n"
+        f"  interval_s: {INTERVAL_S}\n  history_s: {HISTORY_S}\n  cooldown_s: 2\n"
+        f"  confirm_intervals: 1\n"
         f"  min_instances: 3\n  max_instances: 3\n"
         f"cluster:\n  namespace: pdserve-planner\n  state_dir: {workdir}\n"
     )
@@ -100,13 +102,15 @@ def split(up: UpCluster) -> str:
 
 
 def predictions_under_load(up: UpCluster, current: str) -> admin_pb2.PlannerDecision:
-    """A decision taken on the load now running (after the history filled with it)."""
-    seen = len(status(up).decisions)
+    """A decision taken on the load now running only: once the requests of the one before
+    left the planner's history (`history_s` + an interval after this load began)."""
+    clean = time.time() + HISTORY_S + INTERVAL_S
 
     def fresh() -> admin_pb2.PlannerDecision | None:
-        decisions = status(up).decisions[seen:]
-        ready = [d for d in decisions if d.current == current and len(d.candidates) > 1]
-        return ready[-1] if len(ready) >= 2 else None  # the second: its history is all this load
+        decisions = status(up).decisions
+        ready = [d for d in decisions if d.at_unix_s >= clean and d.current == current
+                 and len(d.candidates) > 1]  # fmt: skip
+        return ready[-1] if ready else None
 
     wait_for(lambda: fresh() is not None or split(up) != current, 120)
     return fresh() or status(up).decisions[-1]

@@ -12,6 +12,7 @@ from pdserve.config import AdminConfig, ClusterConfig
 from pdserve.v1 import admin_pb2, admin_pb2_grpc
 from services.controller.admin import serve_admin
 from services.controller.cluster import Cluster
+from services.controller.topology import Topology
 
 
 class IdleRouter:
@@ -30,7 +31,8 @@ def test_admin_api_serves_tls_when_configured(tmp_path: Path) -> None:
         check=True, capture_output=True,
     )  # fmt: skip
     config = AdminConfig(port=0, tls_cert=str(cert), tls_key=str(key))
-    server, port = serve_admin(config, "s3cret", Cluster(ClusterConfig(), SECRET), IdleRouter())  # type: ignore[arg-type]
+    topology = Topology(Cluster(ClusterConfig(), SECRET), IdleRouter())  # type: ignore[arg-type]
+    server, port = serve_admin(config, "s3cret", topology)
     auth = (("authorization", "Bearer s3cret"),)
     try:
         credentials = grpc.ssl_channel_credentials(cert.read_bytes())

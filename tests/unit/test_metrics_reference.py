@@ -11,7 +11,7 @@ from types import ModuleType
 from prometheus_client import CollectorRegistry, generate_latest
 
 from pdserve.config import ROLES
-from pdserve.metrics import InstanceCollector, RouterMetrics, StageMetrics
+from pdserve.metrics import InstanceCollector, PlannerMetrics, RouterMetrics, StageMetrics
 from pdserve.v1 import common_pb2
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -36,7 +36,9 @@ def _exported_names() -> set[str]:
     stats.storage.SetInParent()
     instance = CollectorRegistry(auto_describe=False)
     instance.register(InstanceCollector(lambda: stats))
-    registries = [RouterMetrics().registry, instance, *(StageMetrics(r).registry for r in ROLES)]
+    router = RouterMetrics()
+    PlannerMetrics(router.registry)  # `pdserve up` serves them on the router's /metrics
+    registries = [router.registry, instance, *(StageMetrics(r).registry for r in ROLES)]
     names = set()
     for registry in registries:
         for line in generate_latest(registry).decode().splitlines():

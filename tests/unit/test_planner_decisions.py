@@ -66,8 +66,12 @@ def run(planner: Planner, clock: Clock, split: Split, rates: list[float]) -> lis
 
 def test_a_forecast_meets_a_rise_before_it_arrives_and_believes_a_fall_once_seen() -> None:
     def arrivals(before: int, last: int) -> list[Sample]:
-        return [Sample(5.0 + i * 10 / before, 10, 0, 1, 0.1, None) for i in range(before)] + [
-            Sample(15.0 + i * 10 / last, 10, 0, 1, 0.1, None) for i in range(last)
+        return [
+            Sample(5.0 + i * 10 / before, 10, 0, 1, 0.1, None, 5.5 + i * 10 / before)
+            for i in range(before)
+        ] + [
+            Sample(15.0 + i * 10 / last, 10, 0, 1, 0.1, None, 15.5 + i * 10 / last)
+            for i in range(last)
         ]
 
     def predict(samples: list[Sample]) -> Forecast | None:
@@ -84,10 +88,15 @@ def test_a_forecast_meets_a_rise_before_it_arrives_and_believes_a_fall_once_seen
     waiting = [15.0 + i / 2 for i in range(20)]
     offered = forecast(waiting + [s.arrival for s in served], served, 25.0, CONFIG)
     assert offered is not None and offered.rate_per_s == pytest.approx(3.75)
+    # under a heavy load requests end long after they came: their lengths still count
+    slow = [Sample(-30.0, 700, 0, 64, 20.0, 0.1, finished=24.0)]
+    late = forecast([20.0], slow, 25.0, CONFIG)
+    assert late is not None and late.samples == tuple(slow)
 
 
 def test_observed_p90s_are_the_last_intervals() -> None:
-    samples = [Sample(float(i), 10, 0, 5, ttft_s=i / 100, tpot_s=0.01) for i in range(20)]
+    samples = [Sample(i - 1.0, 10, 0, 5, ttft_s=i / 100, tpot_s=0.01, finished=float(i))
+               for i in range(20)]  # fmt: skip
     seen = observed(samples, 20.0, CONFIG)
     assert seen is not None
     assert seen.ttft_p90_s == pytest.approx(0.18) and seen.itl_p90_s == pytest.approx(0.01)
