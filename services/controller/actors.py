@@ -19,7 +19,7 @@ import torch
 from ray.util.placement_group import PlacementGroup
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from pdserve.config import ClusterConfig, EngineConfig
+from pdserve.config import ROLES, ClusterConfig, EngineConfig
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.scheduler import SchedulerConfig
 from pdserve.engine.tensor_parallel import Rendezvous, serve_worker, use_launcher
@@ -38,7 +38,6 @@ from services.prefill.instance import PrefillInstance
 
 logger = logging.getLogger(__name__)
 
-ROLES = ("prefill", "decode", "mixed")
 # each role's gRPC service: its name and how it is registered on an instance's server
 ROLE_SERVICES: dict[str, tuple[str, Callable[[ServedRole, Any], None]]] = {
     "prefill": (prefill_servicer.SERVICE_NAME, prefill_servicer.add_prefill_servicer),

@@ -31,7 +31,7 @@ def add_parser(commands: Any) -> None:
     admin = commands.add_parser("admin", help="steer a running cluster (admin gRPC API)")
     admin.add_argument("verb", choices=VERBS)
     admin.add_argument(
-        "args", nargs="*", help="NAME | ROLE N | NAME ROLE | POLICY | TIER [NAME] | ID"
+        "args", nargs="*", help="NAME | ROLE N | NAME ROLE | [TTFT ITL] | POLICY | TIER [NAME] | ID"
     )
     add_connection_arguments(admin)
     admin.add_argument("--json", action="store_true", help="print the reply as JSON")

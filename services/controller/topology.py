@@ -15,14 +15,13 @@ from collections.abc import Callable
 import grpc
 import ray
 
+from pdserve.config import ROLES
 from pdserve.errors import ClusterError, InstanceUnavailableError, PdserveError
 from pdserve.v1 import admin_pb2
 from services.controller.cluster import Cluster, InstanceInfo, role_change_refusal
 from services.router.router import Router
 
 logger = logging.getLogger(__name__)
-
-ROLES = ("prefill", "decode", "mixed")
 
 
 class Refused(Exception):

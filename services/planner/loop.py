@@ -29,6 +29,7 @@ from services.planner.planner import (
     Split,
     forecast,
     observed,
+    steps,
 )
 from services.simulator.profiles import from_listing, measured_link_gbps
 from services.simulator.trace import TraceRecord
@@ -127,22 +128,16 @@ class PlannerLoop:
     def _apply(self, decision: Decision) -> None:
         """Role changes first, then instances added, then retired; a refused or failed step
         ends the change (logged and counted) and the next interval plans again."""
-        topology, target = self.topology, decision.target
+        topology, other = self.topology, {"prefill": "decode", "decode": "prefill"}
         try:
-            for role, other in (("prefill", "decode"), ("decode", "prefill")):
-                while self._count(role) < getattr(target, role) and self._count(other) > getattr(
-                    target, other
-                ):
-                    topology.change_role(self._idlest(other), role)
-            for role in ("prefill", "decode"):
-                if self._count(role) < getattr(target, role):
-                    topology.scale(role, getattr(target, role))
-            for role in ("prefill", "decode"):
-                if self._count(role) > getattr(target, role):
-                    topology.scale(role, getattr(target, role))
+            for kind, role in steps(decision.current, decision.target):
+                if kind == "role":
+                    topology.change_role(self._idlest(other[role]), role)
+                else:
+                    topology.scale(role, self._count(role) + (1 if kind == "add" else -1))
         except (Refused, PdserveError) as e:
             self.metrics.decisions.labels("failed").inc()
-            logger.warning("planner: the change to %s stopped: %s", target, e)
+            logger.warning("planner: the change to %s stopped: %s", decision.target, e)
 
     def _count(self, role: str) -> int:
         return sum(1 for i in self.topology.cluster.instances if i.role == role)
