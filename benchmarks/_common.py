@@ -148,7 +148,7 @@ def finish(
         "args": vars(args),
         "machine": machine_info(),
     }
-    path.write_text(json.dumps(document, indent=2, sort_keys=False) + "\n")
+    path.write_text(json.dumps(document, indent=2, sort_keys=False, default=str) + "\n")
     print(f"\nwrote {path}")
     print(f"RESULT {name} " + " ".join(f"{k}={format_value(v)}" for k, v in metrics.items()))
     return path

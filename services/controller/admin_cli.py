@@ -116,6 +116,13 @@ def _call(
         if len(args) < count:
             raise SystemExit(f"pdserve admin {verb}: usage: pdserve admin {verb} {usage}")
 
+    def number(text: str, kind: Callable[[str], float]) -> float:
+        try:
+            return kind(text)
+        except ValueError:
+            raise SystemExit(f"pdserve admin {verb}: not a number: {text!r} (usage: "
+                             f"pdserve admin {verb} {usage[verb][1]})") from None  # fmt: skip
+
     calls: dict[str, Callable[[], Message]] = {
         "list": lambda: stub.ListInstances(admin_pb2.ListInstancesRequest(), metadata=metadata),
         "drain": lambda: stub.DrainInstance(admin_pb2.InstanceRef(name=args[0]), metadata=metadata),
@@ -126,14 +133,17 @@ def _call(
             admin_pb2.InstanceRef(name=args[0]), metadata=metadata
         ),
         "scale": lambda: stub.ScaleRole(
-            admin_pb2.ScaleRoleRequest(role=args[0], replicas=int(args[1])), metadata=metadata
+            admin_pb2.ScaleRoleRequest(role=args[0], replicas=int(number(args[1], int))),
+            metadata=metadata,
         ),
         "role": lambda: stub.ChangeRole(
             admin_pb2.ChangeRoleRequest(name=args[0], role=args[1]), metadata=metadata
         ),
         "planner": lambda: (
             stub.SetPlannerTargets(
-                admin_pb2.PlannerTargets(ttft_p90_s=float(args[0]), itl_p90_s=float(args[1])),
+                admin_pb2.PlannerTargets(
+                    ttft_p90_s=number(args[0], float), itl_p90_s=number(args[1], float)
+                ),
                 metadata=metadata,
             )
             if args

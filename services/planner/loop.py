@@ -20,19 +20,17 @@ from pdserve.errors import PdserveError
 from pdserve.metrics import PlannerMetrics
 from pdserve.v1 import admin_pb2
 from services.controller.topology import Refused, Topology
-from services.planner.evaluate import SimulatedCluster, predict, synthetic_trace
+from services.planner.evaluate import IntervalModel, SimulatedCluster
 from services.planner.planner import (
     Decision,
     Forecast,
     Planner,
     Prediction,
     Split,
-    forecast,
-    observed,
+    plan,
     steps,
 )
 from services.simulator.profiles import from_listing, measured_link_gbps
-from services.simulator.trace import TraceRecord
 
 logger = logging.getLogger(__name__)
 
@@ -51,8 +49,7 @@ class PlannerLoop:
         self.metrics = metrics
         self._clock = clock
         self.planner = Planner(self.config.planner, self._evaluate, clock)
-        self._simulated: SimulatedCluster | None = None
-        self._trace: list[TraceRecord] = []
+        self._model: IntervalModel | None = None
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._run, name="planner", daemon=True)
 
@@ -81,14 +78,11 @@ class PlannerLoop:
         )
         not_ready = [i.name for i in instances if not i.alive or i.stats.num_steps == 0]
         now = time.perf_counter()
-        reach = max(planner_config.history_s, 2 * planner_config.interval_s)
-        history = router.history
-        samples = history.served_since(now - reach)
-        load = forecast(history.arrivals_since(now - reach), samples, now, planner_config)
-        if load is not None and not not_ready:
-            self._prepare(instances, load, router.model.vocab_size)
-        decision = self.planner.decide(current, load, observed(samples, now, planner_config),
-                                       not_ready)  # fmt: skip
+        since = now - max(planner_config.history_s, 2 * planner_config.interval_s)
+        history = (router.history.arrivals_since(since), router.history.served_since(since))
+        vocab_size = router.model.vocab_size
+        decision, load = plan(self.planner, current, history, now, not_ready,
+                              lambda load: self._prepare(instances, load, vocab_size))  # fmt: skip
         self._report(decision, load)
         if decision.action == "change":
             self._apply(decision)
@@ -98,18 +92,17 @@ class PlannerLoop:
         self, instances: list[admin_pb2.InstanceInfo], load: Forecast, vocab_size: int
     ) -> None:
         """The simulated cluster of this interval (profiles from the instances' fits, the
-        measured link) and the trace every candidate split replays."""
+        measured link) and a new model of it (`load`'s traces are drawn when asked for)."""
         listing = [MessageToDict(i, preserving_proto_field_name=True) for i in instances]
         profiles, _ = from_listing(listing, self.config)
         link = measured_link_gbps(listing)
-        self._simulated = SimulatedCluster(self.config, profiles, link, vocab_size)
-        block_tokens = profiles["prefill"].block_size
-        self._trace = synthetic_trace(load, 2 * self.config.planner.interval_s, block_tokens)
+        cluster = SimulatedCluster(self.config, profiles, link, vocab_size)
+        self._model = IntervalModel(cluster, self.config.planner.interval_s)
 
     def _evaluate(self, split: Split, load: Forecast) -> Prediction:
-        if self._simulated is None:
+        if self._model is None:
             raise RuntimeError("planner: no simulated cluster prepared")
-        return predict(self._simulated, split, self._trace)
+        return self._model.predict(split, load)
 
     def _report(self, decision: Decision, load: Forecast | None) -> None:
         self.metrics.observe(decision)

@@ -246,6 +246,25 @@ class Planner:
         return prediction.ttft_p90_s <= c.ttft_p90_s and prediction.itl_p90_s <= c.itl_p90_s
 
 
+def plan(
+    planner: Planner,
+    current: Split,
+    history: tuple[Sequence[float], Sequence[Sample]],
+    now: float,
+    not_ready: Sequence[str],
+    prepare: Callable[[Forecast], object],
+) -> tuple[Decision, Forecast | None]:
+    """One planning interval: the forecast from `history` (arrival times, samples of the
+    requests served; `now` on their clock), `prepare(forecast)` readying the evaluations
+    (skipped while instances are not ready), and the decision."""
+    arrivals, samples = history
+    load = forecast(arrivals, samples, now, planner.config)
+    if load is not None and not not_ready:
+        prepare(load)
+    seen = observed(samples, now, planner.config)
+    return planner.decide(current, load, seen, not_ready), load
+
+
 def steps(current: Split, target: Split) -> list[tuple[str, str]]:
     """How to go from `current` to `target`, role changes first (seconds, no new resources):
     ("role", "decode") moves an instance to decode, ("add", role) starts one, ("remove", role)

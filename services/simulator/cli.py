@@ -14,6 +14,8 @@ from tqdm import tqdm
 
 from pdserve.config import load_cluster_config
 from pdserve.errors import ConfigError, InvalidRequestError
+from services.planner.evaluate import SIZINGS
+from services.planner.simulated import Moves, PlannedSimulation
 from services.simulator.latency import ClusterSpec, Simulation
 from services.simulator.latency_report import format_summary, plot_timeline, summarize
 from services.simulator.profiles import (
@@ -82,6 +84,17 @@ def add_parser(commands: Any) -> None:
     latency.add_argument("--itl-slo-s", type=float, default=0.2, help="goodput's ITL SLO (0.2)")
     latency.add_argument("--vocab-size", type=int, default=32_000,
                          help="prompt tokens are drawn below it (32000)")  # fmt: skip
+    latency.add_argument("--planner", action="store_true",
+                         help="the SLA planner reshapes the cluster as the trace goes (the "
+                              "config's planner: settings; targets: the SLOs)")  # fmt: skip
+    latency.add_argument("--planner-sizing", choices=SIZINGS, default="distribution",
+                         help="judge splits on lengths drawn from the recent distribution, or "
+                              "on their means (distribution)")  # fmt: skip
+    latency.add_argument("--role-change-s", type=float, default=Moves().role_change_s,
+                         help="with --planner: a role change after its drain (0.5)")  # fmt: skip
+    latency.add_argument("--start-s", type=float, default=Moves().start_s,
+                         help="with --planner: a new instance from its start to its first "
+                              "step (30)")  # fmt: skip
 
 
 def run(args: argparse.Namespace) -> int:
@@ -128,11 +141,44 @@ def run_latency(records: list[TraceRecord], args: argparse.Namespace) -> int:
     spec = latency_spec(args)
     bar = tqdm(total=len(records), unit="req", disable=args.quiet or not sys.stderr.isatty(),
                leave=False)  # fmt: skip
-    result = Simulation(spec, args.block_tokens, args.seed).run(records, lambda: bar.update(1))
+    moves: list[str] = []
+    if args.planner:
+        planned = planned_simulation(spec, args)
+        result = planned.run(records, lambda: bar.update(1))
+        moves = [f"{d.at - result.started:8.1f} s  {d.current} -> {d.target}: {d.reason}"
+                 for d in planned.decisions if d.action == "change"]  # fmt: skip
+    else:
+        result = Simulation(spec, args.block_tokens, args.seed).run(records, lambda: bar.update(1))
     bar.close()
     summary = summarize(result, args.ttft_slo_s, args.itl_slo_s)
-    return _report(args, len(records), format_summary(summary), summary,
+    text = format_summary(summary)
+    if args.planner:
+        summary["planner_moves"] = moves
+        text += f"\nthe planner's moves ({len(moves)}):" + "".join(f"\n{m}" for m in moves)
+    return _report(args, len(records), text, summary,
                    lambda path: plot_timeline(result, path, args.ttft_slo_s))  # fmt: skip
+
+
+def planned_simulation(spec: ClusterSpec, args: argparse.Namespace) -> PlannedSimulation:
+    """The simulated cluster of `spec` with the config's planner, its targets the SLOs."""
+    config = load_cluster_config(args.config)
+    try:
+        config = replace(config, planner=replace(config.planner, ttft_p90_s=args.ttft_slo_s,
+                                                 itl_p90_s=args.itl_slo_s))  # fmt: skip
+        return PlannedSimulation(
+            config,
+            spec.profiles,
+            {"prefill": spec.prefill, "decode": spec.decode, "mixed": spec.mixed},
+            transfer_gbps=spec.transfer_gbps,
+            vocab_size=spec.vocab_size,
+            block_tokens=args.block_tokens,
+            moves=Moves(args.role_change_s, args.start_s),
+            sizing=args.planner_sizing,
+            rpc_s=spec.rpc_s,
+            seed=args.seed,
+        )
+    except ConfigError as e:
+        raise InvalidRequestError(str(e)) from e
 
 
 def _report(

@@ -24,6 +24,7 @@ loop's own work), network latency other than KV bytes, reservation leases expiri
 tier, failures.
 """
 
+import itertools
 import math
 from array import array
 from collections.abc import Callable, Mapping, Sequence
@@ -151,10 +152,10 @@ class RequestResult:
 
 @dataclass(slots=True)
 class Sample:
-    """The cluster at one poll: per instance (running, waiting, KV blocks in use)."""
+    """The cluster at one poll: per instance (role, running, waiting, KV blocks in use)."""
 
     at: float
-    instances: dict[str, tuple[int, int, int]]
+    instances: dict[str, tuple[str, int, int, int]]
 
 
 @dataclass(slots=True)
@@ -166,11 +167,8 @@ class LatencyResult:
     started: float  # the first arrival
     ended: float  # the last request's end
     preemptions: int
-    instance_names: dict[str, str]  # name -> role
-
-    @property
-    def instance_seconds(self) -> float:
-        return len(self.instance_names) * (self.ended - self.started)
+    instance_names: dict[str, str]  # name -> role, of the instances at the end
+    instance_seconds: float  # each instance's time from its start (or the first arrival) on
 
 
 class TokenSource:
@@ -355,6 +353,27 @@ class _Flight:
     decode: "SimInstance | None" = None  # where its KV goes, once decode reserved for it
     decode_cached: int = 0  # tokens decode held when it reserved (not sent)
 
+    def bound_to(self, name: str) -> bool:
+        """It runs or will run on `name` (prefill is done with it once its first token
+        exists)."""
+        route = self.route
+        if route is None:
+            return False
+        if route.decode is None or route.decode == name:
+            return name in (route.prefill, route.decode)
+        return route.prefill == name and self.result.first_token is None
+
+
+class _Repeat:
+    """An action that reschedules itself every `interval_s` (`Simulation.every`)."""
+
+    def __init__(self, sim: "Simulation", interval_s: float, action: Callable[[], object]) -> None:
+        self.sim, self.interval_s, self.action = sim, interval_s, action
+
+    def __call__(self) -> None:
+        self.action()
+        self.sim.at(self.sim.now + self.interval_s, self)
+
 
 class Simulation:
     """One replay of a trace through one cluster. Use `run`."""
@@ -382,16 +401,22 @@ class Simulation:
             self._stats.get,
         )
         self.instances: dict[str, SimInstance] = {}
+        self._since: dict[str, float] = {}  # when each instance started
+        self._retired_seconds = 0.0  # of the instances stopped
+        self._draining: dict[str, Callable[[], object]] = {}  # what to do once drained
+        self.changing: set[str] = set()  # starting, draining or changing role
+        self._numbers: dict[str, itertools.count[int]] = {}  # the next name of each role
         for role in roles:
-            for n in range(spec.count(role)):
-                name = f"{role}-{n}"
-                self.instances[name] = SimInstance(name, role, spec.profiles[role], self)
-                self.membership.add(Role.DECODE if role == "decode" else Role.PREFILL, name)
+            for _ in range(spec.count(role)):
+                self._start(role)
         self._results: list[RequestResult] = []
         self._flights: dict[str, _Flight] = {}  # by request id
         self._itl = array("d")
         self._samples: list[Sample] = []
         self._live = 0  # requests not yet ended
+        self._repeating: list[_Repeat] = []
+        self._preemptions = 0  # of instances retired
+        self.every(spec.router.stats_interval_s, self._poll)
 
     @property
     def now(self) -> float:
@@ -403,6 +428,16 @@ class Simulation:
     def at(self, time_s: float, action: Callable[[], object]) -> None:
         self.events.at(time_s, action)
 
+    @property
+    def results(self) -> list[RequestResult]:
+        """Every request that arrived so far, in arrival order."""
+        return self._results
+
+    def every(self, interval_s: float, action: Callable[[], object]) -> None:
+        """Run `action` every `interval_s` of simulated time, from the first arrival until the
+        last request ended (the router's stats poll; a planner's interval). Call before `run`."""
+        self._repeating.append(_Repeat(self, interval_s, action))
+
     def run(
         self, records: Sequence[TraceRecord], progress: Callable[[], object] = lambda: None
     ) -> LatencyResult:
@@ -410,36 +445,111 @@ class Simulation:
             raise ConfigError("the trace has no records")
         start = records[0].timestamp_ms / 1000
         self.events.now = start
-        self._poll()
+        self._since = dict.fromkeys(self._since, start)
+        for repeat in self._repeating:
+            self.at(start, repeat)
         for n, record in enumerate(records):
             self.events.advance(record.timestamp_ms / 1000)
             self._arrive(n, record)
             progress()
-        self.events.advance(math.inf, lambda: not self._live and self._only_polls())
+        self.events.advance(math.inf, lambda: not self._live and self._only_repeating())
         ended = max((r.last_token or r.arrival for r in self._results), default=start)
-        preemptions = sum(i.scheduler.stats.num_preemptions for i in self.instances.values())
+        preemptions = self._preemptions + sum(
+            i.scheduler.stats.num_preemptions for i in self.instances.values()
+        )
         for instance in self.instances.values():
             instance.kv.check_integrity()
         self.routing.load.check_integrity()
         names = {name: instance.role for name, instance in self.instances.items()}
+        seconds = self._retired_seconds + sum(max(0.0, ended - t) for t in self._since.values())
         return LatencyResult(self.spec, self._results, self._itl, self._samples, start, ended,
-                             preemptions, names)  # fmt: skip
+                             preemptions, names, seconds)  # fmt: skip
 
-    def _only_polls(self) -> bool:
-        return all(getattr(action, "__name__", "") == "_poll" for action in self.events.actions())
+    def _only_repeating(self) -> bool:
+        return all(isinstance(action, _Repeat) for action in self.events.actions())
 
     def _poll(self) -> None:
-        """The router's stats poll: every instance's stats, decode capacities, a sample."""
+        """The router's stats poll: every instance's stats, decode capacities, a sample; and
+        draining instances that have nothing left are let go."""
         sample = Sample(self.now, {})
-        for name, instance in self.instances.items():
+        for name, instance in list(self.instances.items()):
+            if name in self._draining and self._idle(name):
+                self._draining.pop(name)()
+                continue
             stats = instance.stats()
             self._stats[name] = stats
             if instance.role == "decode":
                 self._capacities[name] = DecodeCapacity(stats.num_free_blocks, stats.num_running)
             used = stats.num_blocks - stats.num_free_blocks
-            sample.instances[name] = (stats.num_running, stats.num_waiting, used)
+            sample.instances[name] = (instance.role, stats.num_running, stats.num_waiting, used)
         self._samples.append(sample)
-        self.at(self.now + self.spec.router.stats_interval_s, self._poll)
+
+    # -- the cluster changing (a planner's moves) ------------------------------------------------
+
+    def start_instance(self, role: str, ready_in_s: float) -> str:
+        """Start an instance of `role`: it counts (instance-seconds) from now and is routed to
+        `ready_in_s` later (its process, weights and first steps). Returns its name."""
+        name = self._start(role, routed=False)
+        self.changing.add(name)
+        self.at(self.now + ready_in_s, lambda: self._route(name))
+        return name
+
+    def stop_instance(self, name: str) -> None:
+        """Drain `name` (no new requests), then stop it once nothing runs or waits there."""
+        self._drain(name, lambda: self._stop(name))
+
+    def change_role(self, name: str, role: str, switch_s: float) -> None:
+        """Drain `name`, then make it a `role` instance `switch_s` later (the switch itself).
+        The simulated instance starts its new role with an empty prefix cache."""
+
+        def switch() -> None:
+            self._retire(name)
+            self._start(role, name, routed=False)
+            self.at(self.now + switch_s, lambda: self._route(name))
+
+        self._drain(name, switch)
+
+    def _start(self, role: str, name: str | None = None, routed: bool = True) -> str:
+        name = name or f"{role}-{next(self._numbers.setdefault(role, itertools.count()))}"
+        self.instances[name] = SimInstance(name, role, self.spec.profiles[role], self)
+        self._since.setdefault(name, self.now)
+        if routed:
+            self._route(name)
+        return name
+
+    def _route(self, name: str) -> None:
+        role = self.instances[name].role
+        self.membership.add(Role.DECODE if role == "decode" else Role.PREFILL, name)
+        self.changing.discard(name)
+
+    def _drain(self, name: str, then: Callable[[], object]) -> None:
+        if name not in self.instances or name in self.changing:
+            raise ConfigError(f"instance {name} is not serving")
+        self.membership.set_drained(name, True)
+        self.changing.add(name)
+        self._draining[name] = then
+
+    def _idle(self, name: str) -> bool:
+        """Nothing runs, waits, is reserved or is on its way to `name`."""
+        instance = self.instances[name]
+        if instance.busy or instance.reserved or instance.scheduler.has_unfinished_requests():
+            return False
+        return not any(flight.bound_to(name) for flight in self._flights.values())
+
+    def _retire(self, name: str) -> None:
+        """Take `name` out of the router's view and its instance away."""
+        instance = self.instances.pop(name)
+        instance.kv.check_integrity()
+        self._preemptions += instance.scheduler.stats.num_preemptions
+        self.membership.remove(name)
+        self.index.drop_instance(name)
+        self._stats.pop(name, None)
+        self._capacities.pop(name, None)
+
+    def _stop(self, name: str) -> None:
+        self._retire(name)
+        self._retired_seconds += self.now - self._since.pop(name)
+        self.changing.discard(name)
 
     # -- a request's life ------------------------------------------------------------------------
 

@@ -79,14 +79,17 @@ def format_summary(summary: dict[str, Any]) -> str:
 
 
 def plot_timeline(result: LatencyResult, path: Path, ttft_slo_s: float) -> None:
-    """Three panels over simulated time: arrivals and completions per second; each
-    request's TTFT at its arrival (the SLO drawn); running and waiting requests per role."""
+    """Four panels over simulated time: arrivals and completions per second; each request's
+    TTFT at its arrival (the SLO drawn); running and waiting requests per role; instances per
+    role (a planner's moves)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    figure, (rate, ttft, load) = plt.subplots(3, 1, figsize=(10, 9), sharex=True)
+    figure, (rate, ttft, load, counts) = plt.subplots(
+        4, 1, figsize=(10, 11), sharex=True, height_ratios=(3, 3, 3, 1.5)
+    )
     start = result.started
     span = max(result.ended - start, 1e-9)
     bins = np.linspace(0, span, min(200, max(10, int(span))) + 1)
@@ -94,8 +97,8 @@ def plot_timeline(result: LatencyResult, path: Path, ttft_slo_s: float) -> None:
     arrivals = [r.arrival - start for r in result.requests]
     ends = [r.last_token - start for r in result.requests if r.last_token is not None]
     for values, label in ((arrivals, "arrivals"), (ends, "completions")):
-        counts, _ = np.histogram(values, bins)
-        rate.step(bins[:-1], counts / width, where="post", label=label)
+        histogram, _ = np.histogram(values, bins)
+        rate.step(bins[:-1], histogram / width, where="post", label=label)
     rate.set_ylabel("requests/s")
     rate.legend(fontsize=8)
     served = [r for r in result.requests if r.ttft is not None]
@@ -104,16 +107,18 @@ def plot_timeline(result: LatencyResult, path: Path, ttft_slo_s: float) -> None:
     ttft.set_yscale("log")
     ttft.set_ylabel("TTFT (s), by arrival")
     ttft.legend(fontsize=8)
-    roles = sorted(set(result.instance_names.values()))
     times = [s.at - start for s in result.samples]
+    roles = sorted({row[0] for s in result.samples for row in s.instances.values()})
     for role in roles:
-        names = [n for n, r in result.instance_names.items() if r == role]
-        for column, what in ((0, "running"), (1, "waiting")):
-            totals = [sum(s.instances[n][column] for n in names) for s in result.samples]
-            load.plot(times, totals, label=f"{role} {what}")
+        mine = [[row for row in s.instances.values() if row[0] == role] for s in result.samples]
+        load.plot(times, [sum(row[1] for row in rows) for rows in mine], label=f"{role} running")
+        load.plot(times, [sum(row[2] for row in rows) for rows in mine], label=f"{role} waiting")
+        counts.step(times, [len(rows) for rows in mine], where="post", label=role)
     load.set_ylabel("requests")
-    load.set_xlabel("simulated seconds")
     load.legend(fontsize=8)
+    counts.set_ylabel("instances")
+    counts.set_xlabel("simulated seconds")
+    counts.legend(fontsize=8)
     figure.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(path, dpi=100)

@@ -25,7 +25,7 @@ def _preset(
 # random Llama of `vs_vllm.py` (8 layers). Seconds per step, per prefill token, per 1k token
 # pairs of prefill attention, per decode row, per 1k KV tokens decode rows attend.
 STEP_MODELS: dict[str, dict[str, Any]] = {
-    "tiny-cpu": _preset((3.45e-3, 6.88e-5, 4.64e-5, 1.85e-4, 1.44e-4), 2_048, 2_048),
+    "tiny-cpu": _preset((3.45e-3, 6.88e-5, 4.64e-5, 1.85e-4, 1.44e-4), 2_048, 4_096),
     "156m-cpu": _preset((2.37e-2, 1.29e-3, 3.26e-4, 1.63e-3, 1.88e-3), 8_192, 2_048),
 }
 

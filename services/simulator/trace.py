@@ -14,7 +14,7 @@ from pathlib import Path
 
 from pdserve.errors import InvalidRequestError
 
-BUILT_IN = ("conversations", "documents")
+BUILT_IN = ("conversations", "documents", "shifting")
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,11 +118,47 @@ def documents(
     return records
 
 
+def shifting(
+    requests: int = 12_000,
+    *,
+    seed: int = 0,
+    block_tokens: int = 512,
+    phase_s: float = 120.0,
+    rag_rate_per_s: float = 4.0,
+    chat_rate_per_s: float = 4.0,
+) -> list[TraceRecord]:
+    """A load whose mix moves: prompt-heavy retrieval (a popular document of 2-7 blocks and a
+    fresh question of 64-448 tokens, answers of 16-64 tokens), then output-heavy chat (one of
+    a few one-block system prompts and a message of 32-256 tokens, answers of 128-512 tokens),
+    then retrieval again, and so on, each phase `phase_s` long with Poisson arrivals at its
+    own rate. What a planner must follow: the first phase wants prefill instances, the second
+    decode instances."""
+    rng = random.Random(seed)
+    ids = _Ids()
+    docs = [ids.new(rng.randint(2, 7)) for _ in range(300)]
+    systems = [ids.new(1) for _ in range(4)]
+    records: list[TraceRecord] = []
+    at_s = 0.0
+    while len(records) < requests:
+        rag = int(at_s // phase_s) % 2 == 0
+        at_s += rng.expovariate(rag_rate_per_s if rag else chat_rate_per_s)
+        if rag:
+            chain, fresh, output = docs[_zipf(rng, len(docs))], rng.randint(64, 448), (16, 64)
+        else:
+            chain, fresh, output = systems[_zipf(rng, 4)], rng.randint(32, 256), (128, 512)
+        length = len(chain) * block_tokens + fresh
+        records.append(TraceRecord(at_s * 1000, length, rng.randint(*output),
+                                   (*chain, *ids.new(1))))  # fmt: skip
+    return records
+
+
 def built_in(name: str, requests: int, seed: int, block_tokens: int) -> list[TraceRecord]:
     if name == "conversations":
         return conversations(requests, seed=seed, block_tokens=block_tokens)
     if name == "documents":
         return documents(requests, seed=seed, block_tokens=block_tokens)
+    if name == "shifting":
+        return shifting(requests, seed=seed, block_tokens=block_tokens)
     raise InvalidRequestError(f"unknown workload {name!r}; built in: {', '.join(BUILT_IN)}")
 
 

@@ -162,3 +162,59 @@ def test_the_cli_names_a_bad_step_model(tmp_path: Path, capsys: pytest.CaptureFi
     code = main(["simulate", "documents", "--latency", "--requests", "5", "--step-model", str(bad)])
     assert code != 0
     assert "not a step time model" in capsys.readouterr().err
+
+
+def steady(duration_s: float, per_s: float, output: int) -> list[TraceRecord]:
+    """One request every 1/per_s seconds, each its own prompt of 32 tokens."""
+    count = int(duration_s * per_s)
+    return [record(n / per_s, 32, output, 1000 * n) for n in range(count)]
+
+
+def roles_at(result, at_s: float) -> dict[str, str]:  # type: ignore[no-untyped-def]
+    sample = min(result.samples, key=lambda s: abs(s.at - at_s))
+    return {name: row[0] for name, row in sample.instances.items()}
+
+
+def test_a_role_change_drains_the_instance_then_routes_it_in_its_new_role() -> None:
+    spec = ClusterSpec({"prefill": profile(), "decode": profile()}, prefill=2, decode=1)
+    sim = Simulation(spec, block_tokens=16)
+    sim.at(2.0, lambda: sim.change_role("prefill-1", "decode", 0.5))
+    result = sim.run(steady(6.0, 10, 20))
+    assert not any(r.failed for r in result.requests)
+    assert roles_at(result, 1.0)["prefill-1"] == "prefill"
+    assert roles_at(result, 4.0)["prefill-1"] == "decode"
+    assert result.instance_names == {"prefill-0": "prefill", "prefill-1": "decode",
+                                     "decode-0": "decode"}  # fmt: skip
+    # in its new role it decodes: some request that came after the switch ran there
+    later = [s for s in result.samples if s.at > 3.0]
+    assert max(s.instances["prefill-1"][1] for s in later) > 0
+    assert result.instance_seconds == pytest.approx(3 * (result.ended - result.started))
+
+
+def test_an_added_instance_counts_from_its_start_and_serves_once_ready() -> None:
+    spec = ClusterSpec({"prefill": profile(), "decode": profile()}, prefill=1, decode=1)
+    sim = Simulation(spec, block_tokens=16)
+    sim.at(1.0, lambda: sim.start_instance("decode", 2.0))
+    result = sim.run(steady(8.0, 20, 10))
+    assert not any(r.failed for r in result.requests)
+    starting = [s for s in result.samples if 1.0 < s.at < 3.0]
+    assert starting and all(s.instances["decode-1"][1] == 0 for s in starting)
+    assert any(s.instances["decode-1"][1] > 0 for s in result.samples if s.at > 3.0)
+    duration = result.ended - result.started
+    assert result.instance_seconds == pytest.approx(2 * duration + result.ended - 1.0)
+
+
+def test_a_stopped_instance_finishes_its_requests_and_stops_counting() -> None:
+    spec = ClusterSpec({"prefill": profile(), "decode": profile()}, prefill=1, decode=2)
+    sim = Simulation(spec, block_tokens=16)
+    sim.at(1.0, lambda: sim.stop_instance("decode-1"))
+    result = sim.run(steady(5.0, 20, 30))
+    assert not any(r.failed for r in result.requests)
+    assert set(result.instance_names) == {"prefill-0", "decode-0"}
+    gone = min(s.at for s in result.samples if "decode-1" not in s.instances)
+    assert gone > 1.0  # it drained first
+    duration = result.ended - result.started
+    assert result.instance_seconds == pytest.approx(2 * duration + gone - result.started,
+                                                    abs=spec.router.stats_interval_s)  # fmt: skip
+    with pytest.raises(ConfigError, match="not serving"):
+        sim.stop_instance("decode-1")

@@ -9,7 +9,15 @@ from dataclasses import replace
 import pytest
 
 from pdserve.config import ClusterConfig, PlannerConfig
-from services.planner.evaluate import SimulatedCluster, predict, synthetic_trace
+from pdserve.errors import ConfigError
+from services.planner.evaluate import (
+    IntervalModel,
+    SimulatedCluster,
+    means,
+    predict,
+    synthetic_trace,
+    warm_up_s,
+)
 from services.planner.planner import (
     Forecast,
     Planner,
@@ -218,3 +226,31 @@ def test_the_simulator_sees_which_role_a_load_needs() -> None:
         predict(cluster, Split(2, 1), rag_trace).ttft_p90_s
         < predict(cluster, Split(1, 2), rag_trace).ttft_p90_s
     )
+
+
+def test_a_split_is_judged_after_a_warm_up_as_long_as_requests_lived() -> None:
+    cluster = simulated()
+    # long answers: each request lives ~8 s, so a decode instance holds ~8 s of arrivals
+    samples = tuple(Sample(0.0, 48, 0, 300, 0.05, 0.02, 8.0 + n / 10) for n in range(10))
+    chat = Forecast(10.0, samples)
+    assert warm_up_s(chat, 5.0) == pytest.approx(8.8)
+    assert warm_up_s(chat, 2.0) == pytest.approx(6.0)  # at most three intervals
+    assert warm_up_s(Forecast(100.0, samples), 2.0) == pytest.approx(3.0)  # MAX_REQUESTS
+    model = IntervalModel(cluster, 5.0)
+    warmed = model.predict(Split(2, 1), chat)
+    cold = predict(cluster, Split(2, 1), synthetic_trace(chat, 5.0, 16))
+    assert warmed.itl_p90_s > cold.itl_p90_s  # the steady batch is bigger than a fresh one's
+    # the candidates are judged at more load than the current split (the headroom)
+    heavier = model.predict(Split(2, 1), Forecast(15.0, samples))
+    assert heavier.itl_p90_s > warmed.itl_p90_s
+
+
+def test_the_mean_sizing_judges_every_request_at_the_mean_lengths() -> None:
+    samples = (Sample(0, 3000, 1000, 10, None, None), Sample(0, 100, 0, 500, None, None))
+    typical = means(Forecast(4.0, samples))
+    assert typical.rate_per_s == 4.0
+    assert [(s.prompt_tokens, s.cached_tokens, s.output_tokens) for s in typical.samples] == [
+        (1550, 500, 255)
+    ]
+    with pytest.raises(ConfigError, match="sizing"):
+        IntervalModel(simulated(), 5.0, "median")
