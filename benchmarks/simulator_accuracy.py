@@ -168,6 +168,27 @@ def stage_means(url: str, instances: dict[str, Any]) -> dict[str, float]:
     return means
 
 
+def stage_means_simulated(result: Any) -> dict[str, float]:
+    """Mean seconds between the points a simulated disaggregated request passed, named as the
+    live stages they stand for."""
+    spans = {
+        "arrival -> at prefill (the router's hop)": ("arrival", "at_prefill"),
+        "reservation wait (prefill)": ("at_prefill", "reserved"),
+        "queue + prefill (prefill)": ("reserved", "computed"),
+        "computed -> handed off (transfer, hops, decode's mailbox)": ("computed", "handed_off"),
+        "handed off -> first token at the client": ("handed_off", "first_token"),
+        "TTFT": ("arrival", "first_token"),
+    }
+    means = {}
+    remote = [r for r in result.requests if r.path == "remote" and r.first_token is not None]
+    for name, (start, end) in spans.items():
+        points = [{**r.marks, "arrival": r.arrival, "first_token": r.first_token} for r in remote]
+        gaps = [p[end] - p[start] for p in points if start in p and end in p]
+        if gaps:
+            means[name] = statistics.fmean(gaps)
+    return means
+
+
 def link_gbps(instances: Path) -> float:
     """Prefill's measured KV transfer speed (GB/s)."""
     gbps = measured_link_gbps(json.loads(instances.read_text())["instances"])
@@ -212,6 +233,10 @@ def main() -> None:
     print("\nlive stage means (ms):")
     for name, mean in sorted(stages.items()):
         print(f"  {name}: {1000 * mean:.2f}")
+    simulated_stages = stage_means_simulated(result)
+    print("simulated stage means of the disaggregated requests (ms):")
+    for name, mean in simulated_stages.items():
+        print(f"  {name}: {1000 * mean:.2f}")
     metrics = {f"{what}_{q}_ratio": figures[what][f"{q}_ratio"] for what in ("ttft", "itl")
                for q in ("p50", "p90")}  # fmt: skip
     within = all(abs(metrics[f"{w}_p50_ratio"] - 1) <= 0.15 for w in ("ttft", "itl")) and all(
@@ -222,7 +247,8 @@ def main() -> None:
     finish(NAME, args, {"figures": figures, "simulated": simulated,
                         "live_ttft_s": [r["ttft"] for r in live],
                         "instances": saved, "link_gbps": gbps, "rpc_s": rpc_s,
-                        "live_stage_means_s": stages}, metrics)  # fmt: skip
+                        "live_stage_means_s": stages,
+                        "simulated_stage_means_s": simulated_stages}, metrics)  # fmt: skip
 
 
 def compare(measured: dict[str, dict[str, float]], simulated: dict[str, Any]) -> dict[str, Any]:

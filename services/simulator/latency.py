@@ -137,6 +137,10 @@ class RequestResult:
     last_token: float | None = None
     tokens: int = 0  # output tokens delivered
     failed: str = ""  # why it failed (empty: it did not)
+    # when a disaggregated request passed each point of its way (the last attempt's):
+    # at_prefill, reserved (prefill has decode's reservation), computed (prefill's first
+    # token), handed_off (decode took it)
+    marks: dict[str, float] = field(default_factory=dict)
 
     @property
     def ttft(self) -> float | None:
@@ -622,6 +626,7 @@ class Simulation:
 
     def _prefill(self, flight: _Flight, prefill: SimInstance, decode: SimInstance) -> None:
         flight.result.path = "remote"
+        flight.result.marks["at_prefill"] = self.now
         request = self._request(flight, prefill_only=True)
 
         def preallocate() -> None:
@@ -651,7 +656,11 @@ class Simulation:
             return
         decode.reserved[mine.request_id] = mine
         flight.decode, flight.decode_cached = decode, admission.num_computed_tokens
-        self._hop(lambda: prefill.call(lambda: prefill.submit(request)))
+        self._hop(lambda: prefill.call(lambda: self._submit_reserved(flight, prefill, request)))
+
+    def _submit_reserved(self, flight: _Flight, prefill: SimInstance, request: Request) -> None:
+        flight.result.marks["reserved"] = self.now
+        prefill.submit(request)
 
     def _retry(self, flight: _Flight, refused_by: str) -> None:
         """The attempt failed before its first token (a decode instance refused): the router
@@ -670,6 +679,7 @@ class Simulation:
     def kv_ready(self, prefill: SimInstance, request: Request) -> None:
         """Prefill computed the prompt: the blocks decode lacks move, then decode starts."""
         flight = self._flights[request.request_id]
+        flight.result.marks["computed"] = self.now
         decode = flight.decode
         if decode is None:
             raise IntegrityError(
@@ -694,6 +704,7 @@ class Simulation:
         decode.scheduler.admit_prefilled(request)
         request.append_output_token(first_token)
         flight.result.cached_tokens = sent.num_cached_tokens
+        flight.result.marks["handed_off"] = self.now
         flight.leases[0].release()  # prefill is done once the first token exists
         self.token(decode, request)
         decode.kick()

@@ -32,8 +32,11 @@ def up(
     ray_session: None, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[UpCluster]:
     workdir = tmp_path_factory.mktemp("planner")
+    # 2,048 KV blocks: room for the requests that queue on the one overloaded decode instance
+    # until the planner moves (reservations wait rather than fail): ~10 s alone, longer on a
+    # machine busy with other tests
     config = (
-        f"engine:\n  model: {tiny_model_dir}\n  torch_threads: 1\n  num_kv_blocks: 512\n"
+        f"engine:\n  model: {tiny_model_dir}\n  torch_threads: 1\n  num_kv_blocks: 2048\n"
         f"  max_num_seqs: 4\n"
         f"prefill:\n  replicas: 2\n  num_cpus: 1\ndecode:\n  num_cpus: 1\n"
         f"router:\n  port: 0\nadmin:\n  port: 0\nstorage:\n  enabled: false\n"

@@ -74,6 +74,14 @@ def test_a_disaggregated_request_pays_its_transfer_and_decode_hands_out_prefills
 
     # 32 tokens: one prefill step, then two 1 MB blocks over the link
     assert ttft(1.0) == pytest.approx(C0 + 32 * PER_TOKEN + 2e6 / 1e9)
+    spec = ClusterSpec({"prefill": profile(), "decode": profile()}, rpc_s=0.001)
+    [r] = run(spec, [record(0, 32, 4, 0)]).requests
+    step = C0 + 32 * PER_TOKEN
+    # router -> prefill; -> decode (Reserve) and back; computed; the KV and StartDecode
+    assert r.marks == pytest.approx({"at_prefill": 0.001, "reserved": 0.003,
+                                     "computed": 0.003 + step,
+                                     "handed_off": 0.004 + step + 2e6 / 1e9})  # fmt: skip
+    assert r.first_token == pytest.approx(r.marks["handed_off"] + 0.001)  # to the router
     assert ttft(0.1) - ttft(1.0) == pytest.approx(2e6 / 1e8 - 2e6 / 1e9)
 
 
