@@ -2,6 +2,7 @@
 and the metrics. The API itself is tested against a `pdserve up` cluster in
 tests/e2e/test_openai_api.py."""
 
+import itertools
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -82,12 +83,16 @@ def test_dead_prefill_is_routed_around_and_rejoins_when_it_returns(
     # could fail again and send every prompt elsewhere) ...
     wait_for(lambda: address in index.instances(), 60)
     assert address in router.membership.routable(Role.PREFILL)
-    # ... and its events flow: a prompt prefilled there shows up in the router's index.
-    for n in range(4):
-        client.completions.create(
-            model=MODEL, prompt=f"after {n} " * 8, max_tokens=2, temperature=0
-        )
-    wait_for(lambda: index.num_blocks(address) > 0)
+    # ... and its events flow: a prompt prefilled there shows up in the router's index (new
+    # prompts are sent until the policy picks it: with equal loads it may pick the other one)
+    prompts = itertools.count()
+
+    def prefilled_there() -> bool:
+        prompt = f"after {next(prompts)} " * 8
+        client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0)
+        return index.num_blocks(address) > 0
+
+    wait_for(prefilled_there)
 
 
 def test_metrics_count_requests_and_latencies(stack: Stack, client: openai.OpenAI) -> None:
