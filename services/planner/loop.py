@@ -82,17 +82,15 @@ class PlannerLoop:
         history = (router.history.arrivals_since(since), router.history.served_since(since))
         vocab_size = router.model.vocab_size
         decision, load = plan(self.planner, current, history, now, not_ready,
-                              lambda load: self._prepare(instances, load, vocab_size))  # fmt: skip
+                              lambda: self._prepare(instances, vocab_size))  # fmt: skip
         self._report(decision, load)
         if decision.action == "change":
             self._apply(decision)
         return decision
 
-    def _prepare(
-        self, instances: list[admin_pb2.InstanceInfo], load: Forecast, vocab_size: int
-    ) -> None:
+    def _prepare(self, instances: list[admin_pb2.InstanceInfo], vocab_size: int) -> None:
         """The simulated cluster of this interval (profiles from the instances' fits, the
-        measured link) and a new model of it (`load`'s traces are drawn when asked for)."""
+        measured link) and a new model of it (each load's trace drawn when first asked for)."""
         listing = [MessageToDict(i, preserving_proto_field_name=True) for i in instances]
         profiles, _ = from_listing(listing, self.config)
         link = measured_link_gbps(listing)

@@ -254,15 +254,15 @@ def plan(
     history: tuple[Sequence[float], Sequence[Sample]],
     now: float,
     not_ready: Sequence[str],
-    prepare: Callable[[Forecast], object],
+    prepare: Callable[[], object],
 ) -> tuple[Decision, Forecast | None]:
     """One planning interval: the forecast from `history` (arrival times, samples of the
-    requests served; `now` on their clock), `prepare(forecast)` readying the evaluations
-    (skipped while instances are not ready), and the decision."""
+    requests served; `now` on their clock), `prepare()` readying this interval's model
+    (skipped without a forecast or while instances are not ready), and the decision."""
     arrivals, samples = history
     load = forecast(arrivals, samples, now, planner.config)
     if load is not None and not not_ready:
-        prepare(load)
+        prepare()
     seen = observed(samples, now, planner.config)
     return planner.decide(current, load, seen, not_ready), load
 

@@ -84,8 +84,8 @@ class PlannedSimulation:
         now = sim.now
         since = now - max(config.history_s, 2 * config.interval_s)
         arrivals = [r.arrival for r in sim.results if r.arrival >= since]
-        served = [_sample(r) for r in sim.results if _served(r)]
-        samples = sorted((s for s in served if s.finished >= since), key=lambda s: s.finished)
+        ended = [r for r in sim.results if _served(r) and (r.last_token or 0.0) >= since]
+        samples = sorted(map(_sample, ended), key=lambda s: s.finished)  # as the router's history
         decision, _ = plan(self.planner, self._split(), (arrivals, samples), now,
                            sorted(sim.changing), self._prepare)  # fmt: skip
         self.decisions.append(decision)
@@ -96,7 +96,7 @@ class PlannedSimulation:
         roles = [instance.role for instance in self.sim.instances.values()]
         return Split(roles.count("prefill"), roles.count("decode"))
 
-    def _prepare(self, load: Forecast) -> None:
+    def _prepare(self) -> None:
         """A new interval: new traces."""
         self._model = IntervalModel(self._model.cluster, self._model.interval_s,
                                     self._model.sizing)  # fmt: skip
