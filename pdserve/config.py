@@ -552,7 +552,8 @@ class PlannerConfig:
     interval_s: float = 30.0
     """How often the planner decides; also the window whose arrivals set the forecast rate."""
     history_s: float = 120.0
-    """How far back the request lengths it samples from reach."""
+    """How far back the request lengths it samples from reach (the last 32 served when none
+    ended that recently)."""
     min_prefill: int = 1
     """Fewest prefill instances."""
     max_prefill: int = 8

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from pdserve.v1 import common_pb2 as pdserve_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16pdserve/v1/admin.proto\x12\npdserve.v1\x1a\x17pdserve/v1/common.proto\"\x16\n\x14ListInstancesRequest\"\x1b\n\x0bInstanceRef\x12\x0c\n\x04name\x18\x01 \x01(\t\"\xbd\x01\n\x0cInstanceInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\x17\n\x0fmetrics_address\x18\x04 \x01(\t\x12\r\n\x05\x61live\x18\x05 \x01(\x08\x12\x0f\n\x07\x64rained\x18\x06 \x01(\x08\x12(\n\x05stats\x18\x07 \x01(\x0b\x32\x19.pdserve.v1.InstanceStats\x12\x10\n\x08restarts\x18\x08 \x01(\r\x12\x0b\n\x03pid\x18\t \x01(\x03\"A\n\x12ListInstancesReply\x12+\n\tinstances\x18\x01 \x03(\x0b\x32\x18.pdserve.v1.InstanceInfo\"2\n\x10ScaleRoleRequest\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x10\n\x08replicas\x18\x02 \x01(\r\"/\n\x11\x43hangeRoleRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\"\x16\n\x14PlannerStatusRequest\"7\n\x0ePlannerTargets\x12\x12\n\nttft_p90_s\x18\x01 \x01(\x01\x12\x11\n\titl_p90_s\x18\x02 \x01(\x01\"X\n\x0fSplitPrediction\x12\r\n\x05split\x18\x01 \x01(\t\x12\x12\n\nttft_p90_s\x18\x02 \x01(\x01\x12\x11\n\titl_p90_s\x18\x03 \x01(\x01\x12\x0f\n\x07goodput\x18\x04 \x01(\x01\"\x9f\x02\n\x0fPlannerDecision\x12\x11\n\tat_unix_s\x18\x01 \x01(\x01\x12\x0e\n\x06\x61\x63tion\x18\x02 \x01(\t\x12\x0f\n\x07\x63urrent\x18\x03 \x01(\t\x12\x0e\n\x06target\x18\x04 \x01(\t\x12\x0e\n\x06reason\x18\x05 \x01(\t\x12\x13\n\x0bunreachable\x18\x06 \x01(\x08\x12\x1c\n\x14predicted_ttft_p90_s\x18\x07 \x01(\x01\x12\x1b\n\x13predicted_itl_p90_s\x18\x08 \x01(\x01\x12\x1b\n\x13observed_ttft_p90_s\x18\t \x01(\x01\x12\x1a\n\x12observed_itl_p90_s\x18\n \x01(\x01\x12/\n\ncandidates\x18\x0b \x03(\x0b\x32\x1b.pdserve.v1.SplitPrediction\"}\n\rPlannerStatus\x12\x0f\n\x07\x65nabled\x18\x01 \x01(\x08\x12.\n\tdecisions\x18\x02 \x03(\x0b\x32\x1b.pdserve.v1.PlannerDecision\x12+\n\x07targets\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.PlannerTargets\")\n\x17SetRoutingPolicyRequest\x12\x0e\n\x06policy\x18\x01 \x01(\t\")\n\x15SetRoutingPolicyReply\x12\x10\n\x08previous\x18\x01 \x01(\t\"\x13\n\x11\x43\x61\x63heStatsRequest\"p\n\x12InstanceCacheStats\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07queries\x18\x02 \x01(\x04\x12\x13\n\x0b\x64\x65vice_hits\x18\x03 \x01(\x04\x12\x14\n\x0cstorage_hits\x18\x04 \x01(\x04\x12\x10\n\x08hit_rate\x18\x05 \x01(\x01\"V\n\x0f\x43\x61\x63heStatsReply\x12\x31\n\tinstances\x18\x01 \x03(\x0b\x32\x1e.pdserve.v1.InstanceCacheStats\x12\x10\n\x08hit_rate\x18\x02 \x01(\x01\"/\n\x11\x46lushCacheRequest\x12\x0c\n\x04tier\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\"!\n\x0f\x46lushCacheReply\x12\x0e\n\x06\x62locks\x18\x01 \x01(\x04\")\n\x13RequestTraceRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\xc0\x01\n\nTraceStage\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x10\n\x08instance\x18\x02 \x01(\t\x12\x0f\n\x07start_s\x18\x03 \x01(\x01\x12\x12\n\nduration_s\x18\x04 \x01(\x01\x12:\n\nattributes\x18\x05 \x03(\x0b\x32&.pdserve.v1.TraceStage.AttributesEntry\x1a\x31\n\x0f\x41ttributesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\xd4\x01\n\x0cRequestTrace\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08trace_id\x18\x02 \x01(\t\x12\x0e\n\x06status\x18\x03 \x01(\t\x12\x15\n\rprompt_tokens\x18\x04 \x01(\r\x12\x15\n\routput_tokens\x18\x05 \x01(\r\x12\x10\n\x08\x61ttempts\x18\x06 \x01(\r\x12\x12\n\nmigrations\x18\x07 \x01(\r\x12\x12\n\nduration_s\x18\x08 \x01(\x01\x12&\n\x06stages\x18\t \x03(\x0b\x32\x16.pdserve.v1.TraceStage2\xe7\x07\n\x0c\x41\x64minService\x12Q\n\rListInstances\x12 .pdserve.v1.ListInstancesRequest\x1a\x1e.pdserve.v1.ListInstancesReply\x12\x42\n\rDrainInstance\x12\x17.pdserve.v1.InstanceRef\x1a\x18.pdserve.v1.InstanceInfo\x12\x43\n\x0eResumeInstance\x12\x17.pdserve.v1.InstanceRef\x1a\x18.pdserve.v1.InstanceInfo\x12I\n\x0eRemoveInstance\x12\x17.pdserve.v1.InstanceRef\x1a\x1e.pdserve.v1.ListInstancesReply\x12I\n\tScaleRole\x12\x1c.pdserve.v1.ScaleRoleRequest\x1a\x1e.pdserve.v1.ListInstancesReply\x12\x45\n\nChangeRole\x12\x1d.pdserve.v1.ChangeRoleRequest\x1a\x18.pdserve.v1.InstanceInfo\x12O\n\x10GetPlannerStatus\x12 .pdserve.v1.PlannerStatusRequest\x1a\x19.pdserve.v1.PlannerStatus\x12J\n\x11SetPlannerTargets\x12\x1a.pdserve.v1.PlannerTargets\x1a\x19.pdserve.v1.PlannerStatus\x12Z\n\x10SetRoutingPolicy\x12#.pdserve.v1.SetRoutingPolicyRequest\x1a!.pdserve.v1.SetRoutingPolicyReply\x12K\n\rGetCacheStats\x12\x1d.pdserve.v1.CacheStatsRequest\x1a\x1b.pdserve.v1.CacheStatsReply\x12H\n\nFlushCache\x12\x1d.pdserve.v1.FlushCacheRequest\x1a\x1b.pdserve.v1.FlushCacheReply\x12@\n\x0c\x41\x62ortRequest\x12\x18.pdserve.v1.AbortRequest\x1a\x16.pdserve.v1.AbortReply\x12L\n\x0fGetRequestTrace\x12\x1f.pdserve.v1.RequestTraceRequest\x1a\x18.pdserve.v1.RequestTraceb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16pdserve/v1/admin.proto\x12\npdserve.v1\x1a\x17pdserve/v1/common.proto\"\x16\n\x14ListInstancesRequest\"\x1b\n\x0bInstanceRef\x12\x0c\n\x04name\x18\x01 \x01(\t\"\xbd\x01\n\x0cInstanceInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\x17\n\x0fmetrics_address\x18\x04 \x01(\t\x12\r\n\x05\x61live\x18\x05 \x01(\x08\x12\x0f\n\x07\x64rained\x18\x06 \x01(\x08\x12(\n\x05stats\x18\x07 \x01(\x0b\x32\x19.pdserve.v1.InstanceStats\x12\x10\n\x08restarts\x18\x08 \x01(\r\x12\x0b\n\x03pid\x18\t \x01(\x03\"A\n\x12ListInstancesReply\x12+\n\tinstances\x18\x01 \x03(\x0b\x32\x18.pdserve.v1.InstanceInfo\"2\n\x10ScaleRoleRequest\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x10\n\x08replicas\x18\x02 \x01(\r\"/\n\x11\x43hangeRoleRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\"\x16\n\x14PlannerStatusRequest\"7\n\x0ePlannerTargets\x12\x12\n\nttft_p90_s\x18\x01 \x01(\x01\x12\x11\n\titl_p90_s\x18\x02 \x01(\x01\"X\n\x0fSplitPrediction\x12\r\n\x05split\x18\x01 \x01(\t\x12\x12\n\nttft_p90_s\x18\x02 \x01(\x01\x12\x11\n\titl_p90_s\x18\x03 \x01(\x01\x12\x0f\n\x07goodput\x18\x04 \x01(\x01\"\xb7\x03\n\x0fPlannerDecision\x12\x11\n\tat_unix_s\x18\x01 \x01(\x01\x12\x0e\n\x06\x61\x63tion\x18\x02 \x01(\t\x12\x0f\n\x07\x63urrent\x18\x03 \x01(\t\x12\x0e\n\x06target\x18\x04 \x01(\t\x12\x0e\n\x06reason\x18\x05 \x01(\t\x12\x13\n\x0bunreachable\x18\x06 \x01(\x08\x12\x1c\n\x14predicted_ttft_p90_s\x18\x07 \x01(\x01\x12\x1b\n\x13predicted_itl_p90_s\x18\x08 \x01(\x01\x12\x1b\n\x13observed_ttft_p90_s\x18\t \x01(\x01\x12\x1a\n\x12observed_itl_p90_s\x18\n \x01(\x01\x12/\n\ncandidates\x18\x0b \x03(\x0b\x32\x1b.pdserve.v1.SplitPrediction\x12\x1b\n\x13\x66orecast_rate_per_s\x18\x0c \x01(\x01\x12\x19\n\x11\x66orecast_requests\x18\r \x01(\r\x12\x1e\n\x16\x66orecast_prompt_tokens\x18\x0e \x01(\x01\x12\x1e\n\x16\x66orecast_output_tokens\x18\x0f \x01(\x01\x12\x1e\n\x16\x66orecast_cached_tokens\x18\x10 \x01(\x01\"}\n\rPlannerStatus\x12\x0f\n\x07\x65nabled\x18\x01 \x01(\x08\x12.\n\tdecisions\x18\x02 \x03(\x0b\x32\x1b.pdserve.v1.PlannerDecision\x12+\n\x07targets\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.PlannerTargets\")\n\x17SetRoutingPolicyRequest\x12\x0e\n\x06policy\x18\x01 \x01(\t\")\n\x15SetRoutingPolicyReply\x12\x10\n\x08previous\x18\x01 \x01(\t\"\x13\n\x11\x43\x61\x63heStatsRequest\"p\n\x12InstanceCacheStats\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07queries\x18\x02 \x01(\x04\x12\x13\n\x0b\x64\x65vice_hits\x18\x03 \x01(\x04\x12\x14\n\x0cstorage_hits\x18\x04 \x01(\x04\x12\x10\n\x08hit_rate\x18\x05 \x01(\x01\"V\n\x0f\x43\x61\x63heStatsReply\x12\x31\n\tinstances\x18\x01 \x03(\x0b\x32\x1e.pdserve.v1.InstanceCacheStats\x12\x10\n\x08hit_rate\x18\x02 \x01(\x01\"/\n\x11\x46lushCacheRequest\x12\x0c\n\x04tier\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\"!\n\x0f\x46lushCacheReply\x12\x0e\n\x06\x62locks\x18\x01 \x01(\x04\")\n\x13RequestTraceRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\xc0\x01\n\nTraceStage\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x10\n\x08instance\x18\x02 \x01(\t\x12\x0f\n\x07start_s\x18\x03 \x01(\x01\x12\x12\n\nduration_s\x18\x04 \x01(\x01\x12:\n\nattributes\x18\x05 \x03(\x0b\x32&.pdserve.v1.TraceStage.AttributesEntry\x1a\x31\n\x0f\x41ttributesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\xd4\x01\n\x0cRequestTrace\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08trace_id\x18\x02 \x01(\t\x12\x0e\n\x06status\x18\x03 \x01(\t\x12\x15\n\rprompt_tokens\x18\x04 \x01(\r\x12\x15\n\routput_tokens\x18\x05 \x01(\r\x12\x10\n\x08\x61ttempts\x18\x06 \x01(\r\x12\x12\n\nmigrations\x18\x07 \x01(\r\x12\x12\n\nduration_s\x18\x08 \x01(\x01\x12&\n\x06stages\x18\t \x03(\x0b\x32\x16.pdserve.v1.TraceStage2\xe7\x07\n\x0c\x41\x64minService\x12Q\n\rListInstances\x12 .pdserve.v1.ListInstancesRequest\x1a\x1e.pdserve.v1.ListInstancesReply\x12\x42\n\rDrainInstance\x12\x17.pdserve.v1.InstanceRef\x1a\x18.pdserve.v1.InstanceInfo\x12\x43\n\x0eResumeInstance\x12\x17.pdserve.v1.InstanceRef\x1a\x18.pdserve.v1.InstanceInfo\x12I\n\x0eRemoveInstance\x12\x17.pdserve.v1.InstanceRef\x1a\x1e.pdserve.v1.ListInstancesReply\x12I\n\tScaleRole\x12\x1c.pdserve.v1.ScaleRoleRequest\x1a\x1e.pdserve.v1.ListInstancesReply\x12\x45\n\nChangeRole\x12\x1d.pdserve.v1.ChangeRoleRequest\x1a\x18.pdserve.v1.InstanceInfo\x12O\n\x10GetPlannerStatus\x12 .pdserve.v1.PlannerStatusRequest\x1a\x19.pdserve.v1.PlannerStatus\x12J\n\x11SetPlannerTargets\x12\x1a.pdserve.v1.PlannerTargets\x1a\x19.pdserve.v1.PlannerStatus\x12Z\n\x10SetRoutingPolicy\x12#.pdserve.v1.SetRoutingPolicyRequest\x1a!.pdserve.v1.SetRoutingPolicyReply\x12K\n\rGetCacheStats\x12\x1d.pdserve.v1.CacheStatsRequest\x1a\x1b.pdserve.v1.CacheStatsReply\x12H\n\nFlushCache\x12\x1d.pdserve.v1.FlushCacheRequest\x1a\x1b.pdserve.v1.FlushCacheReply\x12@\n\x0c\x41\x62ortRequest\x12\x18.pdserve.v1.AbortRequest\x1a\x16.pdserve.v1.AbortReply\x12L\n\x0fGetRequestTrace\x12\x1f.pdserve.v1.RequestTraceRequest\x1a\x18.pdserve.v1.RequestTraceb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -53,31 +53,31 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SPLITPREDICTION']._serialized_start=557
   _globals['_SPLITPREDICTION']._serialized_end=645
   _globals['_PLANNERDECISION']._serialized_start=648
-  _globals['_PLANNERDECISION']._serialized_end=935
-  _globals['_PLANNERSTATUS']._serialized_start=937
-  _globals['_PLANNERSTATUS']._serialized_end=1062
-  _globals['_SETROUTINGPOLICYREQUEST']._serialized_start=1064
-  _globals['_SETROUTINGPOLICYREQUEST']._serialized_end=1105
-  _globals['_SETROUTINGPOLICYREPLY']._serialized_start=1107
-  _globals['_SETROUTINGPOLICYREPLY']._serialized_end=1148
-  _globals['_CACHESTATSREQUEST']._serialized_start=1150
-  _globals['_CACHESTATSREQUEST']._serialized_end=1169
-  _globals['_INSTANCECACHESTATS']._serialized_start=1171
-  _globals['_INSTANCECACHESTATS']._serialized_end=1283
-  _globals['_CACHESTATSREPLY']._serialized_start=1285
-  _globals['_CACHESTATSREPLY']._serialized_end=1371
-  _globals['_FLUSHCACHEREQUEST']._serialized_start=1373
-  _globals['_FLUSHCACHEREQUEST']._serialized_end=1420
-  _globals['_FLUSHCACHEREPLY']._serialized_start=1422
-  _globals['_FLUSHCACHEREPLY']._serialized_end=1455
-  _globals['_REQUESTTRACEREQUEST']._serialized_start=1457
-  _globals['_REQUESTTRACEREQUEST']._serialized_end=1498
-  _globals['_TRACESTAGE']._serialized_start=1501
-  _globals['_TRACESTAGE']._serialized_end=1693
-  _globals['_TRACESTAGE_ATTRIBUTESENTRY']._serialized_start=1644
-  _globals['_TRACESTAGE_ATTRIBUTESENTRY']._serialized_end=1693
-  _globals['_REQUESTTRACE']._serialized_start=1696
-  _globals['_REQUESTTRACE']._serialized_end=1908
-  _globals['_ADMINSERVICE']._serialized_start=1911
-  _globals['_ADMINSERVICE']._serialized_end=2910
+  _globals['_PLANNERDECISION']._serialized_end=1087
+  _globals['_PLANNERSTATUS']._serialized_start=1089
+  _globals['_PLANNERSTATUS']._serialized_end=1214
+  _globals['_SETROUTINGPOLICYREQUEST']._serialized_start=1216
+  _globals['_SETROUTINGPOLICYREQUEST']._serialized_end=1257
+  _globals['_SETROUTINGPOLICYREPLY']._serialized_start=1259
+  _globals['_SETROUTINGPOLICYREPLY']._serialized_end=1300
+  _globals['_CACHESTATSREQUEST']._serialized_start=1302
+  _globals['_CACHESTATSREQUEST']._serialized_end=1321
+  _globals['_INSTANCECACHESTATS']._serialized_start=1323
+  _globals['_INSTANCECACHESTATS']._serialized_end=1435
+  _globals['_CACHESTATSREPLY']._serialized_start=1437
+  _globals['_CACHESTATSREPLY']._serialized_end=1523
+  _globals['_FLUSHCACHEREQUEST']._serialized_start=1525
+  _globals['_FLUSHCACHEREQUEST']._serialized_end=1572
+  _globals['_FLUSHCACHEREPLY']._serialized_start=1574
+  _globals['_FLUSHCACHEREPLY']._serialized_end=1607
+  _globals['_REQUESTTRACEREQUEST']._serialized_start=1609
+  _globals['_REQUESTTRACEREQUEST']._serialized_end=1650
+  _globals['_TRACESTAGE']._serialized_start=1653
+  _globals['_TRACESTAGE']._serialized_end=1845
+  _globals['_TRACESTAGE_ATTRIBUTESENTRY']._serialized_start=1796
+  _globals['_TRACESTAGE_ATTRIBUTESENTRY']._serialized_end=1845
+  _globals['_REQUESTTRACE']._serialized_start=1848
+  _globals['_REQUESTTRACE']._serialized_end=2060
+  _globals['_ADMINSERVICE']._serialized_start=2063
+  _globals['_ADMINSERVICE']._serialized_end=3062
 # @@protoc_insertion_point(module_scope)

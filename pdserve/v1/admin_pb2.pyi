@@ -255,6 +255,11 @@ class PlannerDecision(_message.Message):
     OBSERVED_TTFT_P90_S_FIELD_NUMBER: _builtins.int
     OBSERVED_ITL_P90_S_FIELD_NUMBER: _builtins.int
     CANDIDATES_FIELD_NUMBER: _builtins.int
+    FORECAST_RATE_PER_S_FIELD_NUMBER: _builtins.int
+    FORECAST_REQUESTS_FIELD_NUMBER: _builtins.int
+    FORECAST_PROMPT_TOKENS_FIELD_NUMBER: _builtins.int
+    FORECAST_OUTPUT_TOKENS_FIELD_NUMBER: _builtins.int
+    FORECAST_CACHED_TOKENS_FIELD_NUMBER: _builtins.int
     at_unix_s: _builtins.float
     action: _builtins.str
     """hold | wait | change"""
@@ -272,6 +277,15 @@ class PlannerDecision(_message.Message):
     observed_ttft_p90_s: _builtins.float
     """the last interval's requests (0: none)"""
     observed_itl_p90_s: _builtins.float
+    forecast_rate_per_s: _builtins.float
+    """the load forecast (0 requests: nothing was): its arrival rate, and the mean lengths of
+    the served requests its lengths are drawn from
+    """
+    forecast_requests: _builtins.int
+    forecast_prompt_tokens: _builtins.float
+    forecast_output_tokens: _builtins.float
+    forecast_cached_tokens: _builtins.float
+    """of the prompt, found in a prefix cache"""
     @_builtins.property
     def candidates(self) -> _containers.RepeatedCompositeFieldContainer[Global___SplitPrediction]:
         """every candidate split, at planner.headroom more load than forecast"""
@@ -290,10 +304,15 @@ class PlannerDecision(_message.Message):
         observed_ttft_p90_s: _builtins.float = ...,
         observed_itl_p90_s: _builtins.float = ...,
         candidates: _abc.Iterable[Global___SplitPrediction] | None = ...,
+        forecast_rate_per_s: _builtins.float = ...,
+        forecast_requests: _builtins.int = ...,
+        forecast_prompt_tokens: _builtins.float = ...,
+        forecast_output_tokens: _builtins.float = ...,
+        forecast_cached_tokens: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["action", b"action", "at_unix_s", b"at_unix_s", "candidates", b"candidates", "current", b"current", "observed_itl_p90_s", b"observed_itl_p90_s", "observed_ttft_p90_s", b"observed_ttft_p90_s", "predicted_itl_p90_s", b"predicted_itl_p90_s", "predicted_ttft_p90_s", b"predicted_ttft_p90_s", "reason", b"reason", "target", b"target", "unreachable", b"unreachable"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["action", b"action", "at_unix_s", b"at_unix_s", "candidates", b"candidates", "current", b"current", "forecast_cached_tokens", b"forecast_cached_tokens", "forecast_output_tokens", b"forecast_output_tokens", "forecast_prompt_tokens", b"forecast_prompt_tokens", "forecast_rate_per_s", b"forecast_rate_per_s", "forecast_requests", b"forecast_requests", "observed_itl_p90_s", b"observed_itl_p90_s", "observed_ttft_p90_s", b"observed_ttft_p90_s", "predicted_itl_p90_s", b"predicted_itl_p90_s", "predicted_ttft_p90_s", b"predicted_ttft_p90_s", "reason", b"reason", "target", b"target", "unreachable", b"unreachable"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

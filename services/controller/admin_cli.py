@@ -226,7 +226,7 @@ def _table(headers: list[str], rows: list[list[object]]) -> None:
 
 def _print_planner(status: admin_pb2.PlannerStatus) -> None:
     """The planner's last decisions, oldest first: when, what, the split before and chosen,
-    predicted and observed p90s (ms), why."""
+    the load forecast, predicted and observed p90s (ms), why."""
     if not status.enabled:
         print("the planner is off (planner.enabled: false)")
         return
@@ -236,15 +236,21 @@ def _print_planner(status: admin_pb2.PlannerStatus) -> None:
     def ms(seconds: float) -> str:
         return f"{seconds * 1000:.0f}" if seconds else "-"
 
+    def load(d: admin_pb2.PlannerDecision) -> str:
+        if not d.forecast_requests:
+            return "-"
+        return (f"{d.forecast_rate_per_s:.1f}/s {d.forecast_prompt_tokens:.0f}"
+                f"({d.forecast_cached_tokens:.0f})->{d.forecast_output_tokens:.0f}")  # fmt: skip
+
     rows: list[list[object]] = [
         [time.strftime("%H:%M:%S", time.localtime(d.at_unix_s)), d.action, d.current, d.target,
-         f"{ms(d.predicted_ttft_p90_s)}/{ms(d.predicted_itl_p90_s)}",
+         load(d), f"{ms(d.predicted_ttft_p90_s)}/{ms(d.predicted_itl_p90_s)}",
          f"{ms(d.observed_ttft_p90_s)}/{ms(d.observed_itl_p90_s)}",
          d.reason + (" (targets unreachable)" if d.unreachable else "")]
         for d in status.decisions
     ]  # fmt: skip
-    _table(["at", "action", "split", "target", "predicted ttft/itl p90 ms",
-            "observed ttft/itl p90 ms", "reason"], rows)  # fmt: skip
+    _table(["at", "action", "split", "target", "forecast rate prompt(cached)->output",
+            "predicted ttft/itl p90 ms", "observed ttft/itl p90 ms", "reason"], rows)  # fmt: skip
 
 
 def _print_trace(trace: admin_pb2.RequestTrace) -> None:

@@ -13,6 +13,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from statistics import fmean
 
 from google.protobuf.json_format import MessageToDict
 
@@ -22,6 +23,7 @@ from pdserve.v1 import admin_pb2
 from services.controller.topology import Refused, Topology
 from services.planner.evaluate import IntervalModel, SimulatedCluster
 from services.planner.planner import (
+    LENGTHS_AT_LEAST,
     Decision,
     Forecast,
     Planner,
@@ -79,7 +81,8 @@ class PlannerLoop:
         not_ready = [i.name for i in instances if not i.alive or i.stats.num_steps == 0]
         now = time.perf_counter()
         since = now - max(planner_config.history_s, 2 * planner_config.interval_s)
-        history = (router.history.arrivals_since(since), router.history.served_since(since))
+        history = (router.history.arrivals_since(since),
+                   router.history.served_since(since, at_least=LENGTHS_AT_LEAST))  # fmt: skip
         vocab_size = router.model.vocab_size
         decision, load = plan(self.planner, current, history, now, not_ready,
                               lambda: self._prepare(instances, vocab_size))  # fmt: skip
@@ -163,6 +166,12 @@ class PlannerLoop:
             if d.observed is not None:
                 message.observed_ttft_p90_s = d.observed.ttft_p90_s
                 message.observed_itl_p90_s = d.observed.itl_p90_s
+            if d.load is not None and (samples := d.load.samples):
+                message.forecast_rate_per_s = d.load.rate_per_s
+                message.forecast_requests = len(samples)
+                message.forecast_prompt_tokens = fmean(s.prompt_tokens for s in samples)
+                message.forecast_cached_tokens = fmean(s.cached_tokens for s in samples)
+                message.forecast_output_tokens = fmean(s.output_tokens for s in samples)
             for split, p in sorted(d.predictions.items()):
                 message.candidates.add(split=str(split), ttft_p90_s=p.ttft_p90_s,
                                        itl_p90_s=p.itl_p90_s, goodput=p.goodput)  # fmt: skip

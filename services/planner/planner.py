@@ -27,6 +27,7 @@ from pdserve.config import PlannerConfig
 from services.router.history import Sample
 
 UNREACHABLE_GAIN = 0.05  # goodput (fraction of requests) a move must win when no split meets
+LENGTHS_AT_LEAST = 32  # requests the lengths are drawn from when none ended in the history
 
 
 @dataclass(frozen=True, slots=True, order=True)
@@ -74,6 +75,7 @@ class Decision:
     observed: Prediction | None = None  # the last interval's requests
     unreachable: bool = False  # no split meets the targets
     predictions: dict[Split, Prediction] = field(default_factory=dict)  # at `headroom` more
+    load: Forecast | None = None  # what was forecast (None: nothing to)
 
 
 def forecast(
@@ -83,16 +85,18 @@ def forecast(
     `interval_s` (every request that came, served or not: a saturated cluster serves less than
     is asked of it), raised by half its rise over the interval before (a rising load is met
     before it arrives, without doubling the noise of a steady one; a falling one is believed
-    once seen), and the lengths of the requests that ended in the last `history_s`. None
-    without an arrival in the last interval or a request served in the history."""
+    once seen), and the lengths of the requests that ended in the last `history_s` — or, when
+    none did (requests that take longer than the history: an overloaded cluster's), of the
+    last `LENGTHS_AT_LEAST` served. `samples`: in the order they ended, at least those. None
+    without an arrival in the last interval or any request served."""
     interval = config.interval_s
     last = sum(1 for a in arrivals if a >= now - interval)
     before = sum(1 for a in arrivals if now - 2 * interval <= a < now - interval)
-    if last == 0:
+    if last == 0 or not samples:
         return None
     rate = (last + max(0, last - before) / 2) / interval
     recent = tuple(s for s in samples if s.finished >= now - config.history_s)
-    return Forecast(rate, recent) if recent else None
+    return Forecast(rate, recent or tuple(samples[-LENGTHS_AT_LEAST:]))
 
 
 def observed(samples: Sequence[Sample], now: float, config: PlannerConfig) -> Prediction | None:
@@ -185,7 +189,7 @@ class Planner:
             predictions: dict[Split, Prediction] | None = None,
         ) -> Decision:
             return Decision(now, action, current, current, reason, predicted, seen, unreachable,
-                            predictions or {})  # fmt: skip
+                            predictions or {}, load)  # fmt: skip
 
         if not_ready:
             return hold("wait", f"waiting for {', '.join(not_ready)} to serve")
@@ -194,7 +198,7 @@ class Planner:
         if load is None:
             self._streak = None
             return hold("hold", "nothing to forecast: no arrival in the last interval, or no "
-                        "request served in planner.history_s")  # fmt: skip
+                        "request served yet")  # fmt: skip
         heavier = Forecast(load.rate_per_s * (1.0 + self.config.headroom), load.samples)
         predictions = {split: self._evaluate(split, heavier) for split in self.candidates(current)}
         as_is = self._evaluate(current, load)
@@ -213,7 +217,7 @@ class Planner:
                 predicted=predicted, unreachable=unreachable, predictions=predictions,
             )  # fmt: skip
         return Decision(now, "change", current, target, reason, predicted, seen, unreachable,
-                        predictions)  # fmt: skip
+                        predictions, load)  # fmt: skip
 
     def _choose(
         self, current: Split, now: Prediction, predictions: dict[Split, Prediction]

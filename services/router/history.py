@@ -42,8 +42,12 @@ class RequestHistory:
         with self._lock:
             return [a for a in self._arrivals if a >= at]
 
-    def served_since(self, at: float) -> list[Sample]:
-        """The requests served whole that ended at or after `at` (perf_counter), oldest
-        first (by when they ended: under a heavy load a request ends long after it came)."""
+    def served_since(self, at: float, at_least: int = 0) -> list[Sample]:
+        """The requests served whole that ended at or after `at` (perf_counter) — or the last
+        `at_least` served if fewer did —, oldest first (by when they ended: under a heavy load
+        a request ends long after it came)."""
         with self._lock:
-            return [s for s in self._samples if s.finished >= at]
+            recent = [s for s in self._samples if s.finished >= at]
+            if len(recent) >= at_least:
+                return recent
+            return list(self._samples)[len(self._samples) - at_least :]

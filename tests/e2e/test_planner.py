@@ -6,12 +6,13 @@ The targets are set at run time (`SetPlannerTargets`) between what the planner i
 for the two splits under each load, so that the test exercises the live loop — forecast,
 simulation on the instances' own step time fits, decision, role change — whatever this
 machine's speed; how well the planner sizes a cluster is measured in the simulator
-(benchmarks/planner.py)."""
+(benchmarks/planner_sim.py)."""
 
+import itertools
 import math
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -32,11 +33,12 @@ def up(
     ray_session: None, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[UpCluster]:
     workdir = tmp_path_factory.mktemp("planner")
-    # 2,048 KV blocks: room for the requests that queue on the one overloaded decode instance
-    # until the planner moves (reservations wait rather than fail): ~10 s alone, longer on a
-    # machine busy with other tests
+    # 8,192 KV blocks (512 MiB an instance): room for the requests that queue on the one
+    # overloaded instance until the planner moves (a request's decode blocks are reserved before
+    # its prefill: 15 s of the RAG load before the move, on a machine busy with other tests,
+    # holds ~7,000)
     config = (
-        f"engine:\n  model: {tiny_model_dir}\n  torch_threads: 1\n  num_kv_blocks: 2048\n"
+        f"engine:\n  model: {tiny_model_dir}\n  torch_threads: 1\n  num_kv_blocks: 8192\n"
         f"  max_num_seqs: 4\n"
         f"prefill:\n  replicas: 2\n  num_cpus: 1\ndecode:\n  num_cpus: 1\n"
         f"router:\n  port: 0\nadmin:\n  port: 0\nstorage:\n  enabled: false\n"
@@ -51,12 +53,15 @@ def up(
 
 
 class Load:
-    """Open loop: `body` sent `rate_per_s` times a second until stopped, each request on its
-    own (users do not wait for each other: a slow cluster sees the load it cannot serve);
-    failures kept."""
+    """Open loop: `body(n)` sent as the n-th request, `rate_per_s` times a second until
+    stopped, each request on its own (users do not wait for each other: a slow cluster sees the
+    load it cannot serve); failures kept."""
 
-    def __init__(self, up: UpCluster, body: dict[str, object], rate_per_s: float) -> None:
+    def __init__(
+        self, up: UpCluster, body: Callable[[int], dict[str, object]], rate_per_s: float
+    ) -> None:
         self.url, self.body, self.rate_per_s = f"{up.router_url}/completions", body, rate_per_s
+        self.output_tokens = int(str(body(0)["max_tokens"]))
         self.done, self.failures = 0, []
         self._stop = threading.Event()
         self._pool = ThreadPoolExecutor(96)
@@ -75,14 +80,16 @@ class Load:
 
     def _send(self) -> None:
         at = time.monotonic()
-        while not self._stop.is_set():
-            self._pool.submit(self._one)
+        for n in itertools.count():
+            if self._stop.is_set():
+                return
+            self._pool.submit(self._one, self.body(n))
             at += 1 / self.rate_per_s
             self._stop.wait(max(0.0, at - time.monotonic()))
 
-    def _one(self) -> None:
+    def _one(self, body: dict[str, object]) -> None:
         try:
-            reply = self._client.post(self.url, json=self.body)
+            reply = self._client.post(self.url, json=body)
         except httpx.HTTPError as e:
             self.failures.append(repr(e))
             return
@@ -104,14 +111,17 @@ def split(up: UpCluster) -> str:
     return f"{roles.count('prefill')}P{roles.count('decode')}D"
 
 
-def predictions_under_load(up: UpCluster, current: str) -> admin_pb2.PlannerDecision:
-    """A decision taken on the load now running only: once the requests of the one before
-    left the planner's history (`history_s` + an interval after this load began)."""
-    clean = time.time() + HISTORY_S + INTERVAL_S
+def predictions_under_load(
+    up: UpCluster, current: str, output_tokens: int
+) -> admin_pb2.PlannerDecision:
+    """A decision taken on the load now running only: its forecast's lengths are this load's
+    (`output_tokens` each) and its rate windows (two intervals) began after the load did."""
+    clean = time.time() + 2 * INTERVAL_S
 
     def fresh() -> admin_pb2.PlannerDecision | None:
         decisions = status(up).decisions
         ready = [d for d in decisions if d.at_unix_s >= clean and d.current == current
+                 and d.forecast_output_tokens == output_tokens
                  and len(d.candidates) > 1]  # fmt: skip
         return ready[-1] if ready else None
 
@@ -136,7 +146,7 @@ def move(up: UpCluster, load: Load, current: str, wanted: str) -> None:
     """Under `load`, set a target between the current split's predicted p90 and the wanted
     split's — of the figure (TTFT or ITL) where the planner predicts the wanted split gains
     most; the other target generous — then wait until the planner moved there."""
-    decision = predictions_under_load(up, current)
+    decision = predictions_under_load(up, current, load.output_tokens)
     if split(up) != wanted:  # (it may have moved on its own: the old target was unreachable)
         candidate = {c.split: c for c in decision.candidates}[wanted]
         ttft = (candidate.ttft_p90_s, decision.predicted_ttft_p90_s)
@@ -145,8 +155,30 @@ def move(up: UpCluster, load: Load, current: str, wanted: str) -> None:
             set_targets(up, between(*ttft), GENEROUS_S)
         else:
             set_targets(up, GENEROUS_S, between(*itl))
-    wait_for(lambda: split(up) == wanted, 120)
+    try:
+        wait_for(lambda: split(up) == wanted, 120)
+    except AssertionError:
+        raise AssertionError(f"still {split(up)}, not {wanted}:\n{recent(up)}") from None
     assert load.done > 0
+
+
+def recent(up: UpCluster) -> str:
+    """The planner's targets and last decisions (TTFT/ITL p90 predicted, observed, and per
+    candidate with its goodput), one a line: what a failed wait shows."""
+    now = status(up)
+    lines = [f"targets {now.targets.ttft_p90_s:.3f}/{now.targets.itl_p90_s:.4f}"]
+    for d in now.decisions[-8:]:
+        candidates = " ".join(
+            f"{c.split} {c.ttft_p90_s:.3f}/{c.itl_p90_s:.4f}/{c.goodput:.2f}" for c in d.candidates
+        )
+        lines.append(
+            f"{d.action} {d.current}->{d.target} ({d.reason}) forecast "
+            f"{d.forecast_rate_per_s:.1f}/s {d.forecast_prompt_tokens:.0f}"
+            f"({d.forecast_cached_tokens:.0f})->{d.forecast_output_tokens:.0f} predicted "
+            f"{d.predicted_ttft_p90_s:.3f}/{d.predicted_itl_p90_s:.4f} observed "
+            f"{d.observed_ttft_p90_s:.3f}/{d.observed_itl_p90_s:.4f}; {candidates}"
+        )
+    return "\n".join(lines)
 
 
 def test_the_planner_moves_an_instance_to_the_role_the_load_needs_and_back(
@@ -158,13 +190,17 @@ def test_the_planner_moves_an_instance_to_the_role_the_load_needs_and_back(
     # serve, not more than two's
     chat = {"model": model, "prompt": "hello there", "max_tokens": 96, "ignore_eos": True,
             "temperature": 0}  # fmt: skip
-    with Load(up, chat, rate_per_s=10) as load:
+    with Load(up, lambda n: chat, rate_per_s=10) as load:
         move(up, load, "2P1D", "1P2D")
     chat_failures = load.failures
-    # long prompts, one token each: one prefill instance computes them one after the other
-    prompt = [3 + i % 250 for i in range(900)]  # token ids within the tiny model's vocabulary
-    rag = {"model": model, "prompt": prompt, "max_tokens": 1, "temperature": 0}
-    with Load(up, rag, rate_per_s=10) as load:
+
+    # long prompts, one token each, each its own (no prefix cache computes them): one prefill
+    # instance computes them one after the other
+    def rag(n: int) -> dict[str, object]:
+        prompt = [3 + (n + i) % 250 for i in range(900)]  # ids within the tiny model's vocabulary
+        return {"model": model, "prompt": prompt, "max_tokens": 1, "temperature": 0}
+
+    with Load(up, rag, rate_per_s=8) as load:
         move(up, load, "1P2D", "2P1D")
     assert chat_failures == [] and load.failures == []
     changes = [d for d in status(up).decisions if d.action == "change"]

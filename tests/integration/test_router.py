@@ -166,3 +166,17 @@ def test_each_stage_of_a_request_is_observed_once_under_bounded_labels(stack: St
                 assert labels["role"].strip('"') in ("prefill", "decode", "mixed"), sample
             if "backend" in labels:  # the router's per-instance gauges: one per instance
                 assert labels["backend"].strip('"') in instances, sample
+
+
+def test_the_history_records_each_requests_cached_prompt_tokens(stack: Stack) -> None:
+    """The planner sizes prefill from the samples' cached tokens: a prompt sent again finds
+    its full blocks in the prefix cache where it is computed, and its sample says so (each
+    prefill instance computes it at most once cold: the policy sends it back to its holder)."""
+    prompt = [3 + (7 * i) % 250 for i in range(100)]  # 6 whole blocks of 16 and 4 tokens
+    params = SamplingParams(max_tokens=2, ignore_eos=True)
+    since = stack.router.history.served_since(0.0)
+    stack.generate(prompt, params)
+    stack.generate(prompt, params)
+    first, again = stack.router.history.served_since(0.0)[len(since) :]
+    assert (first.prompt_tokens, first.cached_tokens, first.output_tokens) == (100, 0, 2)
+    assert (again.prompt_tokens, again.cached_tokens) == (100, 96)

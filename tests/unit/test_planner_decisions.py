@@ -19,6 +19,7 @@ from services.planner.evaluate import (
     warm_up_s,
 )
 from services.planner.planner import (
+    LENGTHS_AT_LEAST,
     Forecast,
     Planner,
     Prediction,
@@ -27,7 +28,7 @@ from services.planner.planner import (
     observed,
     steps,
 )
-from services.router.history import Sample
+from services.router.history import RequestHistory, Sample
 from services.simulator.profiles import STEP_MODELS, from_config
 
 CONFIG = PlannerConfig(ttft_p90_s=1.0, itl_p90_s=0.1, interval_s=10.0, cooldown_s=30.0,
@@ -100,6 +101,23 @@ def test_a_forecast_meets_a_rise_before_it_arrives_and_believes_a_fall_once_seen
     slow = [Sample(-30.0, 700, 0, 64, 20.0, 0.1, finished=24.0)]
     late = forecast([20.0], slow, 25.0, CONFIG)
     assert late is not None and late.samples == tuple(slow)
+
+
+def test_requests_that_outlast_the_history_still_give_a_forecast_their_lengths() -> None:
+    """An overloaded cluster whose requests take longer than `history_s`: the lengths come
+    from the last ones served, and the router's history hands the planner at least those."""
+    history = RequestHistory()
+    for i in range(100):
+        history.add(Sample(float(i), 10 + i, 0, 5, 0.1, 0.01, finished=float(i) + 1))
+    now = 101.0 + CONFIG.history_s + 10  # none ended within the history
+    since = now - CONFIG.history_s
+    assert history.served_since(since) == []
+    served = history.served_since(since, at_least=LENGTHS_AT_LEAST)
+    assert [s.prompt_tokens for s in served] == list(range(110 - LENGTHS_AT_LEAST, 110))
+    assert len(history.served_since(0.0, at_least=LENGTHS_AT_LEAST)) == 100  # all when more
+    stalled = forecast([now - 1.0], served, now, CONFIG)
+    assert stalled is not None and stalled.samples == tuple(served)
+    assert forecast([now - 1.0], [], now, CONFIG) is None  # nothing served ever
 
 
 def test_observed_p90s_are_the_last_intervals() -> None:
