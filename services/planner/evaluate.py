@@ -95,6 +95,8 @@ class IntervalModel:
         self._traces: dict[float, tuple[list[TraceRecord], float]] = {}  # by arrival rate
 
     def predict(self, split: Split, load: Forecast) -> Prediction:
+        if load.rate_per_s == 0:
+            return Prediction(0.0, 0.0, 1.0)  # nothing arrives: nothing is late
         made = self._traces.get(load.rate_per_s)
         if made is None:
             warm = warm_up_s(load, self.interval_s)

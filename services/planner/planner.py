@@ -85,14 +85,14 @@ def forecast(
     `interval_s` (every request that came, served or not: a saturated cluster serves less than
     is asked of it), raised by half its rise over the interval before (a rising load is met
     before it arrives, without doubling the noise of a steady one; a falling one is believed
-    once seen), and the lengths of the requests that ended in the last `history_s` — or, when
-    none did (requests that take longer than the history: an overloaded cluster's), of the
-    last `LENGTHS_AT_LEAST` served. `samples`: in the order they ended, at least those. None
-    without an arrival in the last interval or any request served."""
+    once seen; an idle interval forecasts none: the planner may shrink), and the lengths of
+    the requests that ended in the last `history_s` — or, when none did (requests that take
+    longer than the history: an overloaded cluster's), of the last `LENGTHS_AT_LEAST` served.
+    `samples`: in the order they ended, at least those. None before any request was served."""
     interval = config.interval_s
     last = sum(1 for a in arrivals if a >= now - interval)
     before = sum(1 for a in arrivals if now - 2 * interval <= a < now - interval)
-    if last == 0 or not samples:
+    if not samples:
         return None
     rate = (last + max(0, last - before) / 2) / interval
     recent = tuple(s for s in samples if s.finished >= now - config.history_s)
@@ -197,8 +197,7 @@ class Planner:
             return hold("wait", "cooling down after the last change")
         if load is None:
             self._streak = None
-            return hold("hold", "nothing to forecast: no arrival in the last interval, or no "
-                        "request served yet")  # fmt: skip
+            return hold("hold", "nothing to forecast: no request served yet")
         heavier = Forecast(load.rate_per_s * (1.0 + self.config.headroom), load.samples)
         predictions = {split: self._evaluate(split, heavier) for split in self.candidates(current)}
         as_is = self._evaluate(current, load)

@@ -91,7 +91,9 @@ def test_a_forecast_meets_a_rise_before_it_arrives_and_believes_a_fall_once_seen
     falling = predict(arrivals(20, 10))
     assert falling is not None and falling.rate_per_s == pytest.approx(1.0)
     assert len(falling.samples) == 30  # the lengths of the whole history window
-    assert predict(arrivals(10, 0)) is None
+    idle = predict(arrivals(10, 0))  # no arrival in the last interval: no load
+    assert idle is not None and idle.rate_per_s == 0 and len(idle.samples) == 10
+    assert forecast([24.0], [], 25.0, CONFIG) is None  # nothing served yet: no lengths
     # requests that arrived but were not served yet count towards the rate
     served = arrivals(0, 5)
     waiting = [15.0 + i / 2 for i in range(20)]
@@ -174,6 +176,16 @@ def test_it_scales_down_only_with_headroom() -> None:
     assert run(Planner(CONFIG, queueing, clock), clock, Split(3, 1), [4.0] * 5)[-1] == Split(2, 1)
     clock = Clock()
     assert run(Planner(CONFIG, queueing, clock), clock, Split(3, 1), [5.2] * 9)[-1] == Split(3, 1)
+
+
+def test_an_idle_cluster_shrinks_to_its_minimum_one_instance_at_a_time() -> None:
+    clock = Clock()
+    splits = run(Planner(CONFIG, queueing, clock), clock, Split(3, 2), [0.0] * 12)
+    changes = [b for a, b in itertools.pairwise([Split(3, 2), *splits]) if a != b]
+    assert [s.total for s in changes] == [4, 3, 2]  # down to min_instances, never below
+    assert IntervalModel(simulated(), 5.0).predict(Split(1, 1), load(0.0)) == Prediction(
+        0.0, 0.0, 1.0
+    )  # the simulator's view of an idle interval: nothing arrives, nothing is late
 
 
 def test_targets_no_split_meets_hold_the_best_split_and_say_so() -> None:
