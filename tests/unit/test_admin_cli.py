@@ -3,7 +3,8 @@
 import grpc
 import pytest
 
-from services.controller.admin_cli import exit_code
+from pdserve.v1 import admin_pb2
+from services.controller.admin_cli import _print_planner, exit_code
 from services.controller.cli import main
 
 
@@ -23,3 +24,29 @@ def test_admin_cli_names_an_argument_that_is_not_a_number_before_calling() -> No
         main(["admin", "scale", "decode", "two", *common])
     with pytest.raises(SystemExit, match=r"planner: not a number: '1s'"):
         main(["admin", "planner", "1s", "0.05", *common])
+
+
+def test_admin_planner_shows_each_decisions_forecast_predictions_and_reason(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    status = admin_pb2.PlannerStatus(
+        enabled=True, targets=admin_pb2.PlannerTargets(ttft_p90_s=1.0, itl_p90_s=0.05)
+    )
+    status.decisions.add(at_unix_s=0, action="hold", current="1P1D", target="1P1D",
+                         reason="nothing to forecast: no request served yet")  # fmt: skip
+    status.decisions.add(
+        at_unix_s=2, action="change", current="1P1D", target="1P2D",
+        reason="1P1D misses the targets, 1P2D meets them", predicted_ttft_p90_s=0.024,
+        predicted_itl_p90_s=0.0097, observed_ttft_p90_s=0.038, observed_itl_p90_s=0.0249,
+        forecast_rate_per_s=10.0, forecast_requests=40, forecast_prompt_tokens=900.4,
+        forecast_cached_tokens=512, forecast_output_tokens=1,
+    )  # fmt: skip
+    _print_planner(status)
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "targets: TTFT p90 1 s, ITL p90 0.05 s"
+    assert "forecast rate prompt(cached)->output" in lines[1]
+    hold, change = lines[2].split(), lines[3].split()
+    assert hold[1:5] == ["hold", "1P1D", "1P1D", "-"] and hold[5:7] == ["-/-", "-/-"]
+    assert change[1:5] == ["change", "1P1D", "1P2D", "10.0/s"]
+    assert change[5:8] == ["900(512)->1", "24/10", "38/25"]
+    assert lines[3].endswith("1P1D misses the targets, 1P2D meets them")
