@@ -97,27 +97,56 @@ def split(up: UpCluster) -> str:
     return f"{roles.count('prefill')}P{roles.count('decode')}D"
 
 
-def predictions_under_load(
-    up: UpCluster, current: str, output_tokens: int
-) -> admin_pb2.PlannerDecision:
-    """A decision taken on the load now running only: its forecast's lengths are this load's
-    (`output_tokens` each) and its rate windows (two intervals) began after the load did."""
-    clean = time.time() + 2 * INTERVAL_S
-
-    def fresh() -> admin_pb2.PlannerDecision | None:
-        decisions = status(up).decisions
-        ready = [d for d in decisions if d.at_unix_s >= clean and d.current == current
-                 and d.forecast_output_tokens == output_tokens
-                 and len(d.candidates) > 1]  # fmt: skip
-        return ready[-1] if ready else None
-
-    wait_for(lambda: fresh() is not None or split(up) != current, 120)
-    return fresh() or status(up).decisions[-1]
+CLEAR_GAIN = 1.5  # how much lower the wanted split's predicted p90 must be to set a target
+RAISE_AFTER = 4  # intervals without a clear gain before a load is raised
+MAX_RATE_PER_S = 60.0
 
 
-def between(low: float, high: float) -> float:
-    assert low < high, f"the planner predicts no gain: {low} >= {high}"
-    return math.sqrt(low * high)
+def gain(decision: admin_pb2.PlannerDecision, wanted: str) -> tuple[str, float, float]:
+    """The figure ("ttft" or "itl") where the planner predicts the `wanted` split gains most
+    over the decision's current one, with the two predictions (wanted's, current's)."""
+    candidate = {c.split: c for c in decision.candidates}[wanted]
+    ttft = (candidate.ttft_p90_s, decision.predicted_ttft_p90_s)
+    itl = (candidate.itl_p90_s, decision.predicted_itl_p90_s)
+    if ttft[1] / max(ttft[0], 1e-9) >= itl[1] / max(itl[0], 1e-9):
+        return "ttft", *ttft
+    return "itl", *itl
+
+
+def clear_gain_under_load(
+    up: UpCluster, load: "Load", current: str, wanted: str
+) -> admin_pb2.PlannerDecision | None:
+    """The first decision taken on `load` alone — its forecast's lengths are this load's, its
+    rate windows (two intervals) began after the load did, or after its last raise — that
+    predicts `wanted` at least CLEAR_GAIN better than `current`. What overloads one instance
+    depends on the machine (and on what else runs on it): without such a decision for
+    `RAISE_AFTER` intervals, the load is raised by half, up to `MAX_RATE_PER_S`. None if the
+    planner moved on its own meanwhile."""
+
+    def ready(since: float) -> admin_pb2.PlannerDecision | None:
+        for d in status(up).decisions:
+            if (d.at_unix_s >= since and d.current == current and len(d.candidates) > 1
+                    and d.forecast_output_tokens == load.output_tokens):  # fmt: skip
+                _, low, high = gain(d, wanted)
+                if high >= CLEAR_GAIN * low:
+                    return d
+        return None
+
+    while True:
+        since = time.time() + 2 * INTERVAL_S
+        deadline = since + RAISE_AFTER * INTERVAL_S
+
+        def settled(since: float = since, deadline: float = deadline) -> bool:
+            return bool(ready(since)) or split(up) != current or time.time() > deadline
+
+        wait_for(settled, 60)
+        if split(up) != current:
+            return None
+        if (decision := ready(since)) is not None:
+            return decision
+        if load.rate_per_s * 1.5 > MAX_RATE_PER_S:
+            raise AssertionError(f"no clear gain predicted for {wanted}:\n{recent(up)}")
+        load.rate_per_s *= 1.5
 
 
 def set_targets(up: UpCluster, ttft_s: float, itl_s: float) -> None:
@@ -129,18 +158,15 @@ def set_targets(up: UpCluster, ttft_s: float, itl_s: float) -> None:
 
 
 def move(up: UpCluster, load: Load, current: str, wanted: str) -> None:
-    """Under `load`, set a target between the current split's predicted p90 and the wanted
-    split's — of the figure (TTFT or ITL) where the planner predicts the wanted split gains
-    most; the other target generous — then wait until the planner moved there."""
-    decision = predictions_under_load(up, current, load.output_tokens)
-    if split(up) != wanted:  # (it may have moved on its own: the old target was unreachable)
-        candidate = {c.split: c for c in decision.candidates}[wanted]
-        ttft = (candidate.ttft_p90_s, decision.predicted_ttft_p90_s)
-        itl = (candidate.itl_p90_s, decision.predicted_itl_p90_s)
-        if ttft[1] / ttft[0] >= itl[1] / max(itl[0], 1e-9):
-            set_targets(up, between(*ttft), GENEROUS_S)
-        else:
-            set_targets(up, GENEROUS_S, between(*itl))
+    """Under `load` (raised until the planner predicts a clear gain for the wanted split), set
+    a target between the current split's predicted p90 and the wanted split's — of the figure
+    (TTFT or ITL) where it gains most; the other target generous — then wait until the planner
+    moved there."""
+    decision = clear_gain_under_load(up, load, current, wanted)
+    if decision is not None:  # (the planner may have moved on its own: an unreachable target)
+        figure, low, high = gain(decision, wanted)
+        target = math.sqrt(low * high)
+        set_targets(up, *((target, GENEROUS_S) if figure == "ttft" else (GENEROUS_S, target)))
     try:
         wait_for(lambda: split(up) == wanted, 120)
     except AssertionError:

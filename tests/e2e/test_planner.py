@@ -44,14 +44,14 @@ def test_the_planner_moves_an_instance_to_the_role_the_load_needs_and_back(
 ) -> None:
     model = tiny_model_dir.name
     assert split(up) == "2P1D"
-    # answers of 96 tokens, 10 a second: more than one decode instance's 4 slots (max_num_seqs)
-    # serve, not more than two's
+    # answers of 96 tokens, from 10 a second (`move` raises it until the planner sees one decode
+    # instance's 4 slots, max_num_seqs, fall behind)
     with Load(up, lambda n: chat(model), rate_per_s=10) as load:
         move(up, load, "2P1D", "1P2D")
     chat_failures = load.failures
 
     # long prompts, one token each, each its own (no prefix cache computes them): one prefill
-    # instance computes them one after the other
+    # instance computes them one after the other (from 8 a second, raised as the chat load)
     def rag(n: int) -> dict[str, object]:
         prompt = [3 + (n + i) % 250 for i in range(900)]  # ids within the tiny model's vocabulary
         return {"model": model, "prompt": prompt, "max_tokens": 1, "temperature": 0}

@@ -43,7 +43,8 @@ def test_an_instance_the_load_needs_is_placed_on_a_node_the_autoscaler_adds(
 ) -> None:
     assert split(up) == "1P1D"
     assert nodes(ray_address) == {"ray.head.default": 1}
-    # answers of 96 tokens, 10 a second: more than one decode instance's 4 slots serve
+    # answers of 96 tokens, from 10 a second (`move` raises it until the planner sees one decode
+    # instance's 4 slots, max_num_seqs, fall behind)
     with Load(up, lambda n: chat(tiny_model_dir.name), rate_per_s=10) as load:
         move(up, load, "1P1D", "1P2D")
         added = up.list_instances()["decode-1"]
