@@ -21,15 +21,15 @@ GENEROUS_S = 30.0  # a target nothing misses
 INTERVAL_S, HISTORY_S = 2, 4  # the planner's, in the tests' configs
 
 
-def planner_config(*, min_instances: int, max_instances: int) -> str:
+def planner_config(**bounds: int) -> str:
     """The tests' `planner:` section: generous targets until a test sets its own, short
-    intervals and history, one confirmation, a short cooldown."""
+    intervals and history, one confirmation, a short cooldown, and `bounds` (min_instances=2,
+    ...)."""
     return (
         f"planner:\n  enabled: true\n  ttft_p90_s: {GENEROUS_S}\n  itl_p90_s: {GENEROUS_S}\n"
         f"  interval_s: {INTERVAL_S}\n  history_s: {HISTORY_S}\n  cooldown_s: 2\n"
         f"  confirm_intervals: 1\n"
-        f"  min_instances: {min_instances}\n  max_instances: {max_instances}\n"
-    )
+    ) + "".join(f"  {name}: {value}\n" for name, value in bounds.items())
 
 
 def chat(model: str) -> dict[str, object]:
@@ -191,3 +191,12 @@ def recent(up: UpCluster) -> str:
             f"{d.observed_ttft_p90_s:.3f}/{d.observed_itl_p90_s:.4f}; {candidates}"
         )
     return "\n".join(lines)
+
+
+def check_at_rest(up: UpCluster) -> None:
+    """Once the load's requests ended: every instance runs nothing, holds no reservation, and
+    has every KV block free."""
+    for info in up.list_instances().values():
+        wait_for(lambda a=info.address: up.stats(a).num_running == 0, 30)
+        stats = up.stats(info.address)
+        assert stats.num_reservations == 0 and stats.num_free_blocks == stats.num_blocks

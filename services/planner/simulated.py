@@ -23,16 +23,7 @@ from dataclasses import dataclass
 from pdserve.config import ClusterConfig
 from pdserve.errors import ConfigError
 from services.planner.evaluate import IntervalModel, SimulatedCluster
-from services.planner.planner import (
-    LENGTHS_AT_LEAST,
-    Decision,
-    Forecast,
-    Planner,
-    Prediction,
-    Split,
-    plan,
-    steps,
-)
+from services.planner.planner import Decision, Forecast, Planner, Prediction, Split, plan, steps
 from services.router.history import Sample
 from services.simulator.latency import InstanceProfile, LatencyResult, RequestResult, Simulation
 from services.simulator.profiles import cluster_spec
@@ -93,10 +84,9 @@ class PlannedSimulation:
         now = sim.now
         since = now - max(config.history_s, 2 * config.interval_s)
         arrivals = [r.arrival for r in sim.results if r.arrival >= since]
-        served = [_sample(r) for r in sim.results if _served(r)]
-        served.sort(key=lambda s: s.finished)  # as the router's history
-        recent = [s for s in served if s.finished >= since]
-        samples = recent if len(recent) >= LENGTHS_AT_LEAST else served[-LENGTHS_AT_LEAST:]
+        # every request served, in the order they ended (as the router's history): the
+        # forecast takes those of its history, or the last ones
+        samples = sorted((_sample(r) for r in sim.results if _served(r)), key=lambda s: s.finished)
         decision, _ = plan(self.planner, self._split(), (arrivals, samples), now,
                            sorted(sim.changing), self._prepare)  # fmt: skip
         self.decisions.append(decision)

@@ -14,8 +14,7 @@ from pathlib import Path
 import pytest
 import ray
 from pdserve_up import UpCluster, pdserve_up
-from planner_loads import Load, chat, move, planner_config, split, status
-from waiting import wait_for
+from planner_loads import Load, chat, check_at_rest, move, planner_config, split, status
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +62,4 @@ def test_the_planner_moves_an_instance_to_the_role_the_load_needs_and_back(
     assert [(d.current, d.target) for d in changes] == [("2P1D", "1P2D"), ("1P2D", "2P1D")]
     metrics = up.router_metrics()
     assert metrics['pdserve_planner_decisions_total{action="change"}'] == 2
-    for info in up.list_instances().values():
-        wait_for(lambda a=info.address: up.stats(a).num_running == 0, 30)
-        stats = up.stats(info.address)
-        assert stats.num_reservations == 0 and stats.num_free_blocks == stats.num_blocks
+    check_at_rest(up)

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from autoscaling_ray import WORKER_TYPE, autoscaling_ray, nodes
 from pdserve_up import UpCluster, pdserve_up
-from planner_loads import Load, chat, move, planner_config, split, status
+from planner_loads import Load, chat, check_at_rest, move, planner_config, split, status
 from waiting import wait_for
 
 
@@ -31,7 +31,7 @@ def up(
         f"  max_num_seqs: 4\n"
         f"prefill:\n  num_cpus: 1\ndecode:\n  num_cpus: 1\n"
         f"router:\n  port: 0\nadmin:\n  port: 0\nstorage:\n  enabled: false\n"
-        f"{planner_config(min_instances=2, max_instances=3)}  max_prefill: 1\n"
+        f"{planner_config(min_instances=2, max_instances=3, max_prefill=1)}"
         f"cluster:\n  namespace: pdserve-planner-autoscaling\n  state_dir: {workdir}\n"
     )
     with pdserve_up(config, workdir, ray_address) as cluster:
@@ -54,7 +54,4 @@ def test_an_instance_the_load_needs_is_placed_on_a_node_the_autoscaler_adds(
     wait_for(lambda: split(up) == "1P1D", 60)  # idle again: back to the minimum
     changes = [d for d in status(up).decisions if d.action == "change"]
     assert [(d.current, d.target) for d in changes] == [("1P1D", "1P2D"), ("1P2D", "1P1D")]
-    for info in up.list_instances().values():
-        wait_for(lambda a=info.address: up.stats(a).num_running == 0, 30)
-        stats = up.stats(info.address)
-        assert stats.num_reservations == 0 and stats.num_free_blocks == stats.num_blocks
+    check_at_rest(up)
