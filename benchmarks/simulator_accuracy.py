@@ -16,9 +16,9 @@ step).
 
 Simulated: the same records through `pdserve simulate --latency`'s simulation, its instances
 taken from the live cluster after the replay (`pdserve admin list --json`: each role's step
-time fit, engine-loop gap per step and KV pool), its link speed from prefill's measured KV
-transfers, and its time per message between processes half the median round trip of a gRPC
-health check to the instances, sent every 50 ms during the replay (on the same busy cores).
+time fit, engine-loop gap per step and KV pool, and the router's measured time of one message
+between processes: half a Prefill call's round trip less prefill's own time, the median over
+the recent requests), its link speed from prefill's measured KV transfers.
 
 Reported: TTFT and ITL p50/p90 live and simulated, each ratio simulated ÷ live. Target (issue's
 acceptance): p50 within 15 %, p90 within 25 %. Writes benchmarks/results/simulator_accuracy.json,
@@ -33,22 +33,24 @@ import os
 import statistics
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any
 
-import grpc
 import httpx
 from _common import finish, parse_args, print_table
 from _online import PdserveCluster
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pdserve.config import load_cluster_config
 from pdserve.model.tiny import default_model_dir
 from services.simulator.latency import Simulation, TokenSource
 from services.simulator.latency_report import percentiles, summarize
-from services.simulator.profiles import cluster_spec, from_instances, measured_link_gbps
+from services.simulator.profiles import (
+    cluster_spec,
+    from_instances,
+    measured_link_gbps,
+    measured_message_s,
+)
 from services.simulator.trace import TraceRecord, documents
 
 NAME = "simulator_accuracy"
@@ -106,35 +108,6 @@ async def replay(url: str, records: list[TraceRecord], tokens: TokenSource) -> l
             tasks.append(asyncio.ensure_future(one(record)))
         await asyncio.gather(*tasks)
     return results
-
-
-class RoundTrips:
-    """gRPC health checks to the instances every 50 ms, on a thread, while the replay runs."""
-
-    def __init__(self, addresses: list[str]) -> None:
-        self.seconds: list[float] = []
-        self._channels = [grpc.insecure_channel(a) for a in addresses]
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run)
-
-    def __enter__(self) -> "RoundTrips":
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
-        for channel in self._channels:
-            channel.close()
-
-    def _run(self) -> None:
-        stubs = [health_pb2_grpc.HealthStub(c) for c in self._channels]
-        for stub in itertools.cycle(stubs):
-            if self._stop.wait(0.05):
-                return
-            started = time.perf_counter()
-            stub.Check(health_pb2.HealthCheckRequest(), timeout=10)
-            self.seconds.append(time.perf_counter() - started)
 
 
 def live_instances(cluster: PdserveCluster, path: Path) -> None:
@@ -207,10 +180,9 @@ def main() -> None:
     cluster.start()
     instances = cluster.state_dir / "instances.json"
     try:
-        with RoundTrips([i["address"] for i in cluster.instances]) as trips:
-            live = asyncio.run(replay(cluster.url, records, tokens))
-        rpc_s = statistics.median(trips.seconds) / 2
+        live = asyncio.run(replay(cluster.url, records, tokens))
         live_instances(cluster, instances)
+        rpc_s = measured_message_s(instances)
         gbps = link_gbps(instances)
         saved = json.loads(instances.read_text())
         stages = stage_means(cluster.url, saved)
@@ -229,7 +201,7 @@ def main() -> None:
     }
     figures = compare(measured, simulated)
     report(figures, len(records), seconds, gbps, simulate_s)
-    print(f"one message between processes: {rpc_s * 1000:.2f} ms (half a health-check round trip)")
+    print(f"one message between processes: {rpc_s * 1000:.2f} ms (the router's measured)")
     print("\nlive stage means (ms):")
     for name, mean in sorted(stages.items()):
         print(f"  {name}: {1000 * mean:.2f}")

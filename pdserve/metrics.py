@@ -90,6 +90,14 @@ class RouterMetrics:
             buckets=STAGE_BUCKETS,
             registry=self.registry,
         )
+        self.message_time = Histogram(
+            "pdserve_router_message_seconds",
+            "One message between the router and an instance, one way, per PD request: half "
+            "its Prefill call's round trip less the time prefill reported spending on it (the "
+            "hop the planner's simulations charge each message).",
+            buckets=STAGE_BUCKETS,
+            registry=self.registry,
+        )
         self.indexed_blocks = Gauge(
             "pdserve_router_indexed_blocks",
             "KV blocks the router's index believes each prefill or mixed instance holds.",

@@ -111,16 +111,22 @@ class ListInstancesReply(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     INSTANCES_FIELD_NUMBER: _builtins.int
+    MESSAGE_S_FIELD_NUMBER: _builtins.int
+    message_s: _builtins.float
+    """one message between the router and an instance, one way, as the router measures it on
+    its recent Prefill calls (median, seconds); 0 before any
+    """
     @_builtins.property
     def instances(self) -> _containers.RepeatedCompositeFieldContainer[Global___InstanceInfo]: ...
     def __init__(
         self,
         *,
         instances: _abc.Iterable[Global___InstanceInfo] | None = ...,
+        message_s: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["instances", b"instances"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["instances", b"instances", "message_s", b"message_s"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -67,7 +67,10 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
     def ListInstances(
         self, request: admin_pb2.ListInstancesRequest, context: grpc.ServicerContext
     ) -> admin_pb2.ListInstancesReply:
-        return admin_pb2.ListInstancesReply(instances=self.topology.describe_all())
+        message_s = self.topology.router.history.message_s()
+        return admin_pb2.ListInstancesReply(
+            instances=self.topology.describe_all(), message_s=message_s or 0.0
+        )
 
     def DrainInstance(
         self, request: admin_pb2.InstanceRef, context: grpc.ServicerContext

@@ -43,6 +43,7 @@ class SimulatedCluster:
     profiles: Mapping[str, InstanceProfile]  # by role, from the live instances
     transfer_gbps: float | None  # measured; None: `router.kv_transfer_gbps`
     vocab_size: int
+    rpc_s: float = 0.0  # one message between processes, one way (the router's measured)
 
 
 def synthetic_trace(
@@ -127,7 +128,8 @@ def predict(
     requests that arrive `judged_from_s` or later in the trace's time)."""
     config = cluster.config
     counts = {"prefill": split.prefill, "decode": split.decode}
-    spec = cluster_spec(config, cluster.profiles, counts, cluster.transfer_gbps, cluster.vocab_size)
+    spec = cluster_spec(config, cluster.profiles, counts, cluster.transfer_gbps,
+                        cluster.vocab_size, cluster.rpc_s)  # fmt: skip
     block_tokens = cluster.profiles["prefill"].block_size
     result = Simulation(spec, block_tokens).run(records)
     judged = [r for r in result.requests if r.arrival >= judged_from_s]

@@ -93,11 +93,13 @@ class PlannerLoop:
 
     def _prepare(self, instances: list[admin_pb2.InstanceInfo], vocab_size: int) -> None:
         """The simulated cluster of this interval (profiles from the instances' fits, the
-        measured link) and a new model of it (each load's trace drawn when first asked for)."""
+        measured link and message time) and a new model of it (each load's trace drawn when
+        first asked for)."""
         listing = [MessageToDict(i, preserving_proto_field_name=True) for i in instances]
         profiles, _ = from_listing(listing, self.config)
         link = measured_link_gbps(listing)
-        cluster = SimulatedCluster(self.config, profiles, link, vocab_size)
+        message_s = self.topology.router.history.message_s() or 0.0
+        cluster = SimulatedCluster(self.config, profiles, link, vocab_size, message_s)
         self._model = IntervalModel(cluster, self.config.planner.interval_s)
 
     def _evaluate(self, split: Split, load: Forecast) -> Prediction:

@@ -68,7 +68,7 @@ class PlannedSimulation:
             raise ConfigError("the planner plans prefill and decode instances, not mixed ones")
         self.sim = Simulation(spec, block_tokens, seed)
         self.moves = moves
-        cluster = SimulatedCluster(config, profiles, transfer_gbps, vocab_size)
+        cluster = SimulatedCluster(config, profiles, transfer_gbps, vocab_size, rpc_s)
         self._model = IntervalModel(cluster, config.planner.interval_s, sizing)
         self.planner = Planner(config.planner, self._evaluate, self.sim.clock)
         self.decisions: list[Decision] = []

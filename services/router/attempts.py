@@ -298,6 +298,7 @@ def _reported(
     """The stages the attempt's instances reported with its end."""
     if finished.prefill is not None and route.decode is not None:
         record.prefill_reported(finished.prefill, route.prefill, dispatched)
+        record.message_s = finished.message_s
     if finished.timings is not None:
         role = "decode" if route.decode is not None or route.on_decode else "mixed"
         record.stream_reported(finished.timings, route.decode or route.prefill, role, first_token)

@@ -2,9 +2,12 @@
 planner forecasts from (arrival rate, and the distributions of prompt, cached and output
 lengths) and checks its predictions against."""
 
+import statistics
 import threading
 from collections import deque
 from dataclasses import dataclass
+
+MESSAGES = 256  # the recent requests `message_s` takes the median of
 
 
 @dataclass(frozen=True, slots=True)
@@ -16,6 +19,9 @@ class Sample:
     ttft_s: float | None  # None: no token came
     tpot_s: float | None  # mean time per output token after the first; None: fewer than two
     finished: float = 0.0  # time.perf_counter() when it ended
+    # one message between the router and an instance, one way, measured on its Prefill call
+    # (None: it had none)
+    message_s: float | None = None
 
 
 class RequestHistory:
@@ -51,3 +57,15 @@ class RequestHistory:
             if len(recent) >= at_least:
                 return recent
             return list(self._samples)[len(self._samples) - at_least :]
+
+    def message_s(self) -> float | None:
+        """The median time of one message between the router and an instance, one way, over
+        the last MESSAGES requests that measured it (None: none did yet)."""
+        with self._lock:
+            measured: list[float] = []
+            for sample in reversed(self._samples):
+                if sample.message_s is not None:
+                    measured.append(sample.message_s)
+                    if len(measured) == MESSAGES:
+                        break
+        return statistics.median(measured) if measured else None

@@ -12,6 +12,7 @@ the instance raised; a lost output subscription is DecodeUnavailableError.
 
 import asyncio
 import logging
+import time
 import uuid
 from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass
@@ -46,6 +47,9 @@ class Finished:
     num_output_tokens: int
     prefill: prefill_pb2.PrefillResult | None  # None on a mixed instance
     timings: common_pb2.StageTimings | None = None  # the streaming instance's stages
+    # one message between the router and an instance, one way: half the Prefill call's round
+    # trip less the time prefill reported spending on it (None: no Prefill result)
+    message_s: float | None = None
 
 
 class PDClient:
@@ -85,14 +89,14 @@ class PDClient:
         report (`Finished.prefill` None). Left unfinished, the attempt is aborted on decode."""
         attempt = uuid.uuid4().hex
         finished = False
-        prefill: asyncio.Future[prefill_pb2.PrefillResult] | None = None
+        prefill: asyncio.Future[_Prefilled] | None = None
         try:
             replies = await self.outputs.register(decode_address, request_id, attempt)
             message = _prefill_request(
                 decode_address, prompt_token_ids, params, request_id, hashes, attempt,
                 self.outputs.subscriber,
             )  # fmt: skip
-            prefill = asyncio.ensure_future(self.aio.prefill(prefill_address, message, metadata))
+            prefill = asyncio.ensure_future(self._call_prefill(prefill_address, message, metadata))
             try:
                 replied = await _first_replies(replies, prefill)
             except PdserveError:
@@ -118,6 +122,13 @@ class PDClient:
             self.outputs.unregister(decode_address, request_id, attempt)
             if not finished:
                 self._abort_later(decode_address, request_id, attempt)
+
+    async def _call_prefill(
+        self, address: str, message: prefill_pb2.PrefillRequest, metadata: Metadata
+    ) -> "_Prefilled":
+        sent = time.perf_counter()
+        result = await self.aio.prefill(address, message, metadata)
+        return _Prefilled(result, time.perf_counter() - sent)
 
     async def generate_mixed(
         self,
@@ -206,8 +217,24 @@ def _prefill_request(
     )
 
 
+@dataclass(frozen=True, slots=True)
+class _Prefilled:
+    """Prefill's result and how long its call took, as the router saw it."""
+
+    result: prefill_pb2.PrefillResult
+    call_s: float
+
+    def message_s(self) -> float:
+        """One message's time, one way: the call less the stages prefill reported (from
+        its start to its handoff's end), halved; the call's other costs (serialization, a
+        busy process's wait for a thread, the GIL or a core) are the messages'."""
+        t = self.result.timings
+        spent = t.reserve_s + t.queue_s + t.compute_s + t.transfer_s + t.handoff_s
+        return max(0.0, self.call_s - spent) / 2
+
+
 async def _first_replies(
-    replies: RequestReplies, prefill: "asyncio.Future[prefill_pb2.PrefillResult]"
+    replies: RequestReplies, prefill: "asyncio.Future[_Prefilled]"
 ) -> list[common_pb2.RequestOutputs]:
     """The attempt's first outputs; Prefill's error when Prefill fails first (decode would
     wait for a first token that never comes)."""
@@ -230,9 +257,7 @@ def _failed(future: "asyncio.Future[Any]") -> bool:
     return future.done() and not future.cancelled() and future.exception() is not None
 
 
-async def _report(
-    prefill: "asyncio.Future[prefill_pb2.PrefillResult]", request_id: str
-) -> prefill_pb2.PrefillResult | None:
+async def _report(prefill: "asyncio.Future[_Prefilled]", request_id: str) -> "_Prefilled | None":
     """Prefill's result for the final event; None when it failed after decode took over (the
     generation itself succeeded)."""
     try:
@@ -248,10 +273,10 @@ class _Events:
     mixed instance's first chunk) ride on the first delta."""
 
     def __init__(self) -> None:
-        self._prefill: prefill_pb2.PrefillResult | None = None  # `attach`ed once it came
+        self._prefill: _Prefilled | None = None  # `attach`ed once it came
         self._first = True
 
-    def attach(self, prefill: prefill_pb2.PrefillResult | None) -> None:
+    def attach(self, prefill: _Prefilled | None) -> None:
         """Prefill's result, once it came."""
         self._prefill = prefill
 
@@ -264,15 +289,16 @@ class _Events:
             events.append(self._delta(chunks))
         last = replies[-1]
         if last.HasField("final"):
-            final = last.final
+            final, prefilled = last.final, self._prefill
             events.append(
                 Finished(
                     FINISH_REASON_NAMES.get(final.finish_reason, "unknown"),
                     final.stop_reason,
                     final.num_prompt_tokens,
                     final.num_output_tokens,
-                    self._prefill,
+                    prefilled.result if prefilled else None,
                     final.timings if final.HasField("timings") else None,
+                    prefilled.message_s() if prefilled else None,
                 )
             )
         return events
@@ -280,7 +306,7 @@ class _Events:
     def _delta(self, chunks: Sequence[common_pb2.TokenChunk]) -> TokenDelta:
         prompt: Sequence[common_pb2.TokenLogprob] = ()
         if self._first:
-            from_prefill = self._prefill.prompt_logprobs if self._prefill else ()
+            from_prefill = self._prefill.result.prompt_logprobs if self._prefill else ()
             prompt = from_prefill or chunks[0].prompt_logprobs
             self._first = False
         logprobs: Sequence[common_pb2.TokenLogprob]

@@ -235,6 +235,8 @@ class Router:
         sample = record.sample()
         if sample.tpot_s is not None:
             self.metrics.time_per_output_token.observe(sample.tpot_s)
+        if sample.message_s is not None:
+            self.metrics.message_time.observe(sample.message_s)
         if status in ("stop", "length"):  # served whole: a sample of the workload
             self.history.add(sample)
         if self._request_log and logger.isEnabledFor(logging.INFO):

@@ -62,6 +62,7 @@ class RequestRecord:
         self.migrations = 0
         self.dispatched: float | None = None  # the first attempt's start
         self.first_token: float | None = None
+        self.message_s: float | None = None  # one router <-> instance message (`Finished`)
         self.ended: float | None = None
 
     def add(
@@ -155,7 +156,8 @@ class RequestRecord:
             tpot = (ended - first) / (self.output_tokens - 1)
         ttft = first - self.arrival if first is not None else None
         return Sample(self.arrival, self.prompt_tokens, cached, self.output_tokens, ttft, tpot,
-                      ended if ended is not None else time.perf_counter())  # fmt: skip
+                      ended if ended is not None else time.perf_counter(),
+                      self.message_s)  # fmt: skip
 
     def stage_durations(self) -> dict[str, float]:
         """Seconds per stage name (summed over attempts), for the log line."""

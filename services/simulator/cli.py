@@ -23,6 +23,7 @@ from services.simulator.profiles import (
     cluster_spec,
     from_config,
     from_instances,
+    measured_message_s,
     step_model,
 )
 from services.simulator.replay import SimConfig
@@ -75,9 +76,9 @@ def add_parser(commands: Any) -> None:
         )
     latency.add_argument("--transfer-gbps", type=float,
                          help="KV bytes GB/s (default: router.kv_transfer_gbps)")  # fmt: skip
-    latency.add_argument("--rpc-ms", type=float, default=0.0,
-                         help="one gRPC message between processes, one way (default 0; "
-                              "half a measured round trip)")  # fmt: skip
+    latency.add_argument("--rpc-ms", type=float, default=None,
+                         help="one message between processes, one way (default: the "
+                              "router's measured one with --from-cluster, else 0)")  # fmt: skip
     latency.add_argument("--time-scale", type=float, default=1.0,
                          help="multiply the trace's timestamps (0.5: twice the rate)")  # fmt: skip
     latency.add_argument("--ttft-slo-s", type=float, default=2.0, help="goodput's TTFT SLO (2)")
@@ -204,8 +205,11 @@ def latency_spec(args: argparse.Namespace) -> ClusterSpec:
     """The simulated cluster of `--config`, `--from-cluster` or `--step-model`, and the role
     counts given."""
     config = load_cluster_config(args.config)
+    rpc_s = 0.0 if args.rpc_ms is None else args.rpc_ms / 1000
     if args.from_cluster is not None:
         profiles, counts = from_instances(args.from_cluster, config)
+        if args.rpc_ms is None:
+            rpc_s = measured_message_s(args.from_cluster)
     else:
         profiles = from_config(config, step_model(args.step_model), args.kv_blocks)
         counts = {role: getattr(config, role).replicas for role in profiles}
@@ -215,8 +219,7 @@ def latency_spec(args: argparse.Namespace) -> ClusterSpec:
     if counts.get("mixed") and args.prefill is None and args.decode is None:
         counts["prefill"] = counts["decode"] = 0
     try:
-        return cluster_spec(config, profiles, counts, args.transfer_gbps, args.vocab_size,
-                            args.rpc_ms / 1000)  # fmt: skip
+        return cluster_spec(config, profiles, counts, args.transfer_gbps, args.vocab_size, rpc_s)
     except ConfigError as e:
         raise InvalidRequestError(str(e)) from e
 

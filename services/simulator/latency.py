@@ -19,9 +19,10 @@ survive (refusals retried after `decode.retry_after_ms`, at most `prefill.reserv
 decode lacks move in `bytes ÷ bandwidth` seconds, and decode starts generating with prefill's
 first token. A local or mixed request runs whole on one instance.
 
-Not simulated: the time between steps that the step time model does not see (the engine
-loop's own work), network latency other than KV bytes, reservation leases expiring, the storage
-tier, failures.
+Each step also takes the engine loop's own time between steps (`step_gap_s`, measured), and
+each message between two processes (the client's request and its tokens through the router
+included) `rpc_s`, measured by the router on its Prefill calls. Not simulated: reservation
+leases expiring, the storage tier, failures.
 """
 
 import itertools
@@ -96,9 +97,10 @@ class ClusterSpec:
     prefill_config: PrefillConfig = field(default_factory=PrefillConfig)
     decode_config: DecodeConfig = field(default_factory=DecodeConfig)
     transfer_gbps: float = 1.0  # KV bytes between instances, GB/s
-    # one gRPC message between two processes (router, instances), one way: a disaggregated
-    # request's first token takes five (to prefill, Reserve and its reply, StartDecode, the
-    # token to the router), a local or mixed one's two
+    # one message between two processes (client, router, instances), one way: a
+    # disaggregated request's first token takes seven (the request to the router, on to
+    # prefill, Reserve and its reply, StartDecode, the token to the router and on to the
+    # client), a local or mixed one's four
     rpc_s: float = 0.0
     vocab_size: int = 32_000  # prompt tokens are drawn below it
 
@@ -574,7 +576,7 @@ class Simulation:
             return
         flight = _Flight(result, tokens, self.hasher.hash_tokens(tokens), params)
         self._flights[f"r{index}"] = flight
-        self._attempt(flight)
+        self._hop(lambda: self._attempt(flight))  # the request reaches the router
 
     def _request(self, flight: _Flight, prefill_only: bool = False) -> Request:
         """The request as one instance builds it (its own object, the router's chain)."""
@@ -710,10 +712,11 @@ class Simulation:
         decode.kick()
 
     def token(self, instance: SimInstance, request: Request) -> None:
-        """An output token was made: it reaches the client one message later."""
+        """An output token was made: it reaches the client two messages later (through
+        the router)."""
         flight = self._flights[request.request_id]
         result = flight.result
-        reached = self.now + self.spec.rpc_s
+        reached = self.now + 2 * self.spec.rpc_s
         if result.last_token is not None:
             self._itl.append(reached - result.last_token)
         elif flight.decode is None:  # its first token, from the instance that computed it

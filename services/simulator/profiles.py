@@ -83,6 +83,17 @@ def from_instances(path: Path, config: ClusterConfig) -> tuple[dict[str, Instanc
     return from_listing(instances, config, str(path))
 
 
+def measured_message_s(path: Path) -> float:
+    """The router's measured time of one message between processes, one way, in a
+    `pdserve admin list --json` file (0 when it measured none)."""
+    try:
+        return float(json.loads(path.read_text()).get("message_s", 0.0))
+    except (OSError, ValueError, AttributeError, TypeError) as e:
+        raise InvalidRequestError(
+            f"{path}: not the JSON of `pdserve admin list --json` ({e})"
+        ) from e
+
+
 def from_listing(
     instances: Sequence[Mapping[str, Any]], config: ClusterConfig, source: str = "the cluster"
 ) -> tuple[dict[str, InstanceProfile], dict[str, int]]:

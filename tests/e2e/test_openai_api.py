@@ -521,11 +521,17 @@ def test_an_operator_abort_ends_the_stream_with_an_error_not_a_bogus_finish_reas
     assert events[-1]["error"]["code"] == "request_aborted"
 
 
-def test_admin_cli_prints_tables_and_json(cluster: UpCluster) -> None:
+def test_admin_cli_prints_tables_and_json(cluster: UpCluster, client: openai.OpenAI) -> None:
     cli = [*CLI, "admin", "--config", str(cluster.config)]
     table = subprocess.run([*cli, "list"], capture_output=True, text=True, env=cluster.env)
     assert table.returncode == 0, table.stderr
     assert table.stdout.splitlines()[0].split()[:3] == ["name", "role", "address"]
+    client.completions.create(model=MODEL, prompt="a message measured", max_tokens=2)
+    listed = subprocess.run(
+        [*cli, "list", "--json"], capture_output=True, text=True, env=cluster.env
+    )
+    assert listed.returncode == 0, listed.stderr
+    assert json.loads(listed.stdout)["message_s"] > 0  # `pdserve simulate --from-cluster`'s
     stats = subprocess.run(
         [*cli, "cache-stats", "--json"], capture_output=True, text=True, env=cluster.env
     )

@@ -13,6 +13,7 @@ from pdserve.v1 import admin_pb2, admin_pb2_grpc
 from services.controller.admin import serve_admin
 from services.controller.cluster import Cluster
 from services.controller.topology import Topology
+from services.router.history import RequestHistory
 
 
 class IdleRouter:
@@ -20,6 +21,7 @@ class IdleRouter:
 
     def __init__(self) -> None:
         self.drained: set[str] = set()
+        self.history = RequestHistory()
 
 
 def test_admin_api_serves_tls_when_configured(tmp_path: Path) -> None:

@@ -130,6 +130,7 @@ def test_each_stage_of_a_request_is_observed_once_under_bounded_labels(stack: St
 
     assert delta("pdserve_router_queue_seconds_count") == 1
     assert delta("pdserve_router_time_per_output_token_seconds_count") == 1
+    assert delta("pdserve_router_message_seconds_count") == 1  # measured on its Prefill call
     for stage in ("reservation_wait", "request_queue", "request_prefill"):
         assert delta(f'pdserve_{stage}_seconds_count{{role="prefill"}}') == 1, stage
     for stage in ("request_kv_wait", "request_decode_admission", "request_first_decode_step"):
@@ -180,3 +181,14 @@ def test_the_history_records_each_requests_cached_prompt_tokens(stack: Stack) ->
     first, again = stack.router.history.served_since(0.0)[len(since) :]
     assert (first.prompt_tokens, first.cached_tokens, first.output_tokens) == (100, 0, 2)
     assert (again.prompt_tokens, again.cached_tokens) == (100, 96)
+
+
+def test_the_router_measures_a_message_on_each_prefill_call(stack: Stack) -> None:
+    """The planner charges each simulated message between processes what the router measured:
+    half a Prefill call's round trip less the stages prefill reported, a part of the TTFT."""
+    stack.generate(list(range(5, 5 + 40)), SamplingParams(max_tokens=3, ignore_eos=True))
+    sample = stack.router.history.served_since(0.0)[-1]
+    assert sample.message_s is not None and sample.ttft_s is not None
+    assert 0 < sample.message_s < sample.ttft_s
+    recent = stack.router.history.message_s()
+    assert recent is not None and recent > 0

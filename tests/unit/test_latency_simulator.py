@@ -10,7 +10,8 @@ import pytest
 from pdserve.config import RouterConfig
 from pdserve.engine.perf_model import FEATURES
 from pdserve.errors import ConfigError
-from services.controller.cli import main
+from services.controller.cli import _build_parser, main
+from services.simulator.cli import latency_spec
 from services.simulator.latency import ClusterSpec, InstanceProfile, Simulation
 from services.simulator.latency_report import summarize
 from services.simulator.trace import TraceRecord
@@ -77,11 +78,13 @@ def test_a_disaggregated_request_pays_its_transfer_and_decode_hands_out_prefills
     spec = ClusterSpec({"prefill": profile(), "decode": profile()}, rpc_s=0.001)
     [r] = run(spec, [record(0, 32, 4, 0)]).requests
     step = C0 + 32 * PER_TOKEN
-    # router -> prefill; -> decode (Reserve) and back; computed; the KV and StartDecode
-    assert r.marks == pytest.approx({"at_prefill": 0.001, "reserved": 0.003,
-                                     "computed": 0.003 + step,
-                                     "handed_off": 0.004 + step + 2e6 / 1e9})  # fmt: skip
-    assert r.first_token == pytest.approx(r.marks["handed_off"] + 0.001)  # to the router
+    # client -> router -> prefill; -> decode (Reserve) and back; computed; the KV and
+    # StartDecode
+    assert r.marks == pytest.approx({"at_prefill": 0.002, "reserved": 0.004,
+                                     "computed": 0.004 + step,
+                                     "handed_off": 0.005 + step + 2e6 / 1e9})  # fmt: skip
+    # to the router, on to the client
+    assert r.first_token == pytest.approx(r.marks["handed_off"] + 0.002)
     assert ttft(0.1) - ttft(1.0) == pytest.approx(2e6 / 1e8 - 2e6 / 1e9)
 
 
@@ -170,6 +173,32 @@ def test_the_cli_names_a_bad_step_model(tmp_path: Path, capsys: pytest.CaptureFi
     code = main(["simulate", "documents", "--latency", "--requests", "5", "--step-model", str(bad)])
     assert code != 0
     assert "not a step time model" in capsys.readouterr().err
+
+
+def test_a_live_clusters_listing_gives_the_profiles_and_the_routers_message_time(
+    tmp_path: Path,
+) -> None:
+    """`--from-cluster` (`pdserve admin list --json`): each role's fit and pool, and the
+    router's measured message time unless `--rpc-ms` says otherwise."""
+    fit = {"coefficients": dict.fromkeys(FEATURES, 0.001), "samples": "100"}
+    stats = {"step_time": fit, "num_blocks": 256, "block_size": 16, "kv_block_bytes": 4096}
+    listing = {"instances": [{"name": f"{role}-0", "role": role, "stats": stats}
+                             for role in ("prefill", "decode")], "message_s": 0.0025}  # fmt: skip
+    path = tmp_path / "instances.json"
+    path.write_text(json.dumps(listing))
+    parser = _build_parser()
+
+    def spec(*extra: str) -> ClusterSpec:
+        argv = ["simulate", "documents", "--latency", "--from-cluster", str(path), *extra]
+        return latency_spec(parser.parse_args(argv))
+
+    measured = spec()
+    assert measured.rpc_s == 0.0025 and (measured.prefill, measured.decode) == (1, 1)
+    assert measured.profiles["decode"].num_blocks == 256
+    assert spec("--rpc-ms", "1").rpc_s == 0.001
+    del listing["message_s"]  # a listing from before the router measured any
+    path.write_text(json.dumps(listing))
+    assert spec().rpc_s == 0.0
 
 
 def steady(duration_s: float, per_s: float, output: int) -> list[TraceRecord]:

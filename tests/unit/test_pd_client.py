@@ -4,10 +4,12 @@ its final event), an unfinished one is, by its attempt. The instances' side is a
 import asyncio
 from typing import Any
 
+import pytest
+
 from pdserve.engine.request import SamplingParams
-from pdserve.v1 import common_pb2
+from pdserve.v1 import common_pb2, prefill_pb2
 from services.router.outputs import RequestReplies
-from services.router.pd_client import Finished, PDClient
+from services.router.pd_client import Finished, PDClient, _Prefilled
 
 
 class FakeInstance:
@@ -132,3 +134,11 @@ def test_outputs_read_together_make_one_delta_with_every_token_and_its_text() ->
     events = asyncio.run(drive())
     assert [(e.token_ids, e.text) for e in events[:-1]] == [((1, 2, 3), "abc")]
     assert isinstance(events[-1], Finished) and events[-1].num_output_tokens == 2
+
+
+def test_a_message_is_half_the_prefill_call_less_the_stages_prefill_reported() -> None:
+    timings = prefill_pb2.PrefillTimings(reserve_s=0.01, queue_s=0.002, compute_s=0.03,
+                                         transfer_s=0.004, handoff_s=0.005)  # fmt: skip
+    result = prefill_pb2.PrefillResult(timings=timings)
+    assert _Prefilled(result, 0.057).message_s() == pytest.approx(0.003)
+    assert _Prefilled(result, 0.04).message_s() == 0.0  # never negative

@@ -28,7 +28,7 @@ from services.planner.planner import (
     observed,
     steps,
 )
-from services.router.history import RequestHistory, Sample
+from services.router.history import MESSAGES, RequestHistory, Sample
 from services.simulator.profiles import STEP_MODELS, from_config
 
 CONFIG = PlannerConfig(ttft_p90_s=1.0, itl_p90_s=0.1, interval_s=10.0, cooldown_s=30.0,
@@ -120,6 +120,17 @@ def test_requests_that_outlast_the_history_still_give_a_forecast_their_lengths()
     stalled = forecast([now - 1.0], served, now, CONFIG)
     assert stalled is not None and stalled.samples == tuple(served)
     assert forecast([now - 1.0], [], now, CONFIG) is None  # nothing served ever
+
+
+def test_the_history_gives_the_median_message_time_of_the_recent_requests() -> None:
+    history = RequestHistory()
+    assert history.message_s() is None  # nothing measured yet
+    history.add(Sample(0.0, 10, 0, 5, 0.1, 0.01, finished=1.0))  # mixed: no Prefill call
+    assert history.message_s() is None
+    for i in range(MESSAGES + 10):  # the oldest ten (slow ones) fall out of the window
+        history.add(Sample(0.0, 10, 0, 5, 0.1, 0.01, finished=1.0,
+                           message_s=1.0 if i < 10 else 0.001 * (i % 3)))  # fmt: skip
+    assert history.message_s() == pytest.approx(0.001)
 
 
 def test_observed_p90s_are_the_last_intervals() -> None:
