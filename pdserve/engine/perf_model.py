@@ -16,7 +16,9 @@ The fit is least squares over every observed step with exponential forgetting (r
 weigh more: a machine's speed drifts), solved on the normal equations (5 × 5) every few
 steps, coefficients kept non-negative (a feature that would get a negative weight is dropped
 from that solve). Each step's prediction, made before its time is known, is scored: the
-relative errors feed a histogram (Prometheus) and the recent median. Engine thread only.
+relative errors feed a histogram (Prometheus) and the recent median, and the recent ratios of
+measured to predicted time give quantiles (`ratio_quantiles`, exported in `GetStats`) that the
+latency simulator draws step times from. Engine thread only.
 """
 
 import bisect
@@ -34,7 +36,8 @@ ERROR_BUCKETS = (0.01, 0.02, 0.05, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.0, 5.0)
 DECAY = 0.998  # per observed step: a step's weight halves after ~350 more
 REFIT_EVERY = 16  # steps between solves
 MIN_STEPS = 8  # steps before the first fit (and before predictions are scored)
-RECENT = 512  # relative errors kept for the median
+RECENT = 512  # relative errors (and measured ÷ predicted ratios) kept
+QUANTILES = 20  # ratio quantiles exported
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,6 +79,7 @@ class StepTimeModel:
         self.error_counts = [0] * (len(ERROR_BUCKETS) + 1)  # the last: above every bound
         self.error_sum = 0.0
         self._recent: deque[float] = deque(maxlen=RECENT)
+        self._ratios: deque[float] = deque(maxlen=RECENT)  # measured ÷ predicted
 
     @classmethod
     def fixed(cls, coefficients: Mapping[str, float]) -> "StepTimeModel":
@@ -97,7 +101,10 @@ class StepTimeModel:
     def observe(self, shape: StepShape, seconds: float) -> None:
         """A step took `seconds`: score the prediction, then learn from it."""
         if self.fitted and seconds > 0:
-            self._score(abs(self.predict(shape) - seconds) / seconds)
+            predicted = self.predict(shape)
+            self._score(abs(predicted - seconds) / seconds)
+            if predicted > 0:
+                self._ratios.append(seconds / predicted)
         x = np.asarray(shape.features())
         self._gram *= DECAY
         self._moment *= DECAY
@@ -135,6 +142,15 @@ class StepTimeModel:
     def median_error(self) -> float:
         """The median relative error of the recent scored predictions (nan: none yet)."""
         return statistics.median(self._recent) if self._recent else float("nan")
+
+    def ratio_quantiles(self) -> list[float]:
+        """Measured ÷ predicted step time of the recent scored steps at the midpoints of
+        QUANTILES equal shares, ascending (empty while fewer were scored): how far and which
+        way steps stray from the fit on this machine under this load."""
+        if len(self._ratios) < QUANTILES:
+            return []
+        ordered = sorted(self._ratios)
+        return [ordered[int((k + 0.5) * len(ordered) / QUANTILES)] for k in range(QUANTILES)]
 
     def named_coefficients(self) -> dict[str, float]:
         """Seconds per unit of each feature (`constant`: per step)."""

@@ -702,6 +702,7 @@ def _fill_step_time(model: StepTimeModel, message: common_pb2.StepTimeFit) -> No
     message.error_bounds.extend(ERROR_BUCKETS)
     message.error_counts.extend(model.error_counts)
     message.error_sum = model.error_sum
+    message.ratio_quantiles.extend(model.ratio_quantiles())
 
 
 def _next_event(subscriber: "queue.Queue[KVEvent | None]") -> Any:

@@ -112,21 +112,29 @@ class ListInstancesReply(_message.Message):
 
     INSTANCES_FIELD_NUMBER: _builtins.int
     MESSAGE_S_FIELD_NUMBER: _builtins.int
+    MESSAGE_QUANTILES_FIELD_NUMBER: _builtins.int
     message_s: _builtins.float
     """one message between the router and an instance, one way, as the router measures it on
     its recent Prefill calls (median, seconds); 0 before any
     """
     @_builtins.property
     def instances(self) -> _containers.RepeatedCompositeFieldContainer[Global___InstanceInfo]: ...
+    @_builtins.property
+    def message_quantiles(self) -> _containers.RepeatedScalarFieldContainer[_builtins.float]:
+        """those of the recent Prefill calls at the midpoints of 20 equal shares (ascending; empty
+        before 20 were measured): the spread `pdserve simulate` draws messages from
+        """
+
     def __init__(
         self,
         *,
         instances: _abc.Iterable[Global___InstanceInfo] | None = ...,
         message_s: _builtins.float = ...,
+        message_quantiles: _abc.Iterable[_builtins.float] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["instances", b"instances", "message_s", b"message_s"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["instances", b"instances", "message_quantiles", b"message_quantiles", "message_s", b"message_s"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

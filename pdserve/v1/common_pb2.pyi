@@ -837,6 +837,7 @@ class StepTimeFit(_message.Message):
     ERROR_BOUNDS_FIELD_NUMBER: _builtins.int
     ERROR_COUNTS_FIELD_NUMBER: _builtins.int
     ERROR_SUM_FIELD_NUMBER: _builtins.int
+    RATIO_QUANTILES_FIELD_NUMBER: _builtins.int
     samples: _builtins.int
     """(per 1k token pairs), decode_rows, decode_context
     (per 1k KV tokens attended)
@@ -857,6 +858,13 @@ class StepTimeFit(_message.Message):
     def error_counts(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """per bucket (one more than bounds: above the last)"""
 
+    @_builtins.property
+    def ratio_quantiles(self) -> _containers.RepeatedScalarFieldContainer[_builtins.float]:
+        """measured ÷ predicted step time of the recent steps at the midpoints of 20 equal shares
+        (ascending; empty before 20 were scored): the spread and bias around the fit, which the
+        latency simulator draws each step's time from
+        """
+
     def __init__(
         self,
         *,
@@ -866,10 +874,11 @@ class StepTimeFit(_message.Message):
         error_bounds: _abc.Iterable[_builtins.float] | None = ...,
         error_counts: _abc.Iterable[_builtins.int] | None = ...,
         error_sum: _builtins.float = ...,
+        ratio_quantiles: _abc.Iterable[_builtins.float] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["coefficients", b"coefficients", "error_bounds", b"error_bounds", "error_counts", b"error_counts", "error_sum", b"error_sum", "median_error", b"median_error", "samples", b"samples"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["coefficients", b"coefficients", "error_bounds", b"error_bounds", "error_counts", b"error_counts", "error_sum", b"error_sum", "median_error", b"median_error", "ratio_quantiles", b"ratio_quantiles", "samples", b"samples"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -67,9 +67,11 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
     def ListInstances(
         self, request: admin_pb2.ListInstancesRequest, context: grpc.ServicerContext
     ) -> admin_pb2.ListInstancesReply:
-        message_s = self.topology.router.history.message_s()
+        history = self.topology.router.history
         return admin_pb2.ListInstancesReply(
-            instances=self.topology.describe_all(), message_s=message_s or 0.0
+            instances=self.topology.describe_all(),
+            message_s=history.message_s() or 0.0,
+            message_quantiles=history.message_quantiles(),
         )
 
     def DrainInstance(

@@ -44,6 +44,7 @@ class SimulatedCluster:
     transfer_gbps: float | None  # measured; None: `router.kv_transfer_gbps`
     vocab_size: int
     rpc_s: float = 0.0  # one message between processes, one way (the router's measured)
+    rpc_draws_s: tuple[float, ...] = ()  # its measured quantiles, each message draws from
 
 
 def synthetic_trace(
@@ -129,7 +130,7 @@ def predict(
     config = cluster.config
     counts = {"prefill": split.prefill, "decode": split.decode}
     spec = cluster_spec(config, cluster.profiles, counts, cluster.transfer_gbps,
-                        cluster.vocab_size, cluster.rpc_s)  # fmt: skip
+                        cluster.vocab_size, cluster.rpc_s, cluster.rpc_draws_s)  # fmt: skip
     block_tokens = cluster.profiles["prefill"].block_size
     result = Simulation(spec, block_tokens).run(records)
     judged = [r for r in result.requests if r.arrival >= judged_from_s]

@@ -98,8 +98,10 @@ class PlannerLoop:
         listing = [MessageToDict(i, preserving_proto_field_name=True) for i in instances]
         profiles, _ = from_listing(listing, self.config)
         link = measured_link_gbps(listing)
-        message_s = self.topology.router.history.message_s() or 0.0
-        cluster = SimulatedCluster(self.config, profiles, link, vocab_size, message_s)
+        history = self.topology.router.history
+        cluster = SimulatedCluster(self.config, profiles, link, vocab_size,
+                                   history.message_s() or 0.0,
+                                   tuple(history.message_quantiles()))  # fmt: skip
         self._model = IntervalModel(cluster, self.config.planner.interval_s)
 
     def _evaluate(self, split: Split, load: Forecast) -> Prediction:

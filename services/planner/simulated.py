@@ -61,14 +61,17 @@ class PlannedSimulation:
         moves: Moves = Moves(),
         sizing: str = "distribution",
         rpc_s: float = 0.0,
+        rpc_draws_s: tuple[float, ...] = (),
         seed: int = 0,
     ) -> None:
-        spec = cluster_spec(config, profiles, counts, transfer_gbps, vocab_size, rpc_s)
+        spec = cluster_spec(config, profiles, counts, transfer_gbps, vocab_size, rpc_s,
+                            rpc_draws_s)  # fmt: skip
         if spec.mixed:
             raise ConfigError("the planner plans prefill and decode instances, not mixed ones")
         self.sim = Simulation(spec, block_tokens, seed)
         self.moves = moves
-        cluster = SimulatedCluster(config, profiles, transfer_gbps, vocab_size, rpc_s)
+        cluster = SimulatedCluster(config, profiles, transfer_gbps, vocab_size, rpc_s,
+                                   rpc_draws_s)  # fmt: skip
         self._model = IntervalModel(cluster, config.planner.interval_s, sizing)
         self.planner = Planner(config.planner, self._evaluate, self.sim.clock)
         self.decisions: list[Decision] = []

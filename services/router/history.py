@@ -7,7 +7,8 @@ import threading
 from collections import deque
 from dataclasses import dataclass
 
-MESSAGES = 256  # the recent requests `message_s` takes the median of
+MESSAGES = 256  # the recent requests whose message times are summarized
+QUANTILES = 20  # message time quantiles exported
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,6 +62,18 @@ class RequestHistory:
     def message_s(self) -> float | None:
         """The median time of one message between the router and an instance, one way, over
         the last MESSAGES requests that measured it (None: none did yet)."""
+        measured = self._messages()
+        return statistics.median(measured) if measured else None
+
+    def message_quantiles(self) -> list[float]:
+        """Those times at the midpoints of QUANTILES equal shares, ascending (empty while
+        fewer were measured): the spread the latency simulator draws messages from."""
+        measured = sorted(self._messages())
+        if len(measured) < QUANTILES:
+            return []
+        return [measured[int((k + 0.5) * len(measured) / QUANTILES)] for k in range(QUANTILES)]
+
+    def _messages(self) -> list[float]:
         with self._lock:
             measured: list[float] = []
             for sample in reversed(self._samples):
@@ -68,4 +81,4 @@ class RequestHistory:
                     measured.append(sample.message_s)
                     if len(measured) == MESSAGES:
                         break
-        return statistics.median(measured) if measured else None
+        return measured

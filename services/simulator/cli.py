@@ -23,7 +23,7 @@ from services.simulator.profiles import (
     cluster_spec,
     from_config,
     from_instances,
-    measured_message_s,
+    measured_messages,
     step_model,
 )
 from services.simulator.replay import SimConfig
@@ -77,8 +77,9 @@ def add_parser(commands: Any) -> None:
     latency.add_argument("--transfer-gbps", type=float,
                          help="KV bytes GB/s (default: router.kv_transfer_gbps)")  # fmt: skip
     latency.add_argument("--rpc-ms", type=float, default=None,
-                         help="one message between processes, one way (default: the "
-                              "router's measured one with --from-cluster, else 0)")  # fmt: skip
+                         help="one message between processes, one way (default: drawn "
+                              "from the router's measured ones with --from-cluster, else "
+                              "0)")  # fmt: skip
     latency.add_argument("--time-scale", type=float, default=1.0,
                          help="multiply the trace's timestamps (0.5: twice the rate)")  # fmt: skip
     latency.add_argument("--ttft-slo-s", type=float, default=2.0, help="goodput's TTFT SLO (2)")
@@ -176,6 +177,7 @@ def planned_simulation(spec: ClusterSpec, args: argparse.Namespace) -> PlannedSi
             moves=Moves(args.role_change_s, args.start_s),
             sizing=args.planner_sizing,
             rpc_s=spec.rpc_s,
+            rpc_draws_s=spec.rpc_draws_s,
             seed=args.seed,
         )
     except ConfigError as e:
@@ -206,10 +208,11 @@ def latency_spec(args: argparse.Namespace) -> ClusterSpec:
     counts given."""
     config = load_cluster_config(args.config)
     rpc_s = 0.0 if args.rpc_ms is None else args.rpc_ms / 1000
+    draws: tuple[float, ...] = ()
     if args.from_cluster is not None:
         profiles, counts = from_instances(args.from_cluster, config)
         if args.rpc_ms is None:
-            rpc_s = measured_message_s(args.from_cluster)
+            rpc_s, draws = measured_messages(args.from_cluster)
     else:
         profiles = from_config(config, step_model(args.step_model), args.kv_blocks)
         counts = {role: getattr(config, role).replicas for role in profiles}
@@ -219,7 +222,8 @@ def latency_spec(args: argparse.Namespace) -> ClusterSpec:
     if counts.get("mixed") and args.prefill is None and args.decode is None:
         counts["prefill"] = counts["decode"] = 0
     try:
-        return cluster_spec(config, profiles, counts, args.transfer_gbps, args.vocab_size, rpc_s)
+        return cluster_spec(config, profiles, counts, args.transfer_gbps, args.vocab_size, rpc_s,
+                            draws)  # fmt: skip
     except ConfigError as e:
         raise InvalidRequestError(str(e)) from e
 

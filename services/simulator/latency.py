@@ -5,9 +5,11 @@ Each simulated instance is pdserve's own scheduler (`Scheduler`: continuous batc
 over its own KV cache manager and eviction policy, with `PromptAdmission` giving prompts their
 blocks; only the forward pass is missing. A step's duration is what the instance's step time
 model (`StepTimeModel`, the fit a live instance exports in `GetStats`) predicts for the step's
-shape. Requests are routed by the router's own `Routing` (the prefill policy over the exact
-KV-event index, which the simulated caches feed; the decode policy over the capacities polled
-every `router.stats_interval_s`; conditional disaggregation over the polled step time models).
+shape, times a ratio drawn from the measured ÷ predicted ratios the instance exports with its
+fit (steps on a busy machine stray from the fit; the spread makes the tail). Requests are
+routed by the router's own `Routing` (the prefill policy over the exact KV-event index, which
+the simulated caches feed; the decode policy over the capacities polled every
+`router.stats_interval_s`; conditional disaggregation over the polled step time models).
 
 What another thread asks of an engine (admission, a reservation, a handoff, a release) waits for
 the step running there to end, as the engine loop takes its mailbox between steps. A
@@ -21,12 +23,14 @@ first token. A local or mixed request runs whole on one instance.
 
 Each step also takes the engine loop's own time between steps (`step_gap_s`, measured), and
 each message between two processes (the client's request and its tokens through the router
-included) `rpc_s`, measured by the router on its Prefill calls. Not simulated: reservation
+included) a time the router measured on its Prefill calls (drawn from their quantiles, or a
+constant `rpc_s`). Not simulated: reservation
 leases expiring, the storage tier, failures.
 """
 
 import itertools
 import math
+import random
 from array import array
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -75,6 +79,9 @@ class InstanceProfile:
     lrfu_half_life_s: float = 60.0
     lrfu_score_capacity: int = 8
     step_gap_s: float = 0.0  # the engine loop's own time between two busy steps (measured)
+    # measured ÷ predicted step times (`StepTimeModel.ratio_quantiles`): each step's time is
+    # the fit's times one drawn at random; empty: the fit's exactly
+    step_ratios: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
         missing = [name for name in FEATURES if name not in self.coefficients]
@@ -83,6 +90,8 @@ class InstanceProfile:
         if min(self.num_blocks, self.block_size, self.max_num_seqs,
                self.max_num_batched_tokens, self.max_model_len) < 1:  # fmt: skip
             raise ConfigError("an instance profile needs positive sizes and limits")
+        if any(not ratio > 0 for ratio in self.step_ratios):
+            raise ConfigError("step time ratios must be positive")
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,6 +111,9 @@ class ClusterSpec:
     # prefill, Reserve and its reply, StartDecode, the token to the router and on to the
     # client), a local or mixed one's four
     rpc_s: float = 0.0
+    # measured message times (`ListInstances.message_quantiles`) each message draws its own
+    # from; empty: every message takes `rpc_s`
+    rpc_draws_s: tuple[float, ...] = ()
     vocab_size: int = 32_000  # prompt tokens are drawn below it
 
     def __post_init__(self) -> None:
@@ -114,8 +126,8 @@ class ClusterSpec:
                 raise ConfigError(f"no instance profile for role {role}")
         if self.transfer_gbps <= 0:
             raise ConfigError(f"transfer bandwidth must be positive, got {self.transfer_gbps}")
-        if self.rpc_s < 0:
-            raise ConfigError(f"the RPC latency must be >= 0, got {self.rpc_s}")
+        if self.rpc_s < 0 or any(not s >= 0 for s in self.rpc_draws_s):
+            raise ConfigError("message times must be >= 0")
 
     def roles(self) -> tuple[str, ...]:
         return ("mixed",) if self.mixed else ("prefill", "decode")
@@ -179,7 +191,8 @@ class LatencyResult:
 
 class TokenSource:
     """Prompt tokens for trace records: each hash id stands for `block_tokens` tokens drawn
-    from a generator seeded by the id (equal ids, equal tokens), below `vocab_size`."""
+    from a generator seeded by the id (equal ids, equal tokens), below `vocab_size`; a prompt
+    longer than its ids cover gets the rest from a generator seeded by its length."""
 
     def __init__(self, block_tokens: int, vocab_size: int, seed: int = 0) -> None:
         self.block_tokens = block_tokens
@@ -193,8 +206,10 @@ class TokenSource:
             tokens += self._block(hash_id)
             if len(tokens) >= record.input_length:
                 break
-        if len(tokens) < record.input_length:  # fewer ids than the length covers: pad
-            tokens += self._block(-1 - record.input_length)[: record.input_length - len(tokens)]
+        missing = record.input_length - len(tokens)
+        if missing > 0:  # fewer ids than the length covers: the rest drawn for this length
+            rng = np.random.default_rng([self.seed, 1 << 62, record.input_length])
+            tokens += rng.integers(1, self.vocab_size, missing).tolist()
         return tokens[: record.input_length]
 
     def _block(self, hash_id: int) -> list[int]:
@@ -235,6 +250,7 @@ class SimInstance:
         )
         self.scheduler.clock = sim.clock
         self.model = StepTimeModel.fixed(profile.coefficients)
+        self._draws = random.Random(f"{sim.seed}:{name}")  # step time ratios
         self.busy = False
         self._calls: list[Callable[[], object]] = []  # waiting for the step to end
         self._between_steps = False
@@ -300,7 +316,10 @@ class SimInstance:
             (c.request.num_computed_tokens, c.num_new_tokens) for c in scheduled.chunks
         )
         self.busy = True
-        seconds = max(self.model.predict(shape), MIN_STEP_S) + self.profile.step_gap_s
+        seconds = max(self.model.predict(shape), MIN_STEP_S)
+        if self.profile.step_ratios:
+            seconds *= self._draws.choice(self.profile.step_ratios)
+        seconds += self.profile.step_gap_s
         self.sim.at(self.sim.now + seconds, lambda: self._stepped(scheduled))
 
     def _stepped(self, scheduled: SchedulerOutput) -> None:
@@ -386,6 +405,8 @@ class Simulation:
 
     def __init__(self, spec: ClusterSpec, block_tokens: int, seed: int = 0) -> None:
         self.spec = spec
+        self.seed = seed
+        self._messages = random.Random(f"{seed}:messages")  # message times drawn
         self.events = EventQueue()
         roles = spec.roles()
         block_size = spec.profiles[roles[0]].block_size
@@ -611,7 +632,11 @@ class Simulation:
 
     def _hop(self, action: Callable[[], object], after_s: float = 0.0) -> None:
         """`action` once a message sent `after_s` from now reached the other process."""
-        self.at(self.now + after_s + self.spec.rpc_s, action)
+        self.at(self.now + after_s + self._message_s(), action)
+
+    def _message_s(self) -> float:
+        draws = self.spec.rpc_draws_s
+        return self._messages.choice(draws) if draws else self.spec.rpc_s
 
     def _run_whole(self, flight: _Flight, instance: SimInstance, on_decode: bool) -> None:
         """Mixed, or local prefill on a decode instance (refused when its blocks would eat
@@ -713,12 +738,15 @@ class Simulation:
 
     def token(self, instance: SimInstance, request: Request) -> None:
         """An output token was made: it reaches the client two messages later (through
-        the router)."""
+        the router). A stream keeps its order: a token whose messages were quicker than its
+        predecessor's arrives with it, in one chunk (no gap between them is counted)."""
         flight = self._flights[request.request_id]
         result = flight.result
-        reached = self.now + 2 * self.spec.rpc_s
+        reached = self.now + self._message_s() + self._message_s()
         if result.last_token is not None:
-            self._itl.append(reached - result.last_token)
+            if reached > result.last_token:
+                self._itl.append(reached - result.last_token)
+            reached = max(reached, result.last_token)
         elif flight.decode is None:  # its first token, from the instance that computed it
             result.cached_tokens = request.num_cached_tokens
             flight.leases[0].finish_prefill()

@@ -83,11 +83,13 @@ def from_instances(path: Path, config: ClusterConfig) -> tuple[dict[str, Instanc
     return from_listing(instances, config, str(path))
 
 
-def measured_message_s(path: Path) -> float:
+def measured_messages(path: Path) -> tuple[float, tuple[float, ...]]:
     """The router's measured time of one message between processes, one way, in a
-    `pdserve admin list --json` file (0 when it measured none)."""
+    `pdserve admin list --json` file: its median (0 when it measured none) and quantiles."""
     try:
-        return float(json.loads(path.read_text()).get("message_s", 0.0))
+        listing = json.loads(path.read_text())
+        quantiles = tuple(float(s) for s in listing.get("message_quantiles", ()))
+        return float(listing.get("message_s", 0.0)), quantiles
     except (OSError, ValueError, AttributeError, TypeError) as e:
         raise InvalidRequestError(
             f"{path}: not the JSON of `pdserve admin list --json` ({e})"
@@ -104,7 +106,8 @@ def from_listing(
     for instance in instances:
         role, stats = instance.get("role", ""), instance.get("stats") or {}
         counts[role] = counts.get(role, 0) + 1
-        fit = stats.get("step_time", {}).get("coefficients", {})
+        step_time = stats.get("step_time", {})
+        fit = step_time.get("coefficients", {})
         if role in profiles or not all(name in fit for name in FEATURES):
             continue
         engine = config.engine_for(role)
@@ -121,6 +124,7 @@ def from_listing(
             max_num_seqs=int(stats.get("max_num_seqs", engine.max_num_seqs)),
             step_gap_s=float(stats.get("step_gap_seconds", 0.0))
             / max(1, int(stats.get("step_gaps", 0))),
+            step_ratios=tuple(float(r) for r in step_time.get("ratio_quantiles", ())),
         )
     if not profiles:
         raise InvalidRequestError(f"{source}: no instance reports a step time fit")
@@ -138,6 +142,7 @@ def _profile(
     budget: int | None = None,
     max_num_seqs: int | None = None,
     step_gap_s: float = 0.0,
+    step_ratios: tuple[float, ...] = (),
 ) -> InstanceProfile:
     return InstanceProfile(
         num_blocks=num_blocks,
@@ -151,6 +156,7 @@ def _profile(
         lrfu_half_life_s=engine.lrfu_half_life_s,
         lrfu_score_capacity=engine.lrfu_score_capacity,
         step_gap_s=step_gap_s,
+        step_ratios=step_ratios,
     )
 
 
@@ -174,9 +180,11 @@ def cluster_spec(
     transfer_gbps: float | None,
     vocab_size: int,
     rpc_s: float = 0.0,
+    rpc_draws_s: tuple[float, ...] = (),
 ) -> ClusterSpec:
     """The simulated cluster: `counts` instances per role (missing roles: none) with the
-    config's role, router and transfer settings, `rpc_s` per message between processes."""
+    config's role, router and transfer settings, `rpc_s` per message between processes (or
+    one drawn from `rpc_draws_s`)."""
     return ClusterSpec(
         profiles=dict(profiles),
         prefill=counts.get("prefill", 0),
@@ -188,4 +196,5 @@ def cluster_spec(
         transfer_gbps=transfer_gbps or config.router.kv_transfer_gbps,
         vocab_size=vocab_size,
         rpc_s=rpc_s,
+        rpc_draws_s=rpc_draws_s,
     )

@@ -12,7 +12,7 @@ from pdserve.engine.perf_model import FEATURES
 from pdserve.errors import ConfigError
 from services.controller.cli import _build_parser, main
 from services.simulator.cli import latency_spec
-from services.simulator.latency import ClusterSpec, InstanceProfile, Simulation
+from services.simulator.latency import ClusterSpec, InstanceProfile, Simulation, TokenSource
 from services.simulator.latency_report import summarize
 from services.simulator.trace import TraceRecord
 
@@ -52,6 +52,19 @@ def test_a_lone_request_takes_its_chunked_prefill_then_one_step_per_token() -> N
     assert r.tokens == 5 and r.path == "mixed" and not r.failed
 
 
+def test_each_step_takes_the_fit_times_a_ratio_drawn_from_the_measured_ones() -> None:
+    doubled = run(mixed(step_ratios=(2.0,)), [record(0, 100, 5, 0)])
+    assert doubled.requests[0].ttft == pytest.approx(2 * (2 * C0 + 100 * PER_TOKEN))
+    assert list(doubled.itl) == pytest.approx([2 * (C0 + PER_ROW)] * 4)
+    spread = mixed(step_ratios=(0.5, 1.0, 3.0))
+    records = [record(0, 100, 200, 0)]
+    gaps = set(round(gap / (C0 + PER_ROW), 6) for gap in run(spread, records).itl)
+    assert gaps == {0.5, 1.0, 3.0}  # every ratio drawn, none other
+    assert list(run(spread, records).itl) == list(run(spread, records).itl)  # seeded
+    with pytest.raises(ConfigError, match="ratios must be positive"):
+        profile(step_ratios=(1.0, 0.0))
+
+
 def test_requests_decode_in_one_batch_and_queue_behind_max_num_seqs() -> None:
     together = run(mixed(), [record(0, 10, 3, 0), record(0, 10, 3, 100)])
     first, second = together.requests
@@ -86,6 +99,22 @@ def test_a_disaggregated_request_pays_its_transfer_and_decode_hands_out_prefills
     # to the router, on to the client
     assert r.first_token == pytest.approx(r.marks["handed_off"] + 0.002)
     assert ttft(0.1) - ttft(1.0) == pytest.approx(2e6 / 1e8 - 2e6 / 1e9)
+
+
+def test_messages_draw_their_times_and_a_stream_keeps_its_order() -> None:
+    """Each message takes a measured time drawn at random; a token whose two messages were
+    quicker than its predecessor's arrives with it, as one chunk: no gap of 0 or below."""
+    spec = ClusterSpec({"prefill": profile(), "decode": profile()}, rpc_draws_s=(0.0, 0.02))
+    result = run(spec, [record(0, 32, 60, 0)])
+    [r] = result.requests
+    assert r.tokens == 60 and not r.failed
+    gaps = list(result.itl)
+    assert all(gap > 0 for gap in gaps)
+    assert len(gaps) < 59  # some tokens came together
+    assert len({round(gap, 9) for gap in gaps}) > 2  # drawn, not fixed: the gaps vary
+    assert list(run(spec, [record(0, 32, 60, 0)]).itl) == gaps  # seeded
+    with pytest.raises(ConfigError, match="message times"):
+        ClusterSpec({"prefill": profile(), "decode": profile()}, rpc_draws_s=(-0.001,))
 
 
 def test_a_repeated_prompt_hits_the_cache_the_router_routed_it_to() -> None:
@@ -175,15 +204,29 @@ def test_the_cli_names_a_bad_step_model(tmp_path: Path, capsys: pytest.CaptureFi
     assert "not a step time model" in capsys.readouterr().err
 
 
+def test_a_prompt_is_as_long_as_its_record_says_whatever_its_ids_cover() -> None:
+    """A record's hash ids may cover less than its length (a question under one id, a trace of
+    coarser blocks): the prompt still has every token, shared ids giving shared tokens."""
+    source = TokenSource(block_tokens=32, vocab_size=262)
+    long, short = TraceRecord(0, 300, 4, (7, 8)), TraceRecord(0, 40, 4, (7, 9))
+    tokens = source.prompt(long)
+    assert len(tokens) == 300 and all(1 <= t < 262 for t in tokens)
+    assert source.prompt(short)[:32] == tokens[:32]  # the same first id
+    assert source.prompt(short)[32:40] != tokens[32:40]
+    assert source.prompt(long) == tokens
+
+
 def test_a_live_clusters_listing_gives_the_profiles_and_the_routers_message_time(
     tmp_path: Path,
 ) -> None:
     """`--from-cluster` (`pdserve admin list --json`): each role's fit and pool, and the
     router's measured message time unless `--rpc-ms` says otherwise."""
-    fit = {"coefficients": dict.fromkeys(FEATURES, 0.001), "samples": "100"}
+    fit = {"coefficients": dict.fromkeys(FEATURES, 0.001), "samples": "100",
+           "ratio_quantiles": [0.9, 1.25]}  # fmt: skip
     stats = {"step_time": fit, "num_blocks": 256, "block_size": 16, "kv_block_bytes": 4096}
     listing = {"instances": [{"name": f"{role}-0", "role": role, "stats": stats}
-                             for role in ("prefill", "decode")], "message_s": 0.0025}  # fmt: skip
+                             for role in ("prefill", "decode")],
+               "message_s": 0.0025, "message_quantiles": [0.001, 0.004]}  # fmt: skip
     path = tmp_path / "instances.json"
     path.write_text(json.dumps(listing))
     parser = _build_parser()
@@ -195,6 +238,9 @@ def test_a_live_clusters_listing_gives_the_profiles_and_the_routers_message_time
     measured = spec()
     assert measured.rpc_s == 0.0025 and (measured.prefill, measured.decode) == (1, 1)
     assert measured.profiles["decode"].num_blocks == 256
+    assert measured.profiles["prefill"].step_ratios == (0.9, 1.25)
+    assert measured.rpc_draws_s == (0.001, 0.004)
+    assert spec("--rpc-ms", "1").rpc_draws_s == ()  # a fixed time asked for
     assert spec("--rpc-ms", "1").rpc_s == 0.001
     del listing["message_s"]  # a listing from before the router measured any
     path.write_text(json.dumps(listing))

@@ -8,6 +8,8 @@ from pdserve.engine.perf_model import (
     ERROR_BUCKETS,
     FEATURES,
     MIN_STEPS,
+    QUANTILES,
+    RECENT,
     StepShape,
     StepTimeModel,
     step_shape,
@@ -57,6 +59,25 @@ def test_noise_is_averaged_and_scored() -> None:
     assert 0.02 < model.median_error() < 0.06  # ±10 % uniform noise: median |error| ~5 %
     assert sum(model.error_counts) == model.samples - MIN_STEPS
     assert len(model.error_counts) == len(ERROR_BUCKETS) + 1
+
+
+def test_the_ratio_quantiles_give_the_spread_of_recent_steps() -> None:
+    """Steps on a busy machine: a quarter take twice their usual time. The ratios of measured
+    to predicted time say so, whatever the fit settles on (the simulator draws from them);
+    there are none before QUANTILES steps were scored."""
+    model = StepTimeModel()
+    shapes = random_shapes(RECENT + 400, seed=3)
+    for n, shape in enumerate(shapes):
+        if n == MIN_STEPS + QUANTILES - 1:  # the steps from MIN_STEPS on were scored
+            assert model.ratio_quantiles() == []  # one short
+        if n == MIN_STEPS + QUANTILES:
+            assert len(model.ratio_quantiles()) == QUANTILES
+        model.observe(shape, seconds(shape) * (2.0 if n % 4 == 0 else 1.0))
+    quantiles = model.ratio_quantiles()
+    assert len(quantiles) == QUANTILES and quantiles == sorted(quantiles)
+    slow = [q for q in quantiles if q > 1.5 * quantiles[0]]
+    assert len(slow) == QUANTILES // 4
+    assert min(slow) / quantiles[0] == pytest.approx(2.0, rel=0.1)
 
 
 def test_no_coefficient_goes_negative() -> None:

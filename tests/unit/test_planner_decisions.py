@@ -28,7 +28,7 @@ from services.planner.planner import (
     observed,
     steps,
 )
-from services.router.history import MESSAGES, RequestHistory, Sample
+from services.router.history import MESSAGES, QUANTILES, RequestHistory, Sample
 from services.simulator.profiles import STEP_MODELS, from_config
 
 CONFIG = PlannerConfig(ttft_p90_s=1.0, itl_p90_s=0.1, interval_s=10.0, cooldown_s=30.0,
@@ -131,6 +131,13 @@ def test_the_history_gives_the_median_message_time_of_the_recent_requests() -> N
         history.add(Sample(0.0, 10, 0, 5, 0.1, 0.01, finished=1.0,
                            message_s=1.0 if i < 10 else 0.001 * (i % 3)))  # fmt: skip
     assert history.message_s() == pytest.approx(0.001)
+    quantiles = history.message_quantiles()  # the spread the simulator draws messages from
+    assert len(quantiles) == QUANTILES and quantiles == sorted(quantiles)
+    assert set(quantiles) == {0.0, 0.001, 0.002}
+    few = RequestHistory()
+    for _ in range(QUANTILES - 1):
+        few.add(Sample(0.0, 10, 0, 5, 0.1, 0.01, finished=1.0, message_s=0.002))
+    assert few.message_quantiles() == [] and few.message_s() == 0.002
 
 
 def test_observed_p90s_are_the_last_intervals() -> None:
