@@ -14,8 +14,10 @@ sides alternate `--rounds` times (2; quick 1). The workload, identical for both:
 - `turn`: a follow-up of one of 8 conversations: its previous prompt and answer plus 16–64 new
   tokens (mostly cached, on whichever instance computed the previous turn).
 
-TTFT is measured at the client (request sent -> first token). Reported per kind and side: p50
-and p90 TTFT, and the ratio auto ÷ always of each (median over rounds); the paths auto took
+TTFT is measured at the client (request sent -> first token); ITL as every gap between a
+request's streamed chunks, all kinds together (what computing prompts on the decode instance
+costs the requests decoding there). Reported per kind and side: p50 and p90 TTFT, p50 and p90
+ITL, and the ratio auto ÷ always of each (median over rounds); the paths auto took
 (`pdserve_router_disaggregation_total`). Target (issue's acceptance): short and turn prompts
 lower with auto, long ones no worse (ratio <= 1.05 within the machine's noise).
 
@@ -86,10 +88,10 @@ class Workload:
 
 
 async def run_side(url: str, args: argparse.Namespace, seconds: float) -> dict[str, list[float]]:
-    """TTFT (s) per kind over one side's load."""
+    """TTFT (s) per kind over one side's load, and every gap between streamed chunks (`itl`)."""
     workload = Workload(args.seed, vocab=256)
     rng = random.Random(args.seed + 1)
-    ttft: dict[str, list[float]] = {kind: [] for kind in KINDS}
+    ttft: dict[str, list[float]] = {kind: [] for kind in (*KINDS, "itl")}
     tasks = []
     async with httpx.AsyncClient(timeout=300) as client:
 
@@ -97,14 +99,17 @@ async def run_side(url: str, args: argparse.Namespace, seconds: float) -> dict[s
             body = {"model": "tiny", "prompt": prompt, "max_tokens": 32, "temperature": 0,
                     "ignore_eos": True, "stream": True}  # fmt: skip
             sent = time.perf_counter()
-            first, answer = None, []
+            first, last, answer = None, None, []
             endpoint = f"{url.removesuffix('/v1')}/v1/completions"
             async with client.stream("POST", endpoint, json=body) as response:
                 if response.status_code != 200:
                     raise RuntimeError(f"{response.status_code}: {await response.aread()!r}")
                 async for line in response.aiter_lines():
                     if line.startswith("data: {"):
-                        first = first or time.perf_counter()
+                        now = time.perf_counter()
+                        if last is not None:
+                            ttft["itl"].append(now - last)
+                        first, last = first or now, now
                         answer.extend(json.loads(line[6:]).get("choices", [{}])[0].get("text", ""))
             if first is not None:
                 ttft[kind].append(first - sent)
@@ -154,14 +159,28 @@ def main() -> None:
                 side.stop()
     figures = summarise(samples)
     report(figures, seconds, rounds)
-    metrics = {f"{kind}_{q}_ratio": figures[kind][f"{q}_ratio"] for kind in KINDS
+    metrics = {f"{kind}_{q}_ratio": figures[kind][f"{q}_ratio"] for kind in (*KINDS, "itl")
                for q in ("p50", "p90")}  # fmt: skip
-    finish(NAME, args, {"figures": figures, "samples": samples}, metrics)
+    finish(NAME, args, {"figures": figures, "samples": compact(samples)}, metrics)
+
+
+def compact(samples: dict[str, list[dict[str, Any]]]) -> dict[str, list[dict[str, Any]]]:
+    """The samples for the JSON: every TTFT, but the thousands of ITL gaps as percentiles."""
+    kept: dict[str, list[dict[str, Any]]] = {}
+    for mode, rounds in samples.items():
+        kept[mode] = []
+        for sample in rounds:
+            gaps = sample["ttft"]["itl"]
+            ttft = {kind: values for kind, values in sample["ttft"].items() if kind != "itl"}
+            itl = {"gaps": len(gaps), **{f"p{q}_s": percentile(gaps, q / 100)
+                                         for q in (50, 90, 99)}}  # fmt: skip
+            kept[mode].append({**sample, "ttft": ttft, "itl": itl})
+    return kept
 
 
 def summarise(samples: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
     figures: dict[str, Any] = {}
-    for kind in KINDS:
+    for kind in (*KINDS, "itl"):
         entry: dict[str, float] = {}
         for q, level in (("p50", 0.5), ("p90", 0.9)):
             per_round = {
@@ -181,13 +200,13 @@ def summarise(samples: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
 
 def report(figures: dict[str, Any], seconds: float, rounds: int) -> None:
     rows = [
-        [kind, f["always_p50_ms"], f["auto_p50_ms"], f["p50_ratio"], f["always_p90_ms"],
-         f["auto_p90_ms"], f["p90_ratio"]]
-        for kind in KINDS
+        [kind if kind in KINDS else "ITL (all)", f["always_p50_ms"], f["auto_p50_ms"],
+         f["p50_ratio"], f["always_p90_ms"], f["auto_p90_ms"], f["p90_ratio"]]
+        for kind in (*KINDS, "itl")
         for f in (figures[kind],)
     ]  # fmt: skip
     print_table(
-        f"TTFT (ms) by prompt kind, 1 prefill + 1 decode, {seconds:g} s per side, "
+        f"TTFT (ms) by prompt kind and ITL, 1 prefill + 1 decode, {seconds:g} s per side, "
         f"{rounds} round(s), median over rounds",
         ["kind", "always p50", "auto p50", "auto/always", "always p90", "auto p90", "auto/always"],
         rows,

@@ -403,11 +403,13 @@ class RouterConfig:
     max_concurrent_requests: int = 4096
     """Generations the router runs at once (each of `n` choices counts); more get 503 with
     `Retry-After`."""
-    disaggregation: str = _choice("always", DISAGGREGATION_MODES)
+    disaggregation: str = _choice("auto", DISAGGREGATION_MODES)
     """Where a request's prompt is computed: `always` on a prefill instance, its KV then moved
-    to the decode instance; `never` on the decode instance itself; `auto` on whichever the
-    instances' step time models (`GetStats`) predict the earlier first token for (queue,
-    compute and transfer, the prompt's cached tokens on each side), request by request.
+    to the decode instance; `never` on the decode instance itself; `auto`, request by request,
+    on the decode instance when nothing decodes there and the instances' step time models
+    (`GetStats`) predict its first token sooner there (queue, compute and transfer, the
+    prompt's cached tokens on each side), else on a prefill instance: short and mostly-cached
+    prompts start sooner, and no running request waits for a prompt in its steps.
 
     With `never` and `auto` the router also follows the decode instances' KV events."""
     kv_transfer_gbps: float = 1.0

@@ -216,10 +216,12 @@ def routed(
 ) -> Iterator[Stack]:
     """A router over the instances at these addresses: `members` when this process runs them
     (`pd_stack`), else started elsewhere (Ray actors; the caller checks them). Checks the stack
-    at rest (`Stack.check`) before stopping the router."""
-    routing = RouterConfig(
-        **{"port": 0, "model_name": MODEL, "stats_interval_s": 0.1, **(router or {})}
-    )
+    at rest (`Stack.check`) before stopping the router. Every prompt goes through a prefill
+    instance (`disaggregation: always`: the PD path these stacks test) unless `router` says
+    otherwise."""
+    defaults = {"port": 0, "model_name": MODEL, "stats_interval_s": 0.1,
+                "disaggregation": "always"}  # fmt: skip
+    routing = RouterConfig(**{**defaults, **(router or {})})
     running = serve_router(
         routing, engine_config, list(prefill), list(decode), list(mixed), secret=SECRET
     )

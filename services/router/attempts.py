@@ -199,6 +199,7 @@ class Attempts:
             if route.path.remote_s == route.path.remote_s:  # predicted (not nan)
                 decision["predicted_remote_ttft_s"] = round(route.path.remote_s, 6)
                 decision["predicted_local_ttft_s"] = round(route.path.local_s, 6)
+                decision["predicted_local_delay_s"] = round(route.path.delay_s, 6)
         record.add("route", started, time.perf_counter(), "", decision)
         return route
 

@@ -1,5 +1,5 @@
 """Conditional disaggregation: compute a prompt on a prefill instance and move its KV, or on
-the decode instance itself — whichever is predicted to give the first token sooner.
+an idle decode instance itself when that is predicted to give the first token sooner.
 
 The prediction uses what each instance reports in `GetStats`: its step time model's
 coefficients (`pdserve.engine.perf_model`: a constant per step, per prefill token, per 1k
@@ -14,6 +14,15 @@ tokens it has in flight on the prefill instance (its leases).
     local  = the decode step running now (when decode is busy) + the prompt's uncached
              chunks on decode, each step also carrying decode's running batch (rows and the KV
              they attend)
+    delay  = decode's running requests × the prompt's own share of those steps (its tokens
+             and their attention): the wait computing it there would add to each of them
+
+The prompt is computed on decode when local < remote and nothing decodes there (delay 0):
+disaggregation exists to keep prompts out of the decode steps, and a prompt computed beside a
+running batch lengthens every one of its token gaps. Weighing that delay against the TTFT
+saved (local + delay < remote) was measured first: TTFT p50 0.78-0.93x of `always`, but ITL
+p90 1.21x, and a planner whose ITL target no split met. `delay` is still predicted and
+reported with the decision.
 
 A chunk of `new` tokens after `cached` ones costs c0 + c1·new + c2·new·(cached + new/2)/1000
 (+ c3·rows + c4·context/1000 on a step shared with decoding requests). `always` and `never`
@@ -33,6 +42,9 @@ class PathChoice:
     local: bool  # compute the prompt on the decode instance
     remote_s: float  # predicted time to first token through prefill (nan: not predicted)
     local_s: float  # predicted time to first token on decode (nan: not predicted)
+    # predicted delay computing it on decode adds to each request decoding there, times
+    # their number (nan: not predicted)
+    delay_s: float = float("nan")
 
 
 NOT_PREDICTED = float("nan")
@@ -50,15 +62,24 @@ def prompt_seconds(
     of `budget`, each step also carrying `rows` decoding requests that attend `context` KV
     tokens."""
     c = fit.coefficients
-    shared = c["decode_rows"] * rows + c["decode_context"] * context / 1000
+    per_step = c["constant"] + c["decode_rows"] * rows + c["decode_context"] * context / 1000
+    steps = -(-tokens // max(1, budget))
+    return steps * per_step + prompt_work_seconds(fit, budget, tokens, cached)
+
+
+def prompt_work_seconds(
+    fit: common_pb2.StepTimeFit, budget: int, tokens: int, cached: int = 0
+) -> float:
+    """The prompt's own share of those steps (its tokens and their attention): what each
+    request decoding beside it waits for."""
+    c = fit.coefficients
     seconds, done = 0.0, cached
     for start in range(0, tokens, max(1, budget)):
         new = min(budget, tokens - start)
         attention = new * (done + new / 2) / 1000
-        seconds += c["constant"] + c["prefill_tokens"] * new + c["prefill_attention"] * attention
-        seconds += shared
+        seconds += c["prefill_tokens"] * new + c["prefill_attention"] * attention
         done += new
-    return seconds
+    return float(seconds)
 
 
 def decode_step_seconds(fit: common_pb2.StepTimeFit, rows: int, context: int) -> float:
@@ -102,21 +123,19 @@ class Disaggregation:
             return PathChoice(self.mode == "never", NOT_PREDICTED, NOT_PREDICTED)
         if prefill is None or decode is None or not _fitted(prefill) or not _fitted(decode):
             return PathChoice(False, NOT_PREDICTED, NOT_PREDICTED)
+        budget, uncached = decode.max_num_batched_tokens, prompt_tokens - decode_cached
         remote = self._remote_seconds(prompt_tokens, prefill, prefill_cached, prefill_queued)
         remote += self._transfer_seconds(prompt_tokens, prefill, decode, decode_cached)
         # the first token is prefill's, streamed by decode at the handoff: no decode step
         # waits for it; on decode, a prompt first waits for the step running there
-        held = _held_tokens(decode)
-        running = decode_step_seconds(decode.step_time, decode.num_running, held)
-        local = (running if decode.num_running else 0.0) + prompt_seconds(
-            decode.step_time,
-            decode.max_num_batched_tokens,
-            prompt_tokens - decode_cached,
-            decode_cached,
-            rows=decode.num_running,
-            context=held,
+        rows, held = decode.num_running, _held_tokens(decode)
+        running = decode_step_seconds(decode.step_time, rows, held) if rows else 0.0
+        local = running + prompt_seconds(
+            decode.step_time, budget, uncached, decode_cached, rows=rows, context=held
         )
-        return PathChoice(local < remote, remote, local)
+        # every request decoding there would wait for the prompt's share of each step it rides
+        delay = rows * prompt_work_seconds(decode.step_time, budget, uncached, decode_cached)
+        return PathChoice(rows == 0 and local < remote, remote, local, delay)
 
     def _remote_seconds(
         self, prompt_tokens: int, prefill: common_pb2.InstanceStats, cached: int, queued: int

@@ -109,7 +109,7 @@ def test_kills_under_load_lose_nothing(
     config = (
         f"engine:\n  model: {tiny_model_dir}\n  torch_threads: 1\n  num_kv_blocks: 192\n"
         f"prefill:\n  replicas: 2\n  num_cpus: 1\ndecode:\n  replicas: 2\n  num_cpus: 1\n"
-        f"router:\n  port: 0\nadmin:\n  port: 0\n"
+        f"router:\n  port: 0\n  disaggregation: always\nadmin:\n  port: 0\n"
         f"storage:\n  device_write_policy: write_through\n"
         f"cluster:\n  namespace: pdserve-chaos\n  state_dir: {tmp_path}\n"
         f"  restart_backoff_s: 0.2\n"

@@ -18,7 +18,7 @@ def test_sigterm_lets_in_flight_streams_finish_and_refuses_new_ones(
     config = (
         f"engine:\n  model: {tiny_model_dir}\n  torch_threads: 1\n  num_kv_blocks: 128\n"
         f"prefill:\n  num_cpus: 1\ndecode:\n  num_cpus: 1\n"
-        f"router:\n  port: 0\nadmin:\n  port: 0\n"
+        f"router:\n  port: 0\n  disaggregation: always\nadmin:\n  port: 0\n"
         f"cluster:\n  namespace: pdserve-drain\n  state_dir: {tmp_path}\n  drain_timeout_s: 60\n"
     )
     with pdserve_up(config, tmp_path, ray.get_runtime_context().gcs_address) as up:

@@ -25,7 +25,7 @@ def test_killed_instances_leave_routing_come_back_and_nothing_fails(
     config = (
         f"engine:\n  model: {tiny_model_dir}\n  torch_threads: 1\n  num_kv_blocks: 128\n"
         f"prefill:\n  replicas: 2\n  num_cpus: 1\ndecode:\n  replicas: 2\n  num_cpus: 1\n"
-        f"router:\n  port: 0\nadmin:\n  port: 0\n"
+        f"router:\n  port: 0\n  disaggregation: always\nadmin:\n  port: 0\n"
         f"cluster:\n  namespace: pdserve-heal\n  state_dir: {tmp_path}\n"
         f"  max_restarts: 1\n  restart_backoff_s: 0.5\n"
     )

@@ -30,7 +30,7 @@ def up(
     config = (
         f"engine:\n  model: {tiny_model_dir}\n  torch_threads: 1\n  num_kv_blocks: 256\n"
         f"prefill:\n  num_cpus: 1\ndecode:\n  replicas: 3\n  num_cpus: 1\n"
-        f"router:\n  port: 0\nadmin:\n  port: 0\n"
+        f"router:\n  port: 0\n  disaggregation: always\nadmin:\n  port: 0\n"
         f"storage:\n  device_write_policy: write_through\n"
         f"cluster:\n  namespace: pdserve-migrate\n  state_dir: {workdir}\n"
         f"  restart_backoff_s: 0.2\n"

@@ -32,7 +32,7 @@ def traced(
         config = (
             f"engine:\n  model: {tiny_model_dir}\n  torch_threads: 1\n  num_kv_blocks: 256\n"
             f"prefill:\n  num_cpus: 1\ndecode:\n  replicas: 2\n  num_cpus: 1\n"
-            f"router:\n  port: 0\nadmin:\n  port: 0\n"
+            f"router:\n  port: 0\n  disaggregation: always\nadmin:\n  port: 0\n"
             f"observability:\n  otlp_endpoint: {endpoint}\n  log_format: json\n"
             f"cluster:\n  namespace: pdserve-observe\n  state_dir: {workdir}\n"
             f"  drain_timeout_s: 0.5\n"

@@ -34,7 +34,8 @@ def cluster(
         f"engine:\n  model: {tiny_model_dir}\n  torch_threads: 1\n  num_kv_blocks: 512\n"
         f"  max_model_len: 1024\n"
         f"prefill:\n  replicas: 2\n  num_cpus: 1\ndecode:\n  num_cpus: 1\n"
-        f"router:\n  port: 0\n  model_name: {MODEL}\n  stats_interval_s: 0.1\n"
+        f"router:\n  port: 0\n  disaggregation: always\n  model_name: {MODEL}\n"
+        f"  stats_interval_s: 0.1\n"
         f"admin:\n  port: 0\n"
         f"cluster:\n  namespace: pdserve-openai-api\n  state_dir: {workdir}\n"
     )

@@ -30,7 +30,8 @@ def up(
         f"engine:\n  model: {tiny_model_dir}\n  torch_threads: 1\n  num_kv_blocks: 4096\n"
         f"  max_num_seqs: 4\n"
         f"prefill:\n  num_cpus: 1\ndecode:\n  num_cpus: 1\n"
-        f"router:\n  port: 0\nadmin:\n  port: 0\nstorage:\n  enabled: false\n"
+        f"router:\n  port: 0\n  disaggregation: always\n"
+        f"admin:\n  port: 0\nstorage:\n  enabled: false\n"
         f"{planner_config(min_instances=2, max_instances=3, max_prefill=1)}"
         f"cluster:\n  namespace: pdserve-planner-autoscaling\n  state_dir: {workdir}\n"
     )

@@ -29,7 +29,8 @@ def up(
     config = (
         f"engine:\n  model: {tiny_model_dir}\n  torch_threads: 1\n  num_kv_blocks: 256\n"
         f"prefill:\n  replicas: 2\n  num_cpus: 1\ndecode:\n  num_cpus: 1\n"
-        f"router:\n  port: 0\nadmin:\n  port: 0\nstorage:\n  enabled: false\n"
+        f"router:\n  port: 0\n  disaggregation: always\n"
+        f"admin:\n  port: 0\nstorage:\n  enabled: false\n"
         f"cluster:\n  namespace: pdserve-role\n  state_dir: {workdir}\n  drain_timeout_s: 30\n"
     )
     address = ray.get_runtime_context().gcs_address

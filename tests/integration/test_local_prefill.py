@@ -96,5 +96,6 @@ def test_auto_predicts_both_paths_and_serves_either_with_the_same_tokens(
         assert route.attributes["path"] in ("local", "remote")
         remote = float(route.attributes["predicted_remote_ttft_s"])
         local = float(route.attributes["predicted_local_ttft_s"])
-        assert remote > 0 and local > 0
-        assert route.attributes["path"] == ("local" if local < remote else "remote")
+        delay = float(route.attributes["predicted_local_delay_s"])
+        assert remote > 0 and local > 0 and delay >= 0
+        assert route.attributes["path"] == ("local" if local + delay < remote else "remote")

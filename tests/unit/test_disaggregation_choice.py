@@ -5,7 +5,7 @@ import math
 import pytest
 
 from pdserve.v1 import common_pb2
-from services.router.disaggregation import Disaggregation, prompt_seconds
+from services.router.disaggregation import Disaggregation, prompt_seconds, prompt_work_seconds
 
 FIT = {"constant": 0.004, "prefill_tokens": 1e-4, "prefill_attention": 2e-5,
        "decode_rows": 2e-4, "decode_context": 1e-4}  # fmt: skip
@@ -69,9 +69,20 @@ def test_a_prompt_cached_on_prefill_only_goes_through_prefill() -> None:
     assert not choice.local and choice.remote_s < choice.local_s
 
 
-def test_a_busy_decode_sends_a_long_prompt_to_prefill_but_a_queued_prefill_keeps_it() -> None:
-    busy = stats(running=64, used_blocks=3000)
-    long_prompt = auto(gbps=10).choose(3000, stats(), 0, 0, busy, 0)
-    assert not long_prompt.local  # every chunk would also carry 64 rows over 48k tokens
+def test_a_prompt_is_computed_on_decode_only_while_nothing_decodes_there() -> None:
+    """Computed beside a batch, a prompt would delay every request decoding there by its share
+    of the steps it rides (predicted and reported): it goes to prefill even when its own first
+    token would come sooner on decode, as with 60k prompt tokens queued on prefill."""
+    work = prompt_work_seconds(stats().step_time, 512, 40)
+    assert work == pytest.approx(FIT["prefill_tokens"] * 40 + FIT["prefill_attention"] * 0.8)
+    idle = auto(gbps=0.005).choose(40, stats(), 0, 0, stats(), 0)
+    assert idle.local and idle.delay_s == 0
+    one = auto(gbps=0.005).choose(40, stats(), 0, 0, stats(running=1, used_blocks=10), 0)
+    assert one.local_s < one.remote_s  # sooner for itself ...
+    assert not one.local and one.delay_s == pytest.approx(work)  # ... not for the other
+    busy = stats(running=4, used_blocks=3000)
     queued = auto(gbps=10).choose(3000, stats(), 0, 60_000, busy, 0)
-    assert queued.local and queued.remote_s > long_prompt.remote_s  # prefill has 60k queued
+    assert queued.local_s < queued.remote_s and not queued.local
+    assert queued.delay_s == pytest.approx(4 * prompt_work_seconds(busy.step_time, 512, 3000))
+    # the local prediction still carries the batch's rows in every chunk
+    assert queued.local_s > auto(gbps=10).choose(3000, stats(), 0, 60_000, stats(), 0).local_s

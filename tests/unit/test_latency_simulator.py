@@ -80,15 +80,18 @@ def test_requests_decode_in_one_batch_and_queue_behind_max_num_seqs() -> None:
 
 
 def test_a_disaggregated_request_pays_its_transfer_and_decode_hands_out_prefills_token() -> None:
+    always = RouterConfig(disaggregation="always")  # an idle decode would compute it (auto)
+
     def ttft(gbps: float) -> float:
-        spec = ClusterSpec({"prefill": profile(), "decode": profile()}, transfer_gbps=gbps)
+        spec = ClusterSpec({"prefill": profile(), "decode": profile()}, router=always,
+                           transfer_gbps=gbps)  # fmt: skip
         [r] = run(spec, [record(0, 32, 4, 0)]).requests
         assert r.path == "remote" and r.tokens == 4 and r.ttft is not None
         return r.ttft
 
     # 32 tokens: one prefill step, then two 1 MB blocks over the link
     assert ttft(1.0) == pytest.approx(C0 + 32 * PER_TOKEN + 2e6 / 1e9)
-    spec = ClusterSpec({"prefill": profile(), "decode": profile()}, rpc_s=0.001)
+    spec = ClusterSpec({"prefill": profile(), "decode": profile()}, router=always, rpc_s=0.001)
     [r] = run(spec, [record(0, 32, 4, 0)]).requests
     step = C0 + 32 * PER_TOKEN
     # client -> router -> prefill; -> decode (Reserve) and back; computed; the KV and

@@ -8,7 +8,7 @@ from dataclasses import replace
 
 import pytest
 
-from pdserve.config import ClusterConfig, PlannerConfig
+from pdserve.config import ClusterConfig, PlannerConfig, RouterConfig
 from pdserve.errors import ConfigError
 from services.planner.evaluate import (
     IntervalModel,
@@ -243,7 +243,9 @@ def test_planner_bounds_are_checked() -> None:
 
 
 def simulated() -> SimulatedCluster:
-    config = ClusterConfig()
+    """Strictly disaggregated (an idle decode instance would compute prompts with `auto`: the
+    roles a load needs would blur)."""
+    config = ClusterConfig(router=RouterConfig(disaggregation="always"))
     profiles = from_config(config, STEP_MODELS["tiny-cpu"], kv_blocks=2048)
     return SimulatedCluster(config, profiles, transfer_gbps=2.0, vocab_size=262)
 

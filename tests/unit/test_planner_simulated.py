@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.config import ClusterConfig, PlannerConfig
+from pdserve.config import ClusterConfig, PlannerConfig, RouterConfig
 from pdserve.engine.perf_model import FEATURES
 from pdserve.errors import ConfigError
 from services.controller.cli import main
@@ -40,7 +40,9 @@ def phases() -> list[TraceRecord]:
 
 
 def planned(**overrides: object) -> PlannedSimulation:
-    config = replace(ClusterConfig(), planner=replace(PLANNER, **overrides))
+    """Strictly disaggregated: what these tests ask of the planner is which roles it needs."""
+    always = RouterConfig(disaggregation="always")
+    config = ClusterConfig(router=always, planner=replace(PLANNER, **overrides))
     profiles = {"prefill": PROFILE, "decode": PROFILE}
     moves = Moves(role_change_s=0.5, start_s=5.0)
     return PlannedSimulation(config, profiles, {"prefill": 2, "decode": 1}, block_tokens=16,
