@@ -403,7 +403,7 @@ class RouterConfig:
     max_concurrent_requests: int = 4096
     """Generations the router runs at once (each of `n` choices counts); more get 503 with
     `Retry-After`."""
-    disaggregation: str = _choice("auto", DISAGGREGATION_MODES)
+    disaggregation: str = _choice("always", DISAGGREGATION_MODES)
     """Where a request's prompt is computed: `always` on a prefill instance, its KV then moved
     to the decode instance; `never` on the decode instance itself; `auto`, request by request,
     on the decode instance when nothing decodes there and the instances' step time models

@@ -116,9 +116,12 @@ class Disaggregation:
         prefill_queued: int,
         decode: common_pb2.InstanceStats | None,
         decode_cached: int,
+        decode_in_flight: int = 0,
     ) -> PathChoice:
         """Where to compute a prompt of `prompt_tokens` (`*_cached`: tokens each side holds;
-        `prefill_queued`: prefill tokens in flight on the prefill instance)."""
+        `prefill_queued`: prefill tokens in flight on the prefill instance; `decode_in_flight`:
+        the router's requests on the decode instance, which its polled stats may not show
+        yet)."""
         if self.mode != "auto":
             return PathChoice(self.mode == "never", NOT_PREDICTED, NOT_PREDICTED)
         if prefill is None or decode is None or not _fitted(prefill) or not _fitted(decode):
@@ -128,7 +131,7 @@ class Disaggregation:
         remote += self._transfer_seconds(prompt_tokens, prefill, decode, decode_cached)
         # the first token is prefill's, streamed by decode at the handoff: no decode step
         # waits for it; on decode, a prompt first waits for the step running there
-        rows, held = decode.num_running, _held_tokens(decode)
+        rows, held = max(decode.num_running, decode_in_flight), _held_tokens(decode)
         running = decode_step_seconds(decode.step_time, rows, held) if rows else 0.0
         local = running + prompt_seconds(
             decode.step_time, budget, uncached, decode_cached, rows=rows, context=held

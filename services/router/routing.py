@@ -146,6 +146,7 @@ class Routing:
             self.load.load_of(prefill).in_flight_prefill_tokens,
             self._stats(decode),
             decode_cached,
+            self.load.load_of(decode).in_flight_requests,
         )
 
     def leases(self, route: Route, prompt_tokens: int) -> tuple[Lease, ...]:

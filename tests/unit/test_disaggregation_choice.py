@@ -84,5 +84,8 @@ def test_a_prompt_is_computed_on_decode_only_while_nothing_decodes_there() -> No
     queued = auto(gbps=10).choose(3000, stats(), 0, 60_000, busy, 0)
     assert queued.local_s < queued.remote_s and not queued.local
     assert queued.delay_s == pytest.approx(4 * prompt_work_seconds(busy.step_time, 512, 3000))
+    # requests the router sent there since the stats were polled count as decoding there
+    routed = auto(gbps=0.005).choose(40, stats(), 0, 0, stats(), 0, decode_in_flight=2)
+    assert not routed.local and routed.delay_s == pytest.approx(2 * work)
     # the local prediction still carries the batch's rows in every chunk
     assert queued.local_s > auto(gbps=10).choose(3000, stats(), 0, 60_000, stats(), 0).local_s
