@@ -68,6 +68,15 @@ def step_shape(chunks: Iterable[tuple[int, int]]) -> StepShape:
     return StepShape(prefill_tokens, prefill_pairs / 1000, decode_rows, decode_context / 1000)
 
 
+def midpoint_quantiles(values: Iterable[float], count: int) -> list[float]:
+    """`values` at the midpoints of `count` equal shares, ascending (empty when there are fewer
+    than `count`): a summary to draw from that keeps the spread and its skew."""
+    ordered = sorted(values)
+    if len(ordered) < count:
+        return []
+    return [ordered[int((k + 0.5) * len(ordered) / count)] for k in range(count)]
+
+
 class StepTimeModel:
     def __init__(self) -> None:
         n = len(FEATURES)
@@ -147,10 +156,7 @@ class StepTimeModel:
         """Measured ÷ predicted step time of the recent scored steps at the midpoints of
         QUANTILES equal shares, ascending (empty while fewer were scored): how far and which
         way steps stray from the fit on this machine under this load."""
-        if len(self._ratios) < QUANTILES:
-            return []
-        ordered = sorted(self._ratios)
-        return [ordered[int((k + 0.5) * len(ordered) / QUANTILES)] for k in range(QUANTILES)]
+        return midpoint_quantiles(self._ratios, QUANTILES)
 
     def named_coefficients(self) -> dict[str, float]:
         """Seconds per unit of each feature (`constant`: per step)."""

@@ -7,6 +7,8 @@ import threading
 from collections import deque
 from dataclasses import dataclass
 
+from pdserve.engine.perf_model import midpoint_quantiles
+
 MESSAGES = 256  # the recent requests whose message times are summarized
 QUANTILES = 20  # message time quantiles exported
 
@@ -68,10 +70,7 @@ class RequestHistory:
     def message_quantiles(self) -> list[float]:
         """Those times at the midpoints of QUANTILES equal shares, ascending (empty while
         fewer were measured): the spread the latency simulator draws messages from."""
-        measured = sorted(self._messages())
-        if len(measured) < QUANTILES:
-            return []
-        return [measured[int((k + 0.5) * len(measured) / QUANTILES)] for k in range(QUANTILES)]
+        return midpoint_quantiles(self._messages(), QUANTILES)
 
     def _messages(self) -> list[float]:
         with self._lock:

@@ -24,8 +24,7 @@ first token. A local or mixed request runs whole on one instance.
 Each step also takes the engine loop's own time between steps (`step_gap_s`, measured), and
 each message between two processes (the client's request and its tokens through the router
 included) a time the router measured on its Prefill calls (drawn from their quantiles, or a
-constant `rpc_s`). Not simulated: reservation
-leases expiring, the storage tier, failures.
+constant `rpc_s`). Not simulated: reservation leases expiring, the storage tier, failures.
 """
 
 import itertools
