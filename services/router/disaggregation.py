@@ -17,12 +17,12 @@ tokens it has in flight on the prefill instance (its leases).
     delay  = decode's running requests × the prompt's own share of those steps (its tokens
              and their attention): the wait computing it there would add to each of them
 
-The prompt is computed on decode when local < remote and nothing decodes there (delay 0):
-disaggregation exists to keep prompts out of the decode steps, and a prompt computed beside a
-running batch lengthens every one of its token gaps. Weighing that delay against the TTFT
-saved (local + delay < remote) was measured first: TTFT p50 0.78-0.93x of `always`, but ITL
-p90 1.21x, and a planner whose ITL target no split met. `delay` is still predicted and
-reported with the decision.
+The prompt is computed on decode when local < remote and nothing decodes there (delay 0: no
+request in its polled stats, none the router has sent there since): disaggregation exists to
+keep prompts out of the decode steps, and a prompt computed beside a running batch lengthens
+every one of its token gaps (weighing that delay against the TTFT saved, local + delay <
+remote, still cost ITL p90 1.21x on two cores). `delay` is predicted and reported with the
+decision.
 
 A chunk of `new` tokens after `cached` ones costs c0 + c1·new + c2·new·(cached + new/2)/1000
 (+ c3·rows + c4·context/1000 on a step shared with decoding requests). `always` and `never`
@@ -61,10 +61,19 @@ def prompt_seconds(
     """Seconds of the steps that compute `tokens` prompt tokens after `cached` ones, in chunks
     of `budget`, each step also carrying `rows` decoding requests that attend `context` KV
     tokens."""
+    return _steps_seconds(fit, budget, tokens, rows, context) + prompt_work_seconds(
+        fit, budget, tokens, cached
+    )
+
+
+def _steps_seconds(
+    fit: common_pb2.StepTimeFit, budget: int, tokens: int, rows: int, context: int
+) -> float:
+    """What the steps computing `tokens` prompt tokens cost besides the prompt's own work:
+    each step's constant and the `rows` decoding requests (attending `context`) it carries."""
     c = fit.coefficients
     per_step = c["constant"] + c["decode_rows"] * rows + c["decode_context"] * context / 1000
-    steps = -(-tokens // max(1, budget))
-    return steps * per_step + prompt_work_seconds(fit, budget, tokens, cached)
+    return float(-(-tokens // max(1, budget)) * per_step)
 
 
 def prompt_work_seconds(
@@ -133,12 +142,10 @@ class Disaggregation:
         # waits for it; on decode, a prompt first waits for the step running there
         rows, held = max(decode.num_running, decode_in_flight), _held_tokens(decode)
         running = decode_step_seconds(decode.step_time, rows, held) if rows else 0.0
-        local = running + prompt_seconds(
-            decode.step_time, budget, uncached, decode_cached, rows=rows, context=held
-        )
         # every request decoding there would wait for the prompt's share of each step it rides
-        delay = rows * prompt_work_seconds(decode.step_time, budget, uncached, decode_cached)
-        return PathChoice(rows == 0 and local < remote, remote, local, delay)
+        work = prompt_work_seconds(decode.step_time, budget, uncached, decode_cached)
+        local = running + _steps_seconds(decode.step_time, budget, uncached, rows, held) + work
+        return PathChoice(rows == 0 and local < remote, remote, local, rows * work)
 
     def _remote_seconds(
         self, prompt_tokens: int, prefill: common_pb2.InstanceStats, cached: int, queued: int
