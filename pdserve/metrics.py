@@ -104,6 +104,33 @@ class RouterMetrics:
             ["backend"],
             registry=self.registry,
         )
+        self.kv_index_resyncs = Counter(
+            "pdserve_router_kv_index_resyncs",
+            "Times the router resynchronised its copy of an instance's published blocks, by "
+            "reason: gap (an event missing), duplicate (one seen twice), reorder (a report "
+            "out of order), epoch (the instance restarted), digest (the copy drifted from the "
+            "instance's digest), disconnect (the stream broke).",
+            ["reason"],
+            registry=self.registry,
+        )
+        self.kv_index_snapshots = Counter(
+            "pdserve_router_kv_index_snapshots",
+            "Snapshots of an instance's published blocks the router rebuilt its copy from "
+            "(every subscription's first, and a resync the instance could not replay).",
+            registry=self.registry,
+        )
+        self.predicted_hit_tokens = Counter(
+            "pdserve_router_predicted_hit_tokens",
+            "Prompt tokens the router's index predicted the chosen instance held, per routed "
+            "attempt that reported back (compare with pdserve_router_actual_hit_tokens).",
+            registry=self.registry,
+        )
+        self.actual_hit_tokens = Counter(
+            "pdserve_router_actual_hit_tokens",
+            "Prompt tokens the chosen instance found in its device prefix cache, per routed "
+            "attempt that reported back.",
+            registry=self.registry,
+        )
 
     def _add_failure_metrics(self) -> None:
         """Retries, migrations and the supervisor's restarts."""

@@ -90,6 +90,14 @@ class Scheduler:
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
+    def queued_prompt_tokens(self) -> int:
+        """Prompt tokens admitted (waiting or running) and not computed yet."""
+        return sum(
+            max(0, r.num_prompt_tokens - r.num_computed_tokens)
+            for requests in (self.waiting, self.running)
+            for r in requests
+        )
+
     def has_schedulable_requests(self) -> bool:
         """Requests a step could advance (TRANSFERRING requests and storage reads wait on I/O)."""
         connector = self.admission.storage_connector

@@ -79,6 +79,7 @@ def generate_request(
     hashes: PromptHashes | None = None,
     attempt: str = "",
     subscriber: str = "",
+    route_seq: int = 0,
 ) -> common_pb2.GenerateRequest:
     message = common_pb2.GenerateRequest(
         request_id=request_id,
@@ -86,6 +87,7 @@ def generate_request(
         sampling=sampling_to_proto(params),
         attempt=attempt,
         subscriber=subscriber,
+        route_seq=route_seq,
     )
     if hashes is not None:
         message.hash_root = hashes.root

@@ -26,6 +26,11 @@ class Role(InstanceRole, Protocol):
         """Engine thread, between steps: the role's housekeeping."""
         ...
 
+    def reserved(self) -> tuple[int, int]:
+        """The reservations the role holds and their blocks (decode's), for its load reports.
+        Engine thread."""
+        ...
+
     def leave(self, error: PdserveError) -> None:
         """Stop serving: end every request the role still holds with `error` (the router
         continues or retries it elsewhere) and release what the role holds beyond the runtime
@@ -83,6 +88,7 @@ class ServedRole:
         runtime.role = role.ROLE
         runtime.stage_metrics.role = role.ROLE
         runtime.on_tick = role.on_tick
+        runtime.reserved = role.reserved
 
     # -- InstanceService (InstanceRole) ---------------------------------------------------------
 

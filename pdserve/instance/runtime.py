@@ -14,6 +14,7 @@ subscriptions.
 import logging
 import queue
 import threading
+import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,13 +27,14 @@ import redis
 from pdserve.config import EngineConfig, StorageConfig, TransferConfig
 from pdserve.engine.engine import LLMEngine, StorageTierFactory
 from pdserve.engine.loop import EngineLoop, Mailbox
-from pdserve.engine.perf_model import ERROR_BUCKETS, StepTimeModel
+from pdserve.engine.perf_model import ERROR_BUCKETS, StepShape, StepTimeModel
 from pdserve.engine.profiling import seed_step_time
 from pdserve.engine.request import Request, RequestOutput, SamplingParams, StageTimes
 from pdserve.engine.tensor_parallel import RankZero
 from pdserve.errors import (
     DuplicateRequestError,
     InstanceUnavailableError,
+    IntegrityError,
     InvalidRequestError,
     PdserveError,
     RequestNotFoundError,
@@ -45,8 +47,14 @@ from pdserve.instance.streams import (
     Subscription,
     aborted_output,
 )
-from pdserve.kvcache.events import BlockStored, KVEvent, KVEventBroadcaster
-from pdserve.kvcache.hashing import BlockHash, PromptHashes
+from pdserve.kvcache.events import (
+    BlockStored,
+    KVDigest,
+    KVEventBroadcaster,
+    LoadReport,
+    Numbered,
+)
+from pdserve.kvcache.hashing import PromptHashes
 from pdserve.metrics import InstanceCollector, StageMetrics, serve_metrics
 from pdserve.model.staging import KVStager
 from pdserve.observability import tracing
@@ -173,7 +181,14 @@ class InstanceRuntime:
         self._streams_lock = threading.Lock()  # guards both
         # the role's housekeeping between steps (decode: expiring reservations); engine thread
         self.on_tick: Callable[[LLMEngine], None] = _nothing
-        self.loop = EngineLoop(engine, self.deliver, mailbox, on_tick=lambda e: self.on_tick(e))
+        # the role's reservations and their blocks (decode's), for its load reports
+        self.reserved: Callable[[], tuple[int, int]] = lambda: (0, 0)
+        # tests only: each KV-event stream message passes through it (drop, repeat, hold back)
+        self.kv_event_fault: KVEventFault | None = None
+        self._reports = _Reports()
+        self._received: dict[str, int] = {}  # per router: the highest route_seq admitted
+        self._received_lock = threading.Lock()
+        self.loop = EngineLoop(engine, self.deliver, mailbox, on_tick=self._tick)
 
     @classmethod
     def create(
@@ -604,44 +619,110 @@ class InstanceRuntime:
             queue_depth=tier.queue_depth,
         )
 
-    def subscribe_kv_events(
-        self,
-    ) -> "tuple[list[BlockHash], queue.Queue[KVEvent | None]]":
-        """Every block published now and a subscription to every later event, taken together
-        on the engine thread (which publishes events): nothing is lost or seen twice."""
+    def acknowledge(self, subscriber: str, route_seq: int) -> None:
+        """A request of router `subscriber` numbered `route_seq` is counted in this instance's
+        load now (admitted or reserved): the next load report says so. Any thread."""
+        if not subscriber or not route_seq:
+            return
+        with self._received_lock:
+            received = self._received
+            previous = received.pop(subscriber, 0)  # re-inserted last: heard most recently
+            received[subscriber] = max(previous, route_seq)
+            while len(received) > MAX_ROUTERS:  # the least recently heard router goes
+                del received[next(iter(received))]
 
-        def subscribe(engine: LLMEngine) -> "tuple[list[BlockHash], queue.Queue[KVEvent | None]]":
-            return engine.published_hashes(), self.events.subscribe()
+    def load_report(self, engine: LLMEngine) -> LoadReport:
+        """The instance's load now (engine thread)."""
+        scheduler, kv = engine.scheduler, engine.kv_cache
+        queued = scheduler.queued_prompt_tokens()
+        reservations, reserved_blocks = self.reserved()
+        with self._received_lock:
+            received = dict(self._received)
+        return LoadReport(
+            num_running=len(scheduler.running),
+            num_waiting=len(scheduler.waiting) + len(scheduler.prefilled),
+            num_reservations=reservations,
+            queued_prefill_tokens=queued,
+            num_free_blocks=kv.num_free_blocks,
+            num_reserved_blocks=reserved_blocks,
+            num_blocks=kv.num_blocks,
+            predicted_queue_s=_queue_seconds(engine, queued),
+            received=received,
+        )
+
+    def subscribe_kv_events(
+        self, epoch: int = 0, after_seq: int = 0
+    ) -> "tuple[list[common_pb2.KVEvent], queue.Queue[Numbered | None]]":
+        """The messages a subscription starts with and a subscription to every later item,
+        taken together on the engine thread (which publishes events): nothing is lost or seen
+        twice. It starts with the events after `after_seq` of `epoch` when they can be
+        replayed, else with a snapshot; then the current load."""
+
+        def subscribe(
+            engine: LLMEngine,
+        ) -> "tuple[list[common_pb2.KVEvent], queue.Queue[Numbered | None]]":
+            events = self.events
+            replay, subscriber = events.subscribe(epoch, after_seq)
+            if replay is None:
+                snapshot = common_pb2.BlocksStored(block_hashes=engine.published_hashes())
+                first = [common_pb2.KVEvent(snapshot=snapshot, epoch=events.epoch, seq=events.seq)]
+            else:
+                first = [_event_message(events.epoch, numbered) for numbered in replay]
+            load = Numbered(events.seq, self.load_report(engine))
+            return [*first, _event_message(events.epoch, load)], subscriber
 
         return self.loop.call(subscribe)
 
-    async def kv_event_stream(self) -> AsyncIterator[common_pb2.KVEvent]:
-        """A snapshot of the published blocks, then every KV event, until the client goes away
-        (its call is cancelled) or the instance stops. Each wait for the next event holds an
-        executor thread for at most `KV_EVENT_POLL_S` (subscribers are few: the routers)."""
-        snapshot, subscriber = await blocking(self.subscribe_kv_events)
+    async def kv_event_stream(
+        self, epoch: int = 0, after_seq: int = 0
+    ) -> AsyncIterator[common_pb2.KVEvent]:
+        """A snapshot of the published blocks (or the events after `after_seq` of `epoch`),
+        then every KV event, digest and load report, until the client goes away (its call is
+        cancelled) or the instance stops. Each wait for the next item holds an executor thread
+        for at most `KV_EVENT_POLL_S` (subscribers are few: the routers)."""
+        first, subscriber = await blocking(self.subscribe_kv_events, epoch, after_seq)
         try:
-            yield common_pb2.KVEvent(snapshot=common_pb2.BlocksStored(block_hashes=snapshot))
+            for message in first:
+                for sent in self._faulted(message):
+                    yield sent
             while True:
-                event = await blocking(_next_event, subscriber)
-                if event is None:  # disconnected: the instance stops (or it fell behind)
+                numbered = await blocking(_next_event, subscriber)
+                if numbered is None:  # disconnected: the instance stops (or it fell behind)
                     return
-                if event is _NO_EVENT:
+                if numbered is _NO_EVENT:
                     continue
-                hashes = list(event.block_hashes)
-                if isinstance(event, BlockStored):
-                    yield common_pb2.KVEvent(stored=common_pb2.BlocksStored(block_hashes=hashes))
-                else:
-                    yield common_pb2.KVEvent(removed=common_pb2.BlocksRemoved(block_hashes=hashes))
+                for sent in self._faulted(_event_message(self.events.epoch, numbered)):
+                    yield sent
         finally:
             self.events.unsubscribe(subscriber)
+
+    def _faulted(self, message: common_pb2.KVEvent) -> list[common_pb2.KVEvent]:
+        fault = self.kv_event_fault
+        return [message] if fault is None else fault(message)
+
+    def _tick(self, engine: LLMEngine) -> None:
+        """Engine thread, between steps: the role's housekeeping, then the digest and load
+        reports the KV-event streams carry."""
+        self.on_tick(engine)
+        if self.events.has_subscribers():
+            self._reports.send(self, engine)
 
     # -- lifecycle --------------------------------------------------------------------------------
 
     def check_integrity(self, reserved: Sequence[str] = ()) -> None:
         """Raise IntegrityError unless the engine (tables owned by live requests or the
-        `reserved` ids) and the storage tier are consistent. Call when idle."""
-        self.loop.call(lambda engine: engine.check_integrity(reserved))
+        `reserved` ids), its KV events (their digest is the published set's) and the storage
+        tier are consistent. Call when idle."""
+
+        def check(engine: LLMEngine) -> None:
+            engine.check_integrity(reserved)
+            published = KVDigest.of(engine.published_hashes())
+            if published != self.events.digest:
+                raise IntegrityError(
+                    f"the KV events describe {self.events.digest}, the cache publishes {published}"
+                )
+
+        self.loop.call(check)
         if self.storage_tier is not None:
             self.storage_tier.flush()
             self.storage_tier.check_integrity()
@@ -693,6 +774,74 @@ def _nothing(engine: LLMEngine) -> None:
 
 KV_EVENT_POLL_S = 0.5
 _NO_EVENT: Any = object()  # no event within KV_EVENT_POLL_S
+LOAD_REPORT_S = 0.005  # a changed load is reported at most this often (coalesced)
+DIGEST_REPORT_S = 1.0  # a changed published set's digest is reported at most this often
+MAX_ROUTERS = 64  # routers whose acknowledged route numbers a load report carries
+
+KVEventFault = Callable[[common_pb2.KVEvent], list[common_pb2.KVEvent]]
+"""Tests only: what a KV-event stream sends in place of one message (none: dropped; two: a
+repeat; a message held back and sent later: reordered)."""
+
+
+class _Reports:
+    """When the engine thread last sent a digest and a load report, and what they said."""
+
+    def __init__(self) -> None:
+        self.load: LoadReport | None = None
+        self.load_at = 0.0
+        self.digest_seq = 0
+        self.digest_at = 0.0
+
+    def send(self, runtime: "InstanceRuntime", engine: LLMEngine) -> None:
+        """A digest when events were published since the last one (at most every
+        DIGEST_REPORT_S); the load when it changed (at most every LOAD_REPORT_S)."""
+        events, now = runtime.events, time.monotonic()
+        if events.seq != self.digest_seq and now - self.digest_at >= DIGEST_REPORT_S:
+            self.digest_seq, self.digest_at = events.seq, now
+            events.report(events.digest)
+        if now - self.load_at < LOAD_REPORT_S:
+            return
+        load = runtime.load_report(engine)
+        if load != self.load:
+            self.load, self.load_at = load, now
+            events.report(load)
+
+
+def _queue_seconds(engine: LLMEngine, queued_tokens: int) -> float:
+    """The step time model's time for `queued_tokens` prompt tokens in chunks of the step
+    budget: their per-token cost and each chunk's constant (attention left out)."""
+    model = engine.step_time
+    if not queued_tokens or not model.fitted:
+        return 0.0
+    budget = max(1, engine.scheduler.config.max_num_batched_tokens)
+    constant = model.predict(StepShape(0, 0.0, 0, 0))
+    tokens = model.predict(StepShape(queued_tokens, 0.0, 0, 0)) - constant
+    return max(0.0, tokens + -(-queued_tokens // budget) * constant)
+
+
+def _event_message(epoch: int, numbered: Numbered) -> common_pb2.KVEvent:
+    """A stream item as its KVEvent message."""
+    message = common_pb2.KVEvent(epoch=epoch, seq=numbered.seq)
+    item = numbered.item
+    if isinstance(item, BlockStored):
+        message.stored.block_hashes.extend(item.block_hashes)
+    elif isinstance(item, KVDigest):
+        message.digest.num_blocks = item.num_blocks
+        message.digest.hash_sum = item.hash_sum
+    elif isinstance(item, LoadReport):
+        load = message.load
+        load.num_running = item.num_running
+        load.num_waiting = item.num_waiting
+        load.num_reservations = item.num_reservations
+        load.queued_prefill_tokens = item.queued_prefill_tokens
+        load.num_free_blocks = item.num_free_blocks
+        load.num_reserved_blocks = item.num_reserved_blocks
+        load.num_blocks = item.num_blocks
+        load.predicted_queue_s = item.predicted_queue_s
+        load.received.update(item.received)
+    else:
+        message.removed.block_hashes.extend(item.block_hashes)
+    return message
 
 
 def _fill_step_time(model: StepTimeModel, message: common_pb2.StepTimeFit) -> None:
@@ -705,8 +854,8 @@ def _fill_step_time(model: StepTimeModel, message: common_pb2.StepTimeFit) -> No
     message.ratio_quantiles.extend(model.ratio_quantiles())
 
 
-def _next_event(subscriber: "queue.Queue[KVEvent | None]") -> Any:
-    """The subscriber's next event, None when it was disconnected, or _NO_EVENT after
+def _next_event(subscriber: "queue.Queue[Numbered | None]") -> Any:
+    """The subscriber's next item, None when it was disconnected, or _NO_EVENT after
     KV_EVENT_POLL_S (so that a cancelled stream frees its thread soon)."""
     try:
         return subscriber.get(timeout=KV_EVENT_POLL_S)
@@ -749,7 +898,8 @@ class InstanceServicer(common_pb2_grpc.InstanceServiceServicer):
     async def SubscribeKVEvents(
         self, request: common_pb2.KVEventsRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> AsyncIterator[common_pb2.KVEvent]:
-        async for event in self.runtime.kv_event_stream():  # an async generator, for grpc.aio
+        stream = self.runtime.kv_event_stream(request.epoch, request.after_seq)
+        async for event in stream:  # an async generator, for grpc.aio
             yield event
 
     async def SubscribeOutputs(

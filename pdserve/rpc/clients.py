@@ -70,11 +70,13 @@ class InstanceClient(_Client):
         )
         return stats
 
-    def kv_events(self) -> Any:
-        """The instance's KV events: a snapshot, then live events. Cancel it to stop; iterating
-        raises grpc.RpcError when the stream breaks (the caller resubscribes)."""
+    def kv_events(self, epoch: int = 0, after_seq: int = 0) -> Any:
+        """The instance's KV-event stream: a snapshot (or, resuming after event `after_seq` of
+        `epoch`, the events since when the instance still holds them), then live events,
+        digests and load reports. Cancel it to stop; iterating raises grpc.RpcError when the
+        stream breaks (the caller resubscribes)."""
         stub = common_pb2_grpc.InstanceServiceStub(self._channel)
-        return stub.SubscribeKVEvents(common_pb2.KVEventsRequest())
+        return stub.SubscribeKVEvents(common_pb2.KVEventsRequest(epoch=epoch, after_seq=after_seq))
 
 
 class DecodeClient(_Client):

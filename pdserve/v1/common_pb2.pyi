@@ -224,6 +224,7 @@ class GenerateRequest(_message.Message):
     BLOCK_HASHES_FIELD_NUMBER: _builtins.int
     ATTEMPT_FIELD_NUMBER: _builtins.int
     SUBSCRIBER_FIELD_NUMBER: _builtins.int
+    ROUTE_SEQ_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     hash_root: _builtins.bytes
     """The prompt's block hash chain (pdserve.kvcache.hashing) as the sender computed it, with the
@@ -238,6 +239,11 @@ class GenerateRequest(_message.Message):
     subscriber: _builtins.str
     """The output subscription (InstanceService.SubscribeOutputs) that carries the request's
     outputs on the decode or mixed instance; it must be open there.
+    """
+    route_seq: _builtins.int
+    """The router's number of this attempt (increasing per router): an instance's load reports
+    name the highest it counts (InstanceLoad.received), so the router adds to them only its
+    requests sent since. Prefill forwards it in its Reserve.
     """
     @_builtins.property
     def prompt_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
@@ -256,10 +262,11 @@ class GenerateRequest(_message.Message):
         block_hashes: _abc.Iterable[_builtins.bytes] | None = ...,
         attempt: _builtins.str = ...,
         subscriber: _builtins.str = ...,
+        route_seq: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["sampling", b"sampling"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "block_hashes", b"block_hashes", "hash_block_size", b"hash_block_size", "hash_root", b"hash_root", "prompt_token_ids", b"prompt_token_ids", "request_id", b"request_id", "sampling", b"sampling", "subscriber", b"subscriber"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "block_hashes", b"block_hashes", "hash_block_size", b"hash_block_size", "hash_root", b"hash_root", "prompt_token_ids", b"prompt_token_ids", "request_id", b"request_id", "route_seq", b"route_seq", "sampling", b"sampling", "subscriber", b"subscriber"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -957,14 +964,26 @@ Global___StorageStats: _TypeAlias = StorageStats  # noqa: Y015
 
 @_typing.final
 class KVEventsRequest(_message.Message):
+    """A new subscription (epoch 0), or one that resumes after event `after_seq` of `epoch`: the
+    instance replays the events after it when its buffer still holds them all, else the
+    subscription starts with a snapshot.
+    """
+
     DESCRIPTOR: _descriptor.Descriptor
 
+    EPOCH_FIELD_NUMBER: _builtins.int
+    AFTER_SEQ_FIELD_NUMBER: _builtins.int
+    epoch: _builtins.int
+    after_seq: _builtins.int
     def __init__(
         self,
+        *,
+        epoch: _builtins.int = ...,
+        after_seq: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["after_seq", b"after_seq", "epoch", b"epoch"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -972,37 +991,152 @@ Global___KVEventsRequest: _TypeAlias = KVEventsRequest  # noqa: Y015
 
 @_typing.final
 class KVEvent(_message.Message):
-    """Blocks that became matchable (stored) or stopped being matchable (removed) on an instance."""
+    """One item of an instance's KV-event stream: blocks that became matchable (stored) or stopped
+    being matchable (removed), numbered 1, 2, ... within the instance's epoch (drawn at each start);
+    a snapshot of every block published after event `seq` (a subscription's first item unless it
+    resumed); a digest of that set, or the instance's load, taken right after event `seq`.
+    """
 
     DESCRIPTOR: _descriptor.Descriptor
 
     STORED_FIELD_NUMBER: _builtins.int
     REMOVED_FIELD_NUMBER: _builtins.int
     SNAPSHOT_FIELD_NUMBER: _builtins.int
+    DIGEST_FIELD_NUMBER: _builtins.int
+    LOAD_FIELD_NUMBER: _builtins.int
+    EPOCH_FIELD_NUMBER: _builtins.int
+    SEQ_FIELD_NUMBER: _builtins.int
+    epoch: _builtins.int
+    seq: _builtins.int
     @_builtins.property
     def stored(self) -> Global___BlocksStored: ...
     @_builtins.property
     def removed(self) -> Global___BlocksRemoved: ...
     @_builtins.property
-    def snapshot(self) -> Global___BlocksStored:
-        """first event of a subscription: every block published now"""
-
+    def snapshot(self) -> Global___BlocksStored: ...
+    @_builtins.property
+    def digest(self) -> Global___KVDigest: ...
+    @_builtins.property
+    def load(self) -> Global___InstanceLoad: ...
     def __init__(
         self,
         *,
         stored: Global___BlocksStored | None = ...,
         removed: Global___BlocksRemoved | None = ...,
         snapshot: Global___BlocksStored | None = ...,
+        digest: Global___KVDigest | None = ...,
+        load: Global___InstanceLoad | None = ...,
+        epoch: _builtins.int = ...,
+        seq: _builtins.int = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["event", b"event", "removed", b"removed", "snapshot", b"snapshot", "stored", b"stored"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["digest", b"digest", "event", b"event", "load", b"load", "removed", b"removed", "snapshot", b"snapshot", "stored", b"stored"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["event", b"event", "removed", b"removed", "snapshot", b"snapshot", "stored", b"stored"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["digest", b"digest", "epoch", b"epoch", "event", b"event", "load", b"load", "removed", b"removed", "seq", b"seq", "snapshot", b"snapshot", "stored", b"stored"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_event: _TypeAlias = _typing.Literal["stored", "removed", "snapshot"]  # noqa: Y015
+    _WhichOneofReturnType_event: _TypeAlias = _typing.Literal["stored", "removed", "snapshot", "digest", "load"]  # noqa: Y015
     _WhichOneofArgType_event: _TypeAlias = _typing.Literal["event", b"event"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_event) -> _WhichOneofReturnType_event | None: ...
 
 Global___KVEvent: _TypeAlias = KVEvent  # noqa: Y015
+
+@_typing.final
+class KVDigest(_message.Message):
+    """A published block set in brief: its size and the sum of its hashes' first 8 bytes (read
+    little-endian) modulo 2^64.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NUM_BLOCKS_FIELD_NUMBER: _builtins.int
+    HASH_SUM_FIELD_NUMBER: _builtins.int
+    num_blocks: _builtins.int
+    hash_sum: _builtins.int
+    def __init__(
+        self,
+        *,
+        num_blocks: _builtins.int = ...,
+        hash_sum: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["hash_sum", b"hash_sum", "num_blocks", b"num_blocks"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___KVDigest: _TypeAlias = KVDigest  # noqa: Y015
+
+@_typing.final
+class InstanceLoad(_message.Message):
+    """An instance's load after a step (sent when it changes, at most every few milliseconds)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    @_typing.final
+    class ReceivedEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.int
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.int = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    NUM_RUNNING_FIELD_NUMBER: _builtins.int
+    NUM_WAITING_FIELD_NUMBER: _builtins.int
+    NUM_RESERVATIONS_FIELD_NUMBER: _builtins.int
+    QUEUED_PREFILL_TOKENS_FIELD_NUMBER: _builtins.int
+    NUM_FREE_BLOCKS_FIELD_NUMBER: _builtins.int
+    NUM_RESERVED_BLOCKS_FIELD_NUMBER: _builtins.int
+    NUM_BLOCKS_FIELD_NUMBER: _builtins.int
+    PREDICTED_QUEUE_S_FIELD_NUMBER: _builtins.int
+    RECEIVED_FIELD_NUMBER: _builtins.int
+    num_running: _builtins.int
+    num_waiting: _builtins.int
+    num_reservations: _builtins.int
+    """decode: prompts whose KV is on its way"""
+    queued_prefill_tokens: _builtins.int
+    """prompt tokens admitted and not computed yet"""
+    num_free_blocks: _builtins.int
+    num_reserved_blocks: _builtins.int
+    num_blocks: _builtins.int
+    predicted_queue_s: _builtins.float
+    """the step time model's time for the queued prompt tokens"""
+    @_builtins.property
+    def received(self) -> _containers.ScalarMap[_builtins.str, _builtins.int]:
+        """per router (its output subscriber id): the highest GenerateRequest.route_seq among the
+        requests it sent that this load counts
+        """
+
+    def __init__(
+        self,
+        *,
+        num_running: _builtins.int = ...,
+        num_waiting: _builtins.int = ...,
+        num_reservations: _builtins.int = ...,
+        queued_prefill_tokens: _builtins.int = ...,
+        num_free_blocks: _builtins.int = ...,
+        num_reserved_blocks: _builtins.int = ...,
+        num_blocks: _builtins.int = ...,
+        predicted_queue_s: _builtins.float = ...,
+        received: _abc.Mapping[_builtins.str, _builtins.int] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["num_blocks", b"num_blocks", "num_free_blocks", b"num_free_blocks", "num_reservations", b"num_reservations", "num_reserved_blocks", b"num_reserved_blocks", "num_running", b"num_running", "num_waiting", b"num_waiting", "predicted_queue_s", b"predicted_queue_s", "queued_prefill_tokens", b"queued_prefill_tokens", "received", b"received"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___InstanceLoad: _TypeAlias = InstanceLoad  # noqa: Y015
 
 @_typing.final
 class BlocksStored(_message.Message):

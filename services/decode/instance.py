@@ -130,6 +130,9 @@ class DecodeInstance:
     def on_tick(self, engine: LLMEngine) -> None:
         self._expire_leases(engine)
 
+    def reserved(self) -> tuple[int, int]:
+        return len(self.reservations), self.reservations.num_blocks()
+
     def leave(self, error: PdserveError) -> None:
         for request in self.reservations.requests():
             self.abort(request.request_id)  # its prefill instance's push or handoff fails

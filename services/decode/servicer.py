@@ -54,6 +54,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
                 generate.subscriber,
                 tracing.extract(context.invocation_metadata() or ()),
             )
+            instance.runtime.acknowledge(generate.subscriber, generate.route_seq)
         except Exception as e:  # a refusal is RESOURCE_EXHAUSTED with decode's retry-after
             _log_unexpected(e, "Reserve", generate.request_id)
             abort_with(context, e)
@@ -137,7 +138,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         self, request: common_pb2.GenerateRequest, context: grpc.ServicerContext
     ) -> decode_pb2.GenerateReply:
         try:
-            self.served.get(DecodeInstance).generate(
+            instance = self.served.get(DecodeInstance)
+            instance.generate(
                 request.request_id,
                 list(request.prompt_token_ids),
                 sampling_from_proto(request.sampling),
@@ -146,6 +148,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
                 request.subscriber,
                 tracing.extract(context.invocation_metadata() or ()),
             )
+            instance.runtime.acknowledge(request.subscriber, request.route_seq)
         except Exception as e:
             _log_unexpected(e, "Generate", request.request_id)
             abort_with(context, e)

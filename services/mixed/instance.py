@@ -44,6 +44,9 @@ class MixedInstance:
     def on_tick(self, engine: LLMEngine) -> None:
         pass
 
+    def reserved(self) -> tuple[int, int]:
+        return 0, 0
+
     def leave(self, error: PdserveError) -> None:
         self.runtime.end_requests(error)
 

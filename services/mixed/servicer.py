@@ -39,6 +39,7 @@ class MixedServicer(mixed_pb2_grpc.MixedServiceServicer):
                 params, hashes_from_proto(request), request.attempt, request.subscriber,
                 tracing.extract(context.invocation_metadata() or ()),
             )  # fmt: skip
+            instance.runtime.acknowledge(request.subscriber, request.route_seq)
         except PdserveError as e:
             await abort_with_async(context, e)
         return mixed_pb2.SubmitReply()

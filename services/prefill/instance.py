@@ -146,6 +146,9 @@ class PrefillInstance:
     def on_tick(self, engine: LLMEngine) -> None:
         pass
 
+    def reserved(self) -> tuple[int, int]:
+        return 0, 0
+
     def leave(self, error: PdserveError) -> None:
         for request_id in self.runtime.request_ids():
             self.abort(request_id, error)
@@ -161,10 +164,12 @@ class PrefillInstance:
         attempt: str = "",
         subscriber: str = "",
         trace_parent: tracing.Context | None = None,
+        route_seq: int = 0,
     ) -> PrefillOutcome:
-        """Run one request's prefill and handoff (`attempt` and `subscriber`: the router's
-        attempt and output subscription, sent to decode with the reservation), traced under
-        `trace_parent` (the router's attempt) while tracing is on.
+        """Run one request's prefill and handoff (`attempt`, `subscriber` and `route_seq`: the
+        router's attempt, output subscription and number of the attempt, sent to decode with
+        the reservation), traced under `trace_parent` (the router's attempt) while tracing is
+        on.
 
         Raises InvalidRequestError (bad input, here or on decode), ResourceExhaustedError
         (decode refused until the backoff ran out), KVTransferError, InstanceUnavailableError,
@@ -178,7 +183,7 @@ class PrefillInstance:
             try:
                 self._prefill(
                     outcome, prompt_token_ids, params, request_id, decode_address, hashes,
-                    attempt, subscriber, tracing.metadata(span),
+                    attempt, subscriber, tracing.metadata(span), route_seq,
                 )  # fmt: skip
             except BaseException as e:
                 _record(span, start, outcome, e)
@@ -198,6 +203,7 @@ class PrefillInstance:
         attempt: str,
         subscriber: str,
         metadata: Metadata,
+        route_seq: int = 0,
     ) -> None:
         """`prefill`'s steps, filling in `outcome` (`metadata`: of the calls to decode)."""
         start = time.perf_counter()
@@ -210,7 +216,7 @@ class PrefillInstance:
         try:
             try:
                 reservation = self.preallocate_resource_in_p(
-                    request, decode, attempt, subscriber, metadata
+                    request, decode, attempt, subscriber, metadata, route_seq
                 )
             except InstanceUnavailableError:  # decode may still grant it: release it there
                 self._abort_on_decode(request_id, decode)
@@ -268,12 +274,14 @@ class PrefillInstance:
         router_attempt: str = "",
         subscriber: str = "",
         metadata: Metadata = (),
+        route_seq: int = 0,
     ) -> DecodeReservation:
         """Admit the prompt here (device prefix hit, storage blocks staged after it, blocks for
         the rest; when the pool is short the scheduler admits it later) and ask the decode
         instance to reserve blocks for it (retrying, bounded, while it refuses)."""
         self.runtime.read_ahead(request)
         self.runtime.loop.call(lambda engine: engine.preallocate(request))
+        self.runtime.acknowledge(subscriber, route_seq)  # counted in this instance's load now
         message = decode_pb2.ReserveRequest(
             request=generate_request(
                 request.request_id,
@@ -282,6 +290,7 @@ class PrefillInstance:
                 request.prompt_hashes(),  # decode takes them after a check: no second hashing
                 router_attempt,
                 subscriber,
+                route_seq,
             )
         )
         attempts = self.config.reserve_max_attempts

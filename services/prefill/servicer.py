@@ -44,6 +44,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
                 instance.prefill, generate.request_id, list(generate.prompt_token_ids),
                 params, request.decode_address, hashes_from_proto(generate), generate.attempt,
                 generate.subscriber, tracing.extract(context.invocation_metadata() or ()),
+                generate.route_seq,
             )  # fmt: skip
         except PdserveError as e:
             logger.info(

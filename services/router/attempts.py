@@ -15,7 +15,7 @@ Runs on the router's event loop; `abort` and `active` may be called from other t
 import asyncio
 import logging
 import time
-from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
+from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import dataclass
 
 from pdserve.config import RouterConfig
@@ -30,6 +30,7 @@ from pdserve.errors import (
     ResourceExhaustedError,
     StepFailedError,
 )
+from pdserve.kvcache.events import LoadReport
 from pdserve.kvcache.hashing import BlockHash, BlockHasher, PromptHashes
 from pdserve.metrics import RouterMetrics
 from pdserve.observability import tracing
@@ -39,7 +40,6 @@ from services.router.kv_index import KVEventIndex
 from services.router.load import Lease
 from services.router.membership import Membership
 from services.router.pd_client import Finished, PDClient, TokenDelta
-from services.router.policies import DecodeCapacity
 from services.router.routing import Route, Routing
 from services.router.timeline import RequestRecord
 
@@ -61,14 +61,14 @@ class Attempts:
         hasher: BlockHasher,
         membership: Membership,
         index: KVEventIndex,
-        decode_capacities: Callable[[], Mapping[str, DecodeCapacity]],
+        reported: Callable[[str], LoadReport | None],
         client: PDClient,
         metrics: RouterMetrics,
         on_unreachable: Callable[[], None],
         stats: Callable[[str], InstanceStats | None] = lambda address: None,
     ) -> None:
-        """`stats(address)`: an instance's last polled GetStats (conditional
-        disaggregation's step time models)."""
+        """`reported(address)`: an instance's last load report; `stats(address)`: its last
+        polled GetStats (conditional disaggregation's step time models)."""
         self.config = config
         self._hasher = hasher
         self._membership = membership
@@ -76,7 +76,7 @@ class Attempts:
         self._metrics = metrics
         self._on_unreachable = on_unreachable  # an instance could not be reached
         self.routing = Routing(
-            config, hasher.block_size, membership, index, decode_capacities, metrics, stats
+            config, hasher.block_size, membership, index, reported, metrics, stats
         )
         self.load = self.routing.load
         self.disaggregation = self.routing.disaggregation
@@ -125,7 +125,7 @@ class Attempts:
                 else None
             )
             events = self._start(
-                route, token_ids, params, request_id, chain, tracing.metadata(span)
+                route, token_ids, params, request_id, chain, tracing.metadata(span), leases[0].seq
             )
             error: BaseException | None = None
             try:
@@ -149,6 +149,7 @@ class Attempts:
                     async for event in events:
                         if isinstance(event, Finished):
                             _reported(record, route, event, dispatched, first_token)
+                            self._count_hits(route, event)
                         yield event
                 except (InstanceUnavailableError, StepFailedError) as e:
                     excluded.add(self._lost_stream(e, route.decode or route.prefill))
@@ -216,23 +217,38 @@ class Attempts:
         request_id: str,
         hashes: PromptHashes,
         metadata: Metadata,
+        route_seq: int,
     ) -> AsyncGenerator[TokenDelta | Finished, None]:
         """The instances take the prompt's hash chain after checking three links of it: the
         prompt is hashed once, here, not on every instance it passes. `metadata`: the
-        attempt's trace context."""
+        attempt's trace context; `route_seq`: its number (the instances acknowledge it)."""
         if route.decode is None:
             return self._client.generate_mixed(
-                route.prefill, token_ids, params, request_id, hashes, metadata, route.on_decode
-            )
+                route.prefill, token_ids, params, request_id, hashes, metadata, route.on_decode,
+                route_seq,
+            )  # fmt: skip
         return self._client.generate(
-            route.prefill, route.decode, token_ids, params, request_id, hashes, metadata
-        )
+            route.prefill, route.decode, token_ids, params, request_id, hashes, metadata,
+            route_seq,
+        )  # fmt: skip
 
     def _release(self, request_id: str) -> None:
         active = self._active.pop(request_id, None)
         if active is not None:
             for lease in active.leases:
                 lease.release()
+
+    def _count_hits(self, route: Route, finished: Finished) -> None:
+        """The prompt tokens the index predicted the prompt's instance held, and those it
+        found in its device prefix cache: their gap is the index's drift."""
+        if finished.prefill is not None and route.decode is not None:
+            actual = finished.prefill.num_device_hit_tokens
+        elif finished.timings is not None:
+            actual = finished.timings.device_hit_tokens
+        else:
+            return
+        self._metrics.predicted_hit_tokens.inc(route.cached_tokens)
+        self._metrics.actual_hit_tokens.inc(actual)
 
     # -- failures ---------------------------------------------------------------------------------
 

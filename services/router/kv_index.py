@@ -21,7 +21,14 @@ import threading
 from collections.abc import Iterable, Sequence
 
 from pdserve.errors import IntegrityError
-from pdserve.kvcache.events import BlockRemoved, BlockStored, KVEvent
+from pdserve.kvcache.events import (
+    DIGEST_MODULUS,
+    BlockRemoved,
+    BlockStored,
+    KVDigest,
+    KVEvent,
+    digest_term,
+)
 from pdserve.kvcache.hashing import BlockHash
 
 
@@ -38,6 +45,7 @@ class KVEventIndex:
         self._holders: dict[BlockHash, int] = {}  # hash -> bitmask of slots holding it
         self._blocks: dict[str, set[BlockHash]] = {}  # instance id -> hashes it holds
         self._slots: dict[str, int] = {}  # instance id -> slot (bit position)
+        self._sums: dict[str, int] = {}  # instance id -> its digest's hash sum
         self._free_slots: list[int] = []  # slots of dropped instances, reused lowest first
 
     def apply(self, instance_id: str, event: KVEvent) -> None:
@@ -69,6 +77,7 @@ class KVEventIndex:
                 return
             self._clear(instance_id, slot)
             del self._blocks[instance_id]
+            del self._sums[instance_id]
             self._free_slots.append(slot)
             self._free_slots.sort(reverse=True)
 
@@ -97,6 +106,13 @@ class KVEventIndex:
                 mask ^= bit
         return result
 
+    def digest(self, instance_id: str) -> KVDigest:
+        """The digest of the blocks `instance_id` holds here (empty if unknown); the instance
+        reports its own to compare. Takes the lock."""
+        with self._lock:
+            blocks = self._blocks.get(instance_id, ())
+            return KVDigest(len(blocks), self._sums.get(instance_id, 0))
+
     def num_blocks(self, instance_id: str) -> int:
         """How many blocks `instance_id` holds (0 if unknown). Takes the lock."""
         with self._lock:
@@ -122,6 +138,9 @@ class KVEventIndex:
                 raise IntegrityError("instances with blocks differ from instances with slots")
             for block_hash, mask in self._holders.items():
                 self._check_holders(block_hash, mask, owners)
+            for instance_id, blocks in self._blocks.items():
+                if KVDigest.of(blocks) != KVDigest(len(blocks), self._sums[instance_id]):
+                    raise IntegrityError(f"{instance_id}: its digest's hash sum is off")
             num_held = sum(mask.bit_count() for mask in self._holders.values())
             num_listed = sum(len(blocks) for blocks in self._blocks.values())
             if num_held != num_listed:
@@ -152,28 +171,36 @@ class KVEventIndex:
             slot = self._free_slots.pop() if self._free_slots else len(self._slots)
             self._slots[instance_id] = slot
             self._blocks[instance_id] = set()
+            self._sums[instance_id] = 0
         return slot
 
     def _store(self, instance_id: str, slot: int, block_hashes: Iterable[BlockHash]) -> None:
         blocks = self._blocks[instance_id]
         holders = self._holders
         bit = 1 << slot
+        added = 0
         for block_hash in block_hashes:
             if block_hash not in blocks:
                 blocks.add(block_hash)
                 holders[block_hash] = holders.get(block_hash, 0) | bit
+                added += digest_term(block_hash)
+        self._sums[instance_id] = (self._sums[instance_id] + added) % DIGEST_MODULUS
 
     def _remove(self, instance_id: str, slot: int, block_hashes: Iterable[BlockHash]) -> None:
         blocks = self._blocks[instance_id]
+        removed = 0
         for block_hash in block_hashes:
             if block_hash in blocks:
                 blocks.remove(block_hash)
                 self._unset(block_hash, slot)
+                removed += digest_term(block_hash)
+        self._sums[instance_id] = (self._sums[instance_id] - removed) % DIGEST_MODULUS
 
     def _clear(self, instance_id: str, slot: int) -> None:
         for block_hash in self._blocks[instance_id]:
             self._unset(block_hash, slot)
         self._blocks[instance_id] = set()
+        self._sums[instance_id] = 0
 
     def _unset(self, block_hash: BlockHash, slot: int) -> None:
         mask = self._holders[block_hash] & ~(1 << slot)

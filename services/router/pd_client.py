@@ -78,9 +78,11 @@ class PDClient:
         request_id: str,
         hashes: PromptHashes | None = None,
         metadata: Metadata = (),
+        route_seq: int = 0,
     ) -> AsyncGenerator[TokenDelta | Finished, None]:
         """Yield token deltas, then one Finished (`hashes`: the prompt's chain, sent along;
-        `metadata`: the attempt's own, its trace context, sent with Prefill);
+        `metadata`: the attempt's own, its trace context, sent with Prefill; `route_seq`: the
+        attempt's number, which the instances' load reports acknowledge);
         raises the typed error of a failed step. The attempt's outputs come on decode's output
         subscription, registered before Prefill starts, so the first token reaches the caller
         as soon as decode emits it (with prompt logprobs asked for, once Prefill's reply
@@ -94,7 +96,7 @@ class PDClient:
             replies = await self.outputs.register(decode_address, request_id, attempt)
             message = _prefill_request(
                 decode_address, prompt_token_ids, params, request_id, hashes, attempt,
-                self.outputs.subscriber,
+                self.outputs.subscriber, route_seq,
             )  # fmt: skip
             prefill = asyncio.ensure_future(self._call_prefill(prefill_address, message, metadata))
             try:
@@ -139,6 +141,7 @@ class PDClient:
         hashes: PromptHashes | None = None,
         metadata: Metadata = (),
         on_decode: bool = False,
+        route_seq: int = 0,
     ) -> AsyncGenerator[TokenDelta | Finished, None]:
         """One request on a mixed instance (both phases on one engine), or (`on_decode`) on a
         decode instance that computes the prompt itself, its outputs on the instance's output
@@ -148,8 +151,9 @@ class PDClient:
         try:
             replies = await self.outputs.register(address, request_id, attempt)
             message = generate_request(
-                request_id, prompt_token_ids, params, hashes, attempt, self.outputs.subscriber
-            )
+                request_id, prompt_token_ids, params, hashes, attempt, self.outputs.subscriber,
+                route_seq,
+            )  # fmt: skip
             await self.aio.submit(address, message, metadata, on_decode)
             events = _Events()
             while not finished:
@@ -210,9 +214,12 @@ def _prefill_request(
     hashes: PromptHashes | None,
     attempt: str,
     subscriber: str,
+    route_seq: int,
 ) -> prefill_pb2.PrefillRequest:
     return prefill_pb2.PrefillRequest(
-        request=generate_request(request_id, prompt_token_ids, params, hashes, attempt, subscriber),
+        request=generate_request(
+            request_id, prompt_token_ids, params, hashes, attempt, subscriber, route_seq
+        ),
         decode_address=decode_address,
     )
 

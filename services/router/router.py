@@ -3,8 +3,9 @@ continues a broken stream elsewhere.
 
 An orchestrator of small parts:
 - `Membership`: the instances of each role, drained and unhealthy marks (one lock);
-- `KVEventFollower`: the instances' KV events mirrored into the prefix index;
-- `DecodeLoadPoller`: decode instances' free blocks, for the decode policy;
+- `KVEventFollower`: every instance's KV-event stream: its blocks mirrored into the prefix
+  index, its load reports for the policies;
+- `StatsPoller`: with conditional disaggregation, the instances' step time models;
 - `Attempts`: choosing a route, load leases, blame and retries before the first token;
 - `Transcript` (migration): what a request streamed so far, to continue it elsewhere.
 
@@ -31,7 +32,7 @@ from pdserve.errors import (
 from pdserve.metrics import RouterMetrics
 from pdserve.observability import tracing
 from services.router.attempts import Attempts
-from services.router.followers import DecodeLoadPoller, KVEventFollower
+from services.router.followers import KVEventFollower, StatsPoller
 from services.router.history import RequestHistory
 from services.router.membership import Membership, Role
 from services.router.migration import Transcript
@@ -64,21 +65,20 @@ class Router:
         self.membership = membership
         self.client = client or PDClient()
         self.metrics = RouterMetrics()
-        self.kv_events = KVEventFollower(membership, self.client)
-        self.decode_load = DecodeLoadPoller(
-            membership, self.client, config.stats_interval_s, config.disaggregation == "auto"
-        )
+        self.stats = StatsPoller(membership, self.client, config.stats_interval_s)
+        self.kv_events = KVEventFollower(membership, self.client, self.metrics)
         self.attempts = Attempts(
             config,
             model.hasher,
             membership,
             self.kv_events.index,
-            self.decode_load.capacities,
+            self.kv_events.load,
             self.client,
             self.metrics,
             on_unreachable,
-            self.decode_load.stats,
+            self.stats.stats,
         )
+        self.kv_events.on_acknowledged = self.attempts.load.acknowledge
         self._transcripts: dict[str, Transcript] = {}  # every request being generated
         self._draining = False  # shutting down: new requests are refused, in-flight ones finish
         self._stopped = threading.Event()
@@ -86,27 +86,22 @@ class Router:
     # -- lifecycle ----------------------------------------------------------------------------
 
     def start(self) -> None:
-        for address in self.membership.members(Role.PREFILL):
-            self.kv_events.follow(address)
-        if self.attempts.disaggregation.follows_decode:
-            for address in self.membership.members(Role.DECODE):
+        for role in (Role.PREFILL, Role.DECODE):
+            for address in self.membership.members(role):
                 self.kv_events.follow(address)
-        self.decode_load.start()
+        if self.attempts.disaggregation.mode == "auto":
+            self.stats.start()
 
     def stop(self) -> None:
         self._stopped.set()
         self.kv_events.stop()
-        self.decode_load.stop()
+        self.stats.stop()
         self.client.close()
 
     def add_instance(self, role: str, address: str) -> None:
         """Start routing to a new instance (prefill, mixed or decode)."""
-        if role == Role.DECODE:
-            self.membership.add(Role.DECODE, address)
-            if self.attempts.disaggregation.follows_decode:
-                self.kv_events.follow(address)
-            return
-        self.membership.add(Role.PREFILL, address)  # a mixed instance takes the prefill role
+        # a mixed instance takes the prefill role
+        self.membership.add(Role.DECODE if role == Role.DECODE else Role.PREFILL, address)
         self.kv_events.follow(address)
 
     def remove_instance(self, address: str) -> None:

@@ -1,28 +1,32 @@
 """Routing: where one attempt of a request runs, and the load leases it takes there.
 
 The prefill policy chooses a prefill (or mixed) instance over the KV-event index's prefix
-overlaps and the leases in flight; the decode policy chooses a decode instance from the
-capacities the instances reported; conditional disaggregation then decides between prefill
-on that prefill instance and prefill on the decode instance itself. The router's attempts
-call it for every attempt, and `pdserve simulate --latency` calls the same object for every
-simulated request: what the simulator predicts is what this code decides.
+overlaps and the instances' loads; the decode policy chooses a decode instance from its free
+blocks and load; conditional disaggregation then decides between prefill on that prefill
+instance and prefill on the decode instance itself. An instance's load is what it last
+reported on its KV-event stream (every router's requests) plus this router's requests it has
+not acknowledged yet (`LoadTracker.pending`); before its first report, this router's leases.
+The router's attempts call it for every attempt, and `pdserve simulate --latency` calls the
+same object for every simulated request: what the simulator predicts is what this code
+decides.
 
 Thread-safe: the policies, the index and the load tracker are; `choose` mutates nothing but
 the policies' rotation counters and the decision counters.
 """
 
 import logging
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from pdserve.config import RouterConfig
 from pdserve.errors import NoCandidateError, NoCapacityError
+from pdserve.kvcache.events import LoadReport
 from pdserve.kvcache.hashing import BlockHash
 from pdserve.metrics import RouterMetrics
 from pdserve.v1.common_pb2 import InstanceStats
 from services.router.disaggregation import Disaggregation, PathChoice
 from services.router.kv_index import KVEventIndex
-from services.router.load import Lease, LoadTracker
+from services.router.load import InstanceLoad, Lease, LoadTracker
 from services.router.membership import Membership, Role
 from services.router.policies import (
     DecodeCapacity,
@@ -58,18 +62,18 @@ class Routing:
         block_size: int,
         membership: Membership,
         index: KVEventIndex,
-        decode_capacities: Callable[[], Mapping[str, DecodeCapacity]],
+        reported: Callable[[str], LoadReport | None],
         metrics: RouterMetrics,
         stats: Callable[[str], InstanceStats | None] = lambda address: None,
     ) -> None:
-        """`decode_capacities()`: the decode instances' last reported capacities;
+        """`reported(address)`: an instance's last load report (None: none yet);
         `stats(address)`: an instance's last polled GetStats (conditional disaggregation's
         step time models)."""
         self.load = LoadTracker()
         self.block_size = block_size
         self._membership = membership
         self._index = index
-        self._decode_capacities = decode_capacities
+        self._reported = reported
         self._metrics = metrics
         self._stats = stats
         self.disaggregation = Disaggregation(
@@ -104,14 +108,15 @@ class Routing:
         request = RouteRequest(request_id, prompt_tokens, self.block_size)
         try:
             overlaps = self._index.overlaps(hashes, prefills)
-            prefill = self._policy.choose(prefills, request, self.load.snapshot(), overlaps)
+            loads = {address: self.load_of(address) for address in prefills}
+            prefill = self._policy.choose(prefills, request, loads, overlaps)
             self._metrics.decisions.labels(self.policy_name, str(prefill.reason)).inc()
             cached = prefill.overlap_blocks * self.block_size
             reason, score = str(prefill.reason), prefill.score
             if self._membership.mixed:
                 return Route(prefill.instance_id, None, cached, reason, score)
             decodes = self._membership.candidates(Role.DECODE, excluded)
-            decode = self._decode_policy.choose(decodes, request, dict(self._decode_capacities()))
+            decode = self._decode_policy.choose(decodes, request, self._capacities(decodes))
         except NoCandidateError as e:
             raise NoCapacityError(str(e), 1000) from e
         decode_cached = 0  # the decode instance's own prefix, followed when it may prefill
@@ -143,17 +148,43 @@ class Routing:
             prompt_tokens,
             self._stats(prefill),
             prefill_cached,
-            self.load.load_of(prefill).in_flight_prefill_tokens,
+            self.load_of(prefill).in_flight_prefill_tokens,
             self._stats(decode),
             decode_cached,
-            self.load.load_of(decode).in_flight_requests,
+            self.load_of(decode).in_flight_requests,
         )
+
+    def load_of(self, address: str) -> InstanceLoad:
+        """The instance's last reported load plus this router's requests it has not
+        acknowledged; this router's leases before its first report."""
+        report = self._reported(address)
+        if report is None:
+            return self.load.load_of(address)
+        pending = self.load.pending(address)
+        return InstanceLoad(
+            report.num_requests + pending.in_flight_requests,
+            report.queued_prefill_tokens + pending.in_flight_prefill_tokens,
+        )
+
+    def _capacities(self, decodes: Sequence[str]) -> dict[str, DecodeCapacity]:
+        """The decode candidates that reported: their free blocks, and their requests with
+        this router's unacknowledged ones."""
+        capacities = {}
+        for address in decodes:
+            report = self._reported(address)
+            if report is not None:
+                pending = self.load.pending(address).in_flight_requests
+                capacities[address] = DecodeCapacity(
+                    report.num_free_blocks, report.num_requests + pending
+                )
+        return capacities
 
     def leases(self, route: Route, prompt_tokens: int) -> tuple[Lease, ...]:
         """Count the request on its instances: only the tokens prefill must compute count as
         its prefill load. The first lease is the prompt's instance's, the second decode's."""
         uncached = max(1, prompt_tokens - route.cached_tokens)
-        leases: tuple[Lease, ...] = (self.load.acquire(route.prefill, uncached),)
+        seq = self.load.next_seq()  # the attempt's route number: both leases wait for it
+        leases: tuple[Lease, ...] = (self.load.acquire(route.prefill, uncached, seq),)
         if route.decode is not None:
-            leases += (self.load.acquire(route.decode, 0),)
+            leases += (self.load.acquire(route.decode, 0, seq),)
         return leases

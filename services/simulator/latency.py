@@ -44,7 +44,7 @@ from pdserve.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from pdserve.engine.stop import stop_status
 from pdserve.engine.validation import validate_request
 from pdserve.errors import ConfigError, IntegrityError, NoCapacityError, PdserveError
-from pdserve.kvcache.events import KVEvent
+from pdserve.kvcache.events import KVEvent, LoadReport
 from pdserve.kvcache.eviction import make_eviction_policy
 from pdserve.kvcache.hashing import BlockHash, BlockHasher
 from pdserve.kvcache.manager import KVCacheManager
@@ -54,7 +54,6 @@ from services.router.disaggregation import GB
 from services.router.kv_index import KVEventIndex
 from services.router.load import Lease
 from services.router.membership import Membership, Role
-from services.router.policies import DecodeCapacity
 from services.router.routing import Route, Routing
 from services.simulator.events import EventQueue
 from services.simulator.trace import TraceRecord
@@ -280,6 +279,18 @@ class SimInstance:
         self.scheduler.add_request(request)
         self.kick()
 
+    def load_report(self) -> LoadReport:
+        """What its KV-event stream's load report would say."""
+        scheduler = self.scheduler
+        return LoadReport(
+            num_running=len(scheduler.running),
+            num_waiting=len(scheduler.waiting) + len(scheduler.prefilled),
+            num_reservations=len(self.reserved),
+            queued_prefill_tokens=scheduler.queued_prompt_tokens(),
+            num_free_blocks=self.kv.num_free_blocks,
+            num_blocks=self.kv.num_blocks,
+        )
+
     def stats(self) -> common_pb2.InstanceStats:
         """What its GetStats would answer (the fields the router reads)."""
         kv, scheduler = self.kv, self.scheduler
@@ -416,13 +427,12 @@ class Simulation:
         self.index = KVEventIndex()
         self.membership = Membership(mixed=bool(spec.mixed))
         self._stats: dict[str, common_pb2.InstanceStats] = {}
-        self._capacities: dict[str, DecodeCapacity] = {}
         self.routing = Routing(
             spec.router,
             block_size,
             self.membership,
             self.index,
-            lambda: self._capacities,
+            self._load_report,
             RouterMetrics(),
             self._stats.get,
         )
@@ -504,8 +514,6 @@ class Simulation:
                 continue
             stats = instance.stats()
             self._stats[name] = stats
-            if instance.role == "decode":
-                self._capacities[name] = DecodeCapacity(stats.num_free_blocks, stats.num_running)
             used = stats.num_blocks - stats.num_free_blocks
             sample.instances[name] = (instance.role, stats.num_running, stats.num_waiting, used)
         self._samples.append(sample)
@@ -570,12 +578,21 @@ class Simulation:
         self.membership.remove(name)
         self.index.drop_instance(name)
         self._stats.pop(name, None)
-        self._capacities.pop(name, None)
 
     def _stop(self, name: str) -> None:
         self._retire(name)
         self._retired_seconds += self.now - self._since.pop(name)
         self.changing.discard(name)
+
+    def _load_report(self, name: str) -> LoadReport | None:
+        """What the instance's last load report says: its state now (a live instance reports
+        each step's change within milliseconds)."""
+        instance = self.instances.get(name)
+        return instance.load_report() if instance is not None else None
+
+    def _acknowledge(self, flight: _Flight, instance: SimInstance) -> None:
+        """The instance counts the attempt in its load from now (its next report says so)."""
+        self.routing.load.acknowledge(instance.name, flight.leases[0].seq)
 
     # -- a request's life ------------------------------------------------------------------------
 
@@ -649,6 +666,7 @@ class Simulation:
             return
         flight.result.path = "local" if on_decode else "mixed"
         instance.submit(request)
+        self._acknowledge(flight, instance)
 
     def _prefill(self, flight: _Flight, prefill: SimInstance, decode: SimInstance) -> None:
         flight.result.path = "remote"
@@ -657,6 +675,7 @@ class Simulation:
 
         def preallocate() -> None:
             prefill.admission.admit(request)  # None: the scheduler admits it when blocks free
+            self._acknowledge(flight, prefill)
             self._hop(lambda: decode.call(
                 lambda: self._reserve(flight, prefill, decode, request, 1)))  # fmt: skip
 
@@ -681,6 +700,7 @@ class Simulation:
                 lambda: self._reserve(flight, prefill, decode, request, tries + 1)))  # fmt: skip
             return
         decode.reserved[mine.request_id] = mine
+        self._acknowledge(flight, decode)
         flight.decode, flight.decode_cached = decode, admission.num_computed_tokens
         self._hop(lambda: prefill.call(lambda: self._submit_reserved(flight, prefill, request)))
 

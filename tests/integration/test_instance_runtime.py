@@ -109,6 +109,8 @@ def test_kv_event_subscription_starts_with_a_snapshot_of_published_blocks(stack:
         pool.close()
     assert first.WhichOneof("event") == "snapshot"
     assert list(first.snapshot.block_hashes) == published
+    assert (first.epoch, first.seq) == (runtime.events.epoch, runtime.events.seq)
+    assert first.seq > 0  # the earlier tests' events were numbered from 1
 
 
 def test_a_failed_step_fails_the_request_on_a_mixed_instance_which_serves_on(

@@ -82,7 +82,7 @@ def test_auto_predicts_both_paths_and_serves_either_with_the_same_tokens(
     stack = make_stack(router={"disaggregation": "auto", "stats_interval_s": 0.1})
     router = stack.router
     members = [*router.membership.members(Role.PREFILL), *router.membership.members(Role.DECODE)]
-    wait_for(lambda: all(router.decode_load.stats(a) is not None for a in members))
+    wait_for(lambda: all(router.stats.stats(a) is not None for a in members))
     prompts = [prompt(24, offset=1), prompt(600, offset=2)]
     results = [stack.generate(p, GREEDY, request_id=f"auto-{i}") for i, p in enumerate(prompts)]
     expected = make_engine().generate(prompts, GREEDY)

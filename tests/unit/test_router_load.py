@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pdserve.errors import IntegrityError
-from services.router.load import IDLE, InstanceLoad, Lease, LoadTracker
+from services.router.load import IDLE, PENDING_MAX_S, InstanceLoad, Lease, LoadTracker
 
 A, B = "10.0.0.1:50051", "10.0.0.2:50051"
 
@@ -225,3 +225,46 @@ def test_counters_return_to_zero_when_threads_run_random_scripts_concurrently(
     assert errors == []
     assert tracker.snapshot() == {}
     tracker.check_integrity()
+
+
+def test_a_lease_is_pending_until_its_instance_acknowledges_its_route_number(
+    tracker: LoadTracker,
+) -> None:
+    first, second = tracker.next_seq(), tracker.next_seq()
+    tracker.acquire(A, 40, first)
+    tracker.acquire(A, 8, second)
+    assert tracker.pending(A) == InstanceLoad(2, 48)
+    tracker.acknowledge(A, first)  # A's report counts the first request now
+    assert tracker.pending(A) == InstanceLoad(1, 8)
+    tracker.acknowledge(A, first)  # an older report again: nothing changes
+    assert tracker.pending(A) == InstanceLoad(1, 8)
+    later = tracker.acquire(A, 5, tracker.next_seq())
+    tracker.acknowledge(A, second)
+    assert tracker.pending(A) == InstanceLoad(1, 5)
+    later.release()  # released before its acknowledgement (it failed on the way)
+    assert tracker.pending(A) == IDLE
+    assert tracker.load_of(A) == InstanceLoad(2, 48)  # the router's own bookkeeping holds both
+
+
+def test_a_lease_never_acknowledged_stops_counting_after_the_pending_limit(
+    tracker: LoadTracker,
+) -> None:
+    leaked = tracker.acquire(B, 30, tracker.next_seq())  # e.g. a lease a bug never releases
+    fresh = tracker.acquire(B, 2, tracker.next_seq())
+    assert tracker.pending(B) == InstanceLoad(2, 32)
+    leaked.acquired_at -= PENDING_MAX_S  # its request never reached B
+    assert tracker.pending(B) == InstanceLoad(1, 2)
+    assert tracker.load_of(B) == InstanceLoad(2, 32)
+    tracker.acknowledge(B, fresh.seq)
+    assert tracker.pending(B) == IDLE
+    leaked.release()
+    fresh.release()
+
+
+def test_a_lease_numbered_at_or_below_the_acknowledged_one_is_never_pending(
+    tracker: LoadTracker,
+) -> None:
+    tracker.acknowledge(A, 10)
+    lease = tracker.acquire(A, 3, 7)  # reached A before the router took it (reordered)
+    assert tracker.pending(A) == IDLE
+    lease.release()

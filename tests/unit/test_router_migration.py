@@ -5,6 +5,7 @@ the client must see exactly the tokens, text, usage and finish reason of an undi
 import itertools
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from hypothesis import given, settings
@@ -37,6 +38,8 @@ class DyingDecodes:
     """Each call plays the model from the given context; the k-th call's decode dies after
     `deaths[k]` tokens (None: it lives)."""
 
+    outputs = SimpleNamespace(subscriber="router")  # the id its load reports would name
+
     def __init__(self, tokenizer: Tokenizer, deaths: list[int | None], error: Exception) -> None:
         self.tokenizer = tokenizer
         self.deaths = list(deaths)
@@ -47,7 +50,7 @@ class DyingDecodes:
 
     async def generate(
         self, prefill: str, decode: str, ids: list[int], params: SamplingParams, request_id: str,
-        hashes: object = None, metadata: object = (),
+        hashes: object = None, metadata: object = (), route_seq: int = 0,
     ) -> AsyncIterator[TokenDelta | Finished]:  # fmt: skip
         self.calls.append((prefill, decode, list(ids), params))
         dies_after = self.deaths.pop(0) if self.deaths else None

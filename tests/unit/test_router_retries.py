@@ -6,6 +6,7 @@ import contextlib
 import threading
 from collections.abc import AsyncIterator
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from hypothesis import given, settings
@@ -36,6 +37,8 @@ OUTCOMES = ["ok", "transfer_error", "refused", "mid_stream_error", "invalid"]
 class FakePDClient:
     """Plays scripted outcomes, one per attempt, and records what the router asked for."""
 
+    outputs = SimpleNamespace(subscriber="router")  # the id its load reports would name
+
     def __init__(self, outcomes: list[str]) -> None:
         self.outcomes = list(outcomes)
         self.routes: list[tuple[str, str]] = []
@@ -43,7 +46,7 @@ class FakePDClient:
 
     async def generate(
         self, prefill: str, decode: str, ids: list[int], params: SamplingParams, request_id: str,
-        hashes: object = None, metadata: object = (),
+        hashes: object = None, metadata: object = (), route_seq: int = 0,
     ) -> AsyncIterator[TokenDelta | Finished]:  # fmt: skip
         self.routes.append((prefill, decode))
         outcome = self.outcomes.pop(0) if self.outcomes else "ok"
@@ -195,6 +198,7 @@ class FakeMixedClient(FakePDClient):
     def generate_mixed(
         self, address: str, ids: list[int], params: SamplingParams, request_id: str,
         hashes: object = None, metadata: object = (), on_decode: bool = False,
+        route_seq: int = 0,
     ) -> AsyncIterator[TokenDelta | Finished]:  # fmt: skip
         return self.generate(address, "", ids, params, request_id)
 

@@ -5,6 +5,7 @@ instance; the router's side is its `Transcript`, then the whole `Router`)."""
 
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from streams import collect
@@ -126,6 +127,8 @@ class EngineInstances:
     """A PD client whose every instance is the one real engine; its k-th call's instance dies
     after sending `deaths[k]` tokens (None: it lives), before anything else it would send."""
 
+    outputs = SimpleNamespace(subscriber="router")  # the id its load reports would name
+
     def __init__(self, engine: LLMEngine, deaths: list[int | None]) -> None:
         self.engine = engine
         self.deaths = list(deaths)
@@ -133,7 +136,7 @@ class EngineInstances:
 
     async def generate(
         self, prefill: str, decode: str, ids: list[int], params: SamplingParams, request_id: str,
-        hashes: object = None, metadata: object = (),
+        hashes: object = None, metadata: object = (), route_seq: int = 0,
     ) -> AsyncIterator[TokenDelta | Finished]:  # fmt: skip
         self.calls += 1
         dies_after = self.deaths.pop(0) if self.deaths else None
