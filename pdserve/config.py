@@ -388,7 +388,8 @@ class RouterConfig:
     max_body_bytes: int = 4 * 2**20
     """Largest request body; a larger one gets 413."""
     stats_interval_s: float = 0.5
-    """How often the decode instances' load (free KV blocks, running requests) is refreshed."""
+    """How often, with `disaggregation: auto`, the instances' stats (their step time models) are
+    polled. Their load needs no polling: it comes on their KV-event streams."""
     migration_limit: int = 3
     """Times one stream may continue on another instance after its own died; 0: never."""
     migration_max_tokens: int | None = None
@@ -409,11 +410,16 @@ class RouterConfig:
     on the decode instance when nothing decodes there and the instances' step time models
     (`GetStats`) predict its first token sooner there (queue, compute and transfer, the
     prompt's cached tokens on each side), else on a prefill instance: short and mostly-cached
-    prompts start sooner, and no running request waits for a prompt in its steps.
-
-    With `never` and `auto` the router also follows the decode instances' KV events."""
+    prompts start sooner, and no running request waits for a prompt in its steps."""
     kv_transfer_gbps: float = 1.0
     """KV transfer speed `auto` assumes (GB/s) until a prefill instance has measured its own."""
+    breaker_failures: int = 5
+    """Failures in a row that open an instance's circuit breaker: the router sends it nothing
+    for `breaker_cooldown_s`, then one probe request (its success closes the breaker, its
+    failure opens it for twice as long, up to 8×). Independent of liveness: an instance that is
+    alive but fails its requests stops taking them. 0: no breakers."""
+    breaker_cooldown_s: float = 10.0
+    """How long an opened circuit breaker keeps its instance out of routing."""
 
     def __post_init__(self) -> None:
         _check_choices(self, "router")
@@ -423,6 +429,11 @@ class RouterConfig:
             )
         if self.max_concurrent_requests < 1:
             raise ConfigError("router.max_concurrent_requests must be at least 1")
+        if self.breaker_failures < 0 or not self.breaker_cooldown_s > 0:
+            raise ConfigError(
+                "router.breaker_failures must be >= 0 (0: no breakers) and "
+                "router.breaker_cooldown_s positive"
+            )
         if self.migration_limit < 0:
             raise ConfigError("router.migration_limit must be >= 0 (0: never migrate)")
         if self.migration_max_tokens is not None and self.migration_max_tokens < 1:

@@ -104,6 +104,20 @@ class RouterMetrics:
             ["backend"],
             registry=self.registry,
         )
+        self.circuit_state = Gauge(
+            "pdserve_router_circuit_state",
+            "Each instance's circuit breaker: 0 closed (routed to), 1 open (skipped after "
+            "router.breaker_failures failures in a row), 2 half-open (one probe request out).",
+            ["backend"],
+            registry=self.registry,
+        )
+        self.circuit_opens = Counter(
+            "pdserve_router_circuit_opens",
+            "Times an instance's circuit breaker opened (its failures in a row, or a failed "
+            "probe).",
+            ["backend"],
+            registry=self.registry,
+        )
         self.kv_index_resyncs = Counter(
             "pdserve_router_kv_index_resyncs",
             "Times the router resynchronised its copy of an instance's published blocks, by "

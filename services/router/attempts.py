@@ -140,6 +140,7 @@ class Attempts:
                     continue
                 first_token = time.perf_counter()
                 record.first_token = record.first_token or first_token
+                self._succeeded(route)
                 if route.decode is None:
                     leases[0].finish_prefill()  # mixed: the prompt is computed, decoding goes on
                 else:
@@ -282,6 +283,7 @@ class Attempts:
             blamed = {prefill, decode}
         for address in blamed:
             self._membership.mark_unhealthy(address)
+            self.routing.breakers.failed(address)
         if isinstance(error, InstanceUnavailableError):
             self._on_unreachable()
         return blamed
@@ -290,9 +292,16 @@ class Attempts:
         """Mark the instance whose stream broke after its first token (only it held the
         request by then) unhealthy; returns it."""
         self._membership.mark_unhealthy(streaming)
+        self.routing.breakers.failed(streaming)
         if isinstance(error, InstanceUnavailableError):
             self._on_unreachable()
         return streaming
+
+    def _succeeded(self, route: Route) -> None:
+        """The attempt's instances gave its first token: their breakers close."""
+        self.routing.breakers.succeeded(route.prefill)
+        if route.decode is not None:
+            self.routing.breakers.succeeded(route.decode)
 
     def _exhausted(self, failure: Exception | None) -> NoCapacityError:
         """Every attempt failed: a 503 with the last failure's retry hint."""

@@ -108,6 +108,7 @@ class Router:
         """Stop routing to an instance (drain it first to let its requests finish)."""
         self.membership.remove(address)
         self.kv_events.forget(address)
+        self.attempts.routing.breakers.forget(address)
 
     def set_policy(self, name: str) -> str:
         """Switch the prefill routing policy; returns the previous one. Raises ConfigError."""

@@ -15,6 +15,7 @@ the policies' rotation counters and the decision counters.
 """
 
 import logging
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -24,6 +25,7 @@ from pdserve.kvcache.events import LoadReport
 from pdserve.kvcache.hashing import BlockHash
 from pdserve.metrics import RouterMetrics
 from pdserve.v1.common_pb2 import InstanceStats
+from services.router.breakers import BreakerState, CircuitBreakers
 from services.router.disaggregation import Disaggregation, PathChoice
 from services.router.kv_index import KVEventIndex
 from services.router.load import InstanceLoad, Lease, LoadTracker
@@ -74,6 +76,9 @@ class Routing:
         self._membership = membership
         self._index = index
         self._reported = reported
+        self.breakers = CircuitBreakers(
+            config.breaker_failures, config.breaker_cooldown_s, self._breaker_changed
+        )
         self._metrics = metrics
         self._stats = stats
         self.disaggregation = Disaggregation(
@@ -104,7 +109,7 @@ class Routing:
         """The route of a prompt of `prompt_tokens` tokens whose full blocks hash to `hashes`,
         avoiding the `excluded` instances. Raises NoCapacityError when a role has no
         candidate."""
-        prefills = self._membership.candidates(Role.PREFILL, excluded)
+        prefills = self._admitted(self._membership.candidates(Role.PREFILL, excluded))
         request = RouteRequest(request_id, prompt_tokens, self.block_size)
         try:
             overlaps = self._index.overlaps(hashes, prefills)
@@ -115,7 +120,7 @@ class Routing:
             reason, score = str(prefill.reason), prefill.score
             if self._membership.mixed:
                 return Route(prefill.instance_id, None, cached, reason, score)
-            decodes = self._membership.candidates(Role.DECODE, excluded)
+            decodes = self._admitted(self._membership.candidates(Role.DECODE, excluded))
             decode = self._decode_policy.choose(decodes, request, self._capacities(decodes))
         except NoCandidateError as e:
             raise NoCapacityError(str(e), 1000) from e
@@ -154,6 +159,27 @@ class Routing:
             self.load_of(decode).in_flight_requests,
         )
 
+    def _admitted(self, candidates: list[str]) -> list[str]:
+        """The candidates whose circuit breakers let a request through; raises NoCapacityError
+        (retry when the first cool-down ends) when none does."""
+        admitted = self.breakers.admitted(candidates)
+        if candidates and not admitted:
+            wait_s = self.breakers.retry_after_s(candidates)
+            raise NoCapacityError(
+                f"every candidate instance failed router.breaker_failures requests in a row "
+                f"and is skipped for now ({', '.join(candidates)}); retry in {wait_s:.1f} s",
+                max(1, math.ceil(wait_s * 1000)),
+            )
+        return admitted
+
+    def _breaker_changed(self, address: str, state: BreakerState) -> None:
+        self._metrics.circuit_state.labels(address).set(int(state))
+        if state == BreakerState.OPEN:
+            self._metrics.circuit_opens.labels(address).inc()
+            logger.warning("instance %s: circuit breaker open (failures in a row)", address)
+        elif state == BreakerState.CLOSED:
+            logger.info("instance %s: circuit breaker closed", address)
+
     def load_of(self, address: str) -> InstanceLoad:
         """The instance's last reported load plus this router's requests it has not
         acknowledged; this router's leases before its first report."""
@@ -185,6 +211,8 @@ class Routing:
         uncached = max(1, prompt_tokens - route.cached_tokens)
         seq = self.load.next_seq()  # the attempt's route number: both leases wait for it
         leases: tuple[Lease, ...] = (self.load.acquire(route.prefill, uncached, seq),)
+        self.breakers.sent(route.prefill)
         if route.decode is not None:
             leases += (self.load.acquire(route.decode, 0, seq),)
+            self.breakers.sent(route.decode)
         return leases
