@@ -402,8 +402,23 @@ class RouterConfig:
     `{"name", "parameters"}` object. With neither set nor found in the template, `"auto"` is a
     400."""
     max_concurrent_requests: int = 4096
-    """Generations the router runs at once (each of `n` choices counts); more get 503 with
-    `Retry-After`."""
+    """Generations the router runs at once (each of `n` choices counts); more wait in its
+    admission queue."""
+    queue_when_waiting: int = 16
+    """A prefill (or mixed) instance counts as saturated once this many requests wait there (by
+    its load reports, with the router's requests it has not acknowledged), or when it lacks
+    free blocks for the prompt (a decode instance: only then). While every candidate of a role
+    is saturated, new requests wait in the router's admission queue, lowest `priority` first,
+    users taking turns."""
+    queue_max_requests: int = 1024
+    """Requests the admission queue holds; more get 429 with `Retry-After`."""
+    queue_timeout_s: float = 30.0
+    """How long a request may wait in the admission queue before it gets 429."""
+    api_keys: str | None = None
+    """A YAML file of API keys (`keys:` entries of `name`, `key` or `key_sha256`, optional
+    `rate_per_s` and `priority`), mode 0600, reloaded when it changes. With it every API call
+    needs `Authorization: Bearer KEY` (else 401); fairness, limits and metrics go by key name.
+    Null: no keys, any caller is served (bind the router to a trusted network)."""
     disaggregation: str = _choice("always", DISAGGREGATION_MODES)
     """Where a request's prompt is computed: `always` on a prefill instance, its KV then moved
     to the decode instance; `never` on the decode instance itself; `auto`, request by request,
@@ -429,6 +444,13 @@ class RouterConfig:
             )
         if self.max_concurrent_requests < 1:
             raise ConfigError("router.max_concurrent_requests must be at least 1")
+        if self.queue_when_waiting < 1 or self.queue_max_requests < 0:
+            raise ConfigError(
+                "router.queue_when_waiting must be at least 1 and router.queue_max_requests "
+                ">= 0 (0: refuse instead of queueing)"
+            )
+        if not self.queue_timeout_s > 0:
+            raise ConfigError("router.queue_timeout_s must be positive")
         if self.breaker_failures < 0 or not self.breaker_cooldown_s > 0:
             raise ConfigError(
                 "router.breaker_failures must be >= 0 (0: no breakers) and "

@@ -79,6 +79,10 @@ class RequestAbortedError(PdserveError):
     """The request was aborted (by its client, an operator or a peer) before it finished."""
 
 
+class AuthenticationError(PdserveError):
+    """The request carries no valid API key (`router.api_keys`)."""
+
+
 class RetryableError(PdserveError):
     """A condition that may clear: retry after `retry_after_ms` (0: at once), possibly on
     another instance."""
@@ -98,6 +102,11 @@ class OutOfBlocksError(ResourceExhaustedError):
 
 class NoCapacityError(RetryableError):
     """Every attempt failed or no instance is available; retry later."""
+
+
+class RateLimitedError(RetryableError):
+    """Too many requests: the API key's rate, or the router's admission queue (full, or the
+    request waited its limit in it); retry after `retry_after_ms`."""
 
 
 class KVTransferError(RetryableError):
@@ -150,6 +159,10 @@ STATUSES: tuple[tuple[type[PdserveError], Status], ...] = (
     (DuplicateRequestError, Status("ALREADY_EXISTS", "DUPLICATE_REQUEST", 400, _INVALID, None)),
     (ModelNotFoundError, Status("NOT_FOUND", "MODEL_NOT_FOUND", 404, _INVALID, "model_not_found")),
     (InvalidRequestError, Status("INVALID_ARGUMENT", "INVALID_REQUEST", 400, _INVALID, None)),
+    (AuthenticationError, Status("UNAUTHENTICATED", "UNAUTHENTICATED", 401, _INVALID,
+                                 "invalid_api_key")),
+    (RateLimitedError, Status("RESOURCE_EXHAUSTED", "RATE_LIMITED", 429, "requests",
+                              "rate_limit_exceeded")),
     (RequestNotFoundError, Status("NOT_FOUND", "NOT_FOUND", 503, "server_error", "upstream_error",
                                   _FAILED)),
     (RequestAbortedError, Status("CANCELLED", "REQUEST_ABORTED", 503, "server_error",
@@ -201,7 +214,7 @@ class HttpError:
     type: str
     code: str | None
     message: str
-    retry_after_s: int | None  # a 503's: when the client may try again
+    retry_after_s: int | None  # a 429's or 503's: when the client may try again
 
 
 def http_error(error: BaseException) -> HttpError:
@@ -209,7 +222,7 @@ def http_error(error: BaseException) -> HttpError:
     status = status_of(error)
     message = status.http_prefix + str(error) if status is not INTERNAL else "internal server error"
     retry_after_s = None
-    if status.http_status == 503:
+    if status.http_status in (429, 503):
         retry_after_ms = error.retry_after_ms if isinstance(error, RetryableError) else 0
         retry_after_s = max(1, round((retry_after_ms or 1000) / 1000))
     return HttpError(status.http_status, status.http_type, status.http_code, message, retry_after_s)

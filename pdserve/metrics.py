@@ -153,9 +153,29 @@ class RouterMetrics:
             "Attempts that failed before the first token and were retried.",
             registry=self.registry,
         )
-        self.rejected = Counter(
-            "pdserve_router_rejected_requests",
-            "Requests refused with 503 because router.max_concurrent_requests generations ran.",
+        self.rejections = Counter(
+            "pdserve_router_rejections",
+            "Requests refused at the router's edge, by reason (queue_full, queue_timeout: 429 "
+            "from the admission queue; rate_limited: 429, the API key's rate; unauthenticated: "
+            "401) and API key name (empty without keys).",
+            ["reason", "key"],
+            registry=self.registry,
+        )
+        self.queue_length = Gauge(
+            "pdserve_router_queue_length",
+            "Requests waiting in the router's admission queue (every candidate saturated).",
+            registry=self.registry,
+        )
+        self.queue_wait = Histogram(
+            "pdserve_router_queue_wait_seconds",
+            "How long requests that queued waited in the admission queue before routing.",
+            buckets=STAGE_BUCKETS,
+            registry=self.registry,
+        )
+        self.key_requests = Counter(
+            "pdserve_router_key_requests",
+            "Requests admitted per API key name (with router.api_keys).",
+            ["key"],
             registry=self.registry,
         )
         self.running = Gauge(

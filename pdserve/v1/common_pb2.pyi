@@ -42,6 +42,10 @@ class _ErrorCodeEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_ErrorCode.V
     ERROR_CODE_MODEL_NOT_FOUND: _ErrorCode.ValueType  # 12
     ERROR_CODE_DECODE_UNAVAILABLE: _ErrorCode.ValueType  # 13
     """a prefill instance could not reach its decode instance"""
+    ERROR_CODE_UNAUTHENTICATED: _ErrorCode.ValueType  # 14
+    """no valid API key (the router's HTTP edge)"""
+    ERROR_CODE_RATE_LIMITED: _ErrorCode.ValueType  # 15
+    """a key's rate, or the router's admission queue, is full"""
 
 class ErrorCode(_ErrorCode, metaclass=_ErrorCodeEnumTypeWrapper):
     """Which pdserve exception an error is (pdserve.rpc.status maps each to one class). Unary RPCs
@@ -65,6 +69,10 @@ ERROR_CODE_STEP_FAILED: ErrorCode.ValueType  # 11
 ERROR_CODE_MODEL_NOT_FOUND: ErrorCode.ValueType  # 12
 ERROR_CODE_DECODE_UNAVAILABLE: ErrorCode.ValueType  # 13
 """a prefill instance could not reach its decode instance"""
+ERROR_CODE_UNAUTHENTICATED: ErrorCode.ValueType  # 14
+"""no valid API key (the router's HTTP edge)"""
+ERROR_CODE_RATE_LIMITED: ErrorCode.ValueType  # 15
+"""a key's rate, or the router's admission queue, is full"""
 Global___ErrorCode: _TypeAlias = ErrorCode  # noqa: Y015
 
 class _FinishReason:

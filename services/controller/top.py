@@ -106,7 +106,8 @@ class RouterSample:
     running: float  # generations running now
     migrations: float  # every reason
     retries: float
-    rejected: float
+    rejected: float  # 429s and 401s at the router's edge, every reason
+    queued: float  # requests in the admission queue now
     ttft: Histogram
     inter_token: Histogram
 
@@ -127,7 +128,8 @@ class RouterSample:
             running=total("pdserve_router_running_generations"),
             migrations=total("pdserve_router_migrations_total"),
             retries=total("pdserve_router_retries_total"),
-            rejected=total("pdserve_router_rejected_requests_total"),
+            rejected=total("pdserve_router_rejections_total"),
+            queued=total("pdserve_router_queue_length"),
             ttft=_histogram(samples["pdserve_router_time_to_first_token_seconds_bucket"]),
             inter_token=_histogram(samples["pdserve_router_inter_token_latency_seconds_bucket"]),
         )
@@ -374,6 +376,7 @@ def _router_table(current: Snapshot, previous: Snapshot | None) -> Table:
         table.add_row(name, f"{_ms(latency.p50)} / {_ms(latency.p99)}", latency.window)
     table.add_row("migrations", f"{now.migrations:.0f}", "since start")
     table.add_row("retries", f"{now.retries:.0f}", "since start")
+    table.add_row("queued", f"{now.queued:.0f}", "now")
     table.add_row("rejected", f"{now.rejected:.0f}", "since start")
     return table
 

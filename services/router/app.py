@@ -2,7 +2,9 @@
 Router -> convert.
 
 Errors use OpenAI's schema `{"error": {"message", "type", "param", "code"}}` with a 4xx status
-for the caller's mistakes and 503 (with Retry-After) when the cluster has no capacity.
+for the caller's mistakes (401 without a valid API key when `router.api_keys` is set), 429 (with
+Retry-After) past a key's rate or the admission queue's bounds, and 503 (with Retry-After) when
+the cluster has no capacity.
 """
 
 import asyncio
@@ -12,11 +14,11 @@ import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, MutableMapping, Sequence
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Annotated, Any
 
 import anyio
 import orjson
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -26,7 +28,9 @@ from starlette.concurrency import run_in_threadpool
 from pdserve.config import RouterConfig
 from pdserve.engine.request import SamplingParams, TokenLogprob
 from pdserve.errors import (
+    AuthenticationError,
     PdserveError,
+    RateLimitedError,
     RequestAbortedError,
     http_error,
 )
@@ -34,6 +38,7 @@ from pdserve.metrics import RouterMetrics
 from pdserve.model.tokenizer import Tokenizer
 from pdserve.observability import tracing
 from services.router import tool_calls
+from services.router.api_keys import ApiKey, ApiKeys
 from services.router.edge import RequestEdge
 from services.router.membership import Role
 from services.router.openai_schema import (
@@ -57,8 +62,10 @@ COUNTED_PATHS = frozenset(
 # what the endpoints really answer besides 200 (FastAPI's 422 is never sent: see the handlers)
 ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
     400: {"description": "invalid request (OpenAI error object)"},
+    401: {"description": "no valid API key (with router.api_keys)"},
     404: {"description": "unknown model"},
     413: {"description": "request body too large"},
+    429: {"description": "the API key's rate or the admission queue's bounds; see Retry-After"},
     503: {"description": "no capacity, retry after the Retry-After header"},
 }
 
@@ -68,8 +75,28 @@ def create_app(
     config: RouterConfig,
     scrape_targets: Callable[[], list[dict[str, Any]]] = list,
 ) -> FastAPI:
-    """The API over `router`; `scrape_targets()` answers `/prometheus/targets`."""
+    """The API over `router`; `scrape_targets()` answers `/prometheus/targets`. Raises
+    ConfigError when `router.api_keys` names a keys file that does not load."""
     edge = RequestEdge(router.model)
+    keys = ApiKeys(config.api_keys) if config.api_keys else None
+
+    def caller(http: Request) -> ApiKey | None:
+        """The API key of the request (None without `router.api_keys`), within its rate."""
+        if keys is None:
+            return None
+        try:
+            key = keys.authenticate(http.headers.get("authorization"))
+        except AuthenticationError:
+            router.metrics.rejections.labels("unauthenticated", "").inc()
+            raise
+        try:
+            keys.check_rate(key)
+        except RateLimitedError:
+            router.metrics.rejections.labels("rate_limited", key.name).inc()
+            raise
+        return key
+
+    Caller = Annotated[ApiKey | None, Depends(caller)]
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -80,12 +107,12 @@ def create_app(
     _install_error_handlers(app)
     app.add_middleware(_RequestGate, metrics=router.metrics, max_bytes=config.max_body_bytes)
 
-    _add_info_endpoints(app, router, scrape_targets)
-    _add_token_endpoints(app, edge)
+    _add_info_endpoints(app, router, scrape_targets, caller)
+    _add_token_endpoints(app, edge, caller)
     model_id, tokenizer = router.model.model_id, router.model.tokenizer
 
     @app.post("/v1/completions", response_model=None, responses=ERROR_RESPONSES)
-    async def completions(body: CompletionRequest, http: Request) -> Response:
+    async def completions(body: CompletionRequest, http: Request, key: Caller) -> Response:
         edge.check_model(body.model)
         prompt = body.single_prompt()
         ids = edge.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
@@ -93,25 +120,29 @@ def create_app(
         if body.echo:
             text = prompt if isinstance(prompt, str) else tokenizer.decode(ids)
             fmt.echo = _Echo(ids[0], text, body.prompt_only)
-        return await _serve(router, edge, http, body, ids, fmt)
+        return await _serve(router, edge, http, body, ids, fmt, key)
 
     tool_family = config.tool_parser or tool_calls.family_of(tokenizer.chat_template)
 
     @app.post("/v1/chat/completions", response_model=None, responses=ERROR_RESPONSES)
-    async def chat(body: ChatCompletionRequest, http: Request) -> Response:
+    async def chat(body: ChatCompletionRequest, http: Request, key: Caller) -> Response:
         edge.check_model(body.model)
         ids = edge.tokenize_chat(body.chat_messages(), body.template_tools())
         fmt = _ChatFormat(model_id, tokenizer, _tool_parsers(body, tool_family))
-        return await _serve(router, edge, http, body, ids, fmt)
+        return await _serve(router, edge, http, body, ids, fmt, key)
 
     app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
     return app
 
 
 def _add_info_endpoints(
-    app: FastAPI, router: Router, targets: Callable[[], list[dict[str, Any]]]
+    app: FastAPI,
+    router: Router,
+    targets: Callable[[], list[dict[str, Any]]],
+    caller: Callable[[Request], ApiKey | None],
 ) -> None:
-    """Health, Prometheus discovery and metrics, the model list."""
+    """Health, Prometheus discovery and metrics (open), the model list (behind `caller`'s
+    key check)."""
 
     @app.get("/health")
     async def health() -> dict[str, Any]:
@@ -128,7 +159,7 @@ def _add_info_endpoints(
         router.export_load()
         return Response(generate_latest(router.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", dependencies=[Depends(caller)])
     async def models() -> dict[str, Any]:
         card = {"id": router.model.model_id, "object": "model", "created": 0, "owned_by": "pdserve",
                 "max_model_len": router.model.max_model_len}  # fmt: skip
@@ -145,10 +176,12 @@ def _tool_parsers(
     return tool_calls.parser_factory(body.tool_mode(), names, family, body.named_tool())
 
 
-def _add_token_endpoints(app: FastAPI, edge: RequestEdge) -> None:
-    """vLLM's `/tokenize` and `/detokenize`."""
+def _add_token_endpoints(
+    app: FastAPI, edge: RequestEdge, caller: Callable[[Request], ApiKey | None]
+) -> None:
+    """vLLM's `/tokenize` and `/detokenize` (behind `caller`'s key check)."""
 
-    @app.post("/tokenize", responses=ERROR_RESPONSES)
+    @app.post("/tokenize", responses=ERROR_RESPONSES, dependencies=[Depends(caller)])
     async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
         if body.model is not None:
             edge.check_model(body.model)
@@ -160,7 +193,7 @@ def _add_token_endpoints(app: FastAPI, edge: RequestEdge) -> None:
             )
         return {"count": len(ids), "max_model_len": edge.model.max_model_len, "tokens": ids}
 
-    @app.post("/detokenize", responses=ERROR_RESPONSES)
+    @app.post("/detokenize", responses=ERROR_RESPONSES, dependencies=[Depends(caller)])
     async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
         if body.model is not None:
             edge.check_model(body.model)
@@ -193,14 +226,19 @@ async def _serve(
     body: OpenAIRequest,
     ids: list[int],
     fmt: "_Format",
+    key: ApiKey | None,
 ) -> Response:
-    """Run the request's choices (`n`, or `best_of` to rank) and answer in OpenAI's shapes.
-    The first choice runs alone until its first token, so that the prompt's KV is computed
-    once: the others find it in the prefix cache."""
+    """Run the request's choices (`n`, or `best_of` to rank) and answer in OpenAI's shapes,
+    once the router admits them (`key`: the caller's API key, who takes turns in the admission
+    queue and how urgently). The first choice runs alone until its first token, so that the
+    prompt's KV is computed once: the others find it in the prefix cache."""
     params = body.params()  # type: ignore[attr-defined]
     edge.validate(ids, params)
     count = body.generations()
-    router.admit(count)
+    if key is not None:
+        await router.admit(count, len(ids), key.name, key.priority_for(body.priority), key.name)
+    else:
+        await router.admit(count, len(ids), body.user or "", body.priority)
     request_id = uuid.uuid4().hex
     choice_ids = [request_id] if count == 1 else [f"{request_id}-{i}" for i in range(count)]
     ranked = count > body.n

@@ -81,6 +81,7 @@ class Attempts:
         self.load = self.routing.load
         self.disaggregation = self.routing.disaggregation
         self._active: dict[str, _Active] = {}
+        self.on_routed: Callable[[], None] = lambda: None  # an attempt took its leases
 
     def set_policy(self, name: str) -> str:
         """Switch the prefill routing policy; returns the previous one. Raises ConfigError."""
@@ -208,6 +209,7 @@ class Attempts:
     def _take_leases(self, request_id: str, route: Route, prompt_tokens: int) -> tuple[Lease, ...]:
         leases = self.routing.leases(route, prompt_tokens)
         self._active[request_id] = _Active(route, leases)
+        self.on_routed()
         return leases
 
     def _start(

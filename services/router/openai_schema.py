@@ -32,7 +32,7 @@ MAX_CHOICES = 16  # n and best_of: each choice is a generation (and a router thr
 
 # Sent by OpenAI SDKs and frameworks; they change nothing about the generation here.
 IGNORED_FIELDS = frozenset(
-    {"user", "metadata", "store", "service_tier", "parallel_tool_calls", "stream_options"}
+    {"metadata", "store", "service_tier", "parallel_tool_calls", "stream_options"}
 )
 # Known OpenAI / vLLM fields this server does not implement (yet): a 400 names them.
 UNSUPPORTED_FIELDS = frozenset(
@@ -92,6 +92,9 @@ class OpenAIRequest(BaseModel):
     guided_json: dict[str, Any] | str | None = None  # vLLM: a JSON schema
     guided_regex: str | None = Field(default=None, max_length=10_000)  # vLLM
     guided_choice: list[str] | None = Field(default=None, min_length=1, max_length=256)  # vLLM
+    # the router's admission queue: lower first (vLLM); whose turn (without API keys)
+    priority: int = Field(default=0, ge=-(2**31), le=2**31 - 1)
+    user: str | None = Field(default=None, max_length=256)
 
     @field_validator("logit_bias")
     @classmethod

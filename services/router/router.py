@@ -10,12 +10,15 @@ An orchestrator of small parts:
 - `Transcript` (migration): what a request streamed so far, to continue it elsewhere.
 
 Threads: `generate` is an async generator that HTTP handlers consume on the server's event loop
-(grpc.aio: no thread per request or token); the followers run on their own threads. At most
-`router.max_concurrent_requests` generations run at once (`admit`); more get a 503.
+(grpc.aio: no thread per request or token); the followers run on their own threads. `admit`
+holds a request in the `AdmissionQueue` while the cluster is saturated (at most
+`router.max_concurrent_requests` generations run at once; every candidate's waiting requests
+or free blocks); past the queue's bounds it gets 429.
 """
 
 import asyncio
 import logging
+import math
 import threading
 import time
 from collections.abc import AsyncGenerator, Callable
@@ -31,6 +34,7 @@ from pdserve.errors import (
 )
 from pdserve.metrics import RouterMetrics
 from pdserve.observability import tracing
+from services.router.admission import AdmissionQueue
 from services.router.attempts import Attempts
 from services.router.followers import KVEventFollower, StatsPoller
 from services.router.history import RequestHistory
@@ -79,6 +83,10 @@ class Router:
             self.stats.stats,
         )
         self.kv_events.on_acknowledged = self.attempts.load.acknowledge
+        self.queue = AdmissionQueue(
+            config.queue_max_requests, config.queue_timeout_s, self._saturated, self.metrics
+        )
+        self.attempts.on_routed = self.queue.pump  # the next waiter's check counts this one
         self._transcripts: dict[str, Transcript] = {}  # every request being generated
         self._draining = False  # shutting down: new requests are refused, in-flight ones finish
         self._stopped = threading.Event()
@@ -121,19 +129,37 @@ class Router:
         """Generations running now (each `n` choice is one)."""
         return len(self._transcripts)
 
-    def admit(self, generations: int) -> None:
-        """Raise NoCapacityError (a 503 with Retry-After) while the cluster is shutting down, or
-        when `generations` more would pass `router.max_concurrent_requests`."""
+    async def admit(
+        self, generations: int, prompt_tokens: int, user: str = "", priority: int = 0,
+        key: str = "",
+    ) -> None:  # fmt: skip
+        """Return when `generations` generations of a prompt of `prompt_tokens` tokens may be
+        routed: at once while the cluster has room, else after waiting their turn in the
+        admission queue (`user`: who takes turns, `priority`: lower first, `key`: the API key's
+        name). Raises NoCapacityError (503) while the cluster shuts down, RateLimitedError (429)
+        when the queue is full or the wait passed `router.queue_timeout_s`."""
         if self._draining:
             raise NoCapacityError("the cluster is shutting down; retry on another one", 5000)
-        limit = self.config.max_concurrent_requests
-        if self.num_running + generations > limit:
-            self.metrics.rejected.inc()
-            raise NoCapacityError(
-                f"the router runs {self.num_running} generations, its limit is {limit} "
-                "(router.max_concurrent_requests); retry later",
-                1000,
-            )
+        await self.queue.enter(user, priority, prompt_tokens, generations, key)
+        if key:
+            self.metrics.key_requests.labels(key).inc()
+
+    def _saturated(self, generations: int, prompt_tokens: int) -> bool:
+        """No room for `generations` more of a prompt of `prompt_tokens` tokens: the router's
+        concurrency limit, or every routable instance of a role is saturated (its waiting
+        requests, or its free blocks for the prompt: `Routing.saturated`)."""
+        if self.num_running + generations > self.config.max_concurrent_requests:
+            return True
+        routing = self.attempts.routing
+        blocks = math.ceil(prompt_tokens / routing.block_size)
+        waiting = self.config.queue_when_waiting
+        roles = (Role.PREFILL,) if self.membership.mixed else (Role.PREFILL, Role.DECODE)
+        for role in roles:
+            limit = waiting if role == Role.PREFILL else None  # decode: only its blocks
+            candidates = self.membership.routable(role)
+            if candidates and all(routing.saturated(a, blocks, limit) for a in candidates):
+                return True
+        return False
 
     def drain(self, timeout_s: float) -> bool:
         """Refuse new requests and wait up to `timeout_s` for the in-flight ones to finish;
@@ -218,6 +244,7 @@ class Router:
             del self._transcripts[request_id]
             record.output_tokens = len(transcript.token_ids)
             self._finished(record, status, error)
+            self.queue.pump()  # its place is free
 
     def _finished(self, record: RequestRecord, status: str, error: BaseException | None) -> None:
         """The request's last stage (`stream`: first token to end), its histograms, its log

@@ -192,6 +192,19 @@ class Routing:
             report.queued_prefill_tokens + pending.in_flight_prefill_tokens,
         )
 
+    def saturated(self, address: str, blocks: int, waiting: int | None) -> bool:
+        """Whether the instance has no room for a prompt of `blocks` blocks now: fewer free
+        blocks than that (a prompt larger than its whole cache is not waiting for room: the
+        instance refuses it), or (`waiting` given) that many requests waiting there (reported,
+        with this router's unacknowledged ones). An instance that has not reported is not."""
+        report = self._reported(address)
+        if report is None:
+            return False
+        if report.num_free_blocks < blocks <= report.num_blocks:
+            return True
+        pending = self.load.pending(address).in_flight_requests
+        return waiting is not None and report.num_waiting + pending >= waiting
+
     def _capacities(self, decodes: Sequence[str]) -> dict[str, DecodeCapacity]:
         """The decode candidates that reported: their free blocks, and their requests with
         this router's unacknowledged ones."""

@@ -1,11 +1,11 @@
-"""The router's explicit concurrency limit over real PD instances: past
-`router.max_concurrent_requests` running generations a request gets 503 with Retry-After (and
-is counted), never a silent queue; the generations it runs are unaffected, and once one ends the
-next request is served."""
+"""The router's limits over real PD instances: past `router.max_concurrent_requests` running
+generations a request waits in the admission queue and is served when a place frees; past the
+queue's bounds (its size, its wait limit) it gets 429 with Retry-After (and is counted); the
+generations that run are unaffected."""
 
 import asyncio
 import contextlib
-import json
+import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -24,49 +24,137 @@ from services.mixed.servicer import serve_mixed
 
 
 def limited(
-    tiny_model_dir: Path, max_num_seqs: int, max_concurrent_requests: int = 4096
+    tiny_model_dir: Path, max_num_seqs: int, **router: object
 ) -> contextlib.AbstractContextManager[Stack]:
     """One prefill and one decode instance of `max_num_seqs`."""
     return pd_stack(
         tiny_model_dir,
         engine={"num_kv_blocks": 1024, "max_num_seqs": max_num_seqs},
-        router={"max_concurrent_requests": max_concurrent_requests},
+        router=router,
     )
+
+
+class Gate:
+    """Holds an instance's steps until `open` (the engine thread waits in the step)."""
+
+    def __init__(self, instance: object) -> None:
+        self.runner = instance.runtime.engine.runner  # type: ignore[attr-defined]
+        self.execute = self.runner.execute_all
+        self.event = threading.Event()
+        self.runner.execute_all = self._gated
+
+    def _gated(self, chunks: object) -> object:
+        self.event.wait(60)
+        return self.execute(chunks)
+
+    def open(self) -> None:
+        self.event.set()
+        self.runner.execute_all = self.execute
 
 
 @pytest.fixture(scope="module")
 def stack(tiny_model_dir: Path) -> Iterator[Stack]:
-    with limited(tiny_model_dir, 64, max_concurrent_requests=2) as stack:
+    limits = {"max_concurrent_requests": 2, "queue_max_requests": 1, "queue_timeout_s": 1.0}
+    with limited(tiny_model_dir, 64, **limits) as stack:
         yield stack
 
 
-def test_past_the_limit_requests_get_503_and_the_running_ones_finish(stack: Stack) -> None:
+def test_past_the_limit_requests_queue_then_run_and_past_the_queue_get_429(stack: Stack) -> None:
     url = f"{stack.url}/v1/completions"
-    long = {"model": "tiny", "prompt": "a long story", "max_tokens": 400, "stream": True,
-            "ignore_eos": True}  # fmt: skip
-    with (
-        httpx.Client(timeout=60) as a,
-        httpx.Client(timeout=60) as b,
-        a.stream("POST", url, json=long) as first,
-        b.stream("POST", url, json=long) as second,
-    ):
-        streams = [first.iter_lines(), second.iter_lines()]
-        for lines in streams:  # both are generating
-            assert next(line for line in lines if line.startswith("data: {"))
-        refused = httpx.post(url, json={**long, "stream": False, "max_tokens": 4}, timeout=30)
-        assert refused.status_code == 503, refused.text
-        assert refused.headers["retry-after"] == "1"
-        error = refused.json()["error"]
-        assert error["code"] == "no_capacity" and "max_concurrent_requests" in error["message"]
-        two = httpx.post(url, json={**long, "stream": False, "n": 2, "max_tokens": 4})
-        assert two.status_code == 503  # choices count as generations
-        events = [json.loads(line[6:]) for line in streams[0] if line.startswith("data: {")]
-        assert events[-1]["choices"][0]["finish_reason"] == "length"
-    wait_for(lambda: stack.router.num_running == 0)  # the closed stream is aborted
-    served = httpx.post(url, json={**long, "stream": False, "max_tokens": 4}, timeout=30)
-    assert served.status_code == 200
+    body = {"model": "tiny", "prompt": "a story", "max_tokens": 8, "ignore_eos": True}
+    router = stack.router
+
+    def post(results: list[httpx.Response], **extra: object) -> threading.Thread:
+        thread = threading.Thread(
+            target=lambda: results.append(httpx.post(url, json={**body, **extra}, timeout=60))
+        )
+        thread.start()
+        return thread
+
+    gate = Gate(stack.decode[0].instance)  # decode's steps wait for the test
+    try:
+        running: list[httpx.Response] = []
+        first = [post(running), post(running)]
+        wait_for(lambda: router.num_running == 2)  # at the limit
+        timed_out: list[httpx.Response] = []
+        waiting = post(timed_out)
+        wait_for(lambda: len(router.queue) == 1)
+        full = httpx.post(url, json=body, timeout=30)  # the queue holds one
+        assert full.status_code == 429, full.text
+        assert full.headers["retry-after"] == "1"
+        error = full.json()["error"]
+        assert error["code"] == "rate_limit_exceeded" and "queue_max_requests" in error["message"]
+        waiting.join()  # router.queue_timeout_s passed
+        assert timed_out[0].status_code == 429 and "queue_timeout_s" in timed_out[0].text
+        served: list[httpx.Response] = []
+        queued = post(served, n=2)  # two choices: two generations
+        wait_for(lambda: len(router.queue) == 1)
+    finally:
+        gate.open()
+    for thread in (*first, queued):
+        thread.join()
+    assert [r.status_code for r in (*running, *served)] == [200, 200, 200]
+    assert len(served[0].json()["choices"]) == 2
     metrics = httpx.get(f"{stack.url}/metrics").text
-    assert "pdserve_router_rejected_requests_total 2.0" in metrics
+    assert 'pdserve_router_rejections_total{key="",reason="queue_full"} 1.0' in metrics
+    assert 'pdserve_router_rejections_total{key="",reason="queue_timeout"} 1.0' in metrics
+    assert "pdserve_router_queue_wait_seconds_count 1.0" in metrics
+
+
+ALICE, BOB = "sk-alice-0123456789abcdef", "sk-bob-0123456789abcdef0"
+
+
+def test_api_keys_are_required_and_their_owners_take_turns_in_the_queue(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    keys = tmp_path / "keys.yaml"
+    keys.write_text(f"keys:\n  - {{name: alice, key: {ALICE}}}\n  - {{name: bob, key: {BOB}}}\n")
+    keys.chmod(0o600)
+    limits = {"max_concurrent_requests": 1, "api_keys": str(keys)}
+    with limited(tiny_model_dir, 64, **limits) as stack:
+        url = f"{stack.url}/v1/completions"
+        body = {"model": "tiny", "prompt": "a story", "max_tokens": 4, "ignore_eos": True}
+        for headers in ({}, {"Authorization": "Bearer sk-not-a-key-0123456789"}):
+            refused = httpx.post(url, json=body, headers=headers, timeout=30)
+            assert refused.status_code == 401, refused.text
+            error = refused.json()["error"]
+            assert (error["type"], error["code"]) == ("invalid_request_error", "invalid_api_key")
+        assert httpx.get(f"{stack.url}/v1/models", timeout=30).status_code == 401
+        assert httpx.get(f"{stack.url}/health", timeout=30).status_code == 200  # open
+
+        order: list[str] = []
+        lock = threading.Lock()
+
+        def post(key: str, name: str) -> threading.Thread:
+            def run() -> None:
+                auth = {"Authorization": f"Bearer {key}"}
+                reply = httpx.post(url, json=body, headers=auth, timeout=60)
+                assert reply.status_code == 200, reply.text
+                with lock:
+                    order.append(name)
+
+            thread = threading.Thread(target=run)
+            thread.start()
+            return thread
+
+        gate = Gate(stack.decode[0].instance)
+        try:
+            threads = [post(ALICE, "a0")]
+            wait_for(lambda: stack.router.num_running == 1)  # at the limit, held
+            for n in range(1, 6):  # alice floods the queue first
+                threads.append(post(ALICE, f"a{n}"))
+                wait_for(lambda n=n: len(stack.router.queue) == n)
+            for n in range(2):
+                threads.append(post(BOB, f"b{n}"))
+                wait_for(lambda n=n: len(stack.router.queue) == 6 + n)
+        finally:
+            gate.open()
+        for thread in threads:
+            thread.join()
+        assert order == ["a0", "a1", "b0", "a2", "b1", "a3", "a4", "a5"]
+        metrics = httpx.get(f"{stack.url}/metrics").text
+        assert 'pdserve_router_key_requests_total{key="alice"} 6.0' in metrics
+        assert 'pdserve_router_rejections_total{key="",reason="unauthenticated"} 3.0' in metrics
 
 
 def concurrently(

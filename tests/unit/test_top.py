@@ -156,16 +156,19 @@ def test_histogram_since_a_scrape_before_a_reset_is_everything_observed() -> Non
     assert Histogram((0.1, float("inf")), (9.0, 14.0)).since(earlier).counts == (1.0, 4.0)
 
 
-def test_router_section_shows_running_migrations_retries_and_rejected() -> None:
+def test_router_section_shows_running_migrations_retries_queued_and_rejected() -> None:
     metrics = RouterMetrics()
     metrics.running.set(7)
     metrics.migrations.labels("instance_lost").inc(2)
     metrics.migrations.labels("step_failed").inc(1)
     metrics.retries.inc(4)
-    metrics.rejected.inc(6)
+    metrics.rejections.labels("queue_full", "").inc(4)
+    metrics.rejections.labels("rate_limited", "team-a").inc(2)
+    metrics.queue_length.set(5)
     text = text_of(render(Snapshot.build(reply(0, 0), metrics_text(metrics), taken_at=1.0)))
     assert row(text, "running generations")[1] == "7"
     assert row(text, "migrations")[1] == "3"
     assert row(text, "retries")[1] == "4"
     assert row(text, "rejected")[1] == "6"
+    assert row(text, "queued")[1] == "5"
     assert row(text, "requests/s")[1] == "-"  # one snapshot: no rate yet
