@@ -1,6 +1,6 @@
 """Router at scale: thousands of open streams through the real HTTP router.
 
-    python benchmarks/router_scale.py [--quick] [--stages 100:20,1000:20,4000:2]
+    python benchmarks/router_scale.py [--quick] [--stages 100:20,1000:20,4000:2] [--replicas 1,2]
 
 Only the router is measured: behind it stand a fake prefill and a fake decode instance, real
 `grpc.aio` servers (checking the cluster secret, as real instances do) that answer Prefill at
@@ -10,15 +10,18 @@ time in ns). A fake of the *other* side of the router's interface: what the rout
 each request (schema, hashing, routing, leases, Prefill and the output subscription over gRPC,
 transcript, SSE formatting) is all real.
 
-Processes (2-core box): the router alone in a child process (`serve_router`, the real app), the
-fakes in another, the client here: raw asyncio HTTP/1.1 connections (cheaper than an HTTP client
-library: the client must not be what limits). Each stage `streams:rate` ramps `streams` streaming
+Processes (2-core box): the router alone in a child process (`serve_router`, the real app), or
+`router.replicas` of them on one port (SO_REUSEPORT), the fakes in another, the client here:
+raw asyncio HTTP/1.1 connections (cheaper than an HTTP client library: the client must not be
+what limits). Each stage `streams:rate` ramps `streams` streaming
 `/v1/completions` (ramp 1 s, then held for `--hold-s`), each generating `rate` tokens/s, and
 reports: streams held at once (peak), errors, added latency per token (fake send → client
 receive, so it includes the fake's gRPC hop: an upper bound of router receive → client receive)
 p50/p99, tokens/s through the router, router CPU per 1k tokens (its process's CPU time over the
-stage), RSS per open stream (router RSS at the peak minus before the stage, over streams). A
-non-streaming series (`--plain`, concurrent requests of `--plain-tokens` tokens) reports
+stage), RSS per open stream (router RSS at the peak minus before the stage, over streams); with
+several router processes their CPU and RSS are summed. Each stage runs once per `--replicas`
+count (default 1,2), the order alternating from stage to stage. A non-streaming series
+(`--plain`, concurrent requests of `--plain-tokens` tokens, one router process) reports
 requests/s and latency.
 
 `--sglang-router PYTHON` (a Python with `pip install sglang-router`) runs the same streaming
@@ -27,8 +30,9 @@ and reports pdserve's figures as ratios to its.
 
 Writes `benchmarks/results/router_scale.json` and ends with one line (`_common.finish`):
 `RESULT router_scale held_N=… errors_N=… p99_ms_N=… tokens_per_s_N=… plain_rps_N=…
-plain_errors_N=…` (plus `vs_sglang_tokens_per_s_N=… vs_sglang_p99_N=… vs_sglang_cpu_N=…` with
-the peer), one set per stage N.
+plain_errors_N=…` (one router process), `replicas_R_vs_1_tokens_per_s_N=… errors_R_N=…` and
+`cpu_ms_per_1k_R_N=…` for the router counts R (plus `vs_sglang_tokens_per_s_N=…
+vs_sglang_p99_N=… vs_sglang_cpu_N=…` with the peer), one set per stage N.
 """
 
 import argparse
@@ -72,6 +76,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--stages", default=None, help="streams:tokens_per_s,... (default 100:20,1000:20,4000:2)"
     )
     parser.add_argument("--hold-s", type=float, default=None, help="seconds each stage holds")
+    parser.add_argument(
+        "--replicas", default="1,2", help="router process counts to run each stage with"
+    )
     parser.add_argument(
         "--plain", default=None, help="concurrent non-streaming requests (default 100,1000)"
     )
@@ -225,11 +232,15 @@ def fakes_process(conn: Connection, secret: str) -> None:
     asyncio.run(_serve_fakes(conn, secret))
 
 
-def router_process(conn: Connection, secret: str, prefill: str, decode: str) -> None:
+def router_process(
+    conn: Connection, secret: str, prefill: str, decode: str, port: int, replicas: int
+) -> None:
     _raise_fd_limit()
     from services.router.server import serve_router
 
-    config = RouterConfig(port=0, model_name=MODEL, max_concurrent_requests=100_000)
+    config = RouterConfig(
+        port=port, model_name=MODEL, max_concurrent_requests=100_000, replicas=replicas
+    )
     running = serve_router(config, EngineConfig(), [prefill], [decode], secret=secret)
     conn.send((running.port, os.getpid()))
     conn.recv()
@@ -319,7 +330,7 @@ def bench_sglang(args: argparse.Namespace, hold_s: float) -> list[dict[str, Any]
         for n, rate in _stages(args):
             conn.send(rate)
             conn.recv()
-            rows.append(asyncio.run(run_stream_stage(port, router.pid, n, rate, hold_s)))
+            rows.append(asyncio.run(run_stream_stage(port, [router.pid], n, rate, hold_s)))
         return rows
     finally:
         router.terminate()
@@ -442,16 +453,21 @@ async def plain_one(port: int, request: bytes, stats: StageStats) -> None:
 # -- stages ---------------------------------------------------------------------------------------
 
 
-def _cpu_s(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+def _cpu_s(pids: list[int]) -> float:
+    total = 0.0
+    for pid in pids:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return total
 
 
-def _rss_mib(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    return 0.0
+def _rss_mib(pids: list[int]) -> float:
+    total = 0.0
+    for pid in pids:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                total += int(line.split()[1]) / 1024
+    return total
 
 
 def _percentile(values: list[float], q: float) -> float:
@@ -462,7 +478,7 @@ def _percentile(values: list[float], q: float) -> float:
 
 
 async def run_stream_stage(
-    port: int, pid: int, streams: int, rate: float, hold_s: float
+    port: int, pid: list[int], streams: int, rate: float, hold_s: float
 ) -> dict[str, Any]:
     tokens = max(2, int(rate * (hold_s + 1.0)))
     body = {"model": MODEL, "prompt": PROMPT, "max_tokens": tokens, "stream": True,
@@ -483,7 +499,8 @@ async def run_stream_stage(
     elapsed = time.perf_counter() - start
     cpu = _cpu_s(pid) - cpu_before
     return {
-        "streams": streams, "rate_per_stream": rate, "streams_held": stats.open_peak,
+        "streams": streams, "replicas": len(pid), "rate_per_stream": rate,
+        "streams_held": stats.open_peak,
         "errors": len(stats.errors), "error_examples": stats.errors[:3],
         "token_latency_p50_ms": _percentile(stats.latencies_ms, 0.5),
         "token_latency_p99_ms": _percentile(stats.latencies_ms, 0.99),
@@ -495,7 +512,7 @@ async def run_stream_stage(
 
 
 async def run_plain_stage(
-    port: int, pid: int, concurrent: int, tokens: int, rate: float
+    port: int, pid: list[int], concurrent: int, tokens: int, rate: float
 ) -> dict[str, Any]:
     body = {"model": MODEL, "prompt": PROMPT, "max_tokens": tokens, "temperature": 0}
     request = _request(body)
@@ -528,51 +545,77 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
     fakes = context.Process(target=fakes_process, args=(fakes_child, secret), daemon=True)
     fakes.start()
     prefill_port, decode_port = fakes_conn.recv()
-    router_conn, router_child = context.Pipe()
     addresses = (f"{HOST}:{prefill_port}", f"{HOST}:{decode_port}")
-    router = context.Process(
-        target=router_process, args=(router_child, secret, *addresses), daemon=True
-    )
-    router.start()
+    counts = [int(c) for c in args.replicas.split(",")]
     try:
-        port, pid = router_conn.recv()
 
         def at_rate(rate: float) -> None:  # the fake decode's tokens/s per stream
             fakes_conn.send(rate)
             fakes_conn.recv()
 
         streaming = []
-        for n, rate in _stages(args):
+        for stage, (n, rate) in enumerate(_stages(args)):
             at_rate(rate)
-            streaming.append(asyncio.run(run_stream_stage(port, pid, n, rate, hold_s)))
+            for count in counts if stage % 2 == 0 else counts[::-1]:  # A/B, B/A, ...
+                with _Routers(context, secret, addresses, count) as (port, pids):
+                    streaming.append(asyncio.run(run_stream_stage(port, pids, n, rate, hold_s)))
         at_rate(args.plain_rate)
-        plain_rows = [
-            asyncio.run(run_plain_stage(port, pid, n, args.plain_tokens, args.plain_rate))
-            for n in plain
-        ]
+        with _Routers(context, secret, addresses, 1) as (port, pids):
+            plain_rows = [
+                asyncio.run(run_plain_stage(port, pids, n, args.plain_tokens, args.plain_rate))
+                for n in plain
+            ]
     finally:
-        for conn, process in ((router_conn, router), (fakes_conn, fakes)):
-            conn.send(None)
-            process.join(20)
-            if process.is_alive():
-                process.terminate()
+        fakes_conn.send(None)
+        fakes.join(20)
+        if fakes.is_alive():
+            fakes.terminate()
     results: dict[str, Any] = {"streaming": streaming, "plain": plain_rows, "hold_s": hold_s}
     if args.sglang_router:
         results["sglang_router"] = bench_sglang(args, hold_s)
     return results
 
 
+class _Routers:
+    """`count` router processes on one port (the first binds a free one, the others join it
+    with SO_REUSEPORT); yields (port, their pids)."""
+
+    def __init__(self, context: Any, secret: str, addresses: tuple[str, str], count: int) -> None:
+        self._context, self._secret, self._addresses = context, secret, addresses
+        self._count = count
+        self._running: list[tuple[Connection, Any]] = []
+
+    def __enter__(self) -> tuple[int, list[int]]:
+        port, pids = 0, []
+        for _ in range(self._count):
+            conn, child = self._context.Pipe()
+            args = (child, self._secret, *self._addresses, port, self._count)
+            process = self._context.Process(target=router_process, args=args, daemon=True)
+            process.start()
+            self._running.append((conn, process))
+            port, pid = conn.recv()
+            pids.append(pid)
+        return port, pids
+
+    def __exit__(self, *_: object) -> None:
+        for conn, process in self._running:
+            conn.send(None)
+            process.join(20)
+            if process.is_alive():
+                process.terminate()
+
+
 def report(results: dict[str, Any]) -> dict[str, float]:
     rows = [
-        [r["streams"], r["rate_per_stream"], r["streams_held"], r["errors"],
+        [r["streams"], r["replicas"], r["rate_per_stream"], r["streams_held"], r["errors"],
          r["token_latency_p50_ms"], r["token_latency_p99_ms"], r["tokens_per_s"],
          r["router_cpu_ms_per_1k_tokens"], r["rss_kib_per_stream"]]
         for r in results["streaming"]
     ]  # fmt: skip
     print_table(
         "streaming through the router (fake instances)",
-        ["streams", "tok/s each", "held", "errors", "lat p50 ms", "lat p99 ms", "tok/s",
-         "router CPU ms/1k tok", "RSS KiB/stream"],
+        ["streams", "routers", "tok/s each", "held", "errors", "lat p50 ms", "lat p99 ms",
+         "tok/s", "router CPU ms/1k tok", "RSS KiB/stream"],
         rows,
     )  # fmt: skip
     print_table(
@@ -582,12 +625,19 @@ def report(results: dict[str, Any]) -> dict[str, float]:
           r["latency_p99_s"], r["router_cpu_ms_per_request"]] for r in results["plain"]],
     )  # fmt: skip
     metrics: dict[str, float] = {}
+    single = {r["streams"]: r for r in results["streaming"] if r["replicas"] == 1}
     for r in results["streaming"]:
-        n = r["streams"]
-        metrics[f"held_{n}"] = r["streams_held"]
-        metrics[f"errors_{n}"] = r["errors"]
-        metrics[f"p99_ms_{n}"] = r["token_latency_p99_ms"]
-        metrics[f"tokens_per_s_{n}"] = r["tokens_per_s"]
+        n, count = r["streams"], r["replicas"]
+        metrics[f"cpu_ms_per_1k_{count}_{n}"] = r["router_cpu_ms_per_1k_tokens"]
+        if count == 1:
+            metrics[f"held_{n}"] = r["streams_held"]
+            metrics[f"errors_{n}"] = r["errors"]
+            metrics[f"p99_ms_{n}"] = r["token_latency_p99_ms"]
+            metrics[f"tokens_per_s_{n}"] = r["tokens_per_s"]
+        elif n in single:
+            ratio = r["tokens_per_s"] / max(single[n]["tokens_per_s"], 1e-9)
+            metrics[f"replicas_{count}_vs_1_tokens_per_s_{n}"] = ratio
+            metrics[f"errors_{count}_{n}"] = r["errors"]
     for r in results["plain"]:
         metrics[f"plain_rps_{r['concurrent']}"] = r["requests_per_s"]
         metrics[f"plain_errors_{r['concurrent']}"] = r["errors"]
@@ -609,7 +659,7 @@ def _report_peer(
           r["token_latency_p99_ms"], r["tokens_per_s"], r["router_cpu_ms_per_1k_tokens"],
           r["rss_kib_per_stream"]] for r in peer],
     )  # fmt: skip
-    for a, b in zip(ours, peer, strict=True):
+    for a, b in zip([r for r in ours if r["replicas"] == 1], peer, strict=True):
         n = a["streams"]
         metrics[f"vs_sglang_tokens_per_s_{n}"] = a["tokens_per_s"] / max(b["tokens_per_s"], 1e-9)
         metrics[f"vs_sglang_p99_{n}"] = b["token_latency_p99_ms"] / a["token_latency_p99_ms"]

@@ -414,6 +414,12 @@ class RouterConfig:
     """Requests the admission queue holds; more get 429 with `Retry-After`."""
     queue_timeout_s: float = 30.0
     """How long a request may wait in the admission queue before it gets 429."""
+    replicas: int = 1
+    """Router processes serving `port` (SO_REUSEPORT: the kernel spreads connections over
+    them); `pdserve up` restarts a dead one as it does instances. One process serves the API
+    on one core: raise it when the router's process is busy (its CPU near one core) and the
+    host has cores to spare. A request is never split between replicas; each replica has its
+    own metrics port (Prometheus discovery lists them)."""
     api_keys: str | None = None
     """A YAML file of API keys (`keys:` entries of `name`, `key` or `key_sha256`, optional
     `rate_per_s` and `priority`), mode 0600, reloaded when it changes. With it every API call
@@ -449,6 +455,8 @@ class RouterConfig:
                 "router.queue_when_waiting must be at least 1 and router.queue_max_requests "
                 ">= 0 (0: refuse instead of queueing)"
             )
+        if self.replicas < 1:
+            raise ConfigError("router.replicas must be at least 1")
         if not self.queue_timeout_s > 0:
             raise ConfigError("router.queue_timeout_s must be positive")
         if self.breaker_failures < 0 or not self.breaker_cooldown_s > 0:

@@ -107,12 +107,46 @@ class InstanceInfo(_message.Message):
 Global___InstanceInfo: _TypeAlias = InstanceInfo  # noqa: Y015
 
 @_typing.final
+class RouterReplica(_message.Message):
+    """One router process serving the API (router.replicas); router-0 is `up`'s own."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    PID_FIELD_NUMBER: _builtins.int
+    ALIVE_FIELD_NUMBER: _builtins.int
+    RESTARTS_FIELD_NUMBER: _builtins.int
+    METRICS_ADDRESS_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    pid: _builtins.int
+    alive: _builtins.bool
+    restarts: _builtins.int
+    metrics_address: _builtins.str
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        pid: _builtins.int = ...,
+        alive: _builtins.bool = ...,
+        restarts: _builtins.int = ...,
+        metrics_address: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["alive", b"alive", "metrics_address", b"metrics_address", "name", b"name", "pid", b"pid", "restarts", b"restarts"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RouterReplica: _TypeAlias = RouterReplica  # noqa: Y015
+
+@_typing.final
 class ListInstancesReply(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     INSTANCES_FIELD_NUMBER: _builtins.int
     MESSAGE_S_FIELD_NUMBER: _builtins.int
     MESSAGE_QUANTILES_FIELD_NUMBER: _builtins.int
+    ROUTERS_FIELD_NUMBER: _builtins.int
     message_s: _builtins.float
     """one message between the router and an instance, one way, as the router measures it on
     its recent Prefill calls (median, seconds); 0 before any
@@ -125,16 +159,21 @@ class ListInstancesReply(_message.Message):
         before 20 were measured): the spread `pdserve simulate` draws messages from
         """
 
+    @_builtins.property
+    def routers(self) -> _containers.RepeatedCompositeFieldContainer[Global___RouterReplica]:
+        """the router processes (router.replicas)"""
+
     def __init__(
         self,
         *,
         instances: _abc.Iterable[Global___InstanceInfo] | None = ...,
         message_s: _builtins.float = ...,
         message_quantiles: _abc.Iterable[_builtins.float] | None = ...,
+        routers: _abc.Iterable[Global___RouterReplica] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["instances", b"instances", "message_quantiles", b"message_quantiles", "message_s", b"message_s"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["instances", b"instances", "message_quantiles", b"message_quantiles", "message_s", b"message_s", "routers", b"routers"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -68,10 +68,16 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
         self, request: admin_pb2.ListInstancesRequest, context: grpc.ServicerContext
     ) -> admin_pb2.ListInstancesReply:
         history = self.topology.router.history
+        routers = [
+            admin_pb2.RouterReplica(name=r.name, pid=r.pid, alive=r.alive, restarts=r.restarts,
+                                    metrics_address=r.metrics_address)
+            for r in self.topology.routers()
+        ]  # fmt: skip
         return admin_pb2.ListInstancesReply(
             instances=self.topology.describe_all(),
             message_s=history.message_s() or 0.0,
             message_quantiles=history.message_quantiles(),
+            routers=routers,
         )
 
     def DrainInstance(

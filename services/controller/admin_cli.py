@@ -184,6 +184,10 @@ def _call(
 def _print(verb: str, reply: Message) -> None:
     if isinstance(reply, admin_pb2.ListInstancesReply):
         _table(INSTANCE_COLUMNS, [_row(i) for i in reply.instances])
+        if reply.routers:
+            print()
+            rows = [[r.name, r.pid, r.alive, r.restarts, r.metrics_address] for r in reply.routers]
+            _table(["router", "pid", "alive", "restarts", "metrics"], rows)
     elif isinstance(reply, admin_pb2.InstanceInfo):
         _table(INSTANCE_COLUMNS, [_row(reply)])
     elif isinstance(reply, admin_pb2.CacheStatsReply):

@@ -38,6 +38,8 @@ if TYPE_CHECKING:
     from services.controller.cluster import Cluster, InstanceInfo
     from services.controller.supervisor import Supervisor
     from services.planner.loop import PlannerLoop
+    from services.router.replicas import ReplicaInfo, RouterReplicas
+    from services.router.router import Router
     from services.router.server import RunningRouter
 
 EXIT_USAGE = 2
@@ -231,6 +233,18 @@ class _Running:
     router: "RunningRouter | None" = None
     admin: grpc.Server | None = None
     planner: "PlannerLoop | None" = None
+    replicas: "RouterReplicas | None" = None  # router.replicas > 1: the other processes
+    primary_metrics: Any = None  # then: up's own router's metrics server
+    primary_metrics_address: str = ""
+
+    def router_processes(self) -> "list[ReplicaInfo]":
+        """Every router process, up's own first; empty without replicas."""
+        from services.router.replicas import ReplicaInfo
+
+        if self.replicas is None:
+            return []
+        own = ReplicaInfo("router-0", os.getpid(), True, 0, self.primary_metrics_address)
+        return [own, *self.replicas.infos()]
 
 
 def _prepare_ray_auth(config: ClusterConfig) -> Path | None:
@@ -262,6 +276,7 @@ def _serve_cluster(
     from services.controller.supervisor import Supervisor
     from services.controller.topology import Topology
     from services.planner.loop import PlannerLoop
+    from services.router.replicas import RouterReplicas
     from services.router.server import serve_router
 
     stop = threading.Event()
@@ -278,13 +293,13 @@ def _serve_cluster(
         [i.address for i in instances if i.role == "mixed"],
         secret=secret,
         tls=tls_files(config),
-        scrape_targets=lambda address: scrape_targets(config, cluster.instances, address),
+        scrape_targets=lambda address: scrape_targets(
+            config, cluster.instances, address, running.router_processes()
+        ),
         on_unreachable=wake.set,
         observability=config.observability,
     )
     running.router = router
-    publish = TargetPublisher(cluster, router, targets_path)
-    publish()
     token = admin_token(config.admin, path.parent)
     admin_address = ""
 
@@ -292,7 +307,20 @@ def _serve_cluster(
         publish()
         cluster.write_state(path, router_url=router.url, admin_address=admin_address)
 
+    if config.router.replicas > 1:
+        running.primary_metrics, running.primary_metrics_address = _serve_primary_metrics(
+            router.router, config.router.host
+        )
+        running.replicas = RouterReplicas(
+            router.router, router.port, config.engine, config.observability, secret,
+            tls_files(config), config.max_restarts, config.restart_backoff_s,
+            config.drain_timeout_s, on_change=lambda: changed(),
+        )  # fmt: skip
+        running.replicas.start()
+    publish = TargetPublisher(cluster, router, targets_path, running.router_processes)
+    publish()
     topology = Topology(cluster, router.router, changed)
+    topology.routers = running.router_processes
     if config.planner.enabled:
         metrics = PlannerMetrics(router.router.metrics.registry)  # on the router's /metrics
         running.planner = PlannerLoop(topology, metrics)
@@ -305,6 +333,16 @@ def _serve_cluster(
     if running.planner is not None:
         running.planner.start()
     _watch(cluster, supervisor, stop, wake, args.health_interval)
+
+
+def _serve_primary_metrics(router: "Router", host: str) -> tuple[Any, str]:
+    """`up`'s own router's metrics on a port of its own (with replicas, the API port answers
+    for whichever replica takes the connection)."""
+    from pdserve.metrics import serve_metrics
+    from services.router.replicas import RouterMetricsCollector
+
+    server, port = serve_metrics(RouterMetricsCollector(router), host=host)
+    return server, f"{host}:{port}"
 
 
 def _stop_on_signals(stop: threading.Event, wake: threading.Event) -> None:
@@ -329,11 +367,20 @@ def _shut_down(
     router, admin_server = running.router, running.admin
     if running.planner is not None:
         running.planner.stop()  # no change starts while the cluster goes down
+    replicas = running.replicas
+    stopping = threading.Thread(  # they drain beside the primary
+        target=replicas.stop if replicas is not None else lambda _: None,
+        args=(config.drain_timeout_s,),
+    )
+    stopping.start()
     if router is not None and not router.router.drain(config.drain_timeout_s):
         left = len(router.router.active_requests())
         print(f"drain timed out: {left} requests cut short", file=sys.stderr, flush=True)
+    stopping.join()
     if admin_server is not None:
         admin_server.stop(grace=2).wait()
+    if running.primary_metrics is not None:
+        running.primary_metrics.shutdown()
     if router is not None:
         router.stop()
     cluster.down()
@@ -356,12 +403,21 @@ class TargetPublisher:
     (temp + rename).
     """
 
-    def __init__(self, cluster: "Cluster", router: "RunningRouter", path: Path) -> None:
+    def __init__(
+        self,
+        cluster: "Cluster",
+        router: "RunningRouter",
+        path: Path,
+        routers: "Callable[[], list[ReplicaInfo]]" = list,
+    ) -> None:
         self._cluster, self._router, self._path = cluster, router, path
+        self._routers = routers
 
     def __call__(self) -> None:
         address = self._router.url.removeprefix("http://")
-        groups = scrape_targets(self._cluster.config, self._cluster.instances, address)
+        groups = scrape_targets(
+            self._cluster.config, self._cluster.instances, address, self._routers()
+        )
         write_file_sd(self._path, groups)
 
 
@@ -394,14 +450,27 @@ def _print_endpoints(
 
 
 def scrape_targets(
-    config: ClusterConfig, instances: Sequence["InstanceInfo"], router_address: str
+    config: ClusterConfig,
+    instances: Sequence["InstanceInfo"],
+    router_address: str,
+    routers: Sequence["ReplicaInfo"] = (),
 ) -> list[dict[str, object]]:
     """Prometheus service-discovery groups (file_sd and HTTP SD share the format): the router and
-    every instance's `/metrics`, labelled with role and instance name."""
+    every instance's `/metrics`, labelled with role and instance name. With router replicas
+    (`routers`, `up`'s own first) each router's own metrics port, named after it: the API port
+    answers for whichever replica takes the connection."""
+    namespace = config.namespace
     groups: list[dict[str, object]] = [
         {
+            "targets": [r.metrics_address],
+            "labels": {"pdserve_namespace": namespace, "role": "router", "name": r.name},
+        }
+        for r in routers
+        if r.metrics_address
+    ] or [
+        {
             "targets": [router_address],
-            "labels": {"pdserve_namespace": config.namespace, "role": "router", "name": "router"},
+            "labels": {"pdserve_namespace": namespace, "role": "router", "name": "router"},
         }
     ]
     for info in instances:

@@ -19,6 +19,7 @@ from pdserve.config import ROLES
 from pdserve.errors import ClusterError, InstanceUnavailableError, PdserveError
 from pdserve.v1 import admin_pb2
 from services.controller.cluster import Cluster, InstanceInfo, role_change_refusal
+from services.router.replicas import ReplicaInfo
 from services.router.router import Router
 
 logger = logging.getLogger(__name__)
@@ -42,6 +43,8 @@ class Topology:
         self.cluster = cluster
         self.router = router
         self._on_change = on_change  # the instance set changed (scrape targets follow)
+        # the router processes, up's own first (`pdserve up` sets it when it runs replicas)
+        self.routers: Callable[[], list[ReplicaInfo]] = list
         self.lock = threading.Lock()
 
     # -- reading --------------------------------------------------------------------------------

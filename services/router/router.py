@@ -168,10 +168,17 @@ class Router:
         return self._wait_until(lambda: not self._transcripts, timeout_s)
 
     def wait_idle(self, address: str, timeout_s: float) -> bool:
-        """Wait up to `timeout_s` until no request the router routed holds `address` (its
-        lease: a prefill's ends with its first token); returns whether none does."""
+        """Wait up to `timeout_s` until no request holds `address`: none this router routed
+        there (its lease: a prefill's ends with its first token) and none by the instance's
+        last load report (other routers', e.g. the replicas'); returns whether none does."""
         load = self.attempts.load
-        return self._wait_until(lambda: not load.load_of(address).in_flight_requests, timeout_s)
+
+        def idle() -> bool:
+            report = self.kv_events.load(address)
+            reported = report is not None and report.num_requests > 0
+            return not load.load_of(address).in_flight_requests and not reported
+
+        return self._wait_until(idle, timeout_s)
 
     def _wait_until(self, done: Callable[[], bool], timeout_s: float) -> bool:
         """Poll `done` (other threads finish the requests) for up to `timeout_s`."""

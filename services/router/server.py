@@ -77,6 +77,8 @@ def serve_router(
     router.start()
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if config.replicas > 1:  # every replica listens on the port: the kernel spreads connections
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
     sock.bind((config.host, config.port))
     address = f"{config.host}:{sock.getsockname()[1]}"
     app = create_app(router, config, lambda: (scrape_targets or _alone)(address))

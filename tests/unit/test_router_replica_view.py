@@ -1,0 +1,39 @@
+"""A router replica follows the primary's view: members per role, drained marks, the policy."""
+
+from pathlib import Path
+
+from credentials import SECRET
+
+from pdserve.config import EngineConfig, RouterConfig
+from pdserve.rpc.channels import ChannelPool
+from services.router.membership import Membership, Role
+from services.router.model_info import model_info
+from services.router.pd_client import PDClient
+from services.router.replicas import View
+from services.router.router import Router
+
+
+def router(tiny_model_dir: Path, prefill: list[str], decode: list[str]) -> Router:
+    model = model_info(EngineConfig(model=str(tiny_model_dir)), "tiny")
+    client = PDClient(ChannelPool(SECRET))  # connects to nobody until asked
+    return Router(RouterConfig(), model, Membership(prefill, decode), client)
+
+
+def test_a_replica_takes_the_primary_s_members_drained_marks_and_policy(
+    tiny_model_dir: Path,
+) -> None:
+    primary = router(tiny_model_dir, ["p1:1", "p2:1"], ["d1:1"])
+    replica = router(tiny_model_dir, ["p1:1", "old:1"], ["d1:1", "d2:1"])
+    try:
+        primary.membership.set_drained("p2:1", True)
+        primary.set_policy("least_load")
+        replica.membership.set_drained("d1:1", True)
+        View.of(primary).apply(replica)
+        assert replica.membership.members(Role.PREFILL) == ("p1:1", "p2:1")
+        assert replica.membership.members(Role.DECODE) == ("d1:1",)
+        assert replica.membership.is_drained("p2:1") and not replica.membership.is_drained("d1:1")
+        assert replica.attempts.policy_name == "least_load"
+        assert View.of(replica) == View.of(primary)
+    finally:
+        primary.stop()
+        replica.stop()
