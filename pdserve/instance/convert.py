@@ -1,11 +1,13 @@
 """Proto <-> dataclass conversion for the instance services: the one place where pdserve's typed
 objects meet generated messages (errors: `pdserve.rpc.status`)."""
 
+import dataclasses
 from collections.abc import Sequence
 
 from pdserve.engine.request import SamplingParams, StageTimes, TokenLogprob
 from pdserve.errors import PdserveError
 from pdserve.instance.streams import Item, OutputStream
+from pdserve.kvcache.events import LoadReport
 from pdserve.kvcache.hashing import BlockHash, PromptHashes
 from pdserve.rpc.status import error_reply
 from pdserve.transfer.base import KVEndpoints
@@ -142,6 +144,15 @@ def _timings_to_proto(times: StageTimes, message: common_pb2.StageTimings) -> No
     message.first_step_s = times.first_step_s
     message.device_hit_tokens = times.device_hit_tokens
     message.storage_hit_tokens = times.storage_hit_tokens
+
+
+def load_to_proto(report: LoadReport) -> common_pb2.InstanceLoad:
+    return common_pb2.InstanceLoad(**dataclasses.asdict(report))
+
+
+def load_from_proto(message: common_pb2.InstanceLoad) -> LoadReport:
+    values = {f.name: getattr(message, f.name) for f in dataclasses.fields(LoadReport)}
+    return LoadReport(**{**values, "received": dict(message.received)})
 
 
 def endpoints_to_proto(endpoints: KVEndpoints) -> decode_pb2.KVEndpoints:

@@ -39,7 +39,7 @@ from pdserve.errors import (
     PdserveError,
     RequestNotFoundError,
 )
-from pdserve.instance.convert import step_outputs
+from pdserve.instance.convert import load_to_proto, step_outputs
 from pdserve.instance.streams import (
     Item,
     OutputStream,
@@ -829,16 +829,7 @@ def _event_message(epoch: int, numbered: Numbered) -> common_pb2.KVEvent:
         message.digest.num_blocks = item.num_blocks
         message.digest.hash_sum = item.hash_sum
     elif isinstance(item, LoadReport):
-        load = message.load
-        load.num_running = item.num_running
-        load.num_waiting = item.num_waiting
-        load.num_reservations = item.num_reservations
-        load.queued_prefill_tokens = item.queued_prefill_tokens
-        load.num_free_blocks = item.num_free_blocks
-        load.num_reserved_blocks = item.num_reserved_blocks
-        load.num_blocks = item.num_blocks
-        load.predicted_queue_s = item.predicted_queue_s
-        load.received.update(item.received)
+        message.load.CopyFrom(load_to_proto(item))
     else:
         message.removed.block_hashes.extend(item.block_hashes)
     return message

@@ -27,6 +27,7 @@ from typing import Any
 import grpc
 
 from pdserve.errors import PdserveError
+from pdserve.instance.convert import load_from_proto
 from pdserve.kvcache.events import BlockRemoved, BlockStored, KVDigest, LoadReport
 from pdserve.kvcache.hashing import BlockHash
 from pdserve.metrics import RouterMetrics
@@ -236,17 +237,7 @@ class KVEventFollower:
         return cursor
 
     def _apply_load(self, address: str, load: common_pb2.InstanceLoad) -> None:
-        report = LoadReport(
-            num_running=load.num_running,
-            num_waiting=load.num_waiting,
-            num_reservations=load.num_reservations,
-            queued_prefill_tokens=load.queued_prefill_tokens,
-            num_free_blocks=load.num_free_blocks,
-            num_reserved_blocks=load.num_reserved_blocks,
-            num_blocks=load.num_blocks,
-            predicted_queue_s=load.predicted_queue_s,
-        )
-        self._loads[address] = report
+        self._loads[address] = load_from_proto(load)
         acknowledged = load.received.get(self._subscriber, 0)
         if acknowledged:
             self.on_acknowledged(address, acknowledged)

@@ -211,22 +211,10 @@ class LoadTracker:
     # -- internals: callers hold the lock ------------------------------------------------------
 
     def _add(self, instance_id: str, requests: int, prefill_tokens: int) -> None:
-        load = self._loads.get(instance_id, IDLE)
-        num_requests = load.in_flight_requests + requests
-        if num_requests:
-            num_tokens = load.in_flight_prefill_tokens + prefill_tokens
-            self._loads[instance_id] = InstanceLoad(num_requests, num_tokens)
-        else:
-            del self._loads[instance_id]
+        _count(self._loads, instance_id, requests, prefill_tokens)
 
     def _add_pending(self, instance_id: str, requests: int, prefill_tokens: int) -> None:
-        load = self._pending.get(instance_id, IDLE)
-        num_requests = load.in_flight_requests + requests
-        if num_requests:
-            num_tokens = load.in_flight_prefill_tokens + prefill_tokens
-            self._pending[instance_id] = InstanceLoad(num_requests, num_tokens)
-        else:
-            del self._pending[instance_id]
+        _count(self._pending, instance_id, requests, prefill_tokens)
 
     def _settle(self, instance_id: str, lease: Lease) -> None:
         """The lease stops being pending (acknowledged, stale or released)."""
@@ -254,3 +242,13 @@ class LoadTracker:
             self._add(lease.instance_id, 0, -lease._outstanding_prefill_tokens)
             lease._outstanding_prefill_tokens = 0
             return True
+
+
+def _count(loads: dict[str, InstanceLoad], instance_id: str, requests: int, tokens: int) -> None:
+    """Add to an instance's load in `loads`; an instance left with no request has no entry."""
+    load = loads.get(instance_id, IDLE)
+    num_requests = load.in_flight_requests + requests
+    if num_requests:
+        loads[instance_id] = InstanceLoad(num_requests, load.in_flight_prefill_tokens + tokens)
+    else:
+        del loads[instance_id]
