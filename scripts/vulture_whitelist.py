@@ -86,3 +86,7 @@ eager_capture
 # services/router/load.py: Lease.__exit__ has the context-manager protocol's signature.
 exc_type
 traceback
+# pdserve/kvcache/events.py: LoadReport's fields all travel on the KV-event stream (converted by
+# name: pdserve.instance.convert.load_to_proto); the router keeps them, no policy weighs them yet.
+num_reserved_blocks
+predicted_queue_s

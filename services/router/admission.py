@@ -34,6 +34,7 @@ class _Waiter:
     user: str
     priority: int
     prompt_tokens: int
+    generations: int
     arrived: float
     future: "asyncio.Future[None]" = field(
         default_factory=lambda: asyncio.get_running_loop().create_future()
@@ -76,7 +77,7 @@ class AdmissionQueue:
                 "router.queue_max_requests) while every instance is saturated; retry later",
                 1000,
             )
-        waiter = _Waiter(user, priority, prompt_tokens, time.perf_counter())
+        waiter = _Waiter(user, priority, prompt_tokens, generations, time.perf_counter())
         self._add(waiter)
         try:
             await asyncio.wait_for(asyncio.shield(waiter.future), self.timeout_s)
@@ -96,7 +97,7 @@ class AdmissionQueue:
     def pump(self) -> None:
         """Let the next waiter through if the cluster has room for it."""
         waiter = self._next()
-        if waiter is None or self._saturated(1, waiter.prompt_tokens):
+        if waiter is None or self._saturated(waiter.generations, waiter.prompt_tokens):
             return
         self._remove(waiter, served=True)
         waiter.future.set_result(None)

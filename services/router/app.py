@@ -101,6 +101,7 @@ def create_app(
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         yield
+        await router.queue.close()  # its pump ticker runs on this loop
         await router.client.aclose()  # its subscriptions and channels belong to this loop
 
     app = FastAPI(title="pdserve", docs_url=None, redoc_url=None, lifespan=lifespan)
