@@ -11,6 +11,7 @@ Keys come from the index, so from Redis: a directory store refuses any key that 
 `keys.new_key` makes them or whose path would leave its root (`pdserve.storage.keys`).
 """
 
+import contextlib
 import os
 import threading
 from abc import ABC, abstractmethod
@@ -57,9 +58,13 @@ class BlockStore(ABC):
 class DirectoryStore(BlockStore):
     """Thread-safe: every put writes its own temporary file and renames it into place.
 
-    A key's file is `root/key[:2]/key`; only store keys are accepted, and only when that path,
-    links resolved, stays inside the root. KV bytes derive from users' prompts: folders are made
-    0700 and files 0600 (instances sharing a store over a shared filesystem run as one user)."""
+    A key's file is `root/key[:2]/key`; only store keys are accepted, and a key's shard folder
+    and file are opened without following links (O_NOFOLLOW, the file relative to the folder's
+    descriptor), so no path leads outside the root, however the folders are changed meanwhile.
+    The 256 shard folders are made when the store opens (a folder made on a block's first write
+    cost that write its journal commit). KV bytes derive from users' prompts: folders are made
+    0700 and files 0600 (instances sharing a store over a shared filesystem run as one user).
+    A get is a few system calls: no path object, no resolution per block."""
 
     def __init__(self, root: str | Path, store_id: str | None = None, fsync: bool = True) -> None:
         self.root = Path(root).expanduser()
@@ -67,43 +72,97 @@ class DirectoryStore(BlockStore):
         self._resolved_root = self.root.resolve()
         self.store_id = store_id or f"dir:{self._resolved_root}"
         self.fsync = fsync
+        self._prefix = f"{self._resolved_root}/"
+        for n in range(256):  # a read-only or foreign root keeps what it has
+            with contextlib.suppress(OSError):
+                os.mkdir(f"{self._prefix}{n:02x}", 0o700)
 
-    def _path(self, key: str) -> Path:
-        """The file of `key`. Raises BlockStoreError for a key that is not a store key, or whose
-        file would lie outside the root (a shard folder linked elsewhere)."""
+    def _folder(self, key: str, create: bool = False) -> int:
+        """A descriptor of `key`'s shard folder, opened without following a link (`create`:
+        make it when missing). Raises BlockStoreError for a key that is not a store key or a
+        folder that is a link."""
         if not is_store_key(key):
             raise BlockStoreError(f"{key!r} is not a store key: refused by {self.root}")
-        path = self.root / key[:2] / key
-        if not path.resolve().is_relative_to(self._resolved_root):
-            raise BlockStoreError(f"block {key} resolves outside {self.root}: refused")
-        return path
+        folder = f"{self._prefix}{key[:2]}"
+        flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW
+        try:
+            return os.open(folder, flags)
+        except FileNotFoundError:
+            if not create:
+                raise
+        except OSError as e:  # ELOOP, ENOTDIR: a link, or not a folder
+            raise BlockStoreError(
+                f"shard folder {folder} is not a plain folder (a link may lead outside "
+                f"{self.root}): refused ({e.strerror})"
+            ) from e
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(folder, 0o700)
+        return os.open(folder, flags)
 
     def put(self, key: str, data: memoryview) -> None:
-        path = self._path(key)
-        temporary = path.with_name(f".{key}.tmp")
+        temporary = f".{key}.tmp"
         try:
-            path.parent.mkdir(exist_ok=True, mode=0o700)
-            fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
-                if self.fsync:
-                    f.flush()
-                    os.fsync(f.fileno())
-            os.replace(temporary, path)
+            folder = self._folder(key, create=True)
+            try:
+                self._write(folder, temporary, data)
+                os.replace(temporary, key, src_dir_fd=folder, dst_dir_fd=folder)
+            except OSError:
+                with contextlib.suppress(OSError):
+                    os.unlink(temporary, dir_fd=folder)
+                raise
+            finally:
+                os.close(folder)
         except OSError as e:
-            temporary.unlink(missing_ok=True)
             raise BlockStoreError(f"cannot write block {key} under {self.root}: {e}") from e
+
+    def _write(self, folder: int, name: str, data: memoryview) -> None:
+        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW
+        fd = os.open(name, flags, 0o600, dir_fd=folder)
+        try:
+            view = memoryview(data).cast("B")
+            while view:
+                view = view[os.write(fd, view) :]
+            if self.fsync:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
 
     def get(self, key: str) -> bytes:
         try:
-            return self._path(key).read_bytes()
+            folder = self._folder(key)
+            try:
+                fd = os.open(key, os.O_RDONLY | os.O_NOFOLLOW, dir_fd=folder)
+            finally:
+                os.close(folder)
+            try:
+                size = os.fstat(fd).st_size
+                data = os.read(fd, size)
+                while len(data) < size:  # a short read: rare, on some filesystems
+                    more = os.read(fd, size - len(data))
+                    if not more:
+                        break
+                    data += more
+            finally:
+                os.close(fd)
         except OSError as e:
             raise BlockStoreError(f"cannot read block {key} under {self.root}: {e}") from e
+        return data
 
     def delete(self, keys: Iterable[str]) -> None:
-        paths = [self._path(key) for key in keys]
-        for path in paths:
-            path.unlink(missing_ok=True)
+        keys = list(keys)
+        for key in keys:
+            if not is_store_key(key):
+                raise BlockStoreError(f"{key!r} is not a store key: refused by {self.root}")
+        for key in keys:
+            try:
+                folder = self._folder(key)
+            except FileNotFoundError:
+                continue
+            try:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(key, dir_fd=folder)
+            finally:
+                os.close(folder)
 
     def keys(self) -> set[str]:
         return {p.name for p in self.root.glob("*/*") if not p.name.startswith(".")}

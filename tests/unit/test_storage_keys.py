@@ -124,6 +124,7 @@ def test_the_directory_store_refuses_a_key_whose_shard_folder_leads_outside(
     outside = tmp_path / "outside"
     outside.mkdir()
     (outside / key).write_bytes(b"keep")
+    (store.root / key[:2]).rmdir()  # made when the store opened: replaced by a link
     (store.root / key[:2]).symlink_to(outside, target_is_directory=True)
     with pytest.raises(BlockStoreError, match="outside"):
         store.get(key)
@@ -138,3 +139,26 @@ def test_the_directory_store_round_trips_a_store_key(store: DirectoryStore) -> N
     assert store.get(key) == b"block" and store.keys() == {key}
     store.delete([key])
     assert store.keys() == set()
+
+
+def test_the_directory_store_never_follows_a_link_at_a_block_file(
+    store: DirectoryStore, tmp_path: Path
+) -> None:
+    key = new_key("tag", HASH_A)
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"secret")
+    (store.root / key[:2] / key).symlink_to(victim)
+    with pytest.raises(BlockStoreError, match="cannot read"):
+        store.get(key)
+    store.put(key, memoryview(b"block"))  # replaces the link itself, not its target
+    assert store.get(key) == b"block" and victim.read_bytes() == b"secret"
+
+
+def test_a_removed_shard_folder_is_made_again_on_the_next_write(store: DirectoryStore) -> None:
+    key = new_key("tag", HASH_A)
+    (store.root / key[:2]).rmdir()
+    with pytest.raises(BlockStoreError, match="cannot read"):
+        store.get(key)
+    store.put(key, memoryview(b"block"))
+    assert store.get(key) == b"block"
+    assert store.keys() == {key}
