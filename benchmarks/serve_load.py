@@ -751,8 +751,8 @@ class RoutingProbe:
                 }
                 return decision
 
-        async def prefill(address: str, message: Any) -> Any:
-            result = await original_prefill(address, message)
+        async def prefill(address: str, message: Any, *args: Any) -> Any:
+            result = await original_prefill(address, message, *args)
             results[message.request.request_id] = (
                 result.num_cached_tokens,
                 result.num_prompt_tokens,
