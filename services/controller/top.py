@@ -15,6 +15,7 @@ import math
 import sys
 import time
 from collections import defaultdict
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -76,6 +77,13 @@ class Histogram:
     def count(self) -> float:
         return self.counts[-1] if self.counts else 0.0
 
+    def __add__(self, other: "Histogram") -> "Histogram":
+        """Both processes' observations (the same buckets: every router exports them)."""
+        if not self.counts or self.bounds != other.bounds:
+            return other if not self.counts else self
+        counts = zip(self.counts, other.counts, strict=True)
+        return Histogram(self.bounds, tuple(a + b for a, b in counts))
+
     def since(self, earlier: "Histogram") -> "Histogram":
         """The observations made after `earlier` was scraped; all of them when the counts
         went down (the router restarted in between)."""
@@ -110,6 +118,20 @@ class RouterSample:
     queued: float  # requests in the admission queue now
     ttft: Histogram
     inter_token: Histogram
+
+    @classmethod
+    def parse_all(cls, texts: Sequence[str]) -> "RouterSample":
+        """Every router process's metrics (`router.replicas`), added up."""
+        samples = [cls.parse(text) for text in texts]
+        first, *rest = samples
+        for other in rest:
+            first = RouterSample(
+                first.requests + other.requests, first.running + other.running,
+                first.migrations + other.migrations, first.retries + other.retries,
+                first.rejected + other.rejected, first.queued + other.queued,
+                first.ttft + other.ttft, first.inter_token + other.inter_token,
+            )  # fmt: skip
+        return first
 
     @classmethod
     def parse(cls, text: str) -> "RouterSample":
@@ -204,16 +226,22 @@ class Snapshot:
 
     @classmethod
     def build(
-        cls, reply: admin_pb2.ListInstancesReply, metrics_text: str, taken_at: float
+        cls,
+        reply: admin_pb2.ListInstancesReply,
+        metrics_text: str | Sequence[str],
+        taken_at: float,
     ) -> "Snapshot":
+        """`metrics_text`: the router's /metrics, or each router process's."""
         instances = tuple(InstanceSample.from_proto(i) for i in reply.instances)
-        return cls(taken_at, instances, RouterSample.parse(metrics_text))
+        texts = [metrics_text] if isinstance(metrics_text, str) else metrics_text
+        return cls(taken_at, instances, RouterSample.parse_all(texts))
 
 
 class ClusterReader:
     """Takes snapshots of one running cluster: ListInstances on its admin API, GET /metrics on
-    its router, each with a deadline of DEADLINE_S. Owns the channel and the HTTP client until
-    `close`."""
+    its router (on each router process's own metrics port with `router.replicas` > 1: the API
+    port answers for one of them), each with a deadline of DEADLINE_S. Owns the channel and the
+    HTTP client until `close`."""
 
     def __init__(self, channel: grpc.Channel, metadata: admin_cli.Metadata, router_url: str):
         self._channel, self._metadata = channel, metadata
@@ -227,15 +255,22 @@ class ClusterReader:
         reply = self._admin.ListInstances(
             admin_pb2.ListInstancesRequest(), metadata=self._metadata, timeout=DEADLINE_S
         )
+        urls = [
+            f"http://{r.metrics_address}/metrics"
+            for r in reply.routers
+            if r.alive and r.metrics_address
+        ] or [self._metrics_url]
+        return Snapshot.build(reply, [self._scrape(url) for url in urls], time.monotonic())
+
+    def _scrape(self, url: str) -> str:
         try:
-            response = self._http.get(self._metrics_url)
+            response = self._http.get(url)
             response.raise_for_status()
         except httpx.HTTPError as e:
             raise ClusterError(
-                f"the router's metrics at {self._metrics_url} cannot be read ({e}); is the "
-                "cluster up?"
+                f"the router's metrics at {url} cannot be read ({e}); is the cluster up?"
             ) from e
-        return Snapshot.build(reply, response.text, time.monotonic())
+        return response.text
 
     def close(self) -> None:
         self._http.close()

@@ -172,3 +172,21 @@ def test_router_section_shows_running_migrations_retries_queued_and_rejected() -
     assert row(text, "rejected")[1] == "6"
     assert row(text, "queued")[1] == "5"
     assert row(text, "requests/s")[1] == "-"  # one snapshot: no rate yet
+
+
+def test_router_replicas_metrics_add_up() -> None:
+    first, second = RouterMetrics(), RouterMetrics()  # two router processes (router.replicas)
+    first.running.set(3)
+    second.running.set(4)
+    first.retries.inc(2)
+    second.rejections.labels("queue_full", "").inc(5)
+    for _ in range(10):
+        first.ttft.observe(0.02)
+    for _ in range(30):
+        second.ttft.observe(3.0)
+    snapshot = Snapshot.build(reply(0, 0), [metrics_text(first), metrics_text(second)], 1.0)
+    router = snapshot.router
+    assert (router.running, router.retries, router.rejected) == (7, 2, 5)
+    assert router.ttft.count == 40
+    p50 = router.ttft.quantile(0.5)
+    assert p50 is not None and p50 > 2.0  # three quarters of the observations are the slow ones
