@@ -98,6 +98,44 @@ class RouterMetrics:
             buckets=STAGE_BUCKETS,
             registry=self.registry,
         )
+        self._add_index_metrics()
+        self._add_admission_metrics()
+
+    def _add_failure_metrics(self) -> None:
+        """Retries, migrations and the supervisor's restarts."""
+        self.retries = Counter(
+            "pdserve_router_retries",
+            "Attempts that failed before the first token and were retried.",
+            registry=self.registry,
+        )
+        self.running = Gauge(
+            "pdserve_router_running_generations",
+            "Generations the router is running (limit: router.max_concurrent_requests).",
+            registry=self.registry,
+        )
+        # the supervisor of `pdserve up` runs next to the router and reports here
+        self.instance_restarts = Counter(
+            "pdserve_router_instance_restarts",
+            "Dead instances the supervisor recreated, by instance name and role.",
+            ["name", "role"],
+            registry=self.registry,
+        )
+        self.dead_instances = Gauge(
+            "pdserve_router_dead_instances",
+            "Instances out of routing because their actor died (restarting, or out of budget).",
+            registry=self.registry,
+        )
+        self.migrations = Counter(
+            "pdserve_router_migrations",
+            "Streams that continued on another instance after theirs failed, by reason "
+            "(instance_lost, step_failed).",
+            ["reason"],
+            registry=self.registry,
+        )
+
+    def _add_index_metrics(self) -> None:
+        """The router's copy of each instance's cache (its size, resyncs, predicted and
+        actual hits) and the instances' circuit breakers."""
         self.indexed_blocks = Gauge(
             "pdserve_router_indexed_blocks",
             "KV blocks the router's index believes each prefill or mixed instance holds.",
@@ -146,13 +184,8 @@ class RouterMetrics:
             registry=self.registry,
         )
 
-    def _add_failure_metrics(self) -> None:
-        """Retries, migrations and the supervisor's restarts."""
-        self.retries = Counter(
-            "pdserve_router_retries",
-            "Attempts that failed before the first token and were retried.",
-            registry=self.registry,
-        )
+    def _add_admission_metrics(self) -> None:
+        """The admission queue and what the edge refuses (429, 401), by API key."""
         self.rejections = Counter(
             "pdserve_router_rejections",
             "Requests refused at the router's edge, by reason (queue_full, queue_timeout: 429 "
@@ -176,30 +209,6 @@ class RouterMetrics:
             "pdserve_router_key_requests",
             "Requests admitted per API key name (with router.api_keys).",
             ["key"],
-            registry=self.registry,
-        )
-        self.running = Gauge(
-            "pdserve_router_running_generations",
-            "Generations the router is running (limit: router.max_concurrent_requests).",
-            registry=self.registry,
-        )
-        # the supervisor of `pdserve up` runs next to the router and reports here
-        self.instance_restarts = Counter(
-            "pdserve_router_instance_restarts",
-            "Dead instances the supervisor recreated, by instance name and role.",
-            ["name", "role"],
-            registry=self.registry,
-        )
-        self.dead_instances = Gauge(
-            "pdserve_router_dead_instances",
-            "Instances out of routing because their actor died (restarting, or out of budget).",
-            registry=self.registry,
-        )
-        self.migrations = Counter(
-            "pdserve_router_migrations",
-            "Streams that continued on another instance after theirs failed, by reason "
-            "(instance_lost, step_failed).",
-            ["reason"],
             registry=self.registry,
         )
 

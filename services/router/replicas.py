@@ -199,7 +199,8 @@ class RouterReplicas:
 
     def _wait_ready(self, replica: _Replica) -> None:
         conn = replica.conn
-        assert conn is not None
+        if conn is None:
+            raise ClusterError(f"router replica {replica.info.name} was never started")
         if not conn.poll(START_TIMEOUT_S):
             raise ClusterError(f"router replica {replica.info.name} did not start in time")
         try:
