@@ -168,7 +168,7 @@ class TransferPlan:
         return self.num_blocks * self.block_bytes
 
     def message_sizes(self, blocks: int) -> list[int]:
-        """Bytes of each message of one reservation's stream (as `GrpcKVTransport._chunks`)."""
+        """Bytes of each message of one reservation's stream (as `kv_chunks`)."""
         full, rest = divmod(blocks, self.blocks_per_message)
         sizes = [self.blocks_per_message * self.block_bytes] * full
         return sizes + ([rest * self.block_bytes] if rest else [])

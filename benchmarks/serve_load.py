@@ -182,6 +182,12 @@ def _add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
         help="instead of the headline: cache_aware with each eviction policy (lru, lrfu)",
     )
     cluster.add_argument(
+        "--compare-pull",
+        action="store_true",
+        help="instead of the headline: multiturn (>= 4 turns, answers >= 200 tokens) on 1 prefill "
+        "+ 1 decode, prefill pulling earlier answers' KV from decode vs computing them",
+    )
+    cluster.add_argument(
         "--sweep-concurrency",
         help="instead of the headline: C1,C2,... closed-loop clients against 1 prefill + 1 decode "
         "(decode's running count from its /metrics, TTFT percentiles)",
@@ -398,6 +404,7 @@ class Record:
     finish_reason: str | None = None
     text: str = ""
     error: str | None = None
+    prompt_key: int | None = None  # token-id prompts: `prompt_key` of the prompt
 
     def summary(self) -> dict[str, Any]:
         return {
@@ -409,6 +416,7 @@ class Record:
             "output_tokens": self.output_tokens,
             "finish_reason": self.finish_reason,
             "error": self.error,
+            "prompt_key": self.prompt_key,
         }
 
 
@@ -431,6 +439,8 @@ class LoadClient:
         prompt_tokens = len(prompt) if isinstance(prompt, list) else 0
         start = time.perf_counter()
         record = Record(tag, prompt_tokens, start - self.t0)
+        if isinstance(prompt, list):
+            record.prompt_key = prompt_key(prompt)
         last = start
         texts: list[str] = []
         payload = self._payload(body, max_tokens)
@@ -711,6 +721,11 @@ async def drive(
 # -- the in-process cluster ------------------------------------------------------------------------
 
 
+def prompt_key(token_ids: Sequence[int]) -> int:
+    """What joins a client's request to the router's Prefill call: its prompt."""
+    return hash(tuple(token_ids))
+
+
 class RoutingProbe:
     """Wraps the router's prefill policy (`Router.attempts.routing`'s own, a private attribute: the
     router has no hook for it) and its client's Prefill call (`PDClient.aio.prefill`) with no
@@ -720,12 +735,13 @@ class RoutingProbe:
     def __init__(self, router: Any) -> None:
         self.decisions: dict[str, dict[str, Any]] = {}
         self.results: dict[str, tuple[int, int]] = {}
+        self.pulled: dict[int, tuple[int, int, int]] = {}  # by prompt: (cached, pulled, prompt)
         routing = router.attempts.routing
         policy = routing._policy
         aio = router.client.aio
         block_size = router.model.hasher.block_size
         original_prefill = aio.prefill
-        decisions, results = self.decisions, self.results
+        decisions, results, pulled = self.decisions, self.results, self.pulled
 
         class Policy:
             def choose(
@@ -755,6 +771,11 @@ class RoutingProbe:
             result = await original_prefill(address, message, *args)
             results[message.request.request_id] = (
                 result.num_cached_tokens,
+                result.num_prompt_tokens,
+            )
+            pulled[prompt_key(message.request.prompt_token_ids)] = (
+                result.num_cached_tokens,
+                result.num_pulled_tokens,
                 result.num_prompt_tokens,
             )
             return result
@@ -844,11 +865,13 @@ def start_cluster(
             started.append(serve_prefill(prefill_engine, PrefillConfig(), secret=SECRET))
         decode = serve_decode(decode_engine, DecodeConfig(), secret=SECRET)
         started.append(decode)
-        tuning = {  # what-if experiments; unset flags keep the router's defaults
+        tuning: dict[str, Any] = {  # what-if experiments; unset flags keep the router's defaults
             name: value
             for name in ("load_weight", "balance_abs_threshold")
             if (value := getattr(args, name)) is not None
         }
+        if not getattr(args, "kv_pull", True):  # --compare-pull's runs without pulls
+            tuning["kv_pull_min_tokens"] = None
         config = RouterConfig(port=0, model_name=MODEL_NAME, prefill_policy=policy, **tuning)
         router = serve_router(
             config,
@@ -895,6 +918,7 @@ def run_config(
             )
         )
         result["routing"] = cluster.probe.summary()
+        result["prefill_by_prompt"] = cluster.probe.pulled
         loads = cluster.router.router.attempts.load.snapshot()  # instances with a live lease
         result["live_leases_after"] = sum(load.in_flight_requests for load in loads.values())
     finally:
@@ -1027,6 +1051,8 @@ def main() -> None:
         run_concurrency_sweep(args, vocab_size)
     elif args.compare_eviction:
         run_eviction_comparison(args, workload, described, tokenizer)
+    elif args.compare_pull:
+        run_pull_comparison(args, workload, described, tokenizer)
     else:
         run_headline(args, workload, described, tokenizer)
 
@@ -1145,6 +1171,100 @@ def run_eviction_comparison(
         "lrfu_vs_lru": float(lrfu / lru) if lru else 0.0,
     }
     finish(f"{NAME}_eviction", args, {"workload": described, "runs": runs}, metrics)
+
+
+PULL_MODES = ("pull", "recompute")
+
+
+def run_pull_comparison(
+    args: argparse.Namespace, workload: Workload, described: dict[str, Any], tokenizer: Tokenizer
+) -> None:
+    """Multi-turn conversations against fresh 1 prefill + 1 decode clusters (caches that hold
+    the whole workload: the comparison is of where earlier answers' KV comes from, not of
+    eviction) whose router lets prefill pull a prompt's prefix from decode (the default), then
+    never (`router.kv_pull_min_tokens: null`), alternated `--repeat` times. Per turn: the
+    prompt tokens prefill computed and TTFT, from the router's Prefill results joined to the
+    client's requests by prompt."""
+    if not isinstance(workload, MultiturnWorkload) or workload.api != "completions":
+        raise SystemExit("--compare-pull runs the multiturn workload with --api completions")
+    if workload.turns < 4 or workload.max_tokens < 200:
+        raise SystemExit("--compare-pull needs --turns >= 4 and --max-tokens >= 200")
+    blocks = args.num_kv_blocks or 2 * workload.working_set_blocks()
+    print(f"workload: {described}\nprefill KV blocks: {2 * blocks}", flush=True)
+    repeat = repeats(args, quick=1, full=3)
+    samples: dict[str, list[dict[str, Any]]] = {mode: [] for mode in PULL_MODES}
+    for rep in range(repeat):
+        order = PULL_MODES if rep % 2 == 0 else PULL_MODES[::-1]
+        for mode in order:
+            args.kv_pull = mode == "pull"
+            print(f"running {mode} ({rep + 1}/{repeat}) ...", flush=True)
+            r = run_config("single", workload, args, blocks, tokenizer)
+            r["turns"] = per_turn(r.pop("records"), r.pop("prefill_by_prompt"), workload.turns)
+            samples[mode].append(r)
+            print(f"  {mode}: {r['requests']} requests ({r['errors']} errors), per turn "
+                  f"{[t['computed_tokens'] for t in r['turns']]} computed", flush=True)  # fmt: skip
+    runs = {mode: merge_turns(samples[mode]) for mode in PULL_MODES}
+    headers = ["run", "turn", "prompt tokens", "computed", "pulled", "TTFT p50 ms", "TTFT p90 ms"]
+    rows = [
+        [mode, t["turn"], t["prompt_tokens"], t["computed_tokens"], t["pulled_tokens"],
+         t["ttft_p50_ms"], t["ttft_p90_ms"]]
+        for mode, r in runs.items() for t in r["turns"]
+    ]  # fmt: skip
+    print_table("prefill pulling earlier answers from decode (medians of runs)", headers, rows)
+    pull, recompute = runs["pull"], runs["recompute"]
+    later = slice(1, None)  # the turns that follow an answer
+
+    def mean_of(run: dict[str, Any], key: str) -> float:
+        return float(np.mean([t[key] for t in run["turns"][later]]))
+
+    metrics = {
+        "computed_per_turn_pull": mean_of(pull, "computed_tokens"),
+        "computed_per_turn_recompute": mean_of(recompute, "computed_tokens"),
+        "pulled_per_turn": mean_of(pull, "pulled_tokens"),
+        "ttft_p50_ratio": ratio(mean_of(pull, "ttft_p50_ms"), mean_of(recompute, "ttft_p50_ms")),
+        "ttft_p90_ratio": ratio(mean_of(pull, "ttft_p90_ms"), mean_of(recompute, "ttft_p90_ms")),
+        "errors": pull["errors"] + recompute["errors"],
+    }
+    results = {"workload": described, "repeat": repeat, "medians": runs, "runs": samples}
+    finish(f"{NAME}_pull", args, results, metrics)
+
+
+def per_turn(
+    records: list[dict[str, Any]],
+    prefills: dict[int, tuple[int, int, int]],
+    turns: int,
+) -> list[dict[str, Any]]:
+    """Per turn of the conversations: mean prompt tokens, prompt tokens prefill computed and
+    pulled (from its Prefill results), TTFT p50 and p90 (ms)."""
+    rows = []
+    for turn in range(turns):
+        mine = [r for r in records if r["tag"].endswith(f"t{turn}") and r["error"] is None]
+        found = [prefills[r["prompt_key"]] for r in mine if r["prompt_key"] in prefills]
+        ttft = [r["ttft_ms"] for r in mine if r["ttft_ms"] is not None]
+        rows.append({
+            "turn": turn + 1,
+            "requests": len(mine),
+            "prompt_tokens": float(np.mean([p for _, _, p in found])) if found else math.nan,
+            "computed_tokens": float(np.mean([p - c for c, _, p in found])) if found else math.nan,
+            "pulled_tokens": float(np.mean([u for _, u, _ in found])) if found else math.nan,
+            "ttft_p50_ms": percentile(ttft, 50),
+            "ttft_p90_ms": percentile(ttft, 90),
+        })  # fmt: skip
+    return rows
+
+
+def merge_turns(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """One mode's repetitions: per turn, the median of each figure."""
+    keys = ("prompt_tokens", "computed_tokens", "pulled_tokens", "ttft_p50_ms", "ttft_p90_ms")
+    turns = [
+        {"turn": rows[0]["turn"], **{k: median([float(row[k]) for row in rows]) for k in keys}}
+        for rows in zip(*(r["turns"] for r in results), strict=True)
+    ]
+    return {
+        "turns": turns,
+        "requests": sum(r["requests"] for r in results),
+        "errors": sum(r["errors"] for r in results),
+    }
 
 
 def run_headline(

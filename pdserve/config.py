@@ -434,6 +434,11 @@ class RouterConfig:
     prompts start sooner, and no running request waits for a prompt in its steps."""
     kv_transfer_gbps: float = 1.0
     """KV transfer speed `auto` assumes (GB/s) until a prefill instance has measured its own."""
+    kv_pull_min_tokens: int | None = 64
+    """When a decode instance holds at least this many more of a prompt's leading tokens than
+    the prefill instance chosen for it (a conversation's earlier answers live where they were
+    generated), the prefill instance pulls those blocks from it over gRPC instead of computing
+    them; a pull that fails or comes back short computes the rest. Null: never pull."""
     breaker_failures: int = 5
     """Failures in a row that open an instance's circuit breaker: the router sends it nothing
     for `breaker_cooldown_s`, then one probe request (its success closes the breaker, its
@@ -466,6 +471,8 @@ class RouterConfig:
             )
         if self.migration_limit < 0:
             raise ConfigError("router.migration_limit must be >= 0 (0: never migrate)")
+        if self.kv_pull_min_tokens is not None and self.kv_pull_min_tokens < 1:
+            raise ConfigError("router.kv_pull_min_tokens must be positive (or null: never pull)")
         if self.migration_max_tokens is not None and self.migration_max_tokens < 1:
             raise ConfigError("router.migration_max_tokens must be positive (or unset)")
 

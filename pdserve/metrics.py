@@ -70,6 +70,12 @@ class RouterMetrics:
             ["path"],
             registry=self.registry,
         )
+        self.kv_pulls = Counter(
+            "pdserve_router_kv_pulls",
+            "Attempts whose prefill instance was told to pull the prompt's cached prefix from "
+            "a decode instance (router.kv_pull_min_tokens).",
+            registry=self.registry,
+        )
         self._add_failure_metrics()
         self.in_flight = Gauge(
             "pdserve_router_in_flight_requests",
@@ -394,16 +400,25 @@ def _engine_families(s: common_pb2.InstanceStats) -> list[Family]:
          "Prompt tokens of admitted requests (each request once).", (),
          {(): s.prefix_cache_queries}),
         ("counter", "pdserve_prefix_cache_hits",
-         "Of those prompt tokens, the ones found in a cache tier (device or storage).", ("tier",),
-         {("device",): s.device_hit_tokens, ("storage",): s.storage.storage_hit_tokens}),
+         "Of those prompt tokens, the ones found in a cache tier (device, a decode "
+         "instance's cache, storage).", ("tier",),
+         {("device",): s.device_hit_tokens, ("peer",): s.peer_hit_tokens,
+          ("storage",): s.storage.storage_hit_tokens}),
         ("counter", "pdserve_prompt_tokens_by_source",
          "Prompt tokens by where their KV came from: computed here, device_hit (this "
-         "instance's prefix cache), storage_hit (the storage tier), transferred (received "
-         "from prefill, in whole blocks).", ("source",),
+         "instance's prefix cache), peer_hit (pulled from a decode instance), storage_hit (the "
+         "storage tier), transferred (received from prefill, in whole blocks).", ("source",),
          {("computed",): max(0, s.prefix_cache_queries - s.device_hit_tokens
-                             - s.storage.storage_hit_tokens),
-          ("device_hit",): s.device_hit_tokens, ("storage_hit",): s.storage.storage_hit_tokens,
+                             - s.peer_hit_tokens - s.storage.storage_hit_tokens),
+          ("device_hit",): s.device_hit_tokens, ("peer_hit",): s.peer_hit_tokens,
+          ("storage_hit",): s.storage.storage_hit_tokens,
           ("transferred",): s.kv_blocks_received * s.block_size}),
+        ("counter", "pdserve_kv_pull_failures",
+         "Pulls of a prompt's prefix from a decode instance that failed or came back short "
+         "(the rest was computed).", (), {(): s.kv_pull_failures}),
+        ("counter", "pdserve_kv_blocks_served",
+         "KV blocks this instance sent to prefill instances that pulled them (ReadKV).", (),
+         {(): s.kv_blocks_served}),
         ("counter", "pdserve_preemptions", "Requests preempted for lack of KV blocks.", (),
          {(): s.num_preemptions}),
         ("counter", "pdserve_computed_tokens", "Tokens run through forward passes.", (),

@@ -12,6 +12,8 @@ Run by `make lint`: vulture pdserve services scripts/vulture_whitelist.py --min-
 
 # services/decode/servicer.py: DecodeServicer.PushKV is an RPC of DecodeService (grpc calls it).
 PushKV
+# services/decode/servicer.py: DecodeServicer.ReadKV is an RPC of DecodeService (grpc calls it).
+ReadKV
 # services/decode/servicer.py: _HandlerRecorder stands in for a grpc.Server: the generated
 # add_DecodeServiceServicer_to_server calls add_registered_method_handlers with grpc's `service`
 # argument, though only the handlers are kept.

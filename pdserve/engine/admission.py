@@ -1,15 +1,17 @@
 """PromptAdmission: the one path by which a prompt gets its KV blocks.
 
-Device prefix match -> the storage blocks staged after it -> allocation (leaving growth
-headroom free) -> load of the staged bytes -> publication of the loaded blocks. The scheduler's
+Device prefix match -> the blocks staged after it (pulled from a peer instance, read from the
+storage tier) -> allocation (leaving growth headroom free) -> load of the staged bytes ->
+publication of the loaded blocks. The scheduler's
 admission of waiting requests, `preallocate_resource_in_p` and `preallocate_resource_in_d` all
 call `admit`. Engine thread only (it changes the KV cache manager).
 """
 
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 
 from pdserve.engine.request import Request
+from pdserve.engine.staged_reads import StagedReads, Usable
 from pdserve.engine.storage_connector import StorageConnector
 from pdserve.kvcache.manager import NO_MATCH, KVCacheManager, PrefixMatch
 
@@ -17,25 +19,48 @@ from pdserve.kvcache.manager import NO_MATCH, KVCacheManager, PrefixMatch
 @dataclass(frozen=True, slots=True)
 class Admission:
     """Where a prompt stands after admission. Hits count prompt tokens this instance did not
-    compute: `device_hit_tokens` found in its device prefix cache, `storage_hit_tokens` loaded
-    from the storage tier right after them."""
+    compute: `device_hit_tokens` found in its device prefix cache, then `peer_hit_tokens`
+    pulled from a decode instance and `storage_hit_tokens` loaded from the storage tier."""
 
     device_hit_tokens: int
     storage_hit_tokens: int
     block_ids: tuple[int, ...]  # the request's block table after admission
+    peer_hit_tokens: int = 0
 
     @property
     def num_computed_tokens(self) -> int:
         """Tokens whose KV is in the request's blocks at admission."""
-        return self.device_hit_tokens + self.storage_hit_tokens
+        return self.device_hit_tokens + self.peer_hit_tokens + self.storage_hit_tokens
 
 
 class PromptAdmission:
     def __init__(
-        self, kv_cache: KVCacheManager, storage_connector: StorageConnector | None
+        self,
+        kv_cache: KVCacheManager,
+        staged: StagedReads | None = None,
+        storage_connector: StorageConnector | None = None,
     ) -> None:
+        """`staged`: the engine's reads ahead (None: nothing is ever staged, as in the latency
+        simulator)."""
         self.kv_cache = kv_cache
+        self.staged = staged
         self.storage_connector = storage_connector
+
+    def forget(self, request_id: str) -> None:
+        """Drop the request's staged bytes and pending storage read (finished, or preempted:
+        its blocks may be in storage by the time it is admitted again)."""
+        if self.staged is not None:
+            self.staged.forget(request_id)
+        if self.storage_connector is not None:
+            self.storage_connector.forget(request_id)
+
+    def check_integrity(self, live: Collection[str]) -> None:
+        """Raise IntegrityError when bytes are staged or a storage read is pending for a
+        request not in `live` (a leak)."""
+        if self.staged is not None:
+            self.staged.check_integrity(live)
+        if self.storage_connector is not None:
+            self.storage_connector.check_integrity(live)
 
     def device_hit_blocks(self, request: Request) -> int:
         """Blocks of the request's prefix in the device cache now (no side effects)."""
@@ -51,17 +76,18 @@ class PromptAdmission:
         """Give a request without blocks its prefix hit plus blocks for up to `token_budget`
         more tokens (None: the rest of its tokens), if `growth_headroom_blocks` stay free after.
 
-        Sets `num_computed_tokens` to the hit, loads the staged storage blocks and records the
-        hits of the request's first admission. Returns None, changing nothing, when the pool is
+        Sets `num_computed_tokens` to the hit, loads the staged blocks and records the hits of
+        the request's first admission. Returns None, changing nothing, when the pool is
         too short.
         """
         kv = self.kv_cache
         prefix = self._match(request)
         device_blocks = len(prefix.block_ids)
-        staged = 0
-        if self.storage_connector is not None and _reuses_kv(request):
-            staged = self.storage_connector.num_usable(request, device_blocks)
-        computed = prefix.num_tokens + staged * kv.block_size
+        staged = self.staged
+        usable = Usable()
+        if staged is not None and _reuses_kv(request):
+            usable = staged.usable(request, device_blocks)
+        computed = prefix.num_tokens + usable.blocks * kv.block_size
         remaining = request.num_tokens - computed
         target = computed + (remaining if token_budget is None else min(remaining, token_budget))
         if not kv.can_allocate(request, target, prefix, keep_free_blocks=growth_headroom_blocks):
@@ -69,13 +95,13 @@ class PromptAdmission:
         kv.allocate(request, target, prefix)
         table = kv.block_table(request.request_id)
         # `load` drops every staged byte of the request, usable or not
-        if self.storage_connector is not None and self.storage_connector.load(
-            request, table, device_blocks
-        ):
+        if staged is not None and staged.load(request, table, device_blocks):
             kv.update_cache_blocks(request, computed)
         request.num_computed_tokens = computed
-        request.record_first_admission(prefix.num_tokens, staged * kv.block_size)
-        return Admission(prefix.num_tokens, staged * kv.block_size, tuple(table))
+        peer = usable.pulled * kv.block_size
+        storage = (usable.blocks - usable.pulled) * kv.block_size
+        request.record_first_admission(prefix.num_tokens, storage, peer)
+        return Admission(prefix.num_tokens, storage, tuple(table), peer)
 
     def _match(self, request: Request) -> PrefixMatch:
         return self.kv_cache.match_prefix(request) if _reuses_kv(request) else NO_MATCH

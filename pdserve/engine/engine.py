@@ -25,6 +25,7 @@ from pdserve.engine.request import (
 )
 from pdserve.engine.sampler import Sampler, token_logprob
 from pdserve.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from pdserve.engine.staged_reads import StagedReads
 from pdserve.engine.stop import stop_status
 from pdserve.engine.storage_connector import StorageConnector
 from pdserve.engine.tensor_parallel import (
@@ -197,10 +198,9 @@ class LLMEngine:
         runner = _runner(config, loaded, plan, shared_kv_cache, tp)
         tag = storage_tag(loaded, config.block_size)
         tier = storage_tier(tag) if storage_tier is not None else None
+        staged = StagedReads(runner.stager, config.block_size)
         connector = (
-            StorageConnector(tier, runner.stager, config.block_size, wake)
-            if tier is not None
-            else None
+            StorageConnector(tier, runner.stager, staged, wake) if tier is not None else None
         )
         kv_cache = _kv_cache_manager(
             config, pool_blocks, event_sink, connector, runner.block_tables.forget
@@ -208,7 +208,7 @@ class LLMEngine:
         scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens),
             kv_cache,
-            PromptAdmission(kv_cache, connector),
+            PromptAdmission(kv_cache, staged, connector),
         )
         sampler = Sampler(loaded.device, config.seed)
         engine = cls(loaded, kv_cache, scheduler, runner, sampler, connector)
@@ -308,8 +308,7 @@ class LLMEngine:
             self._finish(request, RequestStatus.FINISHED_STOPPED)
         else:
             self.kv_cache.free(request_id)
-            if self.storage_connector is not None:
-                self.storage_connector.forget(request_id)
+            self.admission.forget(request_id)
 
     def abort_request(self, request_id: str) -> None:
         """Stop a request and free its blocks; raises RequestNotFoundError if it is not live."""
@@ -366,6 +365,19 @@ class LLMEngine:
     def device_hit_blocks(self, request: Request) -> int:
         """Blocks of the request's prefix in the device prefix cache now."""
         return self.admission.device_hit_blocks(request)
+
+    def pin_prefix(self, holder: str, block_hashes: Sequence[BlockHash]) -> list[int]:
+        """Reference the blocks of the longest cached prefix of the hash chain `block_hashes`
+        under the id `holder`, so that no eviction reuses them until `unpin(holder)` (a peer
+        instance reads them meanwhile); returns their ids, in chain order."""
+        pin = _Pin(holder, tuple(block_hashes), len(block_hashes) * self.kv_cache.block_size + 1)
+        prefix = self.kv_cache.match_prefix(pin)
+        self.kv_cache.allocate(pin, prefix.num_tokens, prefix)
+        return list(prefix.block_ids)
+
+    def unpin(self, holder: str) -> None:
+        """Drop the references `pin_prefix(holder, ...)` took. Idempotent."""
+        self.kv_cache.free(holder)
 
     def num_blocks_needed(self, request: Request) -> int:
         """Free blocks `preallocate(request)` would take (for refusal messages)."""
@@ -658,8 +670,7 @@ class LLMEngine:
         stale = sorted(set(self.runner.block_tables.seq_ids()) - set(self.kv_cache.request_ids()))
         if stale:
             raise IntegrityError(f"block-table rows of freed allocations: {', '.join(stale)}")
-        if self.storage_connector is not None:
-            self.storage_connector.check_integrity(owners)
+        self.admission.check_integrity(owners)
         for request_id, request in self.scheduler.requests.items():
             table = self.kv_cache.block_table(request_id)
             if request.status in (RequestStatus.RUNNING, RequestStatus.TRANSFERRING):
@@ -767,6 +778,15 @@ def _cuda_graphs(config: EngineConfig, device: torch.device) -> bool:
     if config.cuda_graphs is None:
         return device.type == "cuda" and config.tensor_parallel_size == 1
     return config.cuda_graphs
+
+
+@dataclass(frozen=True, slots=True)
+class _Pin:
+    """The cache request `pin_prefix` holds blocks under (a `CacheRequest`)."""
+
+    request_id: str
+    block_hashes: tuple[BlockHash, ...]
+    num_tokens: int
 
 
 def _newest_logprob(request: Request) -> tuple[TokenLogprob, ...]:

@@ -206,6 +206,7 @@ class Request:
     # hits at first admission (prompt tokens not computed here); None until admitted
     device_hit_tokens: int | None = None
     storage_hit_tokens: int = 0
+    peer_hit_tokens: int = 0  # pulled from a decode instance
     # when it reached each stage here (time.perf_counter()): `stage_times` reports them
     arrived_at: float = field(default_factory=time.perf_counter)
     first_scheduled_at: float | None = None  # its first step (decode: the first-token handoff)
@@ -251,8 +252,8 @@ class Request:
 
     @property
     def num_cached_tokens(self) -> int:
-        """Prompt tokens found cached at first admission (device + storage hits)."""
-        return (self.device_hit_tokens or 0) + self.storage_hit_tokens
+        """Prompt tokens found cached at first admission (device, peer and storage hits)."""
+        return (self.device_hit_tokens or 0) + self.peer_hit_tokens + self.storage_hit_tokens
 
     def stage_times(self) -> "StageTimes":
         """Where its time went here so far (stages not reached count 0)."""
@@ -268,12 +269,15 @@ class Request:
             storage_hit_tokens=self.storage_hit_tokens,
         )
 
-    def record_first_admission(self, device_hit_tokens: int, storage_hit_tokens: int) -> bool:
+    def record_first_admission(
+        self, device_hit_tokens: int, storage_hit_tokens: int, peer_hit_tokens: int = 0
+    ) -> bool:
         """Remember the hits of the request's first admission; False (changing nothing) when
         it was admitted before (a re-admission after preemption)."""
         if self.device_hit_tokens is not None:
             return False
         self.device_hit_tokens, self.storage_hit_tokens = device_hit_tokens, storage_hit_tokens
+        self.peer_hit_tokens = peer_hit_tokens
         return True
 
     def append_output_token(self, token_id: int, logprob: "TokenLogprob | None" = None) -> None:

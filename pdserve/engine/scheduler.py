@@ -53,6 +53,7 @@ class SchedulerStats:
     prefix_cache_queries: int = 0  # prompt tokens of requests scheduled for the first time
     device_hit_tokens: int = 0  # of which were found in the device prefix cache
     storage_hit_tokens: int = 0  # of which were loaded from the storage tier
+    peer_hit_tokens: int = 0  # of which were pulled from a decode instance
     num_computed_tokens: int = 0  # tokens run through forward passes
     num_steps: int = 0  # engine steps run (`LLMEngine.step`)
     step_seconds: float = 0.0  # their wall time: schedule, forward pass, update
@@ -137,8 +138,7 @@ class Scheduler:
         self._unqueue(request)
         request.status = status
         self.kv_cache.free(request.request_id)
-        if self.admission.storage_connector is not None:
-            self.admission.storage_connector.forget(request.request_id)
+        self.admission.forget(request.request_id)
 
     def hold_for_transfer(self, request: Request) -> None:
         """Take a request out of the batch but keep its blocks pinned (status TRANSFERRING)."""
@@ -217,9 +217,7 @@ class Scheduler:
         self.running.remove(request)
         self.kv_cache.free(request.request_id, preempted=True)
         request.status = RequestStatus.PREEMPTED
-        connector = self.admission.storage_connector
-        if connector is not None:  # its blocks may be in storage by re-admission
-            connector.forget(request.request_id)
+        self.admission.forget(request.request_id)  # its blocks may be in storage by re-admission
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         self.stats.num_preemptions += 1
@@ -267,3 +265,4 @@ class Scheduler:
         self.stats.prefix_cache_queries += request.num_prompt_tokens
         self.stats.device_hit_tokens += request.device_hit_tokens or 0
         self.stats.storage_hit_tokens += request.storage_hit_tokens
+        self.stats.peer_hit_tokens += request.peer_hit_tokens

@@ -1,22 +1,20 @@
 """StorageConnector: the engine's side of the shared KV storage tier.
 
-It writes published blocks back (the KV cache manager's write sink), reads ahead the blocks a
-request's device prefix hit lacks, holds the verified bytes per request until the request is
-given its blocks, and then loads them into those blocks.
+It writes published blocks back (the KV cache manager's write sink) and reads ahead the blocks a
+request's device prefix hit lacks into the engine's `StagedReads`, from which admission loads
+them into the request's blocks.
 
-Threads: `write_back`, `prefetch`, `apply_fetched`, `num_usable`, `load`, `forget` and
-`is_pending` run on the engine thread (the owner). `read_ahead` blocks on storage I/O and runs on
-a handler thread, for a request the engine does not schedule yet; its result is handed over
-through a lock. The tier's worker answers prefetches through a queue and `wake` (which must not
-block), never touching the connector's state itself.
+Threads: `write_back`, `prefetch`, `apply_fetched`, `forget` and `is_pending` run on the engine
+thread (the owner). `read_ahead` blocks on storage I/O and runs on a handler thread, for a
+request the engine does not schedule yet. The tier's worker answers prefetches through a queue
+and `wake` (which must not block), never touching the connector's state itself.
 """
 
 import logging
 import queue
-import threading
 from collections.abc import Callable, Collection, Sequence
-from dataclasses import dataclass
 
+from pdserve.engine.staged_reads import StagedBlocks, StagedReads
 from pdserve.errors import IntegrityError
 from pdserve.kvcache.hashing import BlockHash
 from pdserve.kvcache.manager import CacheRequest
@@ -26,37 +24,20 @@ from pdserve.storage.tier import StorageTier
 logger = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True, slots=True, eq=False)
-class StagedBlocks:
-    """Verified bytes of blocks [first_block, first_block + len(blocks)) of one request (the
-    very object `owner`: a later request that reuses the id never takes them)."""
-
-    owner: CacheRequest
-    first_block: int
-    blocks: tuple[bytes, ...]
-
-    @property
-    def end_block(self) -> int:
-        return self.first_block + len(self.blocks)
-
-
 class StorageConnector:
     def __init__(
         self,
         tier: StorageTier,
         stager: KVStager,
-        block_size: int,
+        staged: StagedReads,
         wake: Callable[[], None] = lambda: None,
     ) -> None:
         self.tier = tier
         self._stager = stager
-        self._block_size = block_size
+        self.staged = staged  # where reads go; admission loads them
         self._wake = wake
-        self._staged: dict[str, StagedBlocks] = {}
         self._pending: dict[str, CacheRequest] = {}  # prefetches in flight, by request id
         self._fetched: queue.SimpleQueue[StagedBlocks] = queue.SimpleQueue()
-        self._lock = threading.Lock()  # guards `_staged` against `read_ahead`'s handler thread
-        self.loaded_tokens = 0  # every load, re-admissions after preemption included
 
     @property
     def write_on_evict(self) -> bool:
@@ -89,32 +70,26 @@ class StorageConnector:
 
     # -- reads ----------------------------------------------------------------------------------
 
-    def _chain_end(self, request: CacheRequest) -> int:
-        """Blocks a hit may cover: never the last token (it must be computed)."""
-        return (request.num_tokens - 1) // self._block_size
-
-    def read_ahead(self, request: CacheRequest, device_blocks: int) -> None:
-        """Stage the stored blocks that follow a device hit of `device_blocks` blocks. Blocking
-        I/O, on the caller's (handler) thread; the request must not be scheduled yet."""
-        end = self._chain_end(request)
-        if device_blocks >= end:
-            return
-        blocks = self.tier.read_chain(request.block_hashes[device_blocks:end])
-        with self._lock:
-            self._staged[request.request_id] = StagedBlocks(request, device_blocks, tuple(blocks))
-
-    def _staged_for(self, request: CacheRequest) -> StagedBlocks | None:
-        with self._lock:
-            staged = self._staged.get(request.request_id)
-        return staged if staged is not None and staged.owner is request else None
+    def read_ahead(
+        self, request: CacheRequest, device_blocks: int, pulled: Sequence[bytes] = ()
+    ) -> None:
+        """Stage the stored blocks that follow a device hit of `device_blocks` blocks and the
+        `pulled` blocks after it (read from a peer instance), after those. Blocking I/O, on
+        the caller's (handler) thread; the request must not be scheduled yet."""
+        start, end = device_blocks + len(pulled), self.staged.chain_end(request)
+        stored = self.tier.read_chain(request.block_hashes[start:end]) if start < end else []
+        blocks = (*pulled, *stored)
+        if blocks:
+            self.staged.put(StagedBlocks(request, device_blocks, blocks, len(pulled)))
 
     def needs_prefetch(self, request: CacheRequest, device_blocks: int) -> bool:
         """Whether admission should wait for a read: nothing staged from at most
         `device_blocks` (never asked, or the device hit shrank since), storage could add
         blocks, and the tier is up."""
-        if request.request_id in self._pending or device_blocks >= self._chain_end(request):
+        end = self.staged.chain_end(request)
+        if request.request_id in self._pending or device_blocks >= end:
             return False
-        staged = self._staged_for(request)
+        staged = self.staged.of(request)
         if staged is not None and staged.first_block <= device_blocks:
             return False
         return self.tier.available
@@ -128,7 +103,8 @@ class StorageConnector:
             self._fetched.put(StagedBlocks(request, device_blocks, tuple(blocks)))
             self._wake()
 
-        self.tier.prefetch(request.block_hashes[device_blocks : self._chain_end(request)], done)
+        end = self.staged.chain_end(request)
+        self.tier.prefetch(request.block_hashes[device_blocks:end], done)
 
     def is_pending(self, request_id: str) -> bool:
         return request_id in self._pending
@@ -150,47 +126,16 @@ class StorageConnector:
             request_id = staged.owner.request_id
             if self._pending.get(request_id) is staged.owner:  # else forgotten meanwhile
                 del self._pending[request_id]
-                with self._lock:
-                    self._staged[request_id] = staged
-
-    def num_usable(self, request: CacheRequest, device_blocks: int) -> int:
-        """Staged blocks that extend a device hit of `device_blocks` blocks without a gap."""
-        staged = self._staged_for(request)
-        if staged is None:
-            return 0
-        end = min(staged.end_block, self._chain_end(request))
-        if not staged.first_block <= device_blocks < end:
-            return 0
-        return end - device_blocks
-
-    def load(self, request: CacheRequest, block_table: Sequence[int], device_blocks: int) -> int:
-        """Write the usable staged blocks into `block_table` after the device hit and drop every
-        staged byte of the request, usable or not. Returns how many blocks were loaded (the
-        caller publishes them: their bytes were verified when read)."""
-        count = self.num_usable(request, device_blocks)
-        staged = self._staged_for(request)
-        if staged is None:
-            return 0
-        self.forget(request.request_id)
-        if count == 0:
-            return 0
-        start = device_blocks - staged.first_block
-        blocks = staged.blocks[start : start + count]
-        self._stager.load(block_table[device_blocks : device_blocks + len(blocks)], blocks)
-        self.loaded_tokens += count * self._block_size
-        return count
+                self.staged.put(staged)
 
     def forget(self, request_id: str) -> None:
-        """Drop what is staged or pending for a request (finished, or preempted: its blocks
-        may be in storage by the time it is admitted again)."""
+        """Drop a request's pending read (finished, or preempted: its blocks may be in storage
+        by the time it is admitted again)."""
         self._pending.pop(request_id, None)
-        with self._lock:
-            self._staged.pop(request_id, None)
 
     def check_integrity(self, live: Collection[str]) -> None:
-        """Raise IntegrityError when bytes are staged or a read is pending for a request that
-        is not in `live` (a leak). Engine thread, when idle."""
-        with self._lock:
-            stale = (set(self._staged) | set(self._pending)) - set(live)
+        """Raise IntegrityError when a read is pending for a request that is not in `live` (a
+        leak). Engine thread, when idle."""
+        stale = set(self._pending) - set(live)
         if stale:
-            raise IntegrityError(f"storage reads held for requests no longer live: {sorted(stale)}")
+            raise IntegrityError(f"storage reads pending for requests gone: {sorted(stale)}")

@@ -15,6 +15,7 @@ import logging
 import queue
 import threading
 import time
+import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,12 +31,14 @@ from pdserve.engine.loop import EngineLoop, Mailbox
 from pdserve.engine.perf_model import ERROR_BUCKETS, StepShape, StepTimeModel
 from pdserve.engine.profiling import seed_step_time
 from pdserve.engine.request import Request, RequestOutput, SamplingParams, StageTimes
+from pdserve.engine.staged_reads import StagedBlocks
 from pdserve.engine.tensor_parallel import RankZero
 from pdserve.errors import (
     DuplicateRequestError,
     InstanceUnavailableError,
     IntegrityError,
     InvalidRequestError,
+    KVTransferError,
     PdserveError,
     RequestNotFoundError,
 )
@@ -54,7 +57,7 @@ from pdserve.kvcache.events import (
     LoadReport,
     Numbered,
 )
-from pdserve.kvcache.hashing import PromptHashes
+from pdserve.kvcache.hashing import BlockHash, PromptHashes
 from pdserve.metrics import InstanceCollector, StageMetrics, serve_metrics
 from pdserve.model.staging import KVStager
 from pdserve.observability import tracing
@@ -76,8 +79,10 @@ from pdserve.storage.remote import SERVICE_NAME as STORAGE_SERVICE
 from pdserve.storage.remote import StorageServicer
 from pdserve.storage.stores import HostMemoryStore
 from pdserve.storage.tier import StorageTier, make_store
-from pdserve.transfer.base import TransferResult
-from pdserve.v1 import common_pb2, common_pb2_grpc, storage_pb2_grpc
+from pdserve.transfer.base import PrefixSource, TransferResult
+from pdserve.transfer.grpc import DEFAULT_CHUNK_BYTES, kv_chunks
+from pdserve.transfer.wire import parse_kv_chunk
+from pdserve.v1 import common_pb2, common_pb2_grpc, decode_pb2, storage_pb2_grpc
 
 if TYPE_CHECKING:
     from pdserve.transfer.mooncake import MooncakeEngine
@@ -85,6 +90,8 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 INSTANCE_SERVICE = "pdserve.v1.InstanceService"
+READ_KV_METHOD = "/pdserve.v1.DecodeService/ReadKV"
+PULL_KV_TIMEOUT_S = 30.0  # a pull that takes longer is cut, and the rest computed
 
 
 @dataclass(slots=True)
@@ -100,6 +107,8 @@ class TransferCounters:
     bytes_sent_by_transport: dict[str, int] = field(default_factory=dict)
     seconds_by_transport: dict[str, float] = field(default_factory=dict)
     failures_by_transport: dict[str, int] = field(default_factory=dict)
+    blocks_served: int = 0  # read by peers (ReadKV)
+    pull_failures: int = 0  # pulls from a peer that failed or came back short
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def sent(self, transport: str, result: TransferResult) -> None:
@@ -124,6 +133,14 @@ class TransferCounters:
             failures = self.failures_by_transport
             failures[transport] = failures.get(transport, 0) + 1
 
+    def served(self, num_blocks: int) -> None:
+        with self._lock:
+            self.blocks_served += num_blocks
+
+    def pull_failed(self) -> None:
+        with self._lock:
+            self.pull_failures += 1
+
     def fill(self, stats: common_pb2.InstanceStats) -> None:
         """Copy the counters into a stats message (one consistent read) whose transfer fields
         are unset."""
@@ -137,6 +154,8 @@ class TransferCounters:
                 kv_bytes_sent_by_transport=self.bytes_sent_by_transport,
                 kv_transfer_seconds_by_transport=self.seconds_by_transport,
                 kv_transfer_failures_by_transport=self.failures_by_transport,
+                kv_blocks_served=self.blocks_served,
+                kv_pull_failures=self.pull_failures,
             )
         stats.MergeFrom(counters)
 
@@ -375,15 +394,93 @@ class InstanceRuntime:
             block_hashes=block_hashes,
         )  # fmt: skip
 
-    def read_ahead(self, request: Request) -> None:
-        """Stage from the storage tier the blocks the device prefix cache lacks, before the
-        request is admitted outside the scheduler (prefill preallocation, decode reservation).
+    def read_ahead(self, request: Request, source: PrefixSource | None = None) -> None:
+        """Stage the blocks the device prefix cache lacks, before the request is admitted
+        outside the scheduler (prefill preallocation, decode reservation): first those a
+        decode instance holds (`source`, from the router's index), then the storage tier's.
         Blocking I/O: on the caller's (handler) thread, never the engine's."""
-        connector = self.engine.storage_connector
-        if connector is None:
+        engine = self.engine
+        connector = engine.storage_connector
+        if connector is None and source is None:
             return
         device_blocks = self.loop.call(lambda engine: engine.device_hit_blocks(request))
-        connector.read_ahead(request, device_blocks)
+        pulled: Sequence[bytes] = ()
+        # prompt logprobs need every prompt position computed: nothing cached is used
+        if source is not None and request.sampling_params.prompt_logprobs is None:
+            pulled = self.pull_kv(request, device_blocks, source)
+        staged = engine.admission.staged  # an engine's admission always has it
+        if connector is not None:
+            connector.read_ahead(request, device_blocks, pulled)
+        elif pulled and staged is not None:
+            staged.put(StagedBlocks(request, device_blocks, tuple(pulled), len(pulled)))
+
+    def pull_kv(self, request: Request, first_block: int, source: PrefixSource) -> list[bytes]:
+        """Blocks [first_block, source.num_blocks) of the request's prompt, read from the
+        decode instance that holds them (`DecodeService.ReadKV`), as many as arrived whole and
+        in order: a failed or short read is logged and counted, and the rest is computed."""
+        end = min(source.num_blocks, (request.num_tokens - 1) // self.block_size)
+        if end <= first_block:
+            return []
+        hashes = request.block_hashes[:end]
+        message = decode_pb2.ReadKVRequest(
+            request_id=request.request_id,
+            block_hashes=[bytes(h) for h in hashes],
+            first_block=first_block,
+            kv_layout=self.kv_tag,
+        )
+        read = self.channels.get(source.address).unary_stream(
+            READ_KV_METHOD,
+            request_serializer=decode_pb2.ReadKVRequest.SerializeToString,
+            response_deserializer=parse_kv_chunk,
+        )
+        blocks: list[bytes] = []
+        size, complete = self.stager.block_bytes, False
+        try:
+            for chunk in read(message, timeout=PULL_KV_TIMEOUT_S):
+                if chunk.first_block != first_block + len(blocks):
+                    raise KVTransferError(f"chunk at block {chunk.first_block} out of order")
+                data = chunk.data
+                if len(data) != chunk.num_blocks * size:
+                    raise KVTransferError(f"chunk of {len(data)} bytes for {chunk.num_blocks} "
+                                          f"blocks of {size}")  # fmt: skip
+                blocks += [bytes(data[i : i + size]) for i in range(0, len(data), size)]
+                complete = chunk.last
+        except (grpc.RpcError, KVTransferError) as e:
+            detail = f"{e.code().name}: {e.details()}" if isinstance(e, grpc.RpcError) else str(e)
+            logger.warning("request %s: pulling KV from %s failed (%s); computing the rest",
+                           request.request_id, source.address, detail,
+                           extra={"request_id": request.request_id})  # fmt: skip
+            self.counters.pull_failed()
+            return blocks
+        if not complete or len(blocks) < end - first_block:
+            logger.info("request %s: %s held %d of %d blocks asked for; computing the rest",
+                        request.request_id, source.address, len(blocks), end - first_block,
+                        extra={"request_id": request.request_id})  # fmt: skip
+            self.counters.pull_failed()
+        return blocks
+
+    async def serve_kv(self, request: decode_pb2.ReadKVRequest) -> AsyncIterator[bytes]:
+        """`ReadKV`: the requested blocks of the longest prefix of the chain this instance
+        holds, as serialized `KVChunk`s; the blocks stay referenced (`LLMEngine.pin_prefix`)
+        until the stream ends, however it ends. On a GPU the staging copy runs on the event
+        loop (one device-to-host copy of the blocks)."""
+        if request.kv_layout != self.kv_tag:
+            raise KVTransferError(f"KV layout {request.kv_layout!r} is not this instance's "
+                                  f"{self.kv_tag!r}: its blocks cannot be read")  # fmt: skip
+        hashes = [BlockHash(h) for h in request.block_hashes]
+        holder = f"read-kv:{request.request_id}:{uuid.uuid4().hex[:12]}"
+        block_ids = await blocking(self.loop.call, lambda engine: engine.pin_prefix(holder, hashes))
+        first = request.first_block
+        try:
+            ids = block_ids[first:]
+            if not ids:
+                return
+            with self.stager.staged(ids) as views:
+                for chunk in kv_chunks(request.request_id, first, views, DEFAULT_CHUNK_BYTES):
+                    yield chunk
+            self.counters.served(len(ids))
+        finally:  # not awaited: the stream may be cancelled
+            self.loop.submit(lambda engine: engine.unpin(holder))
 
     # -- output streams ---------------------------------------------------------------------------
 
@@ -569,6 +666,7 @@ class InstanceRuntime:
                 num_preemptions=scheduler.stats.num_preemptions,
                 prefix_cache_queries=scheduler.stats.prefix_cache_queries,
                 device_hit_tokens=scheduler.stats.device_hit_tokens,
+                peer_hit_tokens=scheduler.stats.peer_hit_tokens,
                 num_computed_tokens=scheduler.stats.num_computed_tokens,
                 num_steps=scheduler.stats.num_steps,
                 step_seconds=scheduler.stats.step_seconds,
@@ -604,7 +702,7 @@ class InstanceRuntime:
         return common_pb2.StorageStats(
             available=tier.available,
             storage_hit_tokens=engine.scheduler.stats.storage_hit_tokens,
-            loaded_tokens=connector.loaded_tokens,
+            loaded_tokens=connector.staged.loaded_tokens,
             blocks_written=c.blocks_written,
             bytes_written=c.bytes_written,
             blocks_read=c.blocks_read,

@@ -76,6 +76,15 @@ class KVTarget:
             )
 
 
+@dataclass(frozen=True, slots=True)
+class PrefixSource:
+    """A decode instance holding the first `num_blocks` blocks of a prompt (the router's
+    index says so): a prefill instance reads them there rather than compute them."""
+
+    address: str  # its gRPC address
+    num_blocks: int
+
+
 class KVReceiver(Protocol):
     """The receiving side (a decode instance)."""
 

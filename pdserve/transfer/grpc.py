@@ -39,12 +39,13 @@ class GrpcKVTransport(KVTransport):
         channel = self._channels.get(peer)
         push: grpc.StreamUnaryMultiCallable[bytes, decode_pb2.PushKVReply] = channel.stream_unary(
             PUSH_KV_METHOD,
-            request_serializer=None,  # `_chunks` encodes the messages without extra copies
+            request_serializer=None,  # `kv_chunks` encodes the messages without extra copies
             response_deserializer=decode_pb2.PushKVReply.FromString,
         )
         start = time.perf_counter()
         try:
-            reply = push(self._chunks(request_id, first_block, blocks), timeout=self._timeout_s)
+            chunks = kv_chunks(request_id, first_block, blocks, self._chunk_bytes)
+            reply = push(chunks, timeout=self._timeout_s)
         except grpc.RpcError as e:
             raise KVTransferError(
                 f"KV transfer of request {request_id} to {peer} failed: "
@@ -58,19 +59,21 @@ class GrpcKVTransport(KVTransport):
             )
         return TransferResult(len(blocks), expected, time.perf_counter() - start)
 
-    def _chunks(
-        self, request_id: str, first_block: int, blocks: Sequence[memoryview]
-    ) -> Iterator[bytes]:
-        """Serialized `KVChunk` messages of consecutive blocks, at most `chunk_bytes` each."""
-        index = 0
-        while index < len(blocks):
-            end, size = index + 1, len(blocks[index])
-            while end < len(blocks) and size + len(blocks[end]) <= self._chunk_bytes:
-                size += len(blocks[end])
-                end += 1
-            last = end == len(blocks)
-            yield encode_kv_chunk(request_id, first_block + index, blocks[index:end], last)
-            index = end
+
+def kv_chunks(
+    request_id: str, first_block: int, blocks: Sequence[memoryview], chunk_bytes: int
+) -> Iterator[bytes]:
+    """Serialized `KVChunk` messages of consecutive blocks, at most `chunk_bytes` each (at
+    least one block), the last one marked `last`."""
+    index = 0
+    while index < len(blocks):
+        end, size = index + 1, len(blocks[index])
+        while end < len(blocks) and size + len(blocks[end]) <= chunk_bytes:
+            size += len(blocks[end])
+            end += 1
+        last = end == len(blocks)
+        yield encode_kv_chunk(request_id, first_block + index, blocks[index:end], last)
+        index = end
 
 
 def encode_kv_chunk(

@@ -461,13 +461,16 @@ class InstanceCacheStats(_message.Message):
     DEVICE_HITS_FIELD_NUMBER: _builtins.int
     STORAGE_HITS_FIELD_NUMBER: _builtins.int
     HIT_RATE_FIELD_NUMBER: _builtins.int
+    PEER_HITS_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     queries: _builtins.int
     """prompt tokens"""
     device_hits: _builtins.int
     storage_hits: _builtins.int
     hit_rate: _builtins.float
-    """(device + storage) / queries"""
+    """(device + peer + storage) / queries"""
+    peer_hits: _builtins.int
+    """pulled from a decode instance (a conversation's earlier answers)"""
     def __init__(
         self,
         *,
@@ -476,10 +479,11 @@ class InstanceCacheStats(_message.Message):
         device_hits: _builtins.int = ...,
         storage_hits: _builtins.int = ...,
         hit_rate: _builtins.float = ...,
+        peer_hits: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["device_hits", b"device_hits", "hit_rate", b"hit_rate", "name", b"name", "queries", b"queries", "storage_hits", b"storage_hits"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["device_hits", b"device_hits", "hit_rate", b"hit_rate", "name", b"name", "peer_hits", b"peer_hits", "queries", b"queries", "storage_hits", b"storage_hits"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

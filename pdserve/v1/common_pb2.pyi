@@ -713,6 +713,9 @@ class InstanceStats(_message.Message):
     MAX_NUM_SEQS_FIELD_NUMBER: _builtins.int
     STEP_GAPS_FIELD_NUMBER: _builtins.int
     STEP_GAP_SECONDS_FIELD_NUMBER: _builtins.int
+    PEER_HIT_TOKENS_FIELD_NUMBER: _builtins.int
+    KV_PULL_FAILURES_FIELD_NUMBER: _builtins.int
+    KV_BLOCKS_SERVED_FIELD_NUMBER: _builtins.int
     role: _builtins.str
     num_blocks: _builtins.int
     num_free_blocks: _builtins.int
@@ -754,6 +757,14 @@ class InstanceStats(_message.Message):
     """steps that began right after one that left work"""
     step_gap_seconds: _builtins.float
     """their wait since that step ended: the engine loop's"""
+    peer_hit_tokens: _builtins.int
+    """own time per step (mailbox, outputs, GIL waits)
+    prompt tokens pulled from a decode instance (ReadKV)
+    """
+    kv_pull_failures: _builtins.int
+    """pulls that failed or came back short (recomputed)"""
+    kv_blocks_served: _builtins.int
+    """blocks this instance sent to readers (ReadKV)"""
     @_builtins.property
     def storage(self) -> Global___StorageStats:
         """absent when the instance runs without the storage tier"""
@@ -809,10 +820,13 @@ class InstanceStats(_message.Message):
         max_num_seqs: _builtins.int = ...,
         step_gaps: _builtins.int = ...,
         step_gap_seconds: _builtins.float = ...,
+        peer_hit_tokens: _builtins.int = ...,
+        kv_pull_failures: _builtins.int = ...,
+        kv_blocks_served: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["step_time", b"step_time", "storage", b"storage"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "device_hit_tokens", b"device_hit_tokens", "kv_block_bytes", b"kv_block_bytes", "kv_blocks_received", b"kv_blocks_received", "kv_blocks_sent", b"kv_blocks_sent", "kv_blocks_sent_by_transport", b"kv_blocks_sent_by_transport", "kv_bytes_received", b"kv_bytes_received", "kv_bytes_sent", b"kv_bytes_sent", "kv_bytes_sent_by_transport", b"kv_bytes_sent_by_transport", "kv_transfer_failures_by_transport", b"kv_transfer_failures_by_transport", "kv_transfer_seconds_by_transport", b"kv_transfer_seconds_by_transport", "max_num_batched_tokens", b"max_num_batched_tokens", "max_num_seqs", b"max_num_seqs", "num_blocks", b"num_blocks", "num_cached_blocks", b"num_cached_blocks", "num_computed_tokens", b"num_computed_tokens", "num_expired_reservations", b"num_expired_reservations", "num_free_blocks", b"num_free_blocks", "num_preemptions", b"num_preemptions", "num_reservations", b"num_reservations", "num_reserved_blocks", b"num_reserved_blocks", "num_running", b"num_running", "num_steps", b"num_steps", "num_waiting", b"num_waiting", "prefix_cache_queries", b"prefix_cache_queries", "role", b"role", "step_gap_seconds", b"step_gap_seconds", "step_gaps", b"step_gaps", "step_seconds", b"step_seconds", "step_time", b"step_time", "storage", b"storage", "tensor_parallel_size", b"tensor_parallel_size", "tp_collective_seconds", b"tp_collective_seconds", "tp_collectives", b"tp_collectives"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "device_hit_tokens", b"device_hit_tokens", "kv_block_bytes", b"kv_block_bytes", "kv_blocks_received", b"kv_blocks_received", "kv_blocks_sent", b"kv_blocks_sent", "kv_blocks_sent_by_transport", b"kv_blocks_sent_by_transport", "kv_blocks_served", b"kv_blocks_served", "kv_bytes_received", b"kv_bytes_received", "kv_bytes_sent", b"kv_bytes_sent", "kv_bytes_sent_by_transport", b"kv_bytes_sent_by_transport", "kv_pull_failures", b"kv_pull_failures", "kv_transfer_failures_by_transport", b"kv_transfer_failures_by_transport", "kv_transfer_seconds_by_transport", b"kv_transfer_seconds_by_transport", "max_num_batched_tokens", b"max_num_batched_tokens", "max_num_seqs", b"max_num_seqs", "num_blocks", b"num_blocks", "num_cached_blocks", b"num_cached_blocks", "num_computed_tokens", b"num_computed_tokens", "num_expired_reservations", b"num_expired_reservations", "num_free_blocks", b"num_free_blocks", "num_preemptions", b"num_preemptions", "num_reservations", b"num_reservations", "num_reserved_blocks", b"num_reserved_blocks", "num_running", b"num_running", "num_steps", b"num_steps", "num_waiting", b"num_waiting", "peer_hit_tokens", b"peer_hit_tokens", "prefix_cache_queries", b"prefix_cache_queries", "role", b"role", "step_gap_seconds", b"step_gap_seconds", "step_gaps", b"step_gaps", "step_seconds", b"step_seconds", "step_time", b"step_time", "storage", b"storage", "tensor_parallel_size", b"tensor_parallel_size", "tp_collective_seconds", b"tp_collective_seconds", "tp_collectives", b"tp_collectives"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

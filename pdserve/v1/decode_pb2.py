@@ -25,33 +25,35 @@ _sym_db = _symbol_database.Default()
 from pdserve.v1 import common_pb2 as pdserve_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17pdserve/v1/decode.proto\x12\npdserve.v1\x1a\x17pdserve/v1/common.proto\"\x0f\n\rGenerateReply\">\n\x0eReserveRequest\x12,\n\x07request\x18\x01 \x01(\x0b\x32\x1b.pdserve.v1.GenerateRequest\"\xc8\x01\n\x0cReserveReply\x12\x19\n\x11num_cached_tokens\x18\x02 \x01(\r\x12\x12\n\nnum_blocks\x18\x03 \x01(\r\x12\x13\n\x0b\x62lock_bytes\x18\x06 \x01(\r\x12\x11\n\tblock_ids\x18\x07 \x03(\r\x12\x10\n\x08lease_ms\x18\x08 \x01(\r\x12*\n\tendpoints\x18\t \x01(\x0b\x32\x17.pdserve.v1.KVEndpoints\x12\x11\n\tkv_layout\x18\n \x01(\tJ\x04\x08\x01\x10\x02J\x04\x08\x04\x10\x05J\x04\x08\x05\x10\x06\"\xc6\x01\n\x0bKVEndpoints\x12\x0f\n\x07host_id\x18\x01 \x01(\t\x12\x10\n\x08shm_name\x18\x02 \x01(\t\x12\x18\n\x10mooncake_session\x18\x03 \x01(\t\x12\x15\n\rmooncake_base\x18\x04 \x01(\x04\x12\x10\n\x08kv_bytes\x18\x05 \x01(\x04\x12\x17\n\x0f\x63uda_ipc_handle\x18\x06 \x01(\x0c\x12\x10\n\x08gpu_uuid\x18\x07 \x01(\t\x12&\n\x05ranks\x18\x08 \x03(\x0b\x32\x17.pdserve.v1.KVEndpoints\"N\n\x0f\x43ommitKVRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0b\x66irst_block\x18\x02 \x01(\r\x12\x12\n\nnum_blocks\x18\x03 \x01(\r\"\x0f\n\rCommitKVReply\"b\n\x07KVChunk\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0b\x66irst_block\x18\x02 \x01(\r\x12\x12\n\nnum_blocks\x18\x03 \x01(\r\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\x12\x0c\n\x04last\x18\x05 \x01(\x08\">\n\x0bPushKVReply\x12\x17\n\x0f\x62locks_received\x18\x01 \x01(\r\x12\x16\n\x0e\x62ytes_received\x18\x02 \x01(\x04\"q\n\x12StartDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0e\x66irst_token_id\x18\x02 \x01(\r\x12/\n\rfirst_logprob\x18\x03 \x01(\x0b\x32\x18.pdserve.v1.TokenLogprob\"\x12\n\x10StartDecodeReply2\xdf\x02\n\rDecodeService\x12?\n\x07Reserve\x12\x1a.pdserve.v1.ReserveRequest\x1a\x18.pdserve.v1.ReserveReply\x12\x38\n\x06PushKV\x12\x13.pdserve.v1.KVChunk\x1a\x17.pdserve.v1.PushKVReply(\x01\x12\x42\n\x08\x43ommitKV\x12\x1b.pdserve.v1.CommitKVRequest\x1a\x19.pdserve.v1.CommitKVReply\x12K\n\x0bStartDecode\x12\x1e.pdserve.v1.StartDecodeRequest\x1a\x1c.pdserve.v1.StartDecodeReply\x12\x42\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x19.pdserve.v1.GenerateReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17pdserve/v1/decode.proto\x12\npdserve.v1\x1a\x17pdserve/v1/common.proto\"a\n\rReadKVRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x14\n\x0c\x62lock_hashes\x18\x02 \x03(\x0c\x12\x13\n\x0b\x66irst_block\x18\x03 \x01(\r\x12\x11\n\tkv_layout\x18\x04 \x01(\t\"\x0f\n\rGenerateReply\">\n\x0eReserveRequest\x12,\n\x07request\x18\x01 \x01(\x0b\x32\x1b.pdserve.v1.GenerateRequest\"\xc8\x01\n\x0cReserveReply\x12\x19\n\x11num_cached_tokens\x18\x02 \x01(\r\x12\x12\n\nnum_blocks\x18\x03 \x01(\r\x12\x13\n\x0b\x62lock_bytes\x18\x06 \x01(\r\x12\x11\n\tblock_ids\x18\x07 \x03(\r\x12\x10\n\x08lease_ms\x18\x08 \x01(\r\x12*\n\tendpoints\x18\t \x01(\x0b\x32\x17.pdserve.v1.KVEndpoints\x12\x11\n\tkv_layout\x18\n \x01(\tJ\x04\x08\x01\x10\x02J\x04\x08\x04\x10\x05J\x04\x08\x05\x10\x06\"\xc6\x01\n\x0bKVEndpoints\x12\x0f\n\x07host_id\x18\x01 \x01(\t\x12\x10\n\x08shm_name\x18\x02 \x01(\t\x12\x18\n\x10mooncake_session\x18\x03 \x01(\t\x12\x15\n\rmooncake_base\x18\x04 \x01(\x04\x12\x10\n\x08kv_bytes\x18\x05 \x01(\x04\x12\x17\n\x0f\x63uda_ipc_handle\x18\x06 \x01(\x0c\x12\x10\n\x08gpu_uuid\x18\x07 \x01(\t\x12&\n\x05ranks\x18\x08 \x03(\x0b\x32\x17.pdserve.v1.KVEndpoints\"N\n\x0f\x43ommitKVRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0b\x66irst_block\x18\x02 \x01(\r\x12\x12\n\nnum_blocks\x18\x03 \x01(\r\"\x0f\n\rCommitKVReply\"b\n\x07KVChunk\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0b\x66irst_block\x18\x02 \x01(\r\x12\x12\n\nnum_blocks\x18\x03 \x01(\r\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\x12\x0c\n\x04last\x18\x05 \x01(\x08\">\n\x0bPushKVReply\x12\x17\n\x0f\x62locks_received\x18\x01 \x01(\r\x12\x16\n\x0e\x62ytes_received\x18\x02 \x01(\x04\"q\n\x12StartDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0e\x66irst_token_id\x18\x02 \x01(\r\x12/\n\rfirst_logprob\x18\x03 \x01(\x0b\x32\x18.pdserve.v1.TokenLogprob\"\x12\n\x10StartDecodeReply2\x9b\x03\n\rDecodeService\x12?\n\x07Reserve\x12\x1a.pdserve.v1.ReserveRequest\x1a\x18.pdserve.v1.ReserveReply\x12\x38\n\x06PushKV\x12\x13.pdserve.v1.KVChunk\x1a\x17.pdserve.v1.PushKVReply(\x01\x12\x42\n\x08\x43ommitKV\x12\x1b.pdserve.v1.CommitKVRequest\x1a\x19.pdserve.v1.CommitKVReply\x12K\n\x0bStartDecode\x12\x1e.pdserve.v1.StartDecodeRequest\x1a\x1c.pdserve.v1.StartDecodeReply\x12\x42\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x19.pdserve.v1.GenerateReply\x12:\n\x06ReadKV\x12\x19.pdserve.v1.ReadKVRequest\x1a\x13.pdserve.v1.KVChunk0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'pdserve.v1.decode_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_GENERATEREPLY']._serialized_start=64
-  _globals['_GENERATEREPLY']._serialized_end=79
-  _globals['_RESERVEREQUEST']._serialized_start=81
-  _globals['_RESERVEREQUEST']._serialized_end=143
-  _globals['_RESERVEREPLY']._serialized_start=146
-  _globals['_RESERVEREPLY']._serialized_end=346
-  _globals['_KVENDPOINTS']._serialized_start=349
-  _globals['_KVENDPOINTS']._serialized_end=547
-  _globals['_COMMITKVREQUEST']._serialized_start=549
-  _globals['_COMMITKVREQUEST']._serialized_end=627
-  _globals['_COMMITKVREPLY']._serialized_start=629
-  _globals['_COMMITKVREPLY']._serialized_end=644
-  _globals['_KVCHUNK']._serialized_start=646
-  _globals['_KVCHUNK']._serialized_end=744
-  _globals['_PUSHKVREPLY']._serialized_start=746
-  _globals['_PUSHKVREPLY']._serialized_end=808
-  _globals['_STARTDECODEREQUEST']._serialized_start=810
-  _globals['_STARTDECODEREQUEST']._serialized_end=923
-  _globals['_STARTDECODEREPLY']._serialized_start=925
-  _globals['_STARTDECODEREPLY']._serialized_end=943
-  _globals['_DECODESERVICE']._serialized_start=946
-  _globals['_DECODESERVICE']._serialized_end=1297
+  _globals['_READKVREQUEST']._serialized_start=64
+  _globals['_READKVREQUEST']._serialized_end=161
+  _globals['_GENERATEREPLY']._serialized_start=163
+  _globals['_GENERATEREPLY']._serialized_end=178
+  _globals['_RESERVEREQUEST']._serialized_start=180
+  _globals['_RESERVEREQUEST']._serialized_end=242
+  _globals['_RESERVEREPLY']._serialized_start=245
+  _globals['_RESERVEREPLY']._serialized_end=445
+  _globals['_KVENDPOINTS']._serialized_start=448
+  _globals['_KVENDPOINTS']._serialized_end=646
+  _globals['_COMMITKVREQUEST']._serialized_start=648
+  _globals['_COMMITKVREQUEST']._serialized_end=726
+  _globals['_COMMITKVREPLY']._serialized_start=728
+  _globals['_COMMITKVREPLY']._serialized_end=743
+  _globals['_KVCHUNK']._serialized_start=745
+  _globals['_KVCHUNK']._serialized_end=843
+  _globals['_PUSHKVREPLY']._serialized_start=845
+  _globals['_PUSHKVREPLY']._serialized_end=907
+  _globals['_STARTDECODEREQUEST']._serialized_start=909
+  _globals['_STARTDECODEREQUEST']._serialized_end=1022
+  _globals['_STARTDECODEREPLY']._serialized_start=1024
+  _globals['_STARTDECODEREPLY']._serialized_end=1042
+  _globals['_DECODESERVICE']._serialized_start=1045
+  _globals['_DECODESERVICE']._serialized_end=1456
 # @@protoc_insertion_point(module_scope)

@@ -20,6 +20,40 @@ else:
 DESCRIPTOR: _descriptor.FileDescriptor
 
 @_typing.final
+class ReadKVRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
+    BLOCK_HASHES_FIELD_NUMBER: _builtins.int
+    FIRST_BLOCK_FIELD_NUMBER: _builtins.int
+    KV_LAYOUT_FIELD_NUMBER: _builtins.int
+    request_id: _builtins.str
+    """the reading prefill's request (logs)"""
+    first_block: _builtins.int
+    """send the blocks from this index of the chain on"""
+    kv_layout: _builtins.str
+    """the reader's storage tag: refused unless it is this one's"""
+    @_builtins.property
+    def block_hashes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bytes]:
+        """a prompt's hash chain from its first block"""
+
+    def __init__(
+        self,
+        *,
+        request_id: _builtins.str = ...,
+        block_hashes: _abc.Iterable[_builtins.bytes] | None = ...,
+        first_block: _builtins.int = ...,
+        kv_layout: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_hashes", b"block_hashes", "first_block", b"first_block", "kv_layout", b"kv_layout", "request_id", b"request_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReadKVRequest: _TypeAlias = ReadKVRequest  # noqa: Y015
+
+@_typing.final
 class GenerateReply(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 

@@ -62,6 +62,11 @@ class DecodeServiceStub:
                 request_serializer=pdserve_dot_v1_dot_common__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=pdserve_dot_v1_dot_decode__pb2.GenerateReply.FromString,
                 _registered_method=True)
+        self.ReadKV = channel.unary_stream(
+                '/pdserve.v1.DecodeService/ReadKV',
+                request_serializer=pdserve_dot_v1_dot_decode__pb2.ReadKVRequest.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_decode__pb2.KVChunk.FromString,
+                _registered_method=True)
 
 
 class DecodeServiceServicer:
@@ -107,6 +112,16 @@ class DecodeServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReadKV(self, request, context):
+        """The KV of cached blocks, read by a prefill instance whose prompt extends what this
+        instance holds (a conversation's earlier turns and their answers): the blocks stay
+        referenced here until the stream ends. Chunks as in PushKV, `first_block` counting from
+        the request's `first_block`; it stops early at the first block this instance lacks.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DecodeServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -134,6 +149,11 @@ def add_DecodeServiceServicer_to_server(servicer, server):
                     servicer.Generate,
                     request_deserializer=pdserve_dot_v1_dot_common__pb2.GenerateRequest.FromString,
                     response_serializer=pdserve_dot_v1_dot_decode__pb2.GenerateReply.SerializeToString,
+            ),
+            'ReadKV': grpc.unary_stream_rpc_method_handler(
+                    servicer.ReadKV,
+                    request_deserializer=pdserve_dot_v1_dot_decode__pb2.ReadKVRequest.FromString,
+                    response_serializer=pdserve_dot_v1_dot_decode__pb2.KVChunk.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -273,6 +293,33 @@ class DecodeService:
             '/pdserve.v1.DecodeService/Generate',
             pdserve_dot_v1_dot_common__pb2.GenerateRequest.SerializeToString,
             pdserve_dot_v1_dot_decode__pb2.GenerateReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReadKV(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/pdserve.v1.DecodeService/ReadKV',
+            pdserve_dot_v1_dot_decode__pb2.ReadKVRequest.SerializeToString,
+            pdserve_dot_v1_dot_decode__pb2.KVChunk.FromString,
             options,
             channel_credentials,
             insecure,

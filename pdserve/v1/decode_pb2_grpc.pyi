@@ -51,6 +51,12 @@ class DecodeServiceStub:
     prefill over disaggregation); refused with RESOURCE_EXHAUSTED (a retry-after) when its
     blocks would eat the growth headroom of the running requests. Outputs as for StartDecode.
     """
+    ReadKV: _grpc.UnaryStreamMultiCallable[_decode_pb2.ReadKVRequest, _decode_pb2.KVChunk]
+    """The KV of cached blocks, read by a prefill instance whose prompt extends what this
+    instance holds (a conversation's earlier turns and their answers): the blocks stay
+    referenced here until the stream ends. Chunks as in PushKV, `first_block` counting from
+    the request's `first_block`; it stops early at the first block this instance lacks.
+    """
 
 @_typing.type_check_only
 class DecodeServiceAsyncStub(DecodeServiceStub):
@@ -73,6 +79,12 @@ class DecodeServiceAsyncStub(DecodeServiceStub):
     """A whole generation here, its prompt computed by this instance (the router chose local
     prefill over disaggregation); refused with RESOURCE_EXHAUSTED (a retry-after) when its
     blocks would eat the growth headroom of the running requests. Outputs as for StartDecode.
+    """
+    ReadKV: _aio.UnaryStreamMultiCallable[_decode_pb2.ReadKVRequest, _decode_pb2.KVChunk]  # type: ignore[assignment]
+    """The KV of cached blocks, read by a prefill instance whose prompt extends what this
+    instance holds (a conversation's earlier turns and their answers): the blocks stay
+    referenced here until the stream ends. Chunks as in PushKV, `first_block` counting from
+    the request's `first_block`; it stops early at the first block this instance lacks.
     """
 
 class DecodeServiceServicer(metaclass=_abc_1.ABCMeta):
@@ -123,6 +135,18 @@ class DecodeServiceServicer(metaclass=_abc_1.ABCMeta):
         """A whole generation here, its prompt computed by this instance (the router chose local
         prefill over disaggregation); refused with RESOURCE_EXHAUSTED (a retry-after) when its
         blocks would eat the growth headroom of the running requests. Outputs as for StartDecode.
+        """
+
+    @_abc_1.abstractmethod
+    def ReadKV(
+        self,
+        request: _decode_pb2.ReadKVRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_decode_pb2.KVChunk], _abc.AsyncIterator[_decode_pb2.KVChunk]]:
+        """The KV of cached blocks, read by a prefill instance whose prompt extends what this
+        instance holds (a conversation's earlier turns and their answers): the blocks stay
+        referenced here until the stream ends. Chunks as in PushKV, `first_block` counting from
+        the request's `first_block`; it stops early at the first block this instance lacks.
         """
 
 def add_DecodeServiceServicer_to_server(servicer: DecodeServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

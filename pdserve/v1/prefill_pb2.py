@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from pdserve.v1 import common_pb2 as pdserve_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18pdserve/v1/prefill.proto\x12\npdserve.v1\x1a\x17pdserve/v1/common.proto\"V\n\x0ePrefillRequest\x12,\n\x07request\x18\x01 \x01(\x0b\x32\x1b.pdserve.v1.GenerateRequest\x12\x16\n\x0e\x64\x65\x63ode_address\x18\x02 \x01(\t\"n\n\x0ePrefillTimings\x12\x11\n\treserve_s\x18\x01 \x01(\x01\x12\x0f\n\x07queue_s\x18\x02 \x01(\x01\x12\x11\n\tcompute_s\x18\x03 \x01(\x01\x12\x12\n\ntransfer_s\x18\x04 \x01(\x01\x12\x11\n\thandoff_s\x18\x05 \x01(\x01\"\xe0\x02\n\rPrefillResult\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\r\x12\x19\n\x11num_prompt_tokens\x18\x02 \x01(\r\x12\x19\n\x11num_cached_tokens\x18\x03 \x01(\r\x12 \n\x18num_decode_cached_tokens\x18\x04 \x01(\r\x12\x16\n\x0ekv_blocks_sent\x18\x05 \x01(\r\x12\x15\n\rkv_bytes_sent\x18\x06 \x01(\x04\x12+\n\x07timings\x18\x07 \x01(\x0b\x32\x1a.pdserve.v1.PrefillTimings\x12\x11\n\ttransport\x18\x08 \x01(\t\x12\x31\n\x0fprompt_logprobs\x18\t \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12\x1d\n\x15num_device_hit_tokens\x18\n \x01(\r\x12\x1e\n\x16num_storage_hit_tokens\x18\x0b \x01(\r2R\n\x0ePrefillService\x12@\n\x07Prefill\x12\x1a.pdserve.v1.PrefillRequest\x1a\x19.pdserve.v1.PrefillResultb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18pdserve/v1/prefill.proto\x12\npdserve.v1\x1a\x17pdserve/v1/common.proto\"\x7f\n\x0ePrefillRequest\x12,\n\x07request\x18\x01 \x01(\x0b\x32\x1b.pdserve.v1.GenerateRequest\x12\x16\n\x0e\x64\x65\x63ode_address\x18\x02 \x01(\t\x12\'\n\tkv_source\x18\x03 \x01(\x0b\x32\x14.pdserve.v1.KVSource\"/\n\x08KVSource\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x12\n\nnum_blocks\x18\x02 \x01(\r\"n\n\x0ePrefillTimings\x12\x11\n\treserve_s\x18\x01 \x01(\x01\x12\x0f\n\x07queue_s\x18\x02 \x01(\x01\x12\x11\n\tcompute_s\x18\x03 \x01(\x01\x12\x12\n\ntransfer_s\x18\x04 \x01(\x01\x12\x11\n\thandoff_s\x18\x05 \x01(\x01\"\xfb\x02\n\rPrefillResult\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\r\x12\x19\n\x11num_prompt_tokens\x18\x02 \x01(\r\x12\x19\n\x11num_cached_tokens\x18\x03 \x01(\r\x12 \n\x18num_decode_cached_tokens\x18\x04 \x01(\r\x12\x16\n\x0ekv_blocks_sent\x18\x05 \x01(\r\x12\x15\n\rkv_bytes_sent\x18\x06 \x01(\x04\x12+\n\x07timings\x18\x07 \x01(\x0b\x32\x1a.pdserve.v1.PrefillTimings\x12\x11\n\ttransport\x18\x08 \x01(\t\x12\x31\n\x0fprompt_logprobs\x18\t \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12\x1d\n\x15num_device_hit_tokens\x18\n \x01(\r\x12\x1e\n\x16num_storage_hit_tokens\x18\x0b \x01(\r\x12\x19\n\x11num_pulled_tokens\x18\x0c \x01(\r2R\n\x0ePrefillService\x12@\n\x07Prefill\x12\x1a.pdserve.v1.PrefillRequest\x1a\x19.pdserve.v1.PrefillResultb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,11 +33,13 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'pdserve.v1.prefill_pb2', _g
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_PREFILLREQUEST']._serialized_start=65
-  _globals['_PREFILLREQUEST']._serialized_end=151
-  _globals['_PREFILLTIMINGS']._serialized_start=153
-  _globals['_PREFILLTIMINGS']._serialized_end=263
-  _globals['_PREFILLRESULT']._serialized_start=266
-  _globals['_PREFILLRESULT']._serialized_end=618
-  _globals['_PREFILLSERVICE']._serialized_start=620
-  _globals['_PREFILLSERVICE']._serialized_end=702
+  _globals['_PREFILLREQUEST']._serialized_end=192
+  _globals['_KVSOURCE']._serialized_start=194
+  _globals['_KVSOURCE']._serialized_end=241
+  _globals['_PREFILLTIMINGS']._serialized_start=243
+  _globals['_PREFILLTIMINGS']._serialized_end=353
+  _globals['_PREFILLRESULT']._serialized_start=356
+  _globals['_PREFILLRESULT']._serialized_end=735
+  _globals['_PREFILLSERVICE']._serialized_start=737
+  _globals['_PREFILLSERVICE']._serialized_end=819
 # @@protoc_insertion_point(module_scope)

@@ -25,23 +25,55 @@ class PrefillRequest(_message.Message):
 
     REQUEST_FIELD_NUMBER: _builtins.int
     DECODE_ADDRESS_FIELD_NUMBER: _builtins.int
+    KV_SOURCE_FIELD_NUMBER: _builtins.int
     decode_address: _builtins.str
     """host:port of the decode instance's gRPC server"""
     @_builtins.property
     def request(self) -> _common_pb2.GenerateRequest: ...
+    @_builtins.property
+    def kv_source(self) -> Global___KVSource:
+        """A decode instance that holds more of the prompt's prefix than this instance (the router's
+        index): the prefill pulls those blocks (DecodeService.ReadKV) instead of computing them.
+        """
+
     def __init__(
         self,
         *,
         request: _common_pb2.GenerateRequest | None = ...,
         decode_address: _builtins.str = ...,
+        kv_source: Global___KVSource | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["request", b"request"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["kv_source", b"kv_source", "request", b"request"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["decode_address", b"decode_address", "request", b"request"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["decode_address", b"decode_address", "kv_source", b"kv_source", "request", b"request"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___PrefillRequest: _TypeAlias = PrefillRequest  # noqa: Y015
+
+@_typing.final
+class KVSource(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ADDRESS_FIELD_NUMBER: _builtins.int
+    NUM_BLOCKS_FIELD_NUMBER: _builtins.int
+    address: _builtins.str
+    """host:port of the decode instance; empty: none"""
+    num_blocks: _builtins.int
+    """the prompt's blocks it holds, from the first"""
+    def __init__(
+        self,
+        *,
+        address: _builtins.str = ...,
+        num_blocks: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "num_blocks", b"num_blocks"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___KVSource: _TypeAlias = KVSource  # noqa: Y015
 
 @_typing.final
 class PrefillTimings(_message.Message):
@@ -96,6 +128,7 @@ class PrefillResult(_message.Message):
     PROMPT_LOGPROBS_FIELD_NUMBER: _builtins.int
     NUM_DEVICE_HIT_TOKENS_FIELD_NUMBER: _builtins.int
     NUM_STORAGE_HIT_TOKENS_FIELD_NUMBER: _builtins.int
+    NUM_PULLED_TOKENS_FIELD_NUMBER: _builtins.int
     first_token_id: _builtins.int
     num_prompt_tokens: _builtins.int
     num_cached_tokens: _builtins.int
@@ -110,6 +143,8 @@ class PrefillResult(_message.Message):
     """of num_cached_tokens: found in the device prefix cache"""
     num_storage_hit_tokens: _builtins.int
     """of num_cached_tokens: loaded from the storage tier"""
+    num_pulled_tokens: _builtins.int
+    """of num_cached_tokens: pulled from the kv_source"""
     @_builtins.property
     def timings(self) -> Global___PrefillTimings: ...
     @_builtins.property
@@ -130,10 +165,11 @@ class PrefillResult(_message.Message):
         prompt_logprobs: _abc.Iterable[_common_pb2.TokenLogprob] | None = ...,
         num_device_hit_tokens: _builtins.int = ...,
         num_storage_hit_tokens: _builtins.int = ...,
+        num_pulled_tokens: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["timings", b"timings"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["first_token_id", b"first_token_id", "kv_blocks_sent", b"kv_blocks_sent", "kv_bytes_sent", b"kv_bytes_sent", "num_cached_tokens", b"num_cached_tokens", "num_decode_cached_tokens", b"num_decode_cached_tokens", "num_device_hit_tokens", b"num_device_hit_tokens", "num_prompt_tokens", b"num_prompt_tokens", "num_storage_hit_tokens", b"num_storage_hit_tokens", "prompt_logprobs", b"prompt_logprobs", "timings", b"timings", "transport", b"transport"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["first_token_id", b"first_token_id", "kv_blocks_sent", b"kv_blocks_sent", "kv_bytes_sent", b"kv_bytes_sent", "num_cached_tokens", b"num_cached_tokens", "num_decode_cached_tokens", b"num_decode_cached_tokens", "num_device_hit_tokens", b"num_device_hit_tokens", "num_prompt_tokens", b"num_prompt_tokens", "num_pulled_tokens", b"num_pulled_tokens", "num_storage_hit_tokens", b"num_storage_hit_tokens", "prompt_logprobs", b"prompt_logprobs", "timings", b"timings", "transport", b"transport"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -164,13 +164,14 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
             if described.role == "decode" or not described.alive:
                 continue  # decode instances receive prompts' KV: their hits are not routing's
             s = described.stats
-            found = s.device_hit_tokens + s.storage.storage_hit_tokens
+            found = s.device_hit_tokens + s.peer_hit_tokens + s.storage.storage_hit_tokens
             reply.instances.append(
                 admin_pb2.InstanceCacheStats(
                     name=described.name,
                     queries=s.prefix_cache_queries,
                     device_hits=s.device_hit_tokens,
                     storage_hits=s.storage.storage_hit_tokens,
+                    peer_hits=s.peer_hit_tokens,
                     hit_rate=found / s.prefix_cache_queries if s.prefix_cache_queries else 0.0,
                 )
             )

@@ -192,10 +192,11 @@ def _print(verb: str, reply: Message) -> None:
         _table(INSTANCE_COLUMNS, [_row(reply)])
     elif isinstance(reply, admin_pb2.CacheStatsReply):
         rows = [
-            [i.name, i.queries, i.device_hits, i.storage_hits, f"{i.hit_rate:.3f}"]
+            [i.name, i.queries, i.device_hits, i.peer_hits, i.storage_hits, f"{i.hit_rate:.3f}"]
             for i in reply.instances
         ]
-        _table(["name", "prompt tokens", "device hits", "storage hits", "hit rate"], rows)
+        headers = ["name", "prompt tokens", "device hits", "peer hits", "storage hits", "hit rate"]
+        _table(headers, rows)
         print(f"cluster hit rate: {reply.hit_rate:.3f}")
     elif isinstance(reply, admin_pb2.SetRoutingPolicyReply):
         print(f"routing policy changed (was {reply.previous})")

@@ -182,7 +182,9 @@ class Load:
             num_waiting=stats.num_waiting,
             used_blocks=stats.num_blocks - stats.num_free_blocks,
             num_blocks=stats.num_blocks,
-            hit_tokens=stats.device_hit_tokens + stats.storage.storage_hit_tokens,
+            hit_tokens=stats.device_hit_tokens
+            + stats.peer_hit_tokens
+            + stats.storage.storage_hit_tokens,
             prefix_cache_queries=stats.prefix_cache_queries,
             num_computed_tokens=stats.num_computed_tokens,
             num_reservations=stats.num_reservations,

@@ -118,6 +118,20 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
             settle_if_broken()
         return decode_pb2.PushKVReply(blocks_received=blocks, bytes_received=received)
 
+    async def ReadKV(  # type: ignore[override]  # bytes: chunks serialized already
+        self,
+        request: decode_pb2.ReadKVRequest,
+        context: grpc.aio.ServicerContext[Any, Any],
+    ) -> AsyncIterator[bytes]:
+        """The blocks a prefill instance pulls (serialized `KVChunk`s: the handler's
+        serializer passes bytes through)."""
+        try:
+            instance = self.served.get(DecodeInstance)
+            async for chunk in instance.runtime.serve_kv(request):
+                yield chunk
+        except PdserveError as e:
+            await abort_with_async(context, e)
+
     def StartDecode(
         self, request: decode_pb2.StartDecodeRequest, context: grpc.ServicerContext
     ) -> decode_pb2.StartDecodeReply:
@@ -178,11 +192,12 @@ class _HandlerRecorder:
 
 def add_decode_servicer(served: ServedRole, server: grpc.aio.Server) -> None:
     """Register the generated DecodeService handlers, with PushKV parsing KV chunks without
-    copying their data (`parse_kv_chunk`)."""
+    copying their data (`parse_kv_chunk`) and ReadKV sending chunks serialized already."""
     recorder = _HandlerRecorder()
     decode_pb2_grpc.add_DecodeServiceServicer_to_server(DecodeServicer(served), recorder)  # type: ignore[arg-type]
     handlers = recorder.handlers
     handlers["PushKV"] = handlers["PushKV"]._replace(request_deserializer=parse_kv_chunk)  # type: ignore[attr-defined]
+    handlers["ReadKV"] = handlers["ReadKV"]._replace(response_serializer=None)  # type: ignore[attr-defined]
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
 
 

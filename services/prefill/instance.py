@@ -43,7 +43,7 @@ from pdserve.rpc.clients import (
     Metadata,
 )
 from pdserve.rpc.tls import TlsFiles
-from pdserve.transfer.base import KVEndpoints, KVTarget
+from pdserve.transfer.base import KVEndpoints, KVTarget, PrefixSource
 from pdserve.transfer.cuda_ipc import CudaIpcKVTransport
 from pdserve.transfer.select import TransportSelector
 from pdserve.v1 import common_pb2, decode_pb2
@@ -74,6 +74,7 @@ class PrefillOutcome:
     transport: str = ""  # how the KV went to decode (empty: decode held every block)
     device_hit_tokens: int = 0  # of num_cached_tokens: in this instance's device prefix cache
     storage_hit_tokens: int = 0  # of num_cached_tokens: loaded from the storage tier
+    pulled_tokens: int = 0  # of num_cached_tokens: pulled from a decode instance (`source`)
     prompt_logprobs: tuple[TokenLogprob, ...] = ()  # when the request asked for them
 
 
@@ -165,11 +166,13 @@ class PrefillInstance:
         subscriber: str = "",
         trace_parent: tracing.Context | None = None,
         route_seq: int = 0,
+        source: PrefixSource | None = None,
     ) -> PrefillOutcome:
         """Run one request's prefill and handoff (`attempt`, `subscriber` and `route_seq`: the
         router's attempt, output subscription and number of the attempt, sent to decode with
         the reservation), traced under `trace_parent` (the router's attempt) while tracing is
-        on.
+        on. `source`: a decode instance holding more of the prompt than this one, whose
+        blocks are pulled rather than computed.
 
         Raises InvalidRequestError (bad input, here or on decode), ResourceExhaustedError
         (decode refused until the backoff ran out), KVTransferError, InstanceUnavailableError,
@@ -183,7 +186,7 @@ class PrefillInstance:
             try:
                 self._prefill(
                     outcome, prompt_token_ids, params, request_id, decode_address, hashes,
-                    attempt, subscriber, tracing.metadata(span), route_seq,
+                    attempt, subscriber, tracing.metadata(span), route_seq, source,
                 )  # fmt: skip
             except BaseException as e:
                 _record(span, start, outcome, e)
@@ -204,6 +207,7 @@ class PrefillInstance:
         subscriber: str,
         metadata: Metadata,
         route_seq: int = 0,
+        source: PrefixSource | None = None,
     ) -> None:
         """`prefill`'s steps, filling in `outcome` (`metadata`: of the calls to decode)."""
         start = time.perf_counter()
@@ -216,7 +220,7 @@ class PrefillInstance:
         try:
             try:
                 reservation = self.preallocate_resource_in_p(
-                    request, decode, attempt, subscriber, metadata, route_seq
+                    request, decode, attempt, subscriber, metadata, route_seq, source
                 )
             except InstanceUnavailableError:  # decode may still grant it: release it there
                 self._abort_on_decode(request_id, decode)
@@ -275,11 +279,13 @@ class PrefillInstance:
         subscriber: str = "",
         metadata: Metadata = (),
         route_seq: int = 0,
+        source: PrefixSource | None = None,
     ) -> DecodeReservation:
-        """Admit the prompt here (device prefix hit, storage blocks staged after it, blocks for
-        the rest; when the pool is short the scheduler admits it later) and ask the decode
-        instance to reserve blocks for it (retrying, bounded, while it refuses)."""
-        self.runtime.read_ahead(request)
+        """Admit the prompt here (device prefix hit, the blocks pulled from `source` and
+        those of the storage tier staged after it, blocks for the rest; when the pool is short
+        the scheduler admits it later) and ask the decode instance to reserve blocks for it
+        (retrying, bounded, while it refuses)."""
+        self.runtime.read_ahead(request, source)
         self.runtime.loop.call(lambda engine: engine.preallocate(request))
         self.runtime.acknowledge(subscriber, route_seq)  # counted in this instance's load now
         message = decode_pb2.ReserveRequest(
@@ -349,6 +355,7 @@ class PrefillInstance:
         outcome.num_cached_tokens = output.num_cached_tokens
         outcome.device_hit_tokens = request.device_hit_tokens or 0  # set before kv_ready
         outcome.storage_hit_tokens = request.storage_hit_tokens
+        outcome.pulled_tokens = request.peer_hit_tokens
         outcome.prompt_logprobs = output.prompt_logprobs
         done = time.perf_counter()
         scheduled = request.first_scheduled_at or queued
@@ -433,6 +440,7 @@ def _record(
     compute: tracing.Attributes = {
         "pdserve.device_hit_tokens": outcome.device_hit_tokens,
         "pdserve.storage_hit_tokens": outcome.storage_hit_tokens,
+        "pdserve.pulled_tokens": outcome.pulled_tokens,
     }
     transfer: tracing.Attributes = {
         "pdserve.transport": outcome.transport,

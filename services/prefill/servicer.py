@@ -13,6 +13,7 @@ from pdserve.observability import tracing
 from pdserve.rpc.server import AioServer, blocking, post
 from pdserve.rpc.status import abort_with_async
 from pdserve.rpc.tls import TlsFiles
+from pdserve.transfer.base import PrefixSource
 from pdserve.v1 import prefill_pb2, prefill_pb2_grpc
 from services.prefill.instance import PrefillInstance, PrefillOutcome
 
@@ -44,7 +45,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
                 instance.prefill, generate.request_id, list(generate.prompt_token_ids),
                 params, request.decode_address, hashes_from_proto(generate), generate.attempt,
                 generate.subscriber, tracing.extract(context.invocation_metadata() or ()),
-                generate.route_seq,
+                generate.route_seq, _source(request),
             )  # fmt: skip
         except PdserveError as e:
             logger.info(
@@ -64,6 +65,11 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         return _result(outcome)
 
 
+def _source(request: prefill_pb2.PrefillRequest) -> PrefixSource | None:
+    source = request.kv_source
+    return PrefixSource(source.address, source.num_blocks) if source.address else None
+
+
 def _result(outcome: PrefillOutcome) -> prefill_pb2.PrefillResult:
     t = outcome.timings
     return prefill_pb2.PrefillResult(
@@ -77,6 +83,7 @@ def _result(outcome: PrefillOutcome) -> prefill_pb2.PrefillResult:
         prompt_logprobs=[logprob_to_proto(lp) for lp in outcome.prompt_logprobs],
         num_device_hit_tokens=outcome.device_hit_tokens,
         num_storage_hit_tokens=outcome.storage_hit_tokens,
+        num_pulled_tokens=outcome.pulled_tokens,
         timings=prefill_pb2.PrefillTimings(
             reserve_s=t.reserve_s,
             queue_s=t.queue_s,

@@ -197,6 +197,9 @@ class Attempts:
             "reason": route.reason, "score": route.score,
             "predicted_hit_tokens": route.cached_tokens,
         }  # fmt: skip
+        if route.source is not None:
+            decision["pull_from"] = route.source.address
+            decision["pull_blocks"] = route.source.num_blocks
         if route.path is not None:
             decision["path"] = "local" if route.on_decode else "remote"
             if route.path.remote_s == route.path.remote_s:  # predicted (not nan)
@@ -232,7 +235,7 @@ class Attempts:
             )  # fmt: skip
         return self._client.generate(
             route.prefill, route.decode, token_ids, params, request_id, hashes, metadata,
-            route_seq,
+            route_seq, route.source,
         )  # fmt: skip
 
     def _release(self, request_id: str) -> None:

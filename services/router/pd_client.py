@@ -25,6 +25,7 @@ from pdserve.kvcache.hashing import PromptHashes
 from pdserve.rpc.aio import AioChannelPool, AioClients
 from pdserve.rpc.channels import ChannelPool
 from pdserve.rpc.clients import DEFAULT_DEADLINES, Deadlines, InstanceClient, Metadata
+from pdserve.transfer.base import PrefixSource
 from pdserve.v1 import common_pb2, prefill_pb2
 from services.router.outputs import OutputSubscriptions, RequestReplies
 
@@ -79,10 +80,12 @@ class PDClient:
         hashes: PromptHashes | None = None,
         metadata: Metadata = (),
         route_seq: int = 0,
+        source: PrefixSource | None = None,
     ) -> AsyncGenerator[TokenDelta | Finished, None]:
         """Yield token deltas, then one Finished (`hashes`: the prompt's chain, sent along;
         `metadata`: the attempt's own, its trace context, sent with Prefill; `route_seq`: the
-        attempt's number, which the instances' load reports acknowledge);
+        attempt's number, which the instances' load reports acknowledge; `source`: a decode
+        instance prefill pulls the prompt's cached prefix from);
         raises the typed error of a failed step. The attempt's outputs come on decode's output
         subscription, registered before Prefill starts, so the first token reaches the caller
         as soon as decode emits it (with prompt logprobs asked for, once Prefill's reply
@@ -96,7 +99,7 @@ class PDClient:
             replies = await self.outputs.register(decode_address, request_id, attempt)
             message = _prefill_request(
                 decode_address, prompt_token_ids, params, request_id, hashes, attempt,
-                self.outputs.subscriber, route_seq,
+                self.outputs.subscriber, route_seq, source,
             )  # fmt: skip
             prefill = asyncio.ensure_future(self._call_prefill(prefill_address, message, metadata))
             try:
@@ -215,13 +218,17 @@ def _prefill_request(
     attempt: str,
     subscriber: str,
     route_seq: int,
+    source: PrefixSource | None,
 ) -> prefill_pb2.PrefillRequest:
-    return prefill_pb2.PrefillRequest(
+    message = prefill_pb2.PrefillRequest(
         request=generate_request(
             request_id, prompt_token_ids, params, hashes, attempt, subscriber, route_seq
         ),
         decode_address=decode_address,
     )
+    if source is not None:
+        message.kv_source.address, message.kv_source.num_blocks = source.address, source.num_blocks
+    return message
 
 
 @dataclass(frozen=True, slots=True)

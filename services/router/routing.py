@@ -3,7 +3,9 @@
 The prefill policy chooses a prefill (or mixed) instance over the KV-event index's prefix
 overlaps and the instances' loads; the decode policy chooses a decode instance from its free
 blocks and load; conditional disaggregation then decides between prefill on that prefill
-instance and prefill on the decode instance itself. An instance's load is what it last
+instance and prefill on the decode instance itself; a decode instance holding more of the
+prompt than the prefill instance (a conversation's earlier answers) is named as the source
+prefill pulls that prefix from. An instance's load is what it last
 reported on its KV-event stream (every router's requests) plus this router's requests it has
 not acknowledged yet (`LoadTracker.pending`); before its first report, this router's leases.
 The router's attempts call it for every attempt, and `pdserve simulate --latency` calls the
@@ -24,6 +26,7 @@ from pdserve.errors import NoCandidateError, NoCapacityError
 from pdserve.kvcache.events import LoadReport
 from pdserve.kvcache.hashing import BlockHash
 from pdserve.metrics import RouterMetrics
+from pdserve.transfer.base import PrefixSource
 from pdserve.v1.common_pb2 import InstanceStats
 from services.router.breakers import BreakerState, CircuitBreakers
 from services.router.disaggregation import Disaggregation, PathChoice
@@ -55,6 +58,8 @@ class Route:
     # disaggregation chose local prefill; `decode` is None)
     on_decode: bool = False
     path: PathChoice | None = None  # the disaggregation decision, when one was made
+    # a decode instance holding more of the prompt than `prefill`: prefill pulls it from there
+    source: PrefixSource | None = None
 
 
 class Routing:
@@ -72,6 +77,7 @@ class Routing:
         `stats(address)`: an instance's last polled GetStats (conditional disaggregation's
         step time models)."""
         self.load = LoadTracker()
+        self._config = config
         self.block_size = block_size
         self._membership = membership
         self._index = index
@@ -134,12 +140,33 @@ class Routing:
         self._metrics.disaggregation.labels("local" if path.local else "remote").inc()
         if path.local:
             return Route(decode.instance_id, None, decode_cached, reason, score, True, path)
+        source = self._pull_source(hashes, prefill.overlap_blocks, decodes)
         logger.debug(
-            "request %s -> prefill %s (%s, %d blocks cached) -> decode %s",
+            "request %s -> prefill %s (%s, %d blocks cached%s) -> decode %s",
             request_id, prefill.instance_id, prefill.reason, prefill.overlap_blocks,
-            decode.instance_id, extra={"request_id": request_id},
+            f", {source.num_blocks} on {source.address}" if source else "", decode.instance_id,
+            extra={"request_id": request_id},
         )  # fmt: skip
-        return Route(prefill.instance_id, decode.instance_id, cached, reason, score, path=path)
+        return Route(
+            prefill.instance_id, decode.instance_id, cached, reason, score, path=path, source=source
+        )
+
+    def _pull_source(
+        self, hashes: Sequence[BlockHash], prefill_blocks: int, decodes: Sequence[str]
+    ) -> PrefixSource | None:
+        """The decode instance holding the most of the prompt's leading blocks, when that is
+        `router.kv_pull_min_tokens` more than the prefill instance holds (a conversation's
+        earlier answers stay where they were generated)."""
+        min_tokens = self._config.kv_pull_min_tokens
+        if min_tokens is None or not decodes:
+            return None
+        overlaps = self._index.overlaps(hashes, decodes)
+        holder = max(decodes, key=lambda address: overlaps.get(address, 0))
+        blocks = overlaps.get(holder, 0)
+        if (blocks - prefill_blocks) * self.block_size < min_tokens:
+            return None
+        self._metrics.kv_pulls.inc()
+        return PrefixSource(holder, blocks)
 
     def _path(
         self, prompt_tokens: int, prefill: str, prefill_cached: int, decode: str, decode_cached: int
@@ -221,7 +248,10 @@ class Routing:
     def leases(self, route: Route, prompt_tokens: int) -> tuple[Lease, ...]:
         """Count the request on its instances: only the tokens prefill must compute count as
         its prefill load. The first lease is the prompt's instance's, the second decode's."""
-        uncached = max(1, prompt_tokens - route.cached_tokens)
+        reused = route.cached_tokens
+        if route.source is not None:
+            reused = max(reused, route.source.num_blocks * self.block_size)
+        uncached = max(1, prompt_tokens - reused)
         seq = self.load.next_seq()  # the attempt's route number: both leases wait for it
         leases: tuple[Lease, ...] = (self.load.acquire(route.prefill, uncached, seq),)
         self.breakers.sent(route.prefill)

@@ -240,7 +240,7 @@ class SimInstance:
             event_sink=self._publish if follows else None,
             eviction=eviction,
         )
-        self.admission = PromptAdmission(self.kv, None)
+        self.admission = PromptAdmission(self.kv)
         self.scheduler = Scheduler(
             SchedulerConfig(profile.max_num_seqs, profile.max_num_batched_tokens),
             self.kv,

@@ -464,9 +464,9 @@ def test_a_preempted_request_resumes_from_storage_with_identical_output(
     assert engine.runner.kv_cache.element_size() == (1 if kv_cache_dtype == "fp8_e4m3" else 4)
     assert counters.bytes_written == counters.blocks_written * block_bytes
     assert counters.bytes_read == counters.blocks_read * block_bytes
-    assert connector.loaded_tokens > 0
+    assert connector.staged.loaded_tokens > 0
     # the loaded tokens were not computed again
-    assert stats.num_computed_tokens + connector.loaded_tokens <= (
+    assert stats.num_computed_tokens + connector.staged.loaded_tokens <= (
         plain.scheduler.stats.num_computed_tokens
     )
     engine.check_integrity()
@@ -599,6 +599,7 @@ def test_pd_instances_resume_and_serve_prefixes_from_storage(
         decode_engine={"num_kv_blocks": 20},
         decode_config=DecodeConfig(reserve_horizon_tokens=0),  # accept all: running ones preempt
         storage=storage_config(redis_url, tmp_path, shared_directory=True),
+        router={"kv_pull_min_tokens": None},  # else the follow-up's prefix comes from decode
     )
     prefill, decode = stack.prefill[0].instance, stack.decode[0].instance
     batch = prompts(3, 90, seed=30)

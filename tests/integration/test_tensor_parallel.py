@@ -219,7 +219,7 @@ def test_tp2_preempts_and_resumes_from_storage_with_identical_output(
         connector = engine.storage_connector
         assert connector is not None and tags[0].endswith("/tp2")  # never a TP=1 engine's
         assert engine.scheduler.stats.num_preemptions > 0
-        assert connector.tier.counters.blocks_read > 0 and connector.loaded_tokens > 0
+        assert connector.tier.counters.blocks_read > 0 and connector.staged.loaded_tokens > 0
         assert engine.runner.stager.block_bytes == 2 * engine.runner.kv_cache[0].nbytes
         connector.tier.flush()
         engine.check_integrity()

@@ -50,7 +50,7 @@ class DyingDecodes:
 
     async def generate(
         self, prefill: str, decode: str, ids: list[int], params: SamplingParams, request_id: str,
-        hashes: object = None, metadata: object = (), route_seq: int = 0,
+        hashes: object = None, metadata: object = (), route_seq: int = 0, source: object = None,
     ) -> AsyncIterator[TokenDelta | Finished]:  # fmt: skip
         self.calls.append((prefill, decode, list(ids), params))
         dies_after = self.deaths.pop(0) if self.deaths else None

@@ -46,7 +46,7 @@ class FakePDClient:
 
     async def generate(
         self, prefill: str, decode: str, ids: list[int], params: SamplingParams, request_id: str,
-        hashes: object = None, metadata: object = (), route_seq: int = 0,
+        hashes: object = None, metadata: object = (), route_seq: int = 0, source: object = None,
     ) -> AsyncIterator[TokenDelta | Finished]:  # fmt: skip
         self.routes.append((prefill, decode))
         outcome = self.outcomes.pop(0) if self.outcomes else "ok"

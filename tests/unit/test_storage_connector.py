@@ -86,7 +86,7 @@ def test_staged_bytes_are_dropped_when_a_reservation_is_refused(
     request = engine.make_request(prompt(80), GREEDY, "refused")
     engine.storage_connector.read_ahead(request, 0)
     assert (
-        engine.storage_connector.num_usable(request, 0) == 4
+        engine.admission.staged.usable(request, 0).blocks == 4
     )  # never the block with the last token
     assert engine.preallocate(request, growth_headroom_blocks=10**6) is None  # refused
     with pytest.raises(IntegrityError, match="refused"):
@@ -103,10 +103,10 @@ def test_unusable_staged_bytes_are_dropped_at_admission(
     request = engine.make_request(prompt(80), GREEDY, "late")
     engine.storage_connector.read_ahead(request, 0)
     engine.generate([prompt(80)], GREEDY)  # the device holds the prefix again: staged is moot
-    assert engine.storage_connector.num_usable(request, 0) == 4
+    assert engine.admission.staged.usable(request, 0).blocks == 4
     admission = engine.preallocate(request)
     assert admission is not None and admission.storage_hit_tokens == 0
-    assert engine.storage_connector.num_usable(request, 0) == 0  # not held while it runs
+    assert engine.admission.staged.usable(request, 0).blocks == 0  # not held while it runs
     engine.release("late")
     engine.check_integrity()  # nothing left staged for it
 
