@@ -87,6 +87,7 @@ class Scheduler:
             raise DuplicateRequestError(f"request id {request.request_id!r} is already in flight")
         self.requests[request.request_id] = request
         self.waiting.append(request)
+        self.kv_cache.arrived(request)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)

@@ -10,8 +10,9 @@ victim. Every policy keeps two invariants:
 
 Policies differ only in the key they order evictable blocks by (lowest goes first):
   * `lru`: the time the block was last released (least recently used first);
-  * `lrfu`: LRFU over the prefix tree. Each admitted request adds `2^((t - epoch) / H)` to the
-    score of every block hash of its chain (hits and new blocks alike); scores are keyed by hash,
+  * `lrfu`: LRFU over the prefix tree. Each request adds `2^((t - epoch) / H)` to the score of
+    every block hash of its chain (hits and new blocks alike) when it is admitted, and also when
+    it is queued if it waits for its blocks (`KVCacheManager.arrived`); scores are keyed by hash,
     so they outlive eviction (capped at `G x num_blocks` entries, longest-evicted dropped first).
     Key: (score, last release, -depth).
 
@@ -132,7 +133,7 @@ class EvictionPolicy:
                 self._plain[block_id] = None
 
     def admitted(self, block_hashes: Sequence[BlockHash]) -> None:
-        """A request with this hash chain was admitted (LRFU scores it)."""
+        """A request with this hash chain was admitted, or queued (LRFU scores it)."""
 
     # -- internals ----------------------------------------------------------------------------
 

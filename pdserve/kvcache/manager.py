@@ -164,6 +164,15 @@ class KVCacheManager:
 
     # -- state changes ------------------------------------------------------------------------
 
+    def arrived(self, request: CacheRequest) -> None:
+        """A request was queued here: the eviction policy counts its prefix now, as demand,
+        and again at its admission, as a use. Under a backlog admission comes long after
+        arrival; counted only then, the prefixes the queue is waiting for were valued as of
+        their last use meanwhile. A request given its blocks already (preallocated) was
+        counted then."""
+        if request.request_id not in self._tables:
+            self.eviction.admitted(request.block_hashes)
+
     def allocate(
         self, request: CacheRequest, num_tokens: int, prefix: PrefixMatch = NO_MATCH
     ) -> list[int]:

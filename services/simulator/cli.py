@@ -12,7 +12,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from pdserve.config import load_cluster_config
+from pdserve.config import EngineConfig, load_cluster_config
 from pdserve.errors import ConfigError, InvalidRequestError
 from services.planner.evaluate import SIZINGS
 from services.planner.simulated import Moves, PlannedSimulation
@@ -30,6 +30,8 @@ from services.simulator.replay import SimConfig
 from services.simulator.report import Sweep, format_table, plot, run_sweep, write_json
 from services.simulator.trace import BUILT_IN, TraceRecord, built_in, load_trace
 
+ENGINE = EngineConfig()  # the instances' defaults: what a replay compares against by default
+
 
 def add_parser(commands: Any) -> None:
     sim = commands.add_parser(
@@ -45,10 +47,14 @@ def add_parser(commands: Any) -> None:
     sim.add_argument("--device-blocks", default="1024,4096,16384", help="per instance, a list")
     sim.add_argument("--storage-blocks", default="0", help="storage tier sizes, a list")
     sim.add_argument("--instances", default="1", help="instance counts, a list")
-    sim.add_argument("--eviction", default="lru,lrfu", help="eviction policies, a list")
+    policies = dict.fromkeys([ENGINE.eviction_policy, "lru"])  # the engine's default first
+    sim.add_argument("--eviction", default=",".join(policies),
+                     help="eviction policies, a list (the engine's default and lru)")  # fmt: skip
     sim.add_argument("--routing", default="cache_aware", help="routing policies, a list")
     sim.add_argument("--load-weight", type=float, default=0.1, help="cache_aware load_weight")
-    sim.add_argument("--half-life-s", type=float, default=60.0, help="lrfu half-life")
+    half_life = ENGINE.lrfu_half_life_s
+    sim.add_argument("--half-life-s", type=float, default=half_life,
+                     help=f"lrfu half-life ({half_life:g}: the engine's)")  # fmt: skip
     holding = "sets how long requests hold blocks"
     sim.add_argument("--prefill-tokens-per-s", type=float, default=20_000.0,
                      help=f"one instance's prefill speed ({holding})")  # fmt: skip

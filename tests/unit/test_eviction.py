@@ -95,6 +95,30 @@ def test_lrfu_keeps_a_block_used_twice_over_a_newer_one_used_once() -> None:
     assert cached(lru, a) == 0 and cached(lru, b) == 1
 
 
+def test_lrfu_counts_a_waiting_request_at_its_arrival_not_its_admission() -> None:
+    """Under a backlog a request waits long before it is admitted: its prefix is valued from
+    its arrival (and again at its admission), so the newer one-off prompts admitted meanwhile
+    do not push it out."""
+    clock = Clock()
+    manager = manager_with("lrfu", 4, clock, half_life_s=60.0)
+    a, b = prompt(0, 1), prompt(100, 1)
+    run(manager, Req("a1", a))
+    clock.now = 30.0
+    waiting = Req("a2", [*a[:-1], 5, 6, 7])  # a's block, then its own
+    manager.arrived(waiting)  # queued behind a backlog
+    clock.now = 60.0
+    run(manager, Req("b", b))  # a newer one-off, admitted while a2 waits
+    clock.now = 61.0
+    run(manager, Req("new", prompt(200, 2)))  # needs one cached block: b's, not a's
+    assert cached(manager, a) == 1 and cached(manager, b) == 0
+    late = manager_with("lrfu", 4, clock := Clock(), half_life_s=60.0)  # counted at admission
+    run(late, Req("a1", a))
+    for now, name, tokens in ((60.0, "b", b), (61.0, "new", prompt(200, 2))):
+        clock.now = now
+        run(late, Req(name, tokens))
+    assert cached(late, a) == 0 and cached(late, b) == 1
+
+
 def test_lrfu_scores_outlive_eviction_and_decay() -> None:
     clock = Clock()
     manager = manager_with("lrfu", 2, clock, half_life_s=10.0)
