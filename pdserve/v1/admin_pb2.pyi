@@ -69,6 +69,7 @@ class InstanceInfo(_message.Message):
     STATS_FIELD_NUMBER: _builtins.int
     RESTARTS_FIELD_NUMBER: _builtins.int
     PID_FIELD_NUMBER: _builtins.int
+    NODE_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     role: _builtins.str
     address: _builtins.str
@@ -81,6 +82,8 @@ class InstanceInfo(_message.Message):
     """times the controller recreated it after it died"""
     pid: _builtins.int
     """of its actor's process"""
+    node: _builtins.str
+    """the Ray node its actor runs on (node id, hex)"""
     @_builtins.property
     def stats(self) -> _common_pb2.InstanceStats:
         """absent when the instance does not answer"""
@@ -97,10 +100,11 @@ class InstanceInfo(_message.Message):
         stats: _common_pb2.InstanceStats | None = ...,
         restarts: _builtins.int = ...,
         pid: _builtins.int = ...,
+        node: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["stats", b"stats"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "alive", b"alive", "drained", b"drained", "metrics_address", b"metrics_address", "name", b"name", "pid", b"pid", "restarts", b"restarts", "role", b"role", "stats", b"stats"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "alive", b"alive", "drained", b"drained", "metrics_address", b"metrics_address", "name", b"name", "node", b"node", "pid", b"pid", "restarts", b"restarts", "role", b"role", "stats", b"stats"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -301,6 +301,11 @@ class InstanceActor:
         """The actor's process id (operators kill or inspect it; tests do)."""
         return os.getpid()
 
+    def node(self) -> str:
+        """The Ray node the actor runs on (its id, hex)."""
+        node_id: str = ray.get_runtime_context().get_node_id()
+        return node_id
+
     def ping(self) -> bool:
         """Raises (the controller then restarts the instance) when a tensor-parallel rank of
         it failed: its requests fail until then."""

@@ -211,14 +211,14 @@ def _print(verb: str, reply: Message) -> None:
 
 
 INSTANCE_COLUMNS = [
-    "name", "role", "address", "alive", "drained", "restarts", "running", "free/blocks"
+    "name", "role", "address", "node", "alive", "drained", "restarts", "running", "free/blocks"
 ]  # fmt: skip
 
 
 def _row(info: admin_pb2.InstanceInfo) -> list[object]:
     s = info.stats
-    return [info.name, info.role, info.address, info.alive, info.drained, info.restarts,
-            s.num_running, f"{s.num_free_blocks}/{s.num_blocks}"]  # fmt: skip
+    return [info.name, info.role, info.address, info.node[:12], info.alive, info.drained,
+            info.restarts, s.num_running, f"{s.num_free_blocks}/{s.num_blocks}"]  # fmt: skip
 
 
 def _table(headers: list[str], rows: list[list[object]]) -> None:

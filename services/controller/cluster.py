@@ -58,6 +58,7 @@ class InstanceInfo:
     metrics_address: str = ""
     pid: int = 0  # of its actor's process
     restarts: int = 0  # times the controller recreated it after it died
+    node: str = ""  # the Ray node id of its actor
 
 
 class Cluster:
@@ -121,9 +122,10 @@ class Cluster:
 
     def _ready(self, name: str, role: str, actor: Any, restarts: int = 0) -> InstanceInfo:
         """Wait until the actor serves (`ready_timeout_s`); raises RayError or TimeoutError."""
-        refs = [actor.address.remote(), actor.metrics_address.remote(), actor.pid.remote()]
-        address, metrics, pid = ray.get(refs, timeout=ready_timeout_s(self.config))
-        return InstanceInfo(name, role, address, metrics, pid, restarts)
+        refs = [actor.address.remote(), actor.metrics_address.remote(), actor.pid.remote(),
+                actor.node.remote()]  # fmt: skip
+        address, metrics, pid, node = ray.get(refs, timeout=ready_timeout_s(self.config))
+        return InstanceInfo(name, role, address, metrics, pid, restarts, node)
 
     def _start_storage(self) -> None:
         """Without a Redis URL, start the embedded Redis (on this node) for the storage tier;

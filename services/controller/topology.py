@@ -67,6 +67,7 @@ class Topology:
             drained=self.router.membership.is_drained(info.address),
             restarts=info.restarts,
             pid=info.pid,
+            node=info.node,
         )
         try:
             message.stats.CopyFrom(self.router.client.instance(info.address).stats())

@@ -659,6 +659,36 @@ def test_host_memory_blocks_are_read_by_a_peer_over_grpc(
     assert stats.storage_hit_tokens == 96 and stats.blocks_read == 6  # from the owner's memory
 
 
+def test_blocks_held_by_a_lost_instance_are_misses_and_recomputed(
+    redis_url: str, make_stack: Callable[..., Stack], reference: LLMEngine
+) -> None:
+    """The instance whose host memory held the blocks is gone (its node lost): the index still
+    names its store; a peer's read fails, is counted and dropped from the index, and the prompt
+    is computed, with the same tokens."""
+    storage = StorageConfig(
+        redis_url=redis_url, store="memory", device_write_policy="write_through"
+    )
+    stack = make_stack(mixed=2, engine={"num_kv_blocks": 64}, storage=storage)
+    owner, peer = stack.mixed
+    stack.router.membership.set_drained(peer.address, True)  # the first request on the owner
+    shared = prompts(1, 96, seed=41)[0]
+    params = SamplingParams(max_tokens=4)
+    stack.generate([*shared, 1, 2], params)
+    tier = owner.instance.runtime.storage_tier
+    assert tier is not None
+    tier.flush()
+    owner.stop()  # gone, with its host memory
+    stack.router.remove_instance(owner.address)
+    stack.router.membership.set_drained(peer.address, False)
+    second = [*shared, 3, 4]
+    assert stack.generate(second, params).tokens == list(
+        reference.generate([second], params)[0].token_ids
+    )
+    stats = peer.instance.stats().storage
+    assert stats.storage_hit_tokens == 0 and stats.read_errors == 1  # one miss ends the chain
+    assert peer.instance.stats().device_hit_tokens == 0
+
+
 def test_flushing_storage_while_redis_is_down_is_a_clear_unavailable_error(
     tmp_path: Path, tiny_model_dir: Path
 ) -> None:

@@ -1,0 +1,115 @@
+"""Clients for fault tests against a `pdserve up` cluster: greedy completions of a few prompts
+(streamed and not), sent back to back by threads, each outcome kept to compare with an
+undisturbed run."""
+
+import json
+import threading
+from dataclasses import dataclass
+
+import httpx
+from pdserve_up import UpCluster
+from waiting import wait_for
+
+PROMPTS = [
+    f"Story {n}: the {word} went" for n, word in enumerate(["fox", "owl", "cat", "bee", "elk"])
+]
+MAX_TOKENS = 120
+CLIENTS = 4
+
+
+@dataclass
+class Outcome:
+    prompt: int
+    streamed: bool
+    status: int
+    text: str
+    finish_reason: str | None
+    completion_tokens: int | None
+
+
+def request(up: UpCluster, model: str, prompt: int, streamed: bool) -> Outcome:
+    body = {"model": model, "prompt": PROMPTS[prompt], "max_tokens": MAX_TOKENS,
+            "ignore_eos": True, "temperature": 0}  # fmt: skip
+    url = f"{up.router_url}/completions"
+    if not streamed:
+        reply = httpx.post(url, json=body, timeout=120)
+        if reply.status_code != 200:
+            return Outcome(prompt, False, reply.status_code, "", None, None)
+        data = reply.json()
+        choice = data["choices"][0]
+        usage = data["usage"]["completion_tokens"]
+        return Outcome(prompt, False, 200, choice["text"], choice["finish_reason"], usage)
+    body |= {"stream": True, "stream_options": {"include_usage": True}}
+    text, finish, usage = [], None, None
+    with httpx.stream("POST", url, json=body, timeout=120) as reply:
+        if reply.status_code != 200:
+            return Outcome(prompt, True, reply.status_code, "", None, None)
+        for line in reply.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            chunk = json.loads(line.removeprefix("data: "))
+            if "error" in chunk:
+                return Outcome(prompt, True, 599, "".join(text), None, None)  # an error event
+            for choice in chunk.get("choices", []):
+                text.append(choice["text"])
+                finish = choice["finish_reason"] or finish
+            if chunk.get("usage"):
+                usage = chunk["usage"]["completion_tokens"]
+    return Outcome(prompt, True, 200, "".join(text), finish, usage)
+
+
+class Load:
+    """CLIENTS threads sending requests back to back: half of them stream, half do not."""
+
+    def __init__(self, up: UpCluster, model: str) -> None:
+        self.up, self.model = up, model
+        self.outcomes: list[Outcome] = []
+        self.stop = threading.Event()
+        self._threads = [threading.Thread(target=self._client, args=(i,)) for i in range(CLIENTS)]
+
+    def __enter__(self) -> "Load":
+        for thread in self._threads:
+            thread.start()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.stop.set()
+        for thread in self._threads:
+            thread.join(180)
+
+    def _client(self, index: int) -> None:
+        n = index
+        while not self.stop.is_set():
+            prompt = n % len(PROMPTS)
+            try:
+                outcome = request(self.up, self.model, prompt, streamed=index % 2 == 0)
+            except httpx.HTTPError as e:  # the connection broke: as much a failure as a 5xx
+                outcome = Outcome(prompt, index % 2 == 0, 0, repr(e), None, None)
+            self.outcomes.append(outcome)  # list.append is atomic
+            n += CLIENTS
+
+    def wait_for_more(self, count: int) -> None:
+        """Until `count` more requests have completed than now."""
+        target = len(self.outcomes) + count
+        wait_for(lambda: len(self.outcomes) >= target, 120)
+
+
+def a_busy_decode(up: UpCluster) -> str:
+    """The name of a decode instance running requests (waits for one)."""
+    busy: list[str] = []
+
+    def found() -> bool:
+        busy.extend(
+            name
+            for name, info in up.list_instances().items()
+            if info.role == "decode" and up.stats(info.address).num_running > 0
+        )
+        return bool(busy)
+
+    wait_for(found, 60)
+    return busy[0]
+
+
+def alive_again(up: UpCluster, name: str, old_pid: int) -> bool:
+    info = up.list_instances()[name]
+    return info.alive and info.pid != old_pid
