@@ -394,6 +394,12 @@ class RouterConfig:
     """Times one stream may continue on another instance after its own died; 0: never."""
     migration_max_tokens: int | None = None
     """Migrate only while prompt + generated tokens are at most this; null: any length."""
+    drain_moves_streams: bool = True
+    """A drained decode instance's running streams move to other decode instances (each at a
+    block boundary of its context, which the next prefill reads back from the drained instance
+    instead of computing), so drains, removals, scale-downs and role changes finish within
+    seconds. False: they run to their end there (a removal waits up to
+    `cluster.drain_timeout_s`, then what is left migrates by recomputing)."""
     tool_parser: str | None = _choice(None, TOOL_PARSERS)
     """How `tool_choice: "auto"` answers are parsed for tool calls; null: the format the chat
     template teaches.
@@ -506,9 +512,15 @@ class TransferConfig:
     bounded)."""
     lease_margin_s: float = 2.0
     """Direct writes stop this many seconds before a reservation's lease ends."""
+    stall_timeout_s: float = 10.0
+    """A gRPC KV transfer that moves no bytes for this long (the receiver stopped reading, the
+    network stalls) is cut: the request is retried on another pair, and both sides free its
+    blocks. A transfer that keeps moving bytes is never cut, however long it takes."""
 
     def __post_init__(self) -> None:
         _check_choices(self, "transfer")
+        if not self.stall_timeout_s > 0:
+            raise ConfigError("transfer.stall_timeout_s must be positive")
         if self.mooncake_engines < 0:
             raise ConfigError("transfer.mooncake_engines must be 0 (auto) or positive")
         if self.max_batch_entries <= 0:

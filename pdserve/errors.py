@@ -20,10 +20,12 @@ error keeps its class across every hop) and to an HTTP status with an OpenAI-sty
         KVTransferError              a KV transfer or handoff failed
         InstanceUnavailableError     a peer cannot be reached or did not answer in time
           DecodeUnavailableError     ... and that peer is the request's decode instance
+            StreamMovedError         the router moved a stream off a drained decode instance
         StepFailedError              the engine step running the request failed
           TensorParallelError
 """
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 
@@ -121,6 +123,21 @@ class DecodeUnavailableError(InstanceUnavailableError):
     """The decode instance of a request cannot be reached: raised by a prefill instance for its
     calls to decode, and by the router's client when an instance's output subscription is lost.
     The router blames decode, not the prefill instance that reported it."""
+
+
+class StreamMovedError(DecodeUnavailableError):
+    """The router moved a stream off its decode instance `address` on purpose (the instance is
+    drained): the request continues on another, reading the first `num_blocks` blocks of its
+    context back from this one. Nobody is to blame. Router-internal: it never crosses the
+    wire."""
+
+    def __init__(self, message: str, address: str, num_blocks: int) -> None:
+        super().__init__(message)
+        self.address = address
+        self.num_blocks = num_blocks
+        # ends the router's hold on `address` (it keeps the drained instance from being stopped
+        # before the request's next attempt reads from it)
+        self.release_hold: Callable[[], object] | None = None
 
 
 class StepFailedError(RetryableError):

@@ -133,9 +133,15 @@ class RouterMetrics:
         )
         self.migrations = Counter(
             "pdserve_router_migrations",
-            "Streams that continued on another instance after theirs failed, by reason "
-            "(instance_lost, step_failed).",
+            "Streams that continued on another instance, by reason: instance_lost and "
+            "step_failed (theirs failed), moved (moved off a drained decode instance).",
             ["reason"],
+            registry=self.registry,
+        )
+        self.moved_context_tokens = Counter(
+            "pdserve_router_moved_context_tokens",
+            "Prompt and generated tokens of the streams moved off drained decode instances: the "
+            "context whose KV the next prefill reads back instead of computing.",
             registry=self.registry,
         )
 

@@ -2,11 +2,14 @@
 
 Consecutive blocks are packed into messages of at most `chunk_bytes` (at least one block each);
 the generator feeding the stream is pulled by gRPC as HTTP/2 flow control allows, so at most a
-couple of chunks are buffered however large the transfer.
+couple of chunks are buffered however large the transfer. A transfer has no overall deadline:
+it is cut only when it stalls, when gRPC has taken no chunk (or, after the last, no reply came)
+for `stall_timeout_s` — a receiver that stopped reading, a network that stopped moving.
 """
 
 import time
 from collections.abc import Iterator, Sequence
+from typing import Any
 
 import grpc
 
@@ -28,11 +31,14 @@ class GrpcKVTransport(KVTransport):
     name = "grpc"
 
     def __init__(
-        self, channels: ChannelPool, chunk_bytes: int = DEFAULT_CHUNK_BYTES, timeout_s: float = 60.0
+        self,
+        channels: ChannelPool,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        stall_timeout_s: float = 10.0,
     ) -> None:
         self._channels = channels
         self._chunk_bytes = chunk_bytes
-        self._timeout_s = timeout_s
+        self._stall_timeout_s = stall_timeout_s
 
     def send(self, target: KVTarget, blocks: Sequence[memoryview]) -> TransferResult:
         peer, request_id, first_block = target.address, target.request_id, target.first_block
@@ -43,14 +49,21 @@ class GrpcKVTransport(KVTransport):
             response_deserializer=decode_pb2.PushKVReply.FromString,
         )
         start = time.perf_counter()
+        chunks = _Progress(kv_chunks(request_id, first_block, blocks, self._chunk_bytes))
+        call = push.future(chunks)
         try:
-            chunks = kv_chunks(request_id, first_block, blocks, self._chunk_bytes)
-            reply = push(chunks, timeout=self._timeout_s)
+            reply = self._reply(call, chunks)
         except grpc.RpcError as e:
             raise KVTransferError(
                 f"KV transfer of request {request_id} to {peer} failed: "
                 f"{e.code().name}: {e.details()}"
             ) from e
+        except TimeoutError:
+            call.cancel()
+            raise KVTransferError(
+                f"KV transfer of request {request_id} to {peer} stalled: no bytes moved for "
+                f"{self._stall_timeout_s:g} s (transfer.stall_timeout_s)"
+            ) from None
         expected = sum(len(b) for b in blocks)
         if reply.blocks_received != len(blocks) or reply.bytes_received != expected:
             raise KVTransferError(
@@ -58,6 +71,34 @@ class GrpcKVTransport(KVTransport):
                 f"bytes of request {request_id}, sent {len(blocks)} / {expected}"
             )
         return TransferResult(len(blocks), expected, time.perf_counter() - start)
+
+    def _reply(self, call: "grpc.Future[Any]", chunks: "_Progress") -> decode_pb2.PushKVReply:
+        """The call's reply; raises its RpcError, or TimeoutError once it stalled."""
+        while True:
+            left = chunks.moved_at + self._stall_timeout_s - time.monotonic()
+            try:
+                reply: decode_pb2.PushKVReply = call.result(timeout=max(left, 0.0))
+                return reply
+            except grpc.FutureTimeoutError:
+                if time.monotonic() - chunks.moved_at >= self._stall_timeout_s:
+                    raise TimeoutError from None
+
+
+class _Progress:
+    """The chunks of one transfer, noting when gRPC last took one (flow control lets it take
+    the next only as the receiver reads)."""
+
+    def __init__(self, chunks: Iterator[bytes]) -> None:
+        self._chunks = chunks
+        self.moved_at = time.monotonic()
+
+    def __iter__(self) -> "_Progress":
+        return self
+
+    def __next__(self) -> bytes:
+        chunk = next(self._chunks)
+        self.moved_at = time.monotonic()
+        return chunk
 
 
 def kv_chunks(

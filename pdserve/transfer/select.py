@@ -40,7 +40,9 @@ class TransportSelector:
         lives, which `can_reach` needs and a target cannot tell); None: not offered."""
         self.config = config
         self.transports: dict[str, KVTransport] = {
-            TransportName.GRPC: GrpcKVTransport(channels, chunk_bytes),
+            TransportName.GRPC: GrpcKVTransport(
+                channels, chunk_bytes, stall_timeout_s=config.stall_timeout_s
+            ),
             TransportName.SHM: ShmKVTransport(channels),
         }
         if cuda_ipc is not None:

@@ -8,6 +8,7 @@ reservation table is thread-safe.
 """
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from pdserve.config import DecodeConfig, EngineConfig, StorageConfig, TransferConfig
@@ -79,6 +80,9 @@ class DecodeInstance:
                 gpu_uuid=self.cuda_ipc.gpu_uuid if self.cuda_ipc is not None else "",
             )
         self.num_expired = 0  # engine thread only
+        # tests only: called with (request id, first block) before each received chunk or
+        # direct-write commit is applied: it may stall (sleep) or drop it (raise)
+        self.kv_write_fault: Callable[[str, int], None] | None = None
 
     @classmethod
     def create(
@@ -270,6 +274,8 @@ class DecodeInstance:
                 f"{len(data)} bytes is not a whole number of {block_bytes}-byte blocks"
             )
         num_blocks = len(data) // block_bytes
+        if self.kv_write_fault is not None:
+            self.kv_write_fault(request_id, first_block)
         block_ids = self.reservations.begin_write(request_id, first_block, num_blocks)
         ok = False
         try:
@@ -285,6 +291,8 @@ class DecodeInstance:
     def commit_blocks(self, request_id: str, first_block: int, num_blocks: int) -> None:
         """A direct-write transport wrote blocks [first_block, + num_blocks) of the request's
         reservation: count them as received. Raises KVTransferError."""
+        if self.kv_write_fault is not None:
+            self.kv_write_fault(request_id, first_block)
         self.reservations.begin_write(request_id, first_block, num_blocks)
         self.reservations.end_write(request_id, first_block, num_blocks, True)
         self.runtime.counters.received(num_blocks, num_blocks * self.runtime.stager.block_bytes)

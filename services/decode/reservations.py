@@ -2,7 +2,8 @@
 
 A reservation is a lease. It ends when the first token arrives (the request starts decoding), when
 the sender aborts or its KV stream breaks, or when it expires; then its blocks are freed. A lease
-does not expire while a KV stream is writing into it (the stream's end settles it instead).
+does not expire while a KV stream is writing into it (the stream's end settles it instead), and
+every block written renews it: a long transfer keeps its reservation while bytes flow.
 Thread-safe: handler threads write KV while the engine thread starts, expires and frees.
 """
 
@@ -21,6 +22,7 @@ class Reservation:
     block_ids: tuple[int, ...]  # the request's block table; covers the prompt
     num_cached_blocks: int  # decode's own prefix hit: never written by transfers
     expires_at: float
+    lease_s: float
     received: set[int] = field(default_factory=set)
     active_streams: int = 0
     cancelled: bool = False  # released while a stream was writing: freed when it ends
@@ -54,7 +56,7 @@ class ReservationTable:
     ) -> None:
         with self._lock:
             self._reservations[request.request_id] = Reservation(
-                request, block_ids, num_cached_blocks, self._clock() + lease_s
+                request, block_ids, num_cached_blocks, self._clock() + lease_s, lease_s
             )
 
     def begin_write(self, request_id: str, first_block: int, num_blocks: int) -> tuple[int, ...]:
@@ -91,6 +93,9 @@ class ReservationTable:
             reservation.active_streams -= 1
             if ok:
                 reservation.received.update(range(first_block, first_block + num_blocks))
+                reservation.expires_at = max(
+                    reservation.expires_at, self._clock() + reservation.lease_s
+                )
             if (not ok or reservation.cancelled) and reservation.active_streams == 0:
                 return self._reservations.pop(request_id)
             return None

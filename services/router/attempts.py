@@ -29,12 +29,14 @@ from pdserve.errors import (
     RequestAbortedError,
     ResourceExhaustedError,
     StepFailedError,
+    StreamMovedError,
 )
 from pdserve.kvcache.events import LoadReport
 from pdserve.kvcache.hashing import BlockHash, BlockHasher, PromptHashes
 from pdserve.metrics import RouterMetrics
 from pdserve.observability import tracing
 from pdserve.rpc.clients import Metadata
+from pdserve.transfer.base import PrefixSource
 from pdserve.v1.common_pb2 import InstanceStats
 from services.router.kv_index import KVEventIndex
 from services.router.load import Lease
@@ -103,12 +105,17 @@ class Attempts:
         excluded: set[str],
         aborted: Callable[[], bool],
         record: RequestRecord,
+        source: PrefixSource | None = None,
     ) -> AsyncGenerator[TokenDelta | Finished, None]:
         """The request's events from one routed run; failures before its first token are
         retried on other instances (added to `excluded`). A failure after it blames the
-        instance that was streaming (added to `excluded`) and is raised. Raises
+        instance that was streaming (added to `excluded`) and is raised. A stream whose decode
+        instance is drained is moved: it ends with StreamMovedError (that instance added to
+        `excluded`) once its context fills whole blocks there (`_move_point`). Raises
         RequestAbortedError once `aborted()`, NoCapacityError when every attempt failed.
-        Each routing decision and attempt is a stage of `record` (and a span of its trace)."""
+        `source`: a decode instance holding the prompt's first blocks (the previous attempt's,
+        moved off it). Each routing decision and attempt is a stage of `record` (and a span of
+        its trace)."""
         hashes = self._hasher.hash_tokens(token_ids)
         chain = PromptHashes(self._hasher.root, self._hasher.block_size, tuple(hashes))
         backoff = self.config.retry_backoff_s  # doubles after each failed attempt
@@ -116,7 +123,7 @@ class Attempts:
         for attempt in range(1, self.config.max_attempts + 1):
             if aborted():
                 raise RequestAbortedError(f"request {request_id} was aborted")
-            route = self._routed(record, request_id, token_ids, hashes, excluded)
+            route = self._routed(record, request_id, token_ids, hashes, excluded, source)
             leases = self._take_leases(request_id, route, len(token_ids))
             dispatched = time.perf_counter()
             record.dispatched = record.dispatched or dispatched
@@ -147,12 +154,20 @@ class Attempts:
                 else:
                     leases[0].release()  # prefill is done once the first token exists
                 yield first
+                watched = self._membership if self.config.drain_moves_streams else None
+                mover = _Mover(route, len(token_ids), self._hasher.block_size, watched)
                 try:
+                    mover.streamed(first)
                     async for event in events:
                         if isinstance(event, Finished):
                             _reported(record, route, event, dispatched, first_token)
                             self._count_hits(route, event)
                         yield event
+                        mover.streamed(event)
+                except StreamMovedError as e:
+                    excluded.add(e.address)  # moved on purpose: nobody is blamed
+                    e.release_hold = self.load.acquire(e.address, 0).release  # until read
+                    raise
                 except (InstanceUnavailableError, StepFailedError) as e:
                     excluded.add(self._lost_stream(e, route.decode or route.prefill))
                     raise
@@ -184,13 +199,14 @@ class Attempts:
         token_ids: Sequence[int],
         hashes: Sequence[BlockHash],
         excluded: set[str],
+        source: PrefixSource | None,
     ) -> Route:
         """`_choose`, recorded as the request's `route` stage (after its `admission`: edge
         checks, admission and hashing, from its arrival to its first routing)."""
         started = time.perf_counter()
         if record.attempts == 0 and record.migrations == 0:
             record.add("admission", record.arrival, started)
-        route = self.routing.choose(request_id, len(token_ids), hashes, excluded)
+        route = self.routing.choose(request_id, len(token_ids), hashes, excluded, source)
         record.attempts += 1
         decision: dict[str, object] = {
             "prefill": route.prefill, "decode": route.decode or "", "policy": self.policy_name,
@@ -315,6 +331,43 @@ class Attempts:
             f"the request failed on {self.config.max_attempts} attempts; last error: {failure}; "
             "retry later",
             retry_ms,
+        )
+
+
+class _Mover:
+    """Watches one attempt's stream for its decode instance being drained, and then ends it
+    where the move costs least: when the tokens whose KV the decode instance computed (all
+    but the newest) fill whole blocks, so that the next attempt reads every one of them back
+    and computes only the newest token. A stream whose deltas keep skipping that point (a
+    reader that lags gets several tokens at once) moves after two blocks' worth anyway."""
+
+    def __init__(
+        self, route: Route, prompt_tokens: int, block_size: int, members: Membership | None
+    ) -> None:
+        """`members`: whose drained marks to watch (None: streams never move)."""
+        streaming = route.decode or (route.prefill if route.on_decode else None)
+        # the decode instance streaming, and who says whether it is drained
+        self._watch = (members, streaming) if members is not None and streaming else None
+        self._tokens = prompt_tokens
+        self._block_size = block_size
+        self._waited = -1  # tokens streamed since the drain was seen (-1: not seen)
+
+    def streamed(self, event: TokenDelta | Finished) -> None:
+        """Count the event's tokens; raise StreamMovedError when the stream should move now."""
+        if not isinstance(event, TokenDelta) or self._watch is None:
+            return
+        members, streaming = self._watch
+        self._tokens += len(event.token_ids)
+        if self._waited < 0:
+            if not members.is_drained(streaming):
+                return
+            self._waited = 0
+        self._waited += len(event.token_ids)
+        computed = self._tokens - 1  # the newest token's KV is computed by the next step
+        if computed % self._block_size and self._waited < 2 * self._block_size:
+            return
+        raise StreamMovedError(
+            f"moved off {streaming}, which is drained", streaming, computed // self._block_size
         )
 
 

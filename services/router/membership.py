@@ -67,6 +67,13 @@ class Membership:
                 if i not in self._drained and self._unhealthy_until.get(i, 0.0) <= now
             ]
 
+    def readable(self, role: Role) -> list[str]:
+        """The members of `role` not marked unhealthy, drained ones included: a drained
+        instance still serves its cached KV while its streams move away."""
+        now = time.monotonic()
+        with self._lock:
+            return [i for i in self._members[role] if self._unhealthy_until.get(i, 0.0) <= now]
+
     def candidates(self, role: Role, excluded: Set[str]) -> list[str]:
         """The instances of `role` to choose from, best first by kind: routable and not
         `excluded` (those a failed attempt of this request blamed); else routable; else

@@ -31,9 +31,11 @@ from pdserve.errors import (
     PdserveError,
     RequestAbortedError,
     StepFailedError,
+    StreamMovedError,
 )
 from pdserve.metrics import RouterMetrics
 from pdserve.observability import tracing
+from pdserve.transfer.base import PrefixSource
 from services.router.admission import AdmissionQueue
 from services.router.attempts import Attempts
 from services.router.followers import KVEventFollower, StatsPoller
@@ -218,15 +220,21 @@ class Router:
         )
         self._transcripts[request_id] = transcript
         excluded: set[str] = set()
+        source: PrefixSource | None = None  # where a moved stream's context is read back
+        hold: Callable[[], object] | None = None  # releases the router's hold on that instance
         try:
             while True:
                 prompt, resumed = transcript.submission()
                 events = self.attempts.run(
-                    request_id, prompt, resumed, excluded, lambda: transcript.aborted, record
-                )
+                    request_id, prompt, resumed, excluded, lambda: transcript.aborted, record,
+                    source,
+                )  # fmt: skip
                 try:
                     event: TokenDelta | Finished | None = None
                     async for event in events:
+                        if hold is not None:  # the source was read before the first token
+                            hold()
+                            hold = None
                         for relayed in transcript.relay(event):
                             if isinstance(relayed, Finished):
                                 status = relayed.finish_reason
@@ -236,7 +244,16 @@ class Router:
                     if not isinstance(event, Finished):  # ended by a stop string at the seam
                         await asyncio.to_thread(self.abort, request_id)
                     return
+                except StreamMovedError as e:
+                    source = self._move(request_id, transcript, e, record)
+                    hold = e.release_hold
+                    final = transcript.begin_migration()
+                    if final is not None:
+                        status = final.finish_reason
+                        yield final
+                        return
                 except (InstanceUnavailableError, StepFailedError) as e:
+                    source = None
                     final = self._migrate(request_id, transcript, e, record)
                     if final is not None:
                         status = final.finish_reason
@@ -248,6 +265,8 @@ class Router:
             status, error = f"error: {e}", e
             raise
         finally:
+            if hold is not None:
+                hold()
             del self._transcripts[request_id]
             record.output_tokens = len(transcript.token_ids)
             self._finished(record, status, error)
@@ -304,6 +323,31 @@ class Router:
             extra={"request_id": request_id},
         )  # fmt: skip
         return transcript.begin_migration()
+
+    def _move(
+        self,
+        request_id: str,
+        transcript: Transcript,
+        moved: StreamMovedError,
+        record: RequestRecord,
+    ) -> PrefixSource:
+        """Record a stream moved off a drained decode instance; returns where its context is
+        read back from. A move is not a failure: neither `migration_limit` nor
+        `migration_max_tokens` applies (a drain never ends a stream)."""
+        context = len(transcript.prompt) + len(transcript.token_ids)
+        self.metrics.migrations.labels("moved").inc()
+        self.metrics.moved_context_tokens.inc(context)
+        record.migrations += 1
+        now = time.perf_counter()
+        record.add("migration", now, now, "", {"reason": "moved", "from": moved.address,
+                                               "tokens": len(transcript.token_ids),
+                                               "pull_blocks": moved.num_blocks})  # fmt: skip
+        logger.info(
+            "request %s moves off %s after %d tokens (%d blocks of context read back)",
+            request_id, moved.address, len(transcript.token_ids), moved.num_blocks,
+            extra={"request_id": request_id},
+        )  # fmt: skip
+        return PrefixSource(moved.address, moved.num_blocks)
 
     def abort(self, request_id: str) -> None:
         """Stop a request on every instance that holds it and release its leases (blocking)."""

@@ -111,10 +111,12 @@ class Routing:
         prompt_tokens: int,
         hashes: Sequence[BlockHash],
         excluded: set[str],
+        source: PrefixSource | None = None,
     ) -> Route:
         """The route of a prompt of `prompt_tokens` tokens whose full blocks hash to `hashes`,
-        avoiding the `excluded` instances. Raises NoCapacityError when a role has no
-        candidate."""
+        avoiding the `excluded` instances; `source`: a decode instance known to hold the
+        prompt's first blocks (a stream moved off it), else the index's best. Raises
+        NoCapacityError when a role has no candidate."""
         prefills = self._admitted(self._membership.candidates(Role.PREFILL, excluded))
         request = RouteRequest(request_id, prompt_tokens, self.block_size)
         try:
@@ -140,7 +142,8 @@ class Routing:
         self._metrics.disaggregation.labels("local" if path.local else "remote").inc()
         if path.local:
             return Route(decode.instance_id, None, decode_cached, reason, score, True, path)
-        source = self._pull_source(hashes, prefill.overlap_blocks, decodes)
+        if source is None or source.num_blocks <= prefill.overlap_blocks:
+            source = self._pull_source(hashes, prefill.overlap_blocks)
         logger.debug(
             "request %s -> prefill %s (%s, %d blocks cached%s) -> decode %s",
             request_id, prefill.instance_id, prefill.reason, prefill.overlap_blocks,
@@ -151,13 +154,12 @@ class Routing:
             prefill.instance_id, decode.instance_id, cached, reason, score, path=path, source=source
         )
 
-    def _pull_source(
-        self, hashes: Sequence[BlockHash], prefill_blocks: int, decodes: Sequence[str]
-    ) -> PrefixSource | None:
-        """The decode instance holding the most of the prompt's leading blocks, when that is
-        `router.kv_pull_min_tokens` more than the prefill instance holds (a conversation's
-        earlier answers stay where they were generated)."""
+    def _pull_source(self, hashes: Sequence[BlockHash], prefill_blocks: int) -> PrefixSource | None:
+        """The decode instance holding the most of the prompt's leading blocks (drained ones
+        too: they serve reads), when that is `router.kv_pull_min_tokens` more than the prefill
+        instance holds (a conversation's earlier answers stay where they were generated)."""
         min_tokens = self._config.kv_pull_min_tokens
+        decodes = self._membership.readable(Role.DECODE)
         if min_tokens is None or not decodes:
             return None
         overlaps = self._index.overlaps(hashes, decodes)

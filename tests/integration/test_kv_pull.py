@@ -4,6 +4,7 @@ computing it; the tokens stay those of computing everything. A pull that fails o
 short computes the rest."""
 
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 
 from stacks import Stack
 from waiting import wait_for
@@ -113,3 +114,37 @@ def test_a_pull_stops_at_the_first_block_the_source_lacks(make_stack: MakeStack)
     assert staged.pulled == 3
     assert runtime.stats().kv_pull_failures == 1
     runtime.loop.call(lambda engine: engine.release("partial"))
+
+
+def test_streams_on_a_drained_decode_move_with_their_context_read_back(
+    make_stack: MakeStack, make_engine: Callable[..., LLMEngine]
+) -> None:
+    """Draining a decode instance moves its running streams to the other one: each ends there
+    at a block boundary of its context, the prefill reads that context back from the drained
+    instance and computes the newest token only; the tokens are an undisturbed run's."""
+    stack = make_stack(decode=2)
+    drained = stack.decode[0]
+    stack.router.membership.set_drained(stack.decode[1].address, True)  # all start on decode 0
+    params = SamplingParams(max_tokens=150, ignore_eos=True)
+    prompts = [prompt(37 + 9 * n, offset=10 + n) for n in range(4)]
+    prefill = stack.prefill[0].instance
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        streams = [pool.submit(lambda p=p: stack.generate(p, params).tokens) for p in prompts]
+        wait_for(lambda: drained.instance.stats().num_running == len(prompts))
+        before = prefill.stats()
+        stack.router.membership.set_drained(stack.decode[1].address, False)
+        stack.router.membership.set_drained(drained.address, True)
+        wait_for(lambda: drained.instance.stats().num_running == 0)  # moved, not finished
+        tokens = [s.result() for s in streams]
+    after = prefill.stats()
+    expected = make_engine().generate(prompts, params)
+    assert tokens == [list(e.token_ids) for e in expected]
+    moved = stack.router.metrics.migrations.labels("moved")._value.get()
+    assert moved == len(prompts)
+    context = stack.router.metrics.moved_context_tokens._value.get()
+    device = after.device_hit_tokens - before.device_hit_tokens  # the prompts, still cached
+    pulled = after.peer_hit_tokens - before.peer_hit_tokens  # the answers so far
+    recomputed = after.num_computed_tokens - before.num_computed_tokens
+    assert device + pulled + recomputed == context and pulled > 0
+    assert recomputed <= len(prompts) * 2 * BLOCK  # the newest token each, or two blocks' worth
+    assert stack.decode[1].instance.stats().num_running == 0

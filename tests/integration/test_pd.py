@@ -359,3 +359,57 @@ def test_a_stream_whose_decode_dies_migrates_and_ends_as_the_undisturbed_one(
             stopped.stop()
     assert received == list(expected.token_ids)
     assert stack.router.metrics.migrations.labels("instance_lost")._value.get() == 1
+
+
+def test_a_reservation_is_renewed_while_its_kv_stream_writes(make_stack: MakeStack) -> None:
+    """A transfer slower than the lease keeps its reservation while its blocks arrive: each
+    written chunk renews the lease (here 0.5 s, the transfer 7 chunks 0.2 s apart)."""
+    stack = make_stack(decode_config=DecodeConfig(reservation_timeout_s=0.5))
+    decode = stack.decode[0].instance
+    stub = decode_stub(stack)
+    with subscribed(stack):
+        reply = stub.Reserve(reserve_request("slow", prompt(100)))
+        assert reply.num_blocks == 7
+
+        def chunks() -> Iterator[decode_pb2.KVChunk]:
+            for block in range(reply.num_blocks):
+                if block:
+                    threading.Event().wait(0.2)  # the link is slow: a gap between blocks
+                yield decode_pb2.KVChunk(request_id="slow", first_block=block, num_blocks=1,
+                                         data=bytes(reply.block_bytes),
+                                         last=block == reply.num_blocks - 1)  # fmt: skip
+
+        pushed = stub.PushKV(chunks(), timeout=30)
+        assert pushed.blocks_received == reply.num_blocks
+        stub.StartDecode(decode_pb2.StartDecodeRequest(request_id="slow", first_token_id=5))
+        assert decode.stats().num_expired_reservations == 0
+        wait_for(lambda: decode.stats().num_running == 0)
+
+
+def test_a_stalled_kv_transfer_is_cut_and_the_request_served_by_another_pair(
+    make_stack: MakeStack, make_engine: Callable[..., LLMEngine]
+) -> None:
+    """The decode instance stops reading a transfer (its first chunk is held): prefill cuts it
+    after transfer.stall_timeout_s without progress, aborts the reservation, and the request is
+    retried on the other decode instance; nothing waits for the stall to end."""
+    stack = make_stack(decode=2, transfer=TransferConfig(transport="grpc", stall_timeout_s=0.5))
+    release, stalled = threading.Event(), threading.Event()
+
+    def stall_once(request_id: str, first_block: int) -> None:
+        if not stalled.is_set():
+            stalled.set()
+            release.wait(60)  # until the test ends: a transfer that neither ends nor fails
+
+    for member in stack.decode:
+        member.instance.kv_write_fault = stall_once
+    try:
+        tokens = prompt(60, offset=7)
+        result = stack.generate(tokens, GREEDY)
+        assert stalled.is_set() and not release.is_set()  # served while the stall went on
+        assert result.tokens == list(make_engine().generate([tokens], GREEDY)[0].token_ids)
+        assert stack.prefill[0].instance.stats().kv_transfer_failures_by_transport["grpc"] == 1
+        for member in stack.decode:  # the stalled reservation was aborted, not left to expire
+            wait_for(lambda m=member: m.instance.stats().num_reservations == 0)
+            assert member.instance.stats().num_expired_reservations == 0
+    finally:
+        release.set()

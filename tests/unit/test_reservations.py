@@ -47,6 +47,8 @@ def test_lease_does_not_expire_while_a_stream_writes(
     clock.now += 10
     assert table.pop_expired() == []
     assert table.end_write("a", 1, 2, ok=True) is None
+    assert table.pop_expired() == []  # the write renewed the lease: one more from its end
+    clock.now += 1
     assert table.pop_expired()[0].complete
 
 
