@@ -113,3 +113,21 @@ def a_busy_decode(up: UpCluster) -> str:
 def alive_again(up: UpCluster, name: str, old_pid: int) -> bool:
     info = up.list_instances()[name]
     return info.alive and info.pid != old_pid
+
+
+def check_lost_nothing(
+    up: UpCluster, outcomes: list[Outcome], reference: dict[int, Outcome]
+) -> None:
+    """Every outcome a success with its undisturbed text, at least one stream migrated, and the
+    cluster at rest: no router lease, every instance idle with all its blocks free."""
+    assert [o for o in outcomes if o.status != 200] == []
+    for outcome in outcomes:
+        assert outcome.text == reference[outcome.prompt].text, outcome
+        assert (outcome.finish_reason, outcome.completion_tokens) == ("length", MAX_TOKENS)
+    metrics = up.router_metrics()
+    assert metrics.get('pdserve_router_migrations_total{reason="instance_lost"}', 0) >= 1
+    assert sum(v for k, v in metrics.items() if k.startswith("pdserve_router_in_flight")) == 0
+    for info in up.list_instances().values():
+        stats = up.stats(info.address)
+        assert stats.num_running == 0 and stats.num_reservations == 0, info.name
+        assert stats.num_free_blocks == stats.num_blocks, info.name

@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from chaos_load import CLIENTS, MAX_TOKENS, PROMPTS, Load, alive_again, request
+from chaos_load import CLIENTS, MAX_TOKENS, PROMPTS, Load, alive_again, check_lost_nothing, request
 from pdserve_up import UpCluster, pdserve_up
 from ray_nodes import RayNodes, ray_nodes
 from waiting import wait_for
@@ -81,14 +81,4 @@ def test_spread_over_nodes_and_a_lost_node_loses_no_request(
         print(f"node lost: {victim} re-placed and serving after {replaced_s:.1f} s")
         outcomes = load.outcomes
         assert len(outcomes) - started >= 2 * CLIENTS
-        assert [o for o in outcomes if o.status != 200] == []
-        for outcome in outcomes:
-            assert outcome.text == reference[outcome.prompt].text, outcome
-            assert (outcome.finish_reason, outcome.completion_tokens) == ("length", MAX_TOKENS)
-        metrics = up.router_metrics()
-        assert metrics.get('pdserve_router_migrations_total{reason="instance_lost"}', 0) >= 1
-        assert sum(v for k, v in metrics.items() if k.startswith("pdserve_router_in_flight")) == 0
-        for info in up.list_instances().values():
-            stats = up.stats(info.address)
-            assert stats.num_running == 0 and stats.num_reservations == 0, info.name
-            assert stats.num_free_blocks == stats.num_blocks, info.name
+        check_lost_nothing(up, outcomes, reference)
