@@ -146,16 +146,9 @@ class Attempts:
                     excluded |= self._failed_attempt(e, request_id, attempt, route)
                     await asyncio.sleep(backoff * 2 ** (attempt - 1))
                     continue
-                first_token = time.perf_counter()
-                record.first_token = record.first_token or first_token
-                self._succeeded(route)
-                if route.decode is None:
-                    leases[0].finish_prefill()  # mixed: the prompt is computed, decoding goes on
-                else:
-                    leases[0].release()  # prefill is done once the first token exists
+                first_token = self._first_token(route, leases, record)
                 yield first
-                watched = self._membership if self.config.drain_moves_streams else None
-                mover = _Mover(route, len(token_ids), self._hasher.block_size, watched)
+                mover = self._mover(route, len(token_ids))
                 try:
                     mover.streamed(first)
                     async for event in events:
@@ -253,6 +246,23 @@ class Attempts:
             route.prefill, route.decode, token_ids, params, request_id, hashes, metadata,
             route_seq, route.source,
         )  # fmt: skip
+
+    def _first_token(self, route: Route, leases: tuple[Lease, ...], record: RequestRecord) -> float:
+        """The attempt's first token came: its instances' breakers close and prefill's load
+        ends (a mixed instance keeps the request, not its prompt). Returns when."""
+        now = time.perf_counter()
+        record.first_token = record.first_token or now
+        self._succeeded(route)
+        if route.decode is None:
+            leases[0].finish_prefill()
+        else:
+            leases[0].release()
+        return now
+
+    def _mover(self, route: Route, prompt_tokens: int) -> "_Mover":
+        """What moves the attempt's stream off its decode instance once that is drained."""
+        watched = self._membership if self.config.drain_moves_streams else None
+        return _Mover(route, prompt_tokens, self._hasher.block_size, watched)
 
     def _release(self, request_id: str) -> None:
         active = self._active.pop(request_id, None)
