@@ -35,6 +35,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar, Union, get_args, get_origin, get_type_hints
+from urllib.parse import parse_qsl, unquote, urlsplit
 
 import yaml
 
@@ -65,7 +66,8 @@ PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")  # Ray
 MOONCAKE_PROTOCOLS = ("tcp", "rdma")
 STORES = ("directory", "memory")
 DEVICE_WRITE_POLICIES = ("on_eviction", "write_through", "off")
-REDIS_SCHEMES = ("redis", "rediss", "unix")
+SENTINEL_SCHEMES = ("redis+sentinel", "rediss+sentinel")
+REDIS_SCHEMES = ("redis", "rediss", "unix", *SENTINEL_SCHEMES)
 LOG_FORMATS = ("text", "json")
 DISAGGREGATION_MODES = ("always", "never", "auto")
 # Engine settings a role may not change: KV blocks move between prefill and decode instances
@@ -527,6 +529,69 @@ class TransferConfig:
             raise ConfigError("transfer.max_batch_entries must be positive")
 
 
+# Query options of a Sentinel URL: TLS files, passed to every connection, and the Sentinels'
+# own login.
+_SENTINEL_TLS_OPTIONS = ("ssl_ca_certs", "ssl_certfile", "ssl_keyfile", "ssl_cert_reqs")
+_SENTINEL_LOGIN_OPTIONS = ("sentinel_username", "sentinel_password")
+
+
+@dataclass(frozen=True, slots=True)
+class SentinelURL:
+    """`storage.redis_url` naming a primary through its Sentinels. A secret (its passwords):
+    errors about it never echo it."""
+
+    sentinels: tuple[tuple[str, int], ...]
+    primary: str  # the name the Sentinels monitor it by
+    db: int = 0
+    username: str | None = None
+    password: str | None = None
+    tls: bool = False
+    tls_options: tuple[tuple[str, str], ...] = ()
+    sentinel_username: str | None = None
+    sentinel_password: str | None = None
+
+    @classmethod
+    def parse(cls, url: str) -> "SentinelURL":
+        parts = urlsplit(url)
+        if parts.scheme not in SENTINEL_SCHEMES:
+            raise ConfigError("a Sentinel URL starts with redis+sentinel:// or rediss+sentinel://")
+        userinfo, _, hosts = parts.netloc.rpartition("@")
+        username, _, password = userinfo.partition(":")
+        sentinels = tuple(_host_port(item) for item in hosts.split(",") if item)
+        if not sentinels:
+            raise ConfigError("storage.redis_url names no Sentinel (host:port[,host:port…])")
+        primary, _, db = parts.path.strip("/").partition("/")
+        if not primary or not (db == "" or db.isdigit()):
+            raise ConfigError(
+                "storage.redis_url: a Sentinel URL's path is /primary-name or /primary-name/db"
+            )
+        options = dict(parse_qsl(parts.query, keep_blank_values=True))
+        unknown = sorted(set(options) - {*_SENTINEL_TLS_OPTIONS, *_SENTINEL_LOGIN_OPTIONS})
+        if unknown:
+            raise ConfigError(
+                f"storage.redis_url: unknown Sentinel URL options {unknown}; known: "
+                f"{[*_SENTINEL_TLS_OPTIONS, *_SENTINEL_LOGIN_OPTIONS]}"
+            )
+        return cls(
+            sentinels=sentinels,
+            primary=unquote(primary),
+            db=int(db or 0),
+            username=unquote(username) or None,
+            password=unquote(password) or None,
+            tls=parts.scheme == "rediss+sentinel",
+            tls_options=tuple((k, v) for k, v in options.items() if k in _SENTINEL_TLS_OPTIONS),
+            sentinel_username=options.get("sentinel_username") or None,
+            sentinel_password=options.get("sentinel_password") or None,
+        )
+
+
+def _host_port(item: str) -> tuple[str, int]:
+    host, _, port = item.rpartition(":")
+    if not host or not port.isdigit():
+        raise ConfigError(f"storage.redis_url: a Sentinel is host:port, got {item!r}")
+    return host.strip("[]"), int(port)
+
+
 @dataclass(frozen=True, slots=True)
 class StorageConfig:
     """The shared KV storage tier: a Redis index over block stores, shared by every instance."""
@@ -534,10 +599,15 @@ class StorageConfig:
     enabled: bool = True
     """Every instance writes blocks back to, and reads them ahead from, the tier."""
     redis_url: str | None = None
-    """The index's Redis: `redis://[:password@]host:port/db`, `rediss://` (TLS) or `unix://`;
-    null: `pdserve up` starts an embedded Redis on the head node.
+    """The index's Redis: `redis://[[user]:password@]host:port/db`, `rediss://` (TLS) or
+    `unix://`; a replicated Redis through its Sentinels:
+    `redis+sentinel://[[user]:password@]host:port[,host:port…]/primary-name[/db]`
+    (`rediss+sentinel://`: TLS to the Sentinels and the Redis servers); null: `pdserve up` starts
+    an embedded Redis on the head node. Query options: `ssl_ca_certs=`, `ssl_certfile=`,
+    `ssl_keyfile=`, `ssl_cert_reqs=`; for Sentinels that require a login, `sentinel_username=`,
+    `sentinel_password=`.
 
-    The URL is printed and logged with its password redacted."""
+    The URL is printed and logged with its passwords redacted."""
     store: str = _choice("directory", STORES)
     """Where block bytes live: `directory` (one file per block, local disk or a shared
     filesystem) or `memory` (host RAM; peers read it over gRPC)."""
@@ -572,9 +642,11 @@ class StorageConfig:
         scheme = (self.redis_url or "").partition("://")[0]
         if self.redis_url is not None and scheme not in REDIS_SCHEMES:
             raise ConfigError(  # the URL itself is not echoed: it may hold a password
-                "storage.redis_url must start with redis://, rediss:// or unix://, "
-                f"got a URL starting {scheme[:16]!r}"
+                "storage.redis_url must start with redis://, rediss://, unix://, "
+                f"redis+sentinel:// or rediss+sentinel://, got a URL starting {scheme[:16]!r}"
             )
+        if self.redis_url is not None and scheme in SENTINEL_SCHEMES:
+            SentinelURL.parse(self.redis_url)
         for name in ("capacity_bytes", "max_pending_bytes", "redis_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"storage.{name} must be positive, got {getattr(self, name)}")

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # What the tests need beyond `make install`: Debian's libibverbs1 (the Mooncake transfer engine
 # links against it, even in TCP mode; without recommends: no RDMA providers are wanted here),
-# Debian's prometheus (for `promtool check metrics`), a C++ compiler and ninja (pdserve's CPU attention
-# kernel is compiled on first use) and the Mooncake engine's CPU wheel.
+# Debian's prometheus (for `promtool check metrics`), redis-server and redis-sentinel (a replicated
+# Redis), a C++ compiler and ninja (pdserve's CPU attention kernel is compiled on first use) and
+# the Mooncake engine's CPU wheel.
 # Idempotent; needs root (or sudo) for apt-get the first time.
 set -euo pipefail
 PY=${1:-.venv/bin/python}
@@ -13,6 +14,8 @@ command -v promtool >/dev/null || missing+=(prometheus)
 command -v openssl >/dev/null || missing+=(openssl)  # test certificates for the admin TLS test
 command -v g++ >/dev/null || missing+=(g++)
 command -v ninja >/dev/null || missing+=(ninja-build)  # torch builds C++ extensions with it
+# a replicated Redis (primary, replica, Sentinel) for the storage tier's failover tests
+command -v redis-sentinel >/dev/null || missing+=(redis-server redis-sentinel)
 if [ ${#missing[@]} -gt 0 ]; then
     SUDO=""
     if [ "$(id -u)" != 0 ]; then

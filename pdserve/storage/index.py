@@ -29,10 +29,13 @@ import re
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import cast
+from typing import Any, cast
+from urllib.parse import urlsplit
 
 import redis
+from redis.sentinel import Sentinel
 
+from pdserve.config import SENTINEL_SCHEMES, SentinelURL
 from pdserve.errors import BlockStoreError, IntegrityError
 from pdserve.kvcache.hashing import BlockHash
 from pdserve.storage.keys import HASH_BYTES, check_key, check_store_id
@@ -370,10 +373,37 @@ def _hex(block_hash: BlockHash) -> str:
 
 
 def redis_client(url: str, timeout_s: float = 2.0) -> redis.Redis:
-    """A client for `url` (redis://, rediss:// for TLS, unix://; password in the URL) that fails
-    fast: a dead Redis must not stall the instance."""
+    """A client for `url` (redis://, rediss:// for TLS, unix://, or a primary through its
+    Sentinels: redis+sentinel://, rediss+sentinel://) that fails fast: a dead Redis must not
+    stall the instance. Through Sentinels, every new connection asks them for the current
+    primary, and one to a primary demoted since fails: after a failover the client follows the
+    promoted replica on its next call."""
+    if urlsplit(url).scheme in SENTINEL_SCHEMES:
+        return _primary_through_sentinels(SentinelURL.parse(url), timeout_s)
     client: redis.Redis = redis.Redis.from_url(
         url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s
+    )
+    return client
+
+
+def _primary_through_sentinels(url: SentinelURL, timeout_s: float) -> redis.Redis:
+    common: dict[str, Any] = {
+        "socket_timeout": timeout_s,
+        "socket_connect_timeout": timeout_s,
+        **dict(url.tls_options),
+    }
+    if url.tls:
+        common["ssl"] = True
+    sentinels = Sentinel(  # type: ignore[no-untyped-call]
+        list(url.sentinels),
+        sentinel_kwargs={
+            **common,
+            "username": url.sentinel_username,
+            "password": url.sentinel_password,
+        },
+    )
+    client: redis.Redis = sentinels.master_for(  # type: ignore[no-untyped-call]
+        url.primary, db=url.db, username=url.username, password=url.password, **common
     )
     return client
 

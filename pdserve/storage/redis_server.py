@@ -120,20 +120,19 @@ _DISABLED_COMMANDS = (
 
 
 def redacted(url: str | None) -> str:
-    """A Redis URL without its credentials (the password in the user info and any `password=`
-    query parameter): safe to print and log."""
+    """A Redis URL without its credentials (the password in the user info and any
+    `password=`/`sentinel_password=` query parameter): safe to print and log."""
     if not url:
         return ""
     try:
         parts = urlsplit(url)
-        parts.port  # noqa: B018  (raises ValueError on a malformed port)
     except ValueError:
         return "<a malformed Redis URL>"
     netloc = parts.netloc
     if "@" in netloc:
-        userinfo, host = netloc.rsplit("@", 1)
-        netloc = f"{userinfo.split(':', 1)[0]}:***@{host}"
-    query = re.sub(r"(?i)(^|&)(password=)[^&]*", r"\1\2***", parts.query)
+        userinfo, hosts = netloc.rsplit("@", 1)
+        netloc = f"{userinfo.split(':', 1)[0]}:***@{hosts}"
+    query = re.sub(r"(?i)(^|&)((?:sentinel_)?password=)[^&]*", r"\1\2***", parts.query)
     return urlunsplit(parts._replace(netloc=netloc, query=query))
 
 

@@ -281,6 +281,10 @@ class StorageTier:
         except redis.RedisError as e:
             self._redis_failed(e)
             return []
+        if len(entries) < len(hashes):  # e.g. entries lost in a Redis failover: write again
+            with self._lock:
+                for block_hash in hashes[len(entries) :]:
+                    self._known_stored.pop(block_hash, None)
         blocks: list[bytes] = []
         for block_hash, entry in zip(hashes, entries, strict=False):
             if isinstance(entry, InvalidEntry):

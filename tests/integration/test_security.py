@@ -54,6 +54,10 @@ def test_a_redis_url_is_printed_without_its_password() -> None:
     assert redacted("redis://h/0?password=s3cret&db=1") == "redis://h/0?password=***&db=1"
     assert redacted("redis://:s3cret@[::1]:6379/0") == "redis://:***@[::1]:6379/0"
     assert "s3cret" not in redacted("redis://:s3cret@h:99999999/0")
+    sentinels = "redis+sentinel://app:s3cret@s1:26379,s2:26379/main/0?sentinel_password=t0p"
+    assert redacted(sentinels) == (
+        "redis+sentinel://app:***@s1:26379,s2:26379/main/0?sentinel_password=***"
+    )
 
 
 def test_embedded_redis_refuses_commands_that_would_reach_the_host(

@@ -10,12 +10,13 @@ from typing import Any
 
 import pytest
 from credentials import SECRET
+from redis_replicas import ReplicatedRedis, wait_for_failover
 from stacks import Stack
 from waiting import wait_for
 
 from pdserve.config import DecodeConfig, EngineConfig, StorageConfig
 from pdserve.engine import LLMEngine, SamplingParams
-from pdserve.errors import InstanceUnavailableError
+from pdserve.errors import InstanceUnavailableError, IntegrityError
 from pdserve.kvcache.hashing import BlockHash
 from pdserve.storage import CacheIndex, DirectoryStore, IndexEntry, StorageTier, checksum
 from pdserve.storage.index import InvalidEntry, redis_client
@@ -716,3 +717,55 @@ def _flushes(instance: MixedInstance) -> bool:
     except InstanceUnavailableError:
         return False
     return True
+
+
+# -- a replicated Redis ------------------------------------------------------------------------
+
+
+def unpublish(client: Any, tier: StorageTier, items: list[tuple[BlockHash, bytes]]) -> None:
+    """Undo the index writes of `items`' publication, as if they had never reached `client`'s
+    server."""
+    prefix, store = tier.index.prefix, tier.store.store_id
+    with client.pipeline() as pipe:
+        for block_hash, data in items:
+            pipe.delete(f"{prefix}b:{block_hash.hex()}")
+            pipe.zrem(f"{prefix}lru:{store}", block_hash.hex())
+            pipe.decrby(f"{prefix}used:{store}", len(data))
+        pipe.execute()
+
+
+def test_a_tier_behind_sentinels_follows_a_failover_and_lost_entries_only_cost_misses(
+    tmp_path: Path,
+) -> None:
+    """TLS to every server and to the Sentinel, an ACL user, a Sentinel with its own password:
+    the primary is killed, the Sentinel promotes the replica, the tier follows it; entries the
+    replica never received read as misses and are written again."""
+    with ReplicatedRedis(tmp_path, tls=True) as group:
+        assert redis_client(group.direct_url("primary")).ping()  # rediss:// with a user
+        config = storage_config(group.url, tmp_path / "store")
+        tier = StorageTier(config, "test", make_store(config, None, tmp_path), secret=SECRET)
+        try:
+            kept, lost = blocks(3), blocks(2, seed=3)
+            assert tier.write(kept + lost) == 5
+            tier.flush()
+            replica, primary = group.client("replica"), group.client("primary")
+            wait_for(lambda: replica.dbsize() == primary.dbsize(), 10)
+
+            old = group.primary_port()
+            group.kill("primary")
+            assert tier.read_chain([h for h, _ in kept]) == []  # Redis unreachable: a miss
+            wait_for_failover(group, old)
+            unpublish(replica, tier, lost)  # writes the replica never received, as may happen
+
+            chain = [h for h, _ in kept + lost]
+            wait_for(lambda: tier.read_chain(chain) != [], 30)  # followed the promoted replica
+            assert tier.read_chain(chain) == [d for _, d in kept]
+            assert tier.write(lost) == 2  # a lost entry is not taken as stored any more
+            tier.flush()
+            assert tier.read_chain(chain) == [d for _, d in kept + lost]
+            assert tier.counters.read_errors == 0 and tier.counters.redis_errors > 0
+            # the lost entries' first copies are on disk, indexed by nobody: left to an operator
+            with pytest.raises(IntegrityError, match="2 stored blocks are neither indexed"):
+                tier.check_integrity()
+        finally:
+            tier.close()

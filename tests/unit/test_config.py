@@ -13,6 +13,7 @@ from pdserve.config import (
     ClusterConfig,
     EngineConfig,
     RouterConfig,
+    SentinelURL,
     StorageConfig,
     TransferConfig,
     check_environment,
@@ -215,6 +216,10 @@ def test_variable_names() -> None:
         ({"PDSERVE_STORAGE_STORE": "s3"}, r"storage\.store must be one of directory, memory"),
         ({"PDSERVE_STORAGE_DEVICE_WRITE_POLICY": "always"}, r"storage\.device_write_policy"),
         ({"PDSERVE_STORAGE_REDIS_URL": "localhost:6379"}, r"storage\.redis_url must start with"),
+        ({"PDSERVE_STORAGE_REDIS_URL": "redis+sentinel://:pw@/main"}, r"names no Sentinel"),
+        ({"PDSERVE_STORAGE_REDIS_URL": "redis+sentinel://s1:26379"}, r"/primary-name or"),
+        ({"PDSERVE_STORAGE_REDIS_URL": "redis+sentinel://s1/main"}, r"a Sentinel is host:port"),
+        ({"PDSERVE_STORAGE_REDIS_URL": "redis+sentinel://s:1/m?db=2"}, r"unknown Sentinel URL"),
     ],
 )
 def test_invalid_choice_is_rejected_naming_the_setting(env: dict[str, str], message: str) -> None:
@@ -233,6 +238,25 @@ def test_valid_choices_load(tmp_path: Path) -> None:
     config = load_cluster_config(path, env={})
     assert (config.engine.device, config.router.prefill_policy) == ("cuda:0", "least_load")
     assert config.placement_strategy == "STRICT_SPREAD"
+
+
+def test_a_sentinel_url_names_the_sentinels_the_primary_and_both_logins() -> None:
+    url = SentinelURL.parse(
+        "rediss+sentinel://app:p%40ss@s1:26379,[::1]:26380/main/2"
+        "?sentinel_password=t0p&ssl_ca_certs=/etc/ca.pem"
+    )
+    assert url.sentinels == (("s1", 26379), ("::1", 26380))
+    assert (url.primary, url.db, url.username, url.password) == ("main", 2, "app", "p@ss")
+    assert url.tls and url.tls_options == (("ssl_ca_certs", "/etc/ca.pem"),)
+    assert (url.sentinel_username, url.sentinel_password) == (None, "t0p")
+    plain = SentinelURL.parse("redis+sentinel://s1:26379/main")
+    assert (plain.db, plain.username, plain.password, plain.tls) == (0, None, None, False)
+
+
+def test_a_malformed_sentinel_url_is_not_echoed() -> None:
+    with pytest.raises(ConfigError) as error:
+        StorageConfig(redis_url="redis+sentinel://app:s3cret@s1:26379")
+    assert "s3cret" not in str(error.value)
 
 
 def test_section_name_under_cluster_is_an_unknown_key(tmp_path: Path) -> None:
