@@ -516,8 +516,9 @@ class TransferConfig:
     """Direct writes stop this many seconds before a reservation's lease ends."""
     stall_timeout_s: float = 10.0
     """A gRPC KV transfer that moves no bytes for this long (the receiver stopped reading, the
-    network stalls) is cut: the request is retried on another pair, and both sides free its
-    blocks. A transfer that keeps moving bytes is never cut, however long it takes."""
+    network stalls), or a direct write's commit unanswered for this long, is cut: the request is
+    retried on another pair, and both sides free its blocks. A transfer that keeps moving bytes
+    is never cut, however long it takes."""
 
     def __post_init__(self) -> None:
         _check_choices(self, "transfer")

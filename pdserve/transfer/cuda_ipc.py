@@ -223,10 +223,13 @@ class CudaIpcKVTransport(KVTransport):
         device: torch.device,
         gpus: Callable[[], Mapping[str, int]] = visible_gpus,
         opener: PeerOpener | None = None,
+        stall_timeout_s: float = 10.0,
     ) -> None:
         """`device`: where this instance's KV cache (the source of every send) lives; `gpus` and
-        `opener` are the CUDA queries (UUIDs seen here, mapping a peer's cache)."""
+        `opener` are the CUDA queries (UUIDs seen here, mapping a peer's cache);
+        `stall_timeout_s`: how long a commit may go unanswered."""
         self._channels = channels
+        self._stall_timeout_s = stall_timeout_s
         self._device = device
         self._gpus = functools.cache(gpus)  # the visible set is fixed once CUDA started
         self._open = opener or functools.partial(open_peer_cache, own=device)
@@ -287,7 +290,7 @@ class CudaIpcKVTransport(KVTransport):
         """Straight from the sender's KV cache on its GPU (no staging), then commit."""
         start = time.perf_counter()
         written = self.write_blocks(target, source, block_ids)
-        commit(self._channels, target, written.num_blocks)
+        commit(self._channels, target, written.num_blocks, self._stall_timeout_s)
         return TransferResult(written.num_blocks, written.num_bytes, time.perf_counter() - start)
 
     def write_blocks(
@@ -324,7 +327,7 @@ class CudaIpcKVTransport(KVTransport):
         """From host memory (one view per block) into decode's GPU, then commit."""
         start = time.perf_counter()
         written = self.write_views(target, blocks)
-        commit(self._channels, target, written.num_blocks)
+        commit(self._channels, target, written.num_blocks, self._stall_timeout_s)
         return TransferResult(written.num_blocks, written.num_bytes, time.perf_counter() - start)
 
     def write_views(self, target: KVTarget, blocks: Sequence[memoryview]) -> TransferResult:

@@ -17,15 +17,16 @@ import numpy as np
 
 from pdserve.errors import KVTransferError, PdserveError
 from pdserve.rpc.channels import ChannelPool
-from pdserve.rpc.clients import DecodeClient
+from pdserve.rpc.clients import Deadlines, DecodeClient
 from pdserve.transfer.base import KVSource, KVTarget, KVTransport, TransferResult, host_id
 
 
-def commit(channels: ChannelPool, target: KVTarget, num_blocks: int) -> None:
-    """Tell the decode instance that blocks [first_block, + num_blocks) are written. Raises
+def commit(channels: ChannelPool, target: KVTarget, num_blocks: int, timeout_s: float) -> None:
+    """Tell the decode instance that blocks [first_block, + num_blocks) are written; a commit
+    unanswered for `timeout_s` (transfer.stall_timeout_s) is a stalled transfer. Raises
     KVTransferError (whatever decode answered: the transfer did not complete)."""
     try:
-        DecodeClient(target.address, channels).commit_kv(
+        DecodeClient(target.address, channels, Deadlines(control_s=timeout_s)).commit_kv(
             target.request_id, target.first_block, num_blocks
         )
     except PdserveError as e:
@@ -77,6 +78,7 @@ def send_by_rank(
     source: KVSource,
     block_ids: Sequence[int],
     write: Callable[[KVTarget, KVSource], None],
+    commit_timeout_s: float,
 ) -> TransferResult:
     """A tensor-parallel decode instance (`target.endpoints.ranks`): `write` each rank's slice
     of the blocks (`source.slices`, the sender's ranks) into that rank's cache, then commit
@@ -90,7 +92,7 @@ def send_by_rank(
         )
     for rank_target, rank_source in zip(targets, slices, strict=True):
         write(rank_target, rank_source)
-    commit(channels, target, len(block_ids))
+    commit(channels, target, len(block_ids), commit_timeout_s)
     size = target.block_bytes
     return TransferResult(len(block_ids), len(block_ids) * size, time.perf_counter() - start)
 
@@ -100,8 +102,9 @@ class ShmKVTransport(KVTransport):
 
     name = "shm"
 
-    def __init__(self, channels: ChannelPool) -> None:
+    def __init__(self, channels: ChannelPool, stall_timeout_s: float = 10.0) -> None:
         self._channels = channels
+        self._stall_timeout_s = stall_timeout_s
         self._segments: dict[str, tuple[mmap.mmap, int]] = {}  # name -> (mapping, address)
         self._lock = threading.Lock()
 
@@ -135,12 +138,12 @@ class ShmKVTransport(KVTransport):
             with rank_source.staged(block_ids) as views:
                 self._write(rank_target, views)
 
-        return send_by_rank(self._channels, target, source, block_ids, write)
+        return send_by_rank(self._channels, target, source, block_ids, write, self._stall_timeout_s)
 
     def send(self, target: KVTarget, blocks: Sequence[memoryview]) -> TransferResult:
         start = time.perf_counter()
         self._write(target, blocks)
-        commit(self._channels, target, len(blocks))
+        commit(self._channels, target, len(blocks), self._stall_timeout_s)
         size = target.block_bytes
         return TransferResult(len(blocks), len(blocks) * size, time.perf_counter() - start)
 

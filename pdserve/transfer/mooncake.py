@@ -204,7 +204,9 @@ class MooncakeKVTransport(KVTransport):
             addresses = [rank_source.base_address + b * size for b in block_ids]
             self._write_all(rank_target, addresses)
 
-        return send_by_rank(self._channels, target, source, block_ids, write)
+        return send_by_rank(
+            self._channels, target, source, block_ids, write, self._config.stall_timeout_s
+        )
 
     def send(self, target: KVTarget, blocks: Sequence[memoryview]) -> TransferResult:
         """From host memory registered with the engine (`MooncakeEngine.register`)."""
@@ -214,7 +216,7 @@ class MooncakeKVTransport(KVTransport):
     def _send(self, target: KVTarget, sources: Sequence[int]) -> TransferResult:
         start = time.perf_counter()
         self._write_all(target, sources)
-        commit(self._channels, target, len(sources))
+        commit(self._channels, target, len(sources), self._config.stall_timeout_s)
         size = target.block_bytes
         return TransferResult(len(sources), len(sources) * size, time.perf_counter() - start)
 

@@ -43,7 +43,7 @@ class TransportSelector:
             TransportName.GRPC: GrpcKVTransport(
                 channels, chunk_bytes, stall_timeout_s=config.stall_timeout_s
             ),
-            TransportName.SHM: ShmKVTransport(channels),
+            TransportName.SHM: ShmKVTransport(channels, config.stall_timeout_s),
         }
         if cuda_ipc is not None:
             self.transports[TransportName.CUDA_IPC] = cuda_ipc

@@ -115,7 +115,9 @@ class PrefillInstance:
             runtime.start_mooncake(self.transfer, host, sender=True)
             if transfer is not None
             else None,
-            cuda_ipc=CudaIpcKVTransport(self.channels, runtime.stager.device),
+            cuda_ipc=CudaIpcKVTransport(
+                self.channels, runtime.stager.device, stall_timeout_s=self.transfer.stall_timeout_s
+            ),
         )
 
     @classmethod

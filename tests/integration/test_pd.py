@@ -19,7 +19,7 @@ from waiting import wait_for
 
 from pdserve.config import DecodeConfig, PrefillConfig, TransferConfig
 from pdserve.engine import LLMEngine, SamplingParams
-from pdserve.errors import NoCapacityError
+from pdserve.errors import NoCapacityError, PromptTooLongError
 from pdserve.instance.convert import generate_request
 from pdserve.v1 import (
     common_pb2,
@@ -180,6 +180,41 @@ def test_full_decode_refuses_a_request_that_would_eat_the_reserve(make_stack: Ma
         assert all(len(f.result().tokens) == 150 for f in running)
     result = stack.generate(prompt(40, offset=9), GREEDY)
     assert len(result.tokens) == 24 and result.final.finish_reason == "length"
+
+
+REFUSALS = {  # why decode refuses a handoff: its engine's settings, prompt tokens, the error
+    "no room": ({"num_kv_blocks": 24}, 200, NoCapacityError, "cannot take 13 blocks"),
+    "prompt too long": ({"max_model_len": 128}, 200, PromptTooLongError, "window is 128"),
+    "KV layout": ({"kv_cache_dtype": "fp8_e4m3"}, 40, NoCapacityError, "KV blocks of layout"),
+}
+
+
+@pytest.mark.parametrize("reason", list(REFUSALS))
+def test_a_refused_handoff_is_answered_to_prefill_which_frees_its_blocks(
+    reason: str, make_stack: MakeStack
+) -> None:
+    """Decode refuses the reservation: the refusal is prefill's reply (not a timeout), the
+    client gets its class, no KV moves, and prefill and decode hold nothing after it."""
+    settings, length, error, message = REFUSALS[reason]
+    stack = make_stack(
+        decode_engine=settings,
+        prefill_config=PrefillConfig(reserve_max_attempts=1),
+        router={"max_attempts": 1},
+    )
+    prefill, decode = stack.prefill[0].instance, stack.decode[0].instance
+    with subscribed(stack):
+        if reason == "no room":  # another request's reservation holds 13 of the 24 blocks
+            decode_stub(stack).Reserve(reserve_request("holder", prompt(200, offset=50)))
+        with pytest.raises(error, match=message):
+            stack.generate(prompt(length), GREEDY)
+        if reason == "no room":
+            decode.abort("holder")
+    assert decode.stats().kv_blocks_received == 0
+    assert sum(prefill.stats().kv_blocks_sent_by_transport.values()) == 0
+    for instance in (prefill, decode):
+        stats = instance.stats()
+        assert (stats.num_running, stats.num_waiting, stats.num_reservations) == (0, 0, 0)
+        assert stats.num_free_blocks == stats.num_blocks
 
 
 def test_a_decode_whose_kv_layout_differs_gets_no_block(make_stack: MakeStack) -> None:
@@ -386,13 +421,16 @@ def test_a_reservation_is_renewed_while_its_kv_stream_writes(make_stack: MakeSta
         wait_for(lambda: decode.stats().num_running == 0)
 
 
+@pytest.mark.parametrize("transport", ["grpc", "shm", "mooncake"])
 def test_a_stalled_kv_transfer_is_cut_and_the_request_served_by_another_pair(
-    make_stack: MakeStack, make_engine: Callable[..., LLMEngine]
+    transport: str, make_stack: MakeStack, make_engine: Callable[..., LLMEngine]
 ) -> None:
-    """The decode instance stops reading a transfer (its first chunk is held): prefill cuts it
-    after transfer.stall_timeout_s without progress, aborts the reservation, and the request is
+    """The decode instance stops taking a transfer (gRPC: its first chunk is held; shared
+    memory and Mooncake: the commit after the write): prefill cuts it after
+    transfer.stall_timeout_s without progress, aborts the reservation, and the request is
     retried on the other decode instance; nothing waits for the stall to end."""
-    stack = make_stack(decode=2, transfer=TransferConfig(transport="grpc", stall_timeout_s=0.5))
+    config = TransferConfig(transport=transport, stall_timeout_s=0.5)
+    stack = make_stack(decode=2, transfer=config)
     release, stalled = threading.Event(), threading.Event()
 
     def stall_once(request_id: str, first_block: int) -> None:
@@ -407,7 +445,8 @@ def test_a_stalled_kv_transfer_is_cut_and_the_request_served_by_another_pair(
         result = stack.generate(tokens, GREEDY)
         assert stalled.is_set() and not release.is_set()  # served while the stall went on
         assert result.tokens == list(make_engine().generate([tokens], GREEDY)[0].token_ids)
-        assert stack.prefill[0].instance.stats().kv_transfer_failures_by_transport["grpc"] == 1
+        failures = stack.prefill[0].instance.stats().kv_transfer_failures_by_transport
+        assert failures[transport] == 1
         for member in stack.decode:  # the stalled reservation was aborted, not left to expire
             wait_for(lambda m=member: m.instance.stats().num_reservations == 0)
             assert member.instance.stats().num_expired_reservations == 0
