@@ -421,6 +421,33 @@ def test_a_reservation_is_renewed_while_its_kv_stream_writes(make_stack: MakeSta
         wait_for(lambda: decode.stats().num_running == 0)
 
 
+def test_a_long_transfer_near_the_context_window_outlasts_its_lease_and_is_not_cut(
+    make_stack: MakeStack, make_engine: Callable[..., LLMEngine]
+) -> None:
+    """A 1,000-token prompt (of a 1,024-token window) written slowly by decode: 63 one-block
+    chunks, each delayed, take 2.5 times the reservation's lease; each written chunk renews
+    it, so nothing expires and nothing is cut. (The sender sees progress as gRPC takes chunks:
+    here the whole transfer fits gRPC's flow-control window, so the stall limit must exceed
+    decode's time to write it.)"""
+    stack = make_stack(
+        engine={"max_model_len": 1024},
+        decode_config=DecodeConfig(reservation_timeout_s=0.5),
+        prefill_config=PrefillConfig(transfer_chunk_bytes=1),  # a block per chunk
+        transfer=TransferConfig(transport="grpc", stall_timeout_s=5),
+    )
+    decode = stack.decode[0].instance
+    decode.kv_write_fault = lambda request_id, first_block: threading.Event().wait(0.02)
+    tokens = prompt(1000, offset=3)
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    result = stack.generate(tokens, params)
+    assert result.tokens == list(
+        make_engine(max_model_len=1024).generate([tokens], params)[0].token_ids
+    )
+    stats = decode.stats()
+    assert stats.kv_blocks_received == 63 and stats.num_expired_reservations == 0
+    assert stack.prefill[0].instance.stats().kv_transfer_failures_by_transport["grpc"] == 0
+
+
 @pytest.mark.parametrize("transport", ["grpc", "shm", "mooncake"])
 def test_a_stalled_kv_transfer_is_cut_and_the_request_served_by_another_pair(
     transport: str, make_stack: MakeStack, make_engine: Callable[..., LLMEngine]
