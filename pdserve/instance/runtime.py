@@ -189,6 +189,7 @@ class InstanceRuntime:
         self.events = events
         self.stager: KVStager = engine.runner.stager
         self.counters = TransferCounters()
+        self.leaving = False  # shutting down: load reports ask the routers to drain it
         self.stage_metrics = StageMetrics(role)
         connector = engine.storage_connector
         self.storage_tier: StorageTier | None = connector.tier if connector is not None else None
@@ -746,6 +747,7 @@ class InstanceRuntime:
             num_blocks=kv.num_blocks,
             predicted_queue_s=_queue_seconds(engine, queued),
             received=received,
+            leaving=self.leaving,
         )
 
     def subscribe_kv_events(

@@ -81,6 +81,7 @@ class LoadReport:
     num_blocks: int = 0
     predicted_queue_s: float = 0.0  # the step time model's time for the queued prompt tokens
     received: dict[str, int] = field(default_factory=dict)
+    leaving: bool = False  # shutting down (SIGTERM): routers drain it
 
     @property
     def num_requests(self) -> int:

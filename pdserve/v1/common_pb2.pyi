@@ -1122,6 +1122,7 @@ class InstanceLoad(_message.Message):
     NUM_BLOCKS_FIELD_NUMBER: _builtins.int
     PREDICTED_QUEUE_S_FIELD_NUMBER: _builtins.int
     RECEIVED_FIELD_NUMBER: _builtins.int
+    LEAVING_FIELD_NUMBER: _builtins.int
     num_running: _builtins.int
     num_waiting: _builtins.int
     num_reservations: _builtins.int
@@ -1133,6 +1134,10 @@ class InstanceLoad(_message.Message):
     num_blocks: _builtins.int
     predicted_queue_s: _builtins.float
     """the step time model's time for the queued prompt tokens"""
+    leaving: _builtins.bool
+    """the instance is shutting down (it received SIGTERM): route nothing new to it and move its
+    streams elsewhere, as for an instance drained by the operator
+    """
     @_builtins.property
     def received(self) -> _containers.ScalarMap[_builtins.str, _builtins.int]:
         """per router (its output subscriber id): the highest GenerateRequest.route_seq among the
@@ -1151,10 +1156,11 @@ class InstanceLoad(_message.Message):
         num_blocks: _builtins.int = ...,
         predicted_queue_s: _builtins.float = ...,
         received: _abc.Mapping[_builtins.str, _builtins.int] | None = ...,
+        leaving: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["num_blocks", b"num_blocks", "num_free_blocks", b"num_free_blocks", "num_reservations", b"num_reservations", "num_reserved_blocks", b"num_reserved_blocks", "num_running", b"num_running", "num_waiting", b"num_waiting", "predicted_queue_s", b"predicted_queue_s", "queued_prefill_tokens", b"queued_prefill_tokens", "received", b"received"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["leaving", b"leaving", "num_blocks", b"num_blocks", "num_free_blocks", b"num_free_blocks", "num_reservations", b"num_reservations", "num_reserved_blocks", b"num_reserved_blocks", "num_running", b"num_running", "num_waiting", b"num_waiting", "predicted_queue_s", b"predicted_queue_s", "queued_prefill_tokens", b"queued_prefill_tokens", "received", b"received"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

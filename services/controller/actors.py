@@ -9,7 +9,9 @@ go over the instance's own gRPC server.
 
 import logging
 import os
+import signal
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -47,6 +49,10 @@ ROLE_SERVICES: dict[str, tuple[str, Callable[[ServedRole, Any], None]]] = {
 # Set by the controller for GPU actors (`Cluster._create_actor`): Ray then leaves the actor's
 # CUDA_VISIBLE_DEVICES alone, and the actor sets it itself (`claim_gpus`).
 NOSET_CUDA_VISIBLE_DEVICES = "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES"
+# A leaving instance exits once it has held nothing for this long: a stream that moved off it
+# reads its context back from here within that time (the router holds it until then).
+LEAVE_QUIET_S = 2.0
+LEAVE_POLL_S = 0.1
 
 
 def visible_devices(
@@ -244,12 +250,46 @@ class InstanceActor:
             if other != role:
                 self.server.set_serving(ROLE_SERVICES[other][0], False)
         self._address = host_port(advertised_host(config.host), port)
+        if threading.current_thread() is threading.main_thread():  # Ray runs __init__ there
+            signal.signal(signal.SIGTERM, self._on_sigterm)
         tracing.configure(
             tracing.trace_endpoint(observability.otlp_endpoint),
             observability.trace_sample_ratio,
             f"pdserve-{role}",
             {"service.instance.id": self._address},
         )
+
+    def _on_sigterm(self, signum: int, _frame: object) -> None:
+        """SIGTERM (a node shutting down, an operator's `kill`): leave as a drain does. The
+        load reports ask every router to drain this instance (its streams move elsewhere with
+        their KV read back from here); the process exits once it has been idle for
+        LEAVE_QUIET_S, or after `cluster.drain_timeout_s` (what is left then migrates by
+        recomputing). The supervisor restarts it as any instance that exited."""
+        runtime = self.instance.runtime
+        if runtime.leaving:
+            return
+        runtime.leaving = True
+        logger.warning(
+            "SIGTERM: leaving; the routers drain this instance, which exits once idle "
+            "(at most %.0f s)",
+            self.config.drain_timeout_s,
+        )
+        threading.Thread(target=self._leave, name="leave", daemon=True).start()
+
+    def _leave(self) -> None:
+        deadline = time.monotonic() + self.config.drain_timeout_s
+        idle_since: float | None = None
+        while (now := time.monotonic()) < deadline:
+            if not _busy(self.instance.stats()):
+                idle_since = idle_since or now
+                if now - idle_since >= LEAVE_QUIET_S:
+                    break
+            else:
+                idle_since = None
+            time.sleep(LEAVE_POLL_S)
+        logger.warning("leaving now")
+        self.stop()
+        os._exit(0)
 
     def _role(self, role: str, runtime: InstanceRuntime) -> Role:
         config = self.config
@@ -326,3 +366,14 @@ class InstanceActor:
         self.server.stop(grace=2).wait()
         self.instance.stop()  # the runtime, with the role's own
         tracing.shutdown()  # its last spans
+
+
+def _busy(stats: Any) -> bool:
+    """Whether an instance holds a request, a reservation or a referenced block (a peer's read
+    pins the blocks it reads)."""
+    return bool(
+        stats.num_running
+        or stats.num_waiting
+        or stats.num_reservations
+        or stats.num_free_blocks != stats.num_blocks
+    )

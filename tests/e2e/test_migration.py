@@ -1,11 +1,14 @@
 """Request migration on a `pdserve up` cluster (1 prefill + 3 decode): the decode instance
 serving a long greedy stream is killed with SIGKILL at a random point (and then the next one);
 the client receives exactly the text of an undisturbed run. Also for chat and non-streaming
-requests. The migrated request loads what it already computed from the storage tier. And an
-instance drained and removed by the operator lets its stream finish first."""
+requests. The migrated request loads what it already computed from the storage tier. An
+instance drained and removed by the operator lets its stream finish first; one sent SIGTERM
+moves its stream away, exits and is restarted."""
 
 import json
+import os
 import random
+import signal
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -204,3 +207,32 @@ def test_removing_a_drained_decode_lets_its_stream_finish_first(
     up.admin().ScaleRole(
         admin_pb2.ScaleRoleRequest(role="decode", replicas=3), metadata=up.admin_auth, timeout=300
     )
+
+
+def test_sigterm_to_a_decode_moves_its_stream_and_the_instance_comes_back(
+    up: UpCluster, tiny_model_dir: Path
+) -> None:
+    """SIGTERM to the decode instance serving a stream (a node shutting down): it asks the
+    router to drain it, the stream moves to another decode with its context read back (a
+    move, not a loss), the process exits once idle and the supervisor restarts it."""
+    body = {"model": tiny_model_dir.name, "prompt": "Once more", "max_tokens": 400,
+            "ignore_eos": True, "temperature": 0}  # fmt: skip
+    reference = stream(up, "completions", body)
+    terminated: list[tuple[str, int]] = []
+
+    def terminate_serving_decode(received: int) -> None:
+        if received == 20:
+            name = serving_decode(up)
+            pid = up.list_instances()[name].pid
+            os.kill(pid, signal.SIGTERM)
+            terminated.append((name, pid))
+
+    def moves() -> float:
+        return up.router_metrics().get('pdserve_router_migrations_total{reason="moved"}', 0)
+
+    lost, moved = migrations(up), moves()
+    chunks = stream(up, "completions", body, terminate_serving_decode)
+    assert text_of(chunks) == text_of(reference) and finish_of(chunks) == "length"
+    assert moves() > moved and migrations(up) == lost
+    [(name, pid)] = terminated
+    wait_for(lambda: up.list_instances()[name].alive and up.list_instances()[name].pid != pid, 120)
