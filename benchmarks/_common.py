@@ -19,7 +19,10 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-RESULTS_DIR = Path(__file__).resolve().parent / "results"
+# BENCHMARK_RESULTS_DIR: another directory (tests that run a benchmark keep its JSON there)
+RESULTS_DIR = Path(
+    os.environ.get("BENCHMARK_RESULTS_DIR") or Path(__file__).resolve().parent / "results"
+)
 
 Cell = str | int | float
 
