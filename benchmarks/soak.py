@@ -11,14 +11,16 @@ schema. Every answer is compared with the answer to the same request before the 
 
 Meanwhile a chaos schedule kills, every `--chaos-interval-s`, one of: an instance actor
 (SIGKILL), the router replica that is not `up`'s own (SIGKILL), the embedded Redis (SIGKILL),
-a worker node whole (its raylet and workers; a fresh node joins in its place). `--quick` (2
-minutes) kills each once, in random order. Each kill waits for the cluster to heal.
+a worker node whole (its raylet and workers; a fresh node joins in its place) — in rounds of
+all four, each round in random order (`--quick`, 2 minutes: one round). Each kill waits for
+the cluster to heal.
 
 Reports: requests started, succeeded, failed by reason — the only failure allowed is a request
 in flight through a router replica when it was killed (its connection breaks) — wrong answers
 (must be 0), leaks once the load stops (instances holding requests, reservations or blocks,
-routers with requests in flight: must be 0), and the RSS growth per hour of each process never
-restarted, over the second half of the run (the first half warms up).
+routers with requests in flight: must be 0), and the RSS growth per hour of each process (its
+last incarnation, if the chaos restarted it) over the second half of the run (the first half
+warms up).
 
 RESULT: `started`, `succeeded`, `failed_allowed`, `failed_other` (must be 0), `wrong` (must be
 0), `leaks` (must be 0), `rss_growth_mb_per_h_max`, `kills`.
@@ -37,6 +39,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import grpc
 import httpx
 import psutil
 from _common import finish, parse_args, print_table
@@ -51,8 +54,10 @@ secret_file(WORKDIR / "ray_token")
 os.environ |= {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(WORKDIR / "ray_token")}
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the tests' helpers
+from chaos_load import alive_again  # noqa: E402
 from pdserve_up import UpCluster, pdserve_up, scrape_metrics  # noqa: E402
 from ray_nodes import RayNodes, ray_nodes  # noqa: E402
+from waiting import wait_for  # noqa: E402
 
 NAME = "soak"
 PROMPTS = [f"Note {n}: the {w} said" for n, w in enumerate(["river", "lamp", "crow", "tide"])]
@@ -70,6 +75,8 @@ KINDS = ("completion", "completion_stream", "completion_n2", "chat_tools", "chat
 CHAOS = ("instance", "router", "redis", "node")
 HEAL_S = 180.0
 RSS_SAMPLE_S = 5.0
+MIN_STRETCH_S = 60.0
+WARMUP_S = 60.0  # a process's first minute (model load, first compilations) is not growth
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -215,7 +222,7 @@ class Chaos:
     def _kill_instance(self) -> Kill:
         name = self.rng.choice(sorted(self.up.list_instances()))
         pid, at = self.up.kill(name), time.monotonic()
-        _wait(lambda: _alive_again(self.up, name, pid), HEAL_S)
+        wait_for(lambda: alive_again(self.up, name, pid), HEAL_S)
         return Kill("instance", name, at, time.monotonic() - at)
 
     def _kill_router(self) -> Kill:
@@ -223,7 +230,7 @@ class Chaos:
         [replica] = [r for r in routers(self.up) if r.alive and r.pid != own]
         psutil.Process(replica.pid).kill()
         at = time.monotonic()
-        _wait(lambda: any(r.alive and r.pid not in (own, replica.pid) for r in routers(self.up)),
+        wait_for(lambda: any(r.alive and r.pid not in (own, replica.pid) for r in routers(self.up)),
               HEAL_S)  # fmt: skip
         return Kill("router", replica.name, at, time.monotonic() - at)
 
@@ -233,7 +240,7 @@ class Chaos:
         [redis] = [p for p in psutil.Process(self.up.process.pid).children() if "redis" in p.name()]
         redis.kill()
         at = time.monotonic()
-        _wait(lambda: log.read_text().count("embedded Redis died: restarted") > restarts, HEAL_S)
+        wait_for(lambda: log.read_text().count("embedded Redis died: restarted") > restarts, HEAL_S)
         return Kill("redis", str(redis.pid), at, time.monotonic() - at)
 
     def _kill_node(self) -> Kill:
@@ -245,7 +252,7 @@ class Chaos:
         self.nodes.kill(node)
         at = time.monotonic()
         self.nodes.workers.append(self.nodes.cluster.add_node(num_cpus=2))  # room to re-place
-        _wait(lambda: all(_alive_again(self.up, n, pids[n]) for n in lost), HEAL_S)
+        wait_for(lambda: all(alive_again(self.up, n, pids[n]) for n in lost), HEAL_S)
         return Kill("node", f"{node.node_id[:8]} ({', '.join(lost) or 'no instance'})", at,
                     time.monotonic() - at)  # fmt: skip
 
@@ -255,19 +262,6 @@ def routers(up: UpCluster) -> list[admin_pb2.RouterReplica]:
         admin_pb2.ListInstancesRequest(), metadata=up.admin_auth, timeout=30
     )
     return list(reply.routers)
-
-
-def _alive_again(up: UpCluster, name: str, old_pid: int) -> bool:
-    info = up.list_instances().get(name)
-    return info is not None and info.alive and info.pid != old_pid
-
-
-def _wait(condition: Any, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"the cluster did not heal within {timeout_s:.0f} s")
-        time.sleep(0.2)
 
 
 # -- the books ------------------------------------------------------------------------------
@@ -322,23 +316,27 @@ def processes(up: UpCluster) -> dict[int, str]:
     return named
 
 
-def rss_mb(pids: dict[int, str]) -> dict[int, float]:
+def rss_mb(pids: dict[int, str]) -> dict[str, tuple[int, float]]:
+    """name -> (pid, RSS in MB) of each process of `pids` still running."""
     sizes = {}
-    for pid in pids:
+    for pid, name in pids.items():
         try:
-            sizes[pid] = psutil.Process(pid).memory_info().rss / 2**20
+            sizes[name] = (pid, psutil.Process(pid).memory_info().rss / 2**20)
         except psutil.NoSuchProcess:
             continue
     return sizes
 
 
 class RssSampler:
-    """Every RSS_SAMPLE_S, the RSS of each process named at the start. Growth is measured over
-    the second half of the run: the first half includes warm-up (caches, allocator arenas)."""
+    """Every RSS_SAMPLE_S, the RSS of every process of the cluster by name (`processes`): one
+    the chaos restarted is a new incarnation (pid) under the same name. A name's growth is its
+    last incarnation's over the second half of the run (the first half includes warm-up:
+    caches, allocator arenas) less the incarnation's first WARMUP_S, where that leaves at least
+    MIN_STRETCH_S."""
 
-    def __init__(self, pids: dict[int, str]) -> None:
-        self.pids = pids
-        self.samples: list[tuple[float, dict[int, float]]] = []
+    def __init__(self, up: UpCluster) -> None:
+        self.up = up
+        self.samples: list[tuple[float, dict[str, tuple[int, float]]]] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
@@ -349,19 +347,35 @@ class RssSampler:
     def __exit__(self, *_: object) -> None:
         self._stop.set()
         self._thread.join()
-        self.samples.append((time.monotonic(), rss_mb(self.pids)))
+        self._sample()
 
     def _run(self) -> None:
         while True:
-            self.samples.append((time.monotonic(), rss_mb(self.pids)))
+            self._sample()
             if self._stop.wait(RSS_SAMPLE_S):
                 return
 
+    def _sample(self) -> None:
+        try:
+            self.samples.append((time.monotonic(), rss_mb(processes(self.up))))
+        except (psutil.Error, grpc.RpcError):  # mid-kill: the next sample
+            return
+
+    def at_start(self) -> dict[str, float]:
+        return {name: round(rss, 1) for name, (_, rss) in self.samples[0][1].items()}
+
     def growth_mb_per_h(self) -> dict[str, float]:
-        """Per process alive from mid-run to the end: MB gained per hour over that half."""
-        (t0, first), (t1, last) = self.samples[len(self.samples) // 2], self.samples[-1]
-        hours = max(t1 - t0, 1e-9) / 3600
-        return {self.pids[p]: (last[p] - first[p]) / hours for p in first if p in last}
+        middle = (self.samples[0][0] + self.samples[-1][0]) / 2
+        growth = {}
+        for name, (pid, _) in self.samples[-1][1].items():
+            seen = [(t, by_name[name][1]) for t, by_name in self.samples
+                    if by_name.get(name, (0, 0.0))[0] == pid]  # fmt: skip
+            warm = max(middle, seen[0][0] + WARMUP_S)  # a restarted process warms up again
+            stretch = [(t, rss) for t, rss in seen if t >= warm]
+            if len(stretch) >= 2 and stretch[-1][0] - stretch[0][0] >= MIN_STRETCH_S:
+                hours = (stretch[-1][0] - stretch[0][0]) / 3600
+                growth[name] = round((stretch[-1][1] - stretch[0][1]) / hours, 1)
+        return growth
 
 
 # -- the run --------------------------------------------------------------------------------
@@ -393,14 +407,14 @@ def soak(args: argparse.Namespace, workdir: Path, nodes: RayNodes) -> dict[str, 
         bad = [o for o in reference.values() if o.status != 200]
         if bad:
             raise RuntimeError(f"reference requests failed before any chaos: {bad[:3]}")
-        pids = processes(up)
         chaos = Chaos(up, nodes, rng)
-        schedule = rng.sample(CHAOS, len(CHAOS)) if args.quick else []
+        schedule: list[str] = []  # rounds of every kind of kill, each round in random order
         end = time.monotonic() + minutes * 60
-        with RssSampler(pids) as rss, Load(up, model, args.clients, seed) as load:
+        with RssSampler(up) as rss, Load(up, model, args.clients, seed) as load:
             while time.monotonic() + interval < end:
                 time.sleep(interval)
-                chaos.strike(schedule.pop(0) if schedule else rng.choice(CHAOS))
+                schedule = schedule or rng.sample(CHAOS, len(CHAOS))
+                chaos.strike(schedule.pop(0))
             time.sleep(max(0.0, end - time.monotonic()))
         left = leaks(up)
     outcomes = load.outcomes
@@ -423,8 +437,8 @@ def soak(args: argparse.Namespace, workdir: Path, nodes: RayNodes) -> dict[str, 
         "by_kind": {k: sum(o.kind == k for o in outcomes) for k in KINDS},
         "kills": [vars(k) for k in chaos.kills],
         "leaks": left,
-        "rss_mb_at_start": {pids[p]: round(v, 1) for p, v in rss.samples[0][1].items()},
-        "rss_growth_mb_per_h": {n: round(v, 1) for n, v in rss.growth_mb_per_h().items()},
+        "rss_mb_at_start": rss.at_start(),
+        "rss_growth_mb_per_h": rss.growth_mb_per_h(),
     }
 
 
@@ -447,9 +461,12 @@ def main() -> None:
         [[k["kind"], k["target"], k["healed_s"]] for k in results["kills"]],
     )
     print_table(
-        "RSS growth over the second half (processes never restarted; a short run is noise)",
+        "RSS growth over the second half (each process's last incarnation; short runs: noise)",
         ["process", "RSS MB at start", "MB/h"],
-        [[n, results["rss_mb_at_start"][n], v] for n, v in results["rss_growth_mb_per_h"].items()],
+        [
+            [n, results["rss_mb_at_start"].get(n, "-"), v]
+            for n, v in results["rss_growth_mb_per_h"].items()
+        ],
     )
     growth = results["rss_growth_mb_per_h"].values()
     metrics = {

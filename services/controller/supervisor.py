@@ -55,7 +55,11 @@ class Supervisor:
             info = self.cluster.info(name)
             if info is None:  # removed by scaling meanwhile
                 continue
-            drained = self.router.membership.is_drained(info.address)
+            membership = self.router.membership
+            # drained by the operator: it comes back drained (not when it was shutting down)
+            drained = membership.is_drained(info.address) and not membership.is_leaving(
+                info.address
+            )
             self.router.remove_instance(info.address)
             backoff = config.restart_backoff_s
             self._down[name] = _Down(info.address, drained, time.monotonic() + backoff, backoff)

@@ -22,6 +22,7 @@ from pdserve.config import RouterConfig
 from pdserve.engine.request import SamplingParams
 from pdserve.errors import (
     DecodeUnavailableError,
+    DuplicateRequestError,
     InstanceUnavailableError,
     InvalidRequestError,
     NoCapacityError,
@@ -139,6 +140,13 @@ class Attempts:
             try:
                 try:
                     first = await anext(events)
+                except DuplicateRequestError as e:
+                    # the id is the router's own: an instance still tears down an earlier
+                    # attempt of this request. Not the caller's mistake, nobody is sick: later.
+                    failure = error = e
+                    self._failed_attempt(e, request_id, attempt, route, blame=False)
+                    await asyncio.sleep(backoff * 2 ** (attempt - 1))
+                    continue
                 except (InvalidRequestError, RequestAbortedError):
                     raise  # the caller's mistake, or stopped on purpose: not retried
                 except PdserveError as e:
@@ -285,11 +293,12 @@ class Attempts:
     # -- failures ---------------------------------------------------------------------------------
 
     def _failed_attempt(
-        self, error: PdserveError, request_id: str, attempt: int, route: Route
+        self, error: PdserveError, request_id: str, attempt: int, route: Route, blame: bool = True
     ) -> set[str]:
-        """Count, blame and log a failure before the first token; returns who to avoid."""
+        """Count, blame (unless not `blame`) and log a failure before the first token; returns
+        who to avoid."""
         self._metrics.retries.inc()
-        blamed = self._blame(error, route)
+        blamed = self._blame(error, route) if blame else set()
         logger.warning("request %s attempt %d on %s -> %s failed: %s",
                        request_id, attempt, route.prefill, route.decode, error,
                        extra={"request_id": request_id})  # fmt: skip

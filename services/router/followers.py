@@ -238,9 +238,9 @@ class KVEventFollower:
 
     def _apply_load(self, address: str, load: common_pb2.InstanceLoad) -> None:
         self._loads[address] = load_from_proto(load)
-        if load.leaving and not self._membership.is_drained(address):
+        if load.leaving and not self._membership.is_leaving(address):
             logger.warning("instance %s is shutting down: drained", address)
-            self._membership.set_drained(address, True)
+            self._membership.set_leaving(address)
         acknowledged = load.received.get(self._subscriber, 0)
         if acknowledged:
             self.on_acknowledged(address, acknowledged)

@@ -45,6 +45,7 @@ class Membership:
         self._lock = threading.Lock()
         self._members = {Role.PREFILL: list(prefill), Role.DECODE: list(decode)}
         self._drained: set[str] = set()
+        self._leaving: set[str] = set()  # drained because they are shutting down (SIGTERM)
         self._unhealthy_until: dict[str, float] = {}
 
     # -- reading ------------------------------------------------------------------------------
@@ -56,6 +57,12 @@ class Membership:
     def is_drained(self, address: str) -> bool:
         with self._lock:
             return address in self._drained
+
+    def is_leaving(self, address: str) -> bool:
+        """Drained because it said it is shutting down (not by an operator): an instance
+        restarted in its place is not drained."""
+        with self._lock:
+            return address in self._leaving
 
     def routable(self, role: Role) -> list[str]:
         """The members of `role` that are neither drained nor unhealthy now."""
@@ -105,6 +112,7 @@ class Membership:
                 if address in members:
                     members.remove(address)
             self._drained.discard(address)
+            self._leaving.discard(address)
             self._unhealthy_until.pop(address, None)
 
     def set_drained(self, address: str, drained: bool) -> None:
@@ -114,6 +122,13 @@ class Membership:
                 self._drained.add(address)
             else:
                 self._drained.discard(address)
+                self._leaving.discard(address)
+
+    def set_leaving(self, address: str) -> None:
+        """Drain `address` because it is shutting down."""
+        with self._lock:
+            self._drained.add(address)
+            self._leaving.add(address)
 
     def mark_unhealthy(self, address: str) -> None:
         """Prefer other instances to `address` for `cooldown_s`."""

@@ -236,3 +236,4 @@ def test_sigterm_to_a_decode_moves_its_stream_and_the_instance_comes_back(
     assert moves() > moved and migrations(up) == lost
     [(name, pid)] = terminated
     wait_for(lambda: up.list_instances()[name].alive and up.list_instances()[name].pid != pid, 120)
+    assert not up.list_instances()[name].drained  # back in rotation

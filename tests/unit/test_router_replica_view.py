@@ -1,4 +1,5 @@
-"""A router replica follows the primary's view: members per role, drained marks, the policy."""
+"""A router replica follows the primary's view: members per role, drained marks, the policy; and
+how an instance shutting down is drained."""
 
 from pathlib import Path
 
@@ -37,3 +38,17 @@ def test_a_replica_takes_the_primary_s_members_drained_marks_and_policy(
     finally:
         primary.stop()
         replica.stop()
+
+
+def test_a_leaving_instance_is_drained_until_resumed_or_removed() -> None:
+    """An instance shutting down (SIGTERM) is drained as if by an operator, but marked leaving,
+    so that the one restarted in its place is not; resuming or removing it drops both marks."""
+    membership = Membership(["p1:1"], ["d1:1", "d2:1"])
+    membership.set_leaving("d1:1")
+    assert membership.is_drained("d1:1") and membership.is_leaving("d1:1")
+    assert membership.routable(Role.DECODE) == ["d2:1"]
+    membership.set_drained("d1:1", False)
+    assert not membership.is_drained("d1:1") and not membership.is_leaving("d1:1")
+    membership.set_leaving("d2:1")
+    membership.remove("d2:1")
+    assert not membership.is_leaving("d2:1") and membership.members(Role.DECODE) == ("d1:1",)

@@ -16,6 +16,7 @@ from pdserve.config import EngineConfig, RouterConfig
 from pdserve.engine.request import SamplingParams
 from pdserve.errors import (
     DecodeUnavailableError,
+    DuplicateRequestError,
     InstanceUnavailableError,
     InvalidRequestError,
     KVTransferError,
@@ -57,6 +58,7 @@ class FakePDClient:
             "aborted": RequestAbortedError("aborted by an operator"),
             "decode_down": DecodeUnavailableError("decode d0 is gone"),
             "prefill_down": InstanceUnavailableError("prefill p0 is gone"),
+            "duplicate": DuplicateRequestError("request id 'r' is already in flight"),
         }
         if outcome in errors:
             raise errors[outcome]
@@ -135,6 +137,20 @@ def test_invalid_request_is_not_retried(model: ModelInfo) -> None:
     with pytest.raises(InvalidRequestError):
         run(router, "r")
     assert len(router.client.routes) == 1  # type: ignore[attr-defined]
+    assert router.attempts.load.snapshot() == {}
+
+
+def test_an_earlier_attempt_still_in_flight_is_waited_out_not_a_client_error(
+    model: ModelInfo,
+) -> None:
+    """An instance still holds the request's previous attempt (its node was lost under it):
+    the router's own id collides there. Retried after the backoff, nobody blamed; never a 400
+    for the client."""
+    router = make_router(model, ["duplicate", "ok"])
+    events = run(router, "r")
+    assert isinstance(events[-1], Finished)
+    assert len(router.client.routes) == 2  # type: ignore[attr-defined]
+    assert unhealthy(router) == set()
     assert router.attempts.load.snapshot() == {}
 
 
