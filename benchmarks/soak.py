@@ -76,6 +76,7 @@ CHAOS = ("instance", "router", "redis", "node")
 HEAL_S = 180.0
 RSS_SAMPLE_S = 5.0
 MIN_STRETCH_S = 60.0
+KILL_WINDOW_S = 2.0  # a killed router replica's connections break within this
 WARMUP_S = 60.0  # a process's first minute (model load, first compilations) is not growth
 
 
@@ -203,7 +204,7 @@ class Load:
 class Kill:
     kind: str
     target: str
-    at: float  # time.monotonic()
+    at: float  # time.monotonic() just before the kill
     healed_s: float = 0.0
 
 
@@ -228,8 +229,8 @@ class Chaos:
     def _kill_router(self) -> Kill:
         own = self.up.process.pid
         [replica] = [r for r in routers(self.up) if r.alive and r.pid != own]
-        psutil.Process(replica.pid).kill()
         at = time.monotonic()
+        psutil.Process(replica.pid).kill()
         wait_for(lambda: any(r.alive and r.pid not in (own, replica.pid) for r in routers(self.up)),
               HEAL_S)  # fmt: skip
         return Kill("router", replica.name, at, time.monotonic() - at)
@@ -268,10 +269,11 @@ def routers(up: UpCluster) -> list[admin_pb2.RouterReplica]:
 
 
 def failure_reason(outcome: Outcome, kills: list[Kill]) -> str:
-    """Why `outcome` failed: `router_replica_killed` when its connection broke while a router
-    replica it may have been carried by was killed; else its status or error."""
+    """Why `outcome` failed: `router_replica_killed` when its connection broke as a router
+    replica died (within KILL_WINDOW_S of the kill: a stream it carried, or a connection the
+    kernel had just handed to its listening socket); else its status."""
     if outcome.status == 0 and any(
-        k.kind == "router" and outcome.started <= k.at <= outcome.ended for k in kills
+        k.kind == "router" and k.at <= outcome.ended <= k.at + KILL_WINDOW_S for k in kills
     ):
         return "router_replica_killed"
     return f"status_{outcome.status}"
