@@ -85,7 +85,7 @@ def print_table(title: str, headers: Sequence[str], rows: Sequence[Sequence[Cell
         return f"{cell:,}" if isinstance(cell, int) else cell
 
     cells = [[text(c) for c in row] for row in rows]
-    widths = [max(len(h), *(len(r[i]) for r in cells)) for i, h in enumerate(headers)]
+    widths = [max([len(h), *(len(r[i]) for r in cells)]) for i, h in enumerate(headers)]
     left = [bool(rows) and isinstance(rows[0][i], str) for i in range(len(headers))]
 
     def line(row: Sequence[str]) -> str:
