@@ -68,8 +68,11 @@ $(TEST_STAMP): $(STAMP) scripts/install-test-deps.sh
 test: $(TEST_STAMP)
 	@$(MAKE) --no-print-directory -j2 lint pytest
 
+# The soak runs alone after the rest: its 3-node cluster under chaos would starve the
+# timing-sensitive tests (the planner's) of the other process.
 pytest: $(TEST_STAMP)
-	$(VENV)/bin/pytest -q -n 2 --dist loadfile
+	$(VENV)/bin/pytest -q -n 2 --dist loadfile --ignore tests/e2e/test_soak.py
+	$(VENV)/bin/pytest -q tests/e2e/test_soak.py
 
 bench: install
 	$(PY) benchmarks/kvcache_ops.py

@@ -296,7 +296,7 @@ def leaks(up: UpCluster) -> list[str]:
                 found.append(f"{info.name}: {s.num_blocks - s.num_free_blocks} blocks held")
         for replica in routers(up):
             metrics = scrape_metrics(f"http://{replica.metrics_address}")
-            if metrics.get("pdserve_router_in_flight_requests", 0):
+            if sum(v for k, v in metrics.items() if k.startswith("pdserve_router_in_flight")):
                 found.append(f"{replica.name}: requests in flight")
         return not found
 

@@ -3,6 +3,7 @@
 Counters end in `_total`, times are in seconds. Each process exposes its own registry.
 """
 
+import contextlib
 import itertools
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
@@ -106,6 +107,13 @@ class RouterMetrics:
         )
         self._add_index_metrics()
         self._add_admission_metrics()
+
+    def forget_instance(self, address: str) -> None:
+        """Drop the series of an instance no longer routed to (a restarted one comes back at
+        another address): no stale gauge, no series left behind by every restart."""
+        for metric in (self.in_flight, self.indexed_blocks, self.circuit_state, self.circuit_opens):
+            with contextlib.suppress(KeyError):
+                metric.remove(address)
 
     def _add_failure_metrics(self) -> None:
         """Retries, migrations and the supervisor's restarts."""

@@ -119,6 +119,7 @@ class Router:
         self.membership.remove(address)
         self.kv_events.forget(address)
         self.attempts.routing.breakers.forget(address)
+        self.metrics.forget_instance(address)
 
     def set_policy(self, name: str) -> str:
         """Switch the prefill routing policy; returns the previous one. Raises ConfigError."""

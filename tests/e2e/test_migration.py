@@ -52,7 +52,8 @@ def all_decodes_serving(up: UpCluster) -> Iterator[None]:
         wait_for(lambda a=info.address: up.stats(a).num_running == 0, 30)
         stats = up.stats(info.address)
         assert stats.num_free_blocks == stats.num_blocks or info.role == "prefill"
-    assert up.router_metrics().get("pdserve_router_in_flight_requests", 0) == 0
+    in_flight = up.router_metrics().items()
+    assert sum(v for k, v in in_flight if k.startswith("pdserve_router_in_flight")) == 0
 
 
 def serving_decode(up: UpCluster) -> str:

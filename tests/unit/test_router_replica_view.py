@@ -52,3 +52,21 @@ def test_a_leaving_instance_is_drained_until_resumed_or_removed() -> None:
     membership.set_leaving("d2:1")
     membership.remove("d2:1")
     assert not membership.is_leaving("d2:1") and membership.members(Role.DECODE) == ("d1:1",)
+
+
+def test_a_removed_instance_leaves_no_metric_series(tiny_model_dir: Path) -> None:
+    """A restarted instance comes back at another address: the old one's gauges go with it
+    (no stale in-flight count, no series per restart)."""
+    primary = router(tiny_model_dir, ["p1:1"], ["d1:1", "d2:1"])
+    try:
+        primary.export_load()
+        registry = primary.metrics.registry
+        labels = {"backend": "d2:1"}
+        assert registry.get_sample_value("pdserve_router_in_flight_requests", labels) == 0
+        primary.remove_instance("d2:1")
+        assert registry.get_sample_value("pdserve_router_in_flight_requests", labels) is None
+        assert (
+            registry.get_sample_value("pdserve_router_in_flight_requests", {"backend": "d1:1"}) == 0
+        )
+    finally:
+        primary.stop()
