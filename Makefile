@@ -68,11 +68,13 @@ $(TEST_STAMP): $(STAMP) scripts/install-test-deps.sh
 test: $(TEST_STAMP)
 	@$(MAKE) --no-print-directory -j2 lint pytest
 
-# The soak runs alone after the rest: its 3-node cluster under chaos would starve the
-# timing-sensitive tests (the planner's) of the other process.
+# Two tests run alone after the rest: the soak (its 3-node cluster under chaos starves the
+# other process) and the autoscaling planner's (its decisions follow measured latencies,
+# which the other process's load skews).
+ALONE := tests/e2e/test_soak.py tests/e2e/test_planner_autoscaling.py
 pytest: $(TEST_STAMP)
-	$(VENV)/bin/pytest -q -n 2 --dist loadfile --ignore tests/e2e/test_soak.py
-	$(VENV)/bin/pytest -q tests/e2e/test_soak.py
+	$(VENV)/bin/pytest -q -n 2 --dist loadfile $(addprefix --ignore ,$(ALONE))
+	$(VENV)/bin/pytest -q $(ALONE)
 
 bench: install
 	$(PY) benchmarks/kvcache_ops.py

@@ -52,9 +52,7 @@ def test_an_instance_the_load_needs_is_placed_on_a_node_the_autoscaler_adds(
         wait_for(lambda: up.stats(added.address).num_steps > 0, 60)  # it serves
     assert load.failures == []
     assert nodes(ray_address) == {"ray.head.default": 1, WORKER_TYPE: 1}  # where else: head full
-    # idle again: back to the minimum (the planner's idle window, slower while the suite's
-    # other process loads the machine)
-    wait_for(lambda: split(up) == "1P1D", 180)
+    wait_for(lambda: split(up) == "1P1D", 60)  # idle again: back to the minimum
     changes = [d for d in status(up).decisions if d.action == "change"]
     assert [(d.current, d.target) for d in changes] == [("1P1D", "1P2D"), ("1P2D", "1P1D")]
     check_at_rest(up)
