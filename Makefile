@@ -68,10 +68,10 @@ $(TEST_STAMP): $(STAMP) scripts/install-test-deps.sh
 test: $(TEST_STAMP)
 	@$(MAKE) --no-print-directory -j2 lint pytest
 
-# Two tests run alone after the rest: the soak (its 3-node cluster under chaos starves the
-# other process) and the autoscaling planner's (its decisions follow measured latencies,
-# which the other process's load skews).
-ALONE := tests/e2e/test_soak.py tests/e2e/test_planner_autoscaling.py
+# These run alone after the rest: the soak (its 3-node cluster under chaos starves the other
+# process) and the planner's end-to-end tests (their decisions follow measured latencies, which
+# the other process's load skews).
+ALONE := tests/e2e/test_soak.py tests/e2e/test_planner_autoscaling.py tests/e2e/test_planner.py
 pytest: $(TEST_STAMP)
 	$(VENV)/bin/pytest -q -n 2 --dist loadfile $(addprefix --ignore ,$(ALONE))
 	$(VENV)/bin/pytest -q $(ALONE)
