@@ -4,6 +4,7 @@ undisturbed run."""
 
 import json
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import httpx
@@ -27,8 +28,16 @@ class Outcome:
     completion_tokens: int | None
 
 
-def request(up: UpCluster, model: str, prompt: int, streamed: bool) -> Outcome:
-    body = {"model": model, "prompt": PROMPTS[prompt], "max_tokens": MAX_TOKENS,
+def request(
+    up: UpCluster,
+    model: str,
+    prompt: int,
+    streamed: bool,
+    max_tokens: int = MAX_TOKENS,
+    on_text: Callable[[], None] | None = None,
+) -> Outcome:
+    """A greedy completion of `PROMPTS[prompt]`; `on_text` is called at each streamed text."""
+    body = {"model": model, "prompt": PROMPTS[prompt], "max_tokens": max_tokens,
             "ignore_eos": True, "temperature": 0}  # fmt: skip
     url = f"{up.router_url}/completions"
     if not streamed:
@@ -53,9 +62,37 @@ def request(up: UpCluster, model: str, prompt: int, streamed: bool) -> Outcome:
             for choice in chunk.get("choices", []):
                 text.append(choice["text"])
                 finish = choice["finish_reason"] or finish
+                if on_text is not None and choice["text"]:
+                    on_text()
             if chunk.get("usage"):
                 usage = chunk["usage"]["completion_tokens"]
     return Outcome(prompt, True, 200, "".join(text), finish, usage)
+
+
+class LongStream:
+    """One streamed greedy completion of `max_tokens` in a thread of its own: a stream still
+    under way when a fault strikes. `streaming` is set at its first text."""
+
+    def __init__(self, up: UpCluster, model: str, prompt: int, max_tokens: int) -> None:
+        self.prompt = prompt
+        self.streaming = threading.Event()
+        self.outcome: Outcome | None = None
+        self._thread = threading.Thread(target=self._run, args=(up, model, max_tokens))
+        self._thread.start()
+
+    def _run(self, up: UpCluster, model: str, max_tokens: int) -> None:
+        try:
+            self.outcome = request(up, model, self.prompt, True, max_tokens, self.streaming.set)
+        except httpx.HTTPError as e:  # the connection broke: a failure the outcome shows
+            self.outcome = Outcome(self.prompt, True, 0, repr(e), None, None)
+
+    def done(self) -> bool:
+        return not self._thread.is_alive()
+
+    def result(self) -> Outcome:
+        self._thread.join(300)
+        assert self.outcome is not None, "the stream did not end"
+        return self.outcome
 
 
 class Load:

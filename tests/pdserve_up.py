@@ -97,14 +97,19 @@ def scrape_metrics(base_url: str) -> dict[str, float]:
 
 @contextmanager
 def pdserve_up(
-    config_text: str, workdir: Path, ray_address: str | None, *extra_args: str
+    config_text: str,
+    workdir: Path,
+    ray_address: str | None,
+    *extra_args: str,
+    env: dict[str, str] | None = None,
 ) -> Iterator[UpCluster]:
     """Run `pdserve up` with `config_text` (its `cluster.state_dir` should be `workdir`) on the
-    Ray cluster at `ray_address` (None: `up` starts its own); stop it with SIGTERM (as `pdserve
-    down` does) on exit and check that it shut down cleanly."""
+    Ray cluster at `ray_address` (None: `up` starts its own), the test's environment updated
+    with `env`; stop it with SIGTERM (as `pdserve down` does) on exit and check that it shut
+    down cleanly."""
     config = workdir / "pdserve.yaml"
     config.write_text(config_text)
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}  # Ray's token comes from the environment
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}  # Ray's token: the environment
     log = (workdir / "up.log").open("w")
     process = subprocess.Popen(
         [

@@ -82,7 +82,7 @@ class Cluster:
 
     def up(self) -> list[InstanceInfo]:
         """Place every instance and wait until all serve. Raises ClusterError."""
-        self._connect()
+        self.connect()
         self._start_storage()
         config = self.config
         roles = (
@@ -155,20 +155,22 @@ class Cluster:
         redis_server.start()
         return True
 
-    def _connect(self) -> None:
+    def connect(self) -> None:
+        """Join Ray at `cluster.ray_address` (or RAY_ADDRESS), or start a local Ray; once."""
         if ray.is_initialized():
             return
         # Ray starts its workers at niceness 15 (batch jobs yield to the node); an instance's
         # engine is the node's main work. A Ray started here (no address) starts them at 0;
         # a cluster joined must have been started so (deploy/ray/cluster.yaml does).
         os.environ.setdefault("RAY_worker_niceness", "0")
-        ray.init(
-            address=self.config.ray_address,
+        joining = self.config.ray_address or os.environ.get("RAY_ADDRESS")
+        ray.init(  # "local": without an address, Ray would join the last `ray start` cluster
+            address=joining or "local",  # on this machine instead of starting one
             namespace=self.config.namespace,
             include_dashboard=False,
             log_to_driver=True,
         )
-        self._started_ray = self.config.ray_address is None and not os.environ.get("RAY_ADDRESS")
+        self._started_ray = not joining
 
     def _ranks(self) -> int:
         """Ranks of every instance (`tensor_parallel_size` is the same for every role)."""
@@ -189,6 +191,9 @@ class Cluster:
                 f"{strategy}: {available} available; lower replicas/num_cpus/num_gpus "
                 "(or tensor_parallel_size) or add nodes"
             ) from e
+        except BaseException:  # stopped while waiting: nothing stays reserved
+            remove_placement_group(group)
+            raise
         return group
 
     def bundle(self, role: str) -> dict[str, float]:

@@ -4,14 +4,18 @@ host: what listens where, and who is let in."""
 import ipaddress
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from urllib.parse import urlsplit
 
 import grpc
 import httpx
 import psutil
+import pytest
 from pdserve_up import UpCluster, pdserve_up
 from waiting import wait_for
 
@@ -55,8 +59,22 @@ def is_ray_service(process: psutil.Process) -> bool:
     return name in ("gcs_server", "raylet") or "ray" in " ".join(process.cmdline()[:3]).lower()
 
 
+@pytest.fixture
+def ray_started_here(ray_session: None) -> Iterator[tuple[str, str]]:
+    """A Ray temp dir (for `RAY_TMPDIR`) whose `ray_current_cluster` names a live Ray cluster,
+    as `ray start` leaves it on a machine: (that temp dir, the cluster's address)."""
+    import ray
+
+    address = ray.get_runtime_context().gcs_address
+    temp_dir = Path(tempfile.mkdtemp(prefix="ray-", dir="/tmp"))  # short: Ray's socket paths
+    (temp_dir / "ray").mkdir()
+    (temp_dir / "ray" / "ray_current_cluster").write_text(address)
+    yield str(temp_dir), address
+    shutil.rmtree(temp_dir, ignore_errors=True)
+
+
 def test_a_default_up_listens_on_loopback_and_lets_no_stranger_in(
-    tiny_model_dir: Path, tmp_path: Path
+    tiny_model_dir: Path, tmp_path: Path, ray_started_here: tuple[str, str]
 ) -> None:
     config = (
         f"engine:\n  model: {tiny_model_dir}\n  torch_threads: 1\n  num_kv_blocks: 64\n"
@@ -64,8 +82,14 @@ def test_a_default_up_listens_on_loopback_and_lets_no_stranger_in(
         f"router:\n  port: 0\nadmin:\n  port: 0\n"
         f"cluster:\n  namespace: pdserve-secure\n  state_dir: {tmp_path}\n"
     )
-    with pdserve_up(config, tmp_path, None, "--health-interval", "0.5") as up:
+    ray_tmpdir, other_ray = ray_started_here
+    env = {"RAY_TMPDIR": ray_tmpdir}
+    with pdserve_up(config, tmp_path, None, "--health-interval", "0.5", env=env) as up:
         state = json.loads((tmp_path / "cluster.json").read_text())
+        # no address: a Ray of its own, not the one another `ray start` left on this machine
+        assert state["ray_address"] != other_ray
+        gcs_port = int(str(state["ray_address"]).rsplit(":", 1)[1])
+        assert gcs_port in {port for _, port, p in listeners(up.process.pid) if is_ray_service(p)}
         secrets = {
             name: (tmp_path / name) for name in ("admin_token", "cluster_secret", "ray_token")
         }
