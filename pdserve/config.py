@@ -827,7 +827,11 @@ class ClusterConfig:
 
     At shutdown new requests get 503 meanwhile."""
     max_restarts: int = 5
-    """Times a dead instance is recreated; then `up` reports it and serves with what is left."""
+    """Times a dead instance is recreated within `restart_window_s`; then `up` reports it and
+    serves with what is left."""
+    restart_window_s: float | None = 600.0
+    """The window `max_restarts` counts restarts in: an instance not restarted for this long
+    has its whole budget again (null: a lifetime budget)."""
     restart_backoff_s: float = 1.0
     """Wait before recreating a dead instance; it doubles after each failed try."""
 
@@ -838,6 +842,8 @@ class ClusterConfig:
                 "cluster.max_restarts, cluster.restart_backoff_s and cluster.drain_timeout_s "
                 "must be >= 0"
             )
+        if self.restart_window_s is not None and self.restart_window_s <= 0:
+            raise ConfigError("cluster.restart_window_s must be > 0 (null: a lifetime budget)")
         if self.planner.enabled and self.mixed.replicas:
             raise ConfigError(
                 "planner.enabled needs a disaggregated cluster (prefill + decode instances): "

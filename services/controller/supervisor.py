@@ -3,9 +3,10 @@
 `pdserve up`'s watch loop calls `check` every health interval. An instance whose actor stops
 answering is removed from the router (its in-flight streams migrate by themselves: the router
 sees them break), then recreated with the same name and role after `cluster.restart_backoff_s`
-(doubling after each failed try), at most `cluster.max_restarts` times; the router, admin and
-scrape targets follow its new endpoints. When the budget is spent the supervisor says so and the
-cluster serves with what is left.
+(doubling after each failed try), at most `cluster.max_restarts` times within
+`cluster.restart_window_s` (a crash loop is given up; a rare loss is always healed); the router,
+admin and scrape targets follow its new endpoints. When the budget is spent the supervisor says
+so and the cluster serves with what is left.
 """
 
 import logging
@@ -26,7 +27,6 @@ class _Down:
     drained: bool  # the operator had drained it: it comes back drained
     retry_at: float
     backoff_s: float
-    failed: int = 0  # restarts tried that failed (they count against the budget)
     given_up: bool = False
 
 
@@ -39,12 +39,15 @@ class Supervisor:
         router: Router,
         on_change: Callable[[], None],
         report: Callable[[str], None],
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.cluster = cluster
         self.router = router
         self._on_change = on_change  # the instance set changed: state file and scrape targets
         self._report = report  # one line for the operator (stderr)
+        self._clock = clock
         self._down: dict[str, _Down] = {}
+        self._tries: dict[str, list[float]] = {}  # name -> when each restart was tried
 
     def check(self) -> None:
         """Notice newly dead instances, then retry the restarts that are due."""
@@ -62,17 +65,17 @@ class Supervisor:
             )
             self.router.remove_instance(info.address)
             backoff = config.restart_backoff_s
-            self._down[name] = _Down(info.address, drained, time.monotonic() + backoff, backoff)
+            self._down[name] = _Down(info.address, drained, self._clock() + backoff, backoff)
             self._report(f"instance {name} is dead: out of routing, restarting in {backoff:g} s")
         self.router.metrics.dead_instances.set(len(self._down))
         for name, down in list(self._down.items()):
-            if not down.given_up and time.monotonic() >= down.retry_at:
+            if not down.given_up and self._clock() >= down.retry_at:
                 self._restart(name, down)
 
     def next_check_s(self, interval_s: float) -> float:
         """Seconds until `check` is due: the health interval, or sooner for a pending restart."""
         pending = [d.retry_at for d in self._down.values() if not d.given_up]
-        return max(0.0, min([interval_s, *(at - time.monotonic() for at in pending)]))
+        return max(0.0, min([interval_s, *(at - self._clock() for at in pending)]))
 
     def _restart(self, name: str, down: _Down) -> None:
         info = self.cluster.info(name)
@@ -80,20 +83,22 @@ class Supervisor:
             del self._down[name]
             self.router.metrics.dead_instances.set(len(self._down))
             return
-        tried = info.restarts + down.failed
-        if tried >= self.cluster.config.max_restarts:
+        tries = self._recent_tries(name)
+        if len(tries) >= self.cluster.config.max_restarts:
             down.given_up = True
+            window = self.cluster.config.restart_window_s
+            within = f" in the last {window:g} s" if window is not None else ""
             self._report(
-                f"instance {name} is dead and its restart budget is spent ({tried} restarts "
-                "tried, cluster.max_restarts); serving without it"
+                f"instance {name} is dead and its restart budget is spent ({len(tries)} restarts "
+                f"tried{within}, cluster.max_restarts); serving without it"
             )
             return
+        tries.append(self._clock())  # a try counts, whether it succeeds or fails
         try:
             restarted = self.cluster.restart_instance(name)
         except ClusterError as e:
-            down.failed += 1
             down.backoff_s = max(2 * down.backoff_s, 0.5)
-            down.retry_at = time.monotonic() + down.backoff_s
+            down.retry_at = self._clock() + down.backoff_s
             self._report(f"instance {name} did not restart ({e}); next try in {down.backoff_s:g} s")
             return
         del self._down[name]
@@ -106,3 +111,12 @@ class Supervisor:
         self._report(
             f"instance {name} restarted at {restarted.address} (restart {restarted.restarts})"
         )
+
+    def _recent_tries(self, name: str) -> list[float]:
+        """When `name`'s restarts were tried within `cluster.restart_window_s` (all of them
+        without a window); older ones are forgotten."""
+        window = self.cluster.config.restart_window_s
+        now = self._clock()
+        tries = [t for t in self._tries.get(name, []) if window is None or now - t < window]
+        self._tries[name] = tries
+        return tries
