@@ -197,21 +197,14 @@ def _up(args: argparse.Namespace) -> int:
     from services.controller.state import state_path
 
     path = state_path(config)
+    print("starting pdserve: placing instances on Ray ...", flush=True)
     secret = cluster_secret(path.parent, create=True)
     cluster = Cluster(config, secret)
     running = _Running()
-    signals = _Signals()
-    signals.install()
     try:
-        try:
-            print("starting pdserve: placing instances on Ray ...", flush=True)
-            _serve_cluster(args, config, cluster, secret, running, signals)
-        finally:
-            signals.starting = False  # a signal from here on changes nothing
-            _shut_down(config, cluster, running, ray_token)
-    except _StoppedWhileStarting as stopped:
-        print(f"pdserve up: {signal.Signals(stopped.signum).name} while starting: stopped",
-              file=sys.stderr, flush=True)  # fmt: skip
+        _serve_cluster(args, config, cluster, secret, running)
+    finally:
+        _shut_down(config, cluster, running, ray_token)
     return 0
 
 
@@ -274,7 +267,6 @@ def _serve_cluster(
     cluster: "Cluster",
     secret: str,
     running: "_Running",
-    signals: "_Signals",
 ) -> None:
     """Place the instances, start the router and admin API (kept in `running`), publish
     the state, then watch until a signal arrives."""
@@ -287,14 +279,12 @@ def _serve_cluster(
     from services.router.replicas import RouterReplicas
     from services.router.server import serve_router
 
+    stop = threading.Event()
+    wake = threading.Event()  # check the instances now (a signal, or the router lost one)
     path = state_path(config)
     targets_path = path.with_name("prometheus_targets.json")
-    try:
-        cluster.connect()
-    except SystemExit as e:  # the SIGTERM handler ray.init installs while it runs: sys.exit
-        raise _StoppedWhileStarting(signal.SIGTERM) from e
-    signals.install()  # again, in place of Ray's
     instances = cluster.up()
+    _stop_on_signals(stop, wake)  # after ray.init, which installs its own handlers
     router = serve_router(
         config.router,
         config.engine,
@@ -306,7 +296,7 @@ def _serve_cluster(
         scrape_targets=lambda address: scrape_targets(
             config, cluster.instances, address, running.router_processes()
         ),
-        on_unreachable=signals.wake.set,
+        on_unreachable=wake.set,
         observability=config.observability,
     )
     running.router = router
@@ -342,8 +332,7 @@ def _serve_cluster(
     supervisor = Supervisor(cluster, router.router, changed, _report)
     if running.planner is not None:
         running.planner.start()
-    signals.starting = False
-    _watch(cluster, supervisor, signals.stop, signals.wake, args.health_interval)
+    _watch(cluster, supervisor, stop, wake, args.health_interval)
 
 
 def _serve_primary_metrics(router: "Router", host: str) -> tuple[Any, str]:
@@ -356,35 +345,15 @@ def _serve_primary_metrics(router: "Router", host: str) -> tuple[Any, str]:
     return server, f"{host}:{port}"
 
 
-class _StoppedWhileStarting(BaseException):
-    """SIGINT or SIGTERM before the cluster served: startup is abandoned (then `up` shuts
-    down what it started). A BaseException: no `except Exception` on the way swallows it."""
+def _stop_on_signals(stop: threading.Event, wake: threading.Event) -> None:
+    """SIGINT and SIGTERM end the watch loop (then `up` drains and shuts down)."""
 
-    def __init__(self, signum: int) -> None:
-        super().__init__(signum)
-        self.signum = signum
+    def stop_watching(*_: object) -> None:
+        stop.set()
+        wake.set()
 
-
-class _Signals:
-    """SIGINT and SIGTERM. While `up` starts (placing instances can take minutes) the first
-    one abandons startup; once it serves, they end the watch loop (then `up` drains and shuts
-    down). `wake`: check the instances now (a signal, or the router lost one)."""
-
-    def __init__(self) -> None:
-        self.stop = threading.Event()
-        self.wake = threading.Event()
-        self.starting = True
-
-    def install(self) -> None:
-        for signum in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(signum, self._received)
-
-    def _received(self, signum: int, _frame: object) -> None:
-        self.stop.set()
-        self.wake.set()
-        if self.starting:
-            self.starting = False  # a second signal, during the shutdown, only sets `stop`
-            raise _StoppedWhileStarting(signum)
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, stop_watching)
 
 
 def _shut_down(
