@@ -1,5 +1,6 @@
 """A pdserve cluster started the way an operator starts one: `pdserve up` in a subprocess."""
 
+import contextlib
 import json
 import os
 import signal
@@ -157,6 +158,9 @@ def pdserve_up(
             try:
                 returncode = process.wait(timeout=120)
             except subprocess.TimeoutExpired:
+                process.send_signal(signal.SIGUSR1)  # its threads' stacks, into up.log
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    process.wait(timeout=5)
                 process.kill()
                 process.wait()
                 raise

@@ -9,6 +9,7 @@ traceback unless `--debug` is given.
 """
 
 import argparse
+import faulthandler
 import json
 import logging
 import os
@@ -192,8 +193,9 @@ def _up(args: argparse.Namespace) -> int:
         config = replace(config, storage=replace(config.storage, redis_url=args.redis_url))
     check_model(config.engine)  # the model's config.json against the engine's: one line, exit 2
     config = _observe(config, args.debug)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1`: stacks to stderr
     ray_token = _prepare_ray_auth(config)  # before Ray is imported: it reads its auth mode then
-    from services.controller.cluster import Cluster, cluster_secret
+    from services.controller.cluster import Cluster, StartStopped, cluster_secret
     from services.controller.state import state_path
 
     path = state_path(config)
@@ -203,6 +205,8 @@ def _up(args: argparse.Namespace) -> int:
     running = _Running()
     try:
         _serve_cluster(args, config, cluster, secret, running)
+    except StartStopped:
+        print("pdserve up: stopped while starting", file=sys.stderr, flush=True)
     finally:
         _shut_down(config, cluster, running, ray_token)
     return 0
@@ -279,12 +283,14 @@ def _serve_cluster(
     from services.router.replicas import RouterReplicas
     from services.router.server import serve_router
 
-    stop = threading.Event()
+    stop = cluster.stopping  # a signal: the start gives up waiting for Ray, the watch ends
     wake = threading.Event()  # check the instances now (a signal, or the router lost one)
     path = state_path(config)
     targets_path = path.with_name("prometheus_targets.json")
+    _stop_on_signals(stop, wake)
+    cluster.connect()
+    _stop_on_signals(stop, wake)  # again: ray.init installs its own handlers
     instances = cluster.up()
-    _stop_on_signals(stop, wake)  # after ray.init, which installs its own handlers
     router = serve_router(
         config.router,
         config.engine,
@@ -346,7 +352,8 @@ def _serve_primary_metrics(router: "Router", host: str) -> tuple[Any, str]:
 
 
 def _stop_on_signals(stop: threading.Event, wake: threading.Event) -> None:
-    """SIGINT and SIGTERM end the watch loop (then `up` drains and shuts down)."""
+    """SIGINT and SIGTERM set `stop`: a start gives up, the watch loop ends (then `up` drains
+    and shuts down)."""
 
     def stop_watching(*_: object) -> None:
         stop.set()

@@ -37,6 +37,8 @@ from services.controller.state import state_path
 logger = logging.getLogger(__name__)
 
 READY_TIMEOUT_S = 600.0
+STOP_TIMEOUT_S = 30.0  # for every instance to stop cleanly at shutdown, all at once
+WAIT_SLICE_S = 0.5  # how often a wait for Ray looks whether `up` is stopping
 
 
 def ready_timeout_s(config: ClusterConfig) -> float:
@@ -48,6 +50,10 @@ def ready_timeout_s(config: ClusterConfig) -> float:
 # a tensor-parallel instance's ranks (a bundle each) on one node: rank 0 maps every rank's KV
 # cache (shared memory, CUDA IPC), and each layer all-reduces across them
 TP_PLACEMENT_STRATEGY = "STRICT_PACK"
+
+
+class StartStopped(ClusterError):
+    """`up` was asked to stop while it waited for Ray to place or start an instance."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,6 +85,8 @@ class Cluster:
         self.lock = threading.RLock()
         self._placement_group: PlacementGroup | None = None
         self._started_ray = False
+        # set when `up` is asked to stop: a wait for Ray gives up at once (StartStopped)
+        self.stopping = threading.Event()
 
     def up(self) -> list[InstanceInfo]:
         """Place every instance and wait until all serve. Raises ClusterError."""
@@ -101,7 +109,8 @@ class Cluster:
                 name = f"{role}-{counters[role]}"
                 counters[role] += 1
                 pending.append(self._launch(name, role, bundle))
-            self.instances = [self._ready(*launched) for launched in pending]
+            for launched in pending:
+                self.instances.append(self._ready(*launched))
         except ClusterError:
             self.down()
             raise
@@ -121,10 +130,11 @@ class Cluster:
         return name, role, self._actors[name]
 
     def _ready(self, name: str, role: str, actor: Any, restarts: int = 0) -> InstanceInfo:
-        """Wait until the actor serves (`ready_timeout_s`); raises RayError or TimeoutError."""
+        """Wait until the actor serves (`ready_timeout_s`); raises RayError, TimeoutError or
+        StartStopped."""
         refs = [actor.address.remote(), actor.metrics_address.remote(), actor.pid.remote(),
                 actor.node.remote()]  # fmt: skip
-        address, metrics, pid, node = ray.get(refs, timeout=ready_timeout_s(self.config))
+        address, metrics, pid, node = self._get(refs, ready_timeout_s(self.config))
         return InstanceInfo(name, role, address, metrics, pid, restarts, node)
 
     def _start_storage(self) -> None:
@@ -182,8 +192,8 @@ class Cluster:
         strategy = strategy or self.config.placement_strategy
         group: PlacementGroup = placement_group(bundles, strategy=strategy)
         try:
-            ray.get(group.ready(), timeout=READY_TIMEOUT_S)
-        except Exception as e:
+            self._get([group.ready()], READY_TIMEOUT_S)
+        except (ray.exceptions.RayError, TimeoutError) as e:
             remove_placement_group(group)
             available = ray.available_resources()  # type: ignore[no-untyped-call]
             raise ClusterError(
@@ -195,6 +205,21 @@ class Cluster:
             remove_placement_group(group)
             raise
         return group
+
+    def _get(self, refs: list[Any], timeout_s: float) -> list[Any]:
+        """`ray.get(refs)` within `timeout_s`, given up as soon as `stopping` is set. Raises
+        RayError, TimeoutError or StartStopped."""
+        deadline = time.monotonic() + timeout_s
+        pending = refs
+        while pending:
+            if self.stopping.is_set():
+                raise StartStopped("pdserve up is stopping: it no longer waits for Ray")
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"Ray did not answer within {timeout_s:g} s")
+            slice_s = min(WAIT_SLICE_S, left)
+            _, pending = ray.wait(pending, num_returns=len(pending), timeout=slice_s)
+        return ray.get(refs)
 
     def bundle(self, role: str) -> dict[str, float]:
         """The Ray resources of one rank of a `role` instance."""
@@ -274,9 +299,11 @@ class Cluster:
         name, role, actor = launched
         try:
             return self._ready(name, role, actor, restarts)
-        except (ray.exceptions.RayError, TimeoutError) as e:
+        except BaseException as e:  # StartStopped too: nothing half-started stays
             _kill_quietly(actor)
-            raise ClusterError(f"instance {name} failed to start: {e}") from e
+            if isinstance(e, (ray.exceptions.RayError, TimeoutError)):
+                raise ClusterError(f"instance {name} failed to start: {e}") from e
+            raise
 
     def set_role(self, name: str, role: str) -> InstanceInfo:
         """Record that instance `name` serves `role` now (`InstanceActor.change_role`): a
@@ -321,9 +348,14 @@ class Cluster:
         return dead
 
     def down(self) -> None:
-        """Stop every instance, release the placement group, and stop Ray if `up` started it."""
+        """Stop every instance, release the placement group, and stop Ray if `up` started it.
+        Instances that served stop cleanly, all at once; those that never did (a start that
+        failed or was stopped) are killed."""
+        served = {i.name for i in self.instances}
+        _stop_all({name: a for name, a in self._actors.items() if name in served})
         for name, actor in self._actors.items():
-            _stop(name, actor)
+            if name not in served:
+                _kill_quietly(actor)
         self._actors.clear()
         self.instances.clear()
         groups = [self._placement_group, *self._instance_groups.values()]
@@ -405,11 +437,22 @@ def role_change_refusal(config: ClusterConfig, current: str, role: str) -> str |
 
 
 def _stop(name: str, actor: Any) -> None:
-    try:
-        ray.get(actor.stop.remote(), timeout=30)
-    except (ray.exceptions.RayError, TimeoutError):
-        logger.warning("instance %s did not stop cleanly", name)
-    _kill_quietly(actor)
+    _stop_all({name: actor})
+
+
+def _stop_all(actors: dict[str, Any]) -> None:
+    """Ask every instance in `actors` (name -> actor) to stop, wait up to STOP_TIMEOUT_S for
+    all of them together, then kill each actor (the ones that stopped too: the process goes)."""
+    if not actors:
+        return
+    stops = {name: actor.stop.remote() for name, actor in actors.items()}
+    ray.wait(list(stops.values()), num_returns=len(stops), timeout=STOP_TIMEOUT_S)
+    for name, ref in stops.items():
+        try:
+            ray.get(ref, timeout=0)
+        except (ray.exceptions.RayError, TimeoutError):
+            logger.warning("instance %s did not stop cleanly", name)
+        _kill_quietly(actors[name])
 
 
 def _kill_quietly(actor: Any) -> None:
