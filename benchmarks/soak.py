@@ -391,6 +391,10 @@ def config_text(state_dir: Path) -> str:
         "storage:\n  device_write_policy: write_through\n"
         f"cluster:\n  namespace: pdserve-soak\n  state_dir: {state_dir}\n"
         "  placement_strategy: SPREAD\n  restart_backoff_s: 0.2\n"
+        # the chaos hits each instance every few minutes, restart tries on a node that died
+        # under them count too: far above any real failure rate. The budget stops crash loops,
+        # which the soak does not test; 5 tries in 10 min (the default) ran out in a 30-min run.
+        "  max_restarts: 50\n"
     )
 
 
