@@ -322,7 +322,7 @@ class Cluster:
             actor = self._actors.pop(name)
             self._bundles.pop(name, None)
             self.instances = [i for i in self.instances if i.name != name]
-            _stop(name, actor)
+            _stop_all({name: actor})
             own = self._instance_groups.pop(name, None)
             if own is not None:
                 remove_placement_group(own)
@@ -434,10 +434,6 @@ def role_change_refusal(config: ClusterConfig, current: str, role: str) -> str |
             "memory and CUDA graphs were sized for the smaller limits"
         )
     return None
-
-
-def _stop(name: str, actor: Any) -> None:
-    _stop_all({name: actor})
 
 
 def _stop_all(actors: dict[str, Any]) -> None:
