@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import ray
 from credentials import SECRET
+from waiting import wait_for
 
 from pdserve.config import ClusterConfig, EngineConfig
 from services.controller.cluster import Cluster, InstanceInfo
@@ -44,6 +45,14 @@ class StandIn:
         return True
 
 
+def dead(actor: ray.actor.ActorHandle) -> bool:
+    try:
+        ray.get(actor.ping.remote(), timeout=30)
+    except ray.exceptions.RayActorError:
+        return True
+    return False
+
+
 def test_down_asks_every_instance_to_stop_at_once_then_kills_each(
     ray_session: None, tiny_model_dir: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -56,8 +65,7 @@ def test_down_asks_every_instance_to_stop_at_once_then_kills_each(
     with caplog.at_level(logging.WARNING, logger="services.controller.cluster"):
         cluster.down()
     assert "did not stop cleanly" not in caplog.text
-    for actor in actors.values():  # killed once stopped
-        with pytest.raises(ray.exceptions.RayActorError):
-            ray.get(actor.ping.remote(), timeout=30)
+    for actor in actors.values():  # killed once stopped (`ray.kill` takes effect a bit later)
+        wait_for(lambda actor=actor: dead(actor), timeout_s=30)
     assert cluster.instances == [] and cluster._actors == {}
     ray.kill(latch)
