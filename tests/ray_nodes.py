@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ray._private.utils import get_ray_address_file
 from ray.cluster_utils import Cluster
 
 
@@ -49,6 +50,9 @@ def ray_nodes(head_cpus: int, worker_cpus: list[int]) -> Iterator[RayNodes]:
     machine's address (`ray.init` resolves a loopback address to it); Ray's token
     authentication as the environment sets it (the tests' conftest turns it on)."""
     temp_dir = Path(tempfile.mkdtemp(prefix="ray-mn-", dir="/tmp"))  # short: socket paths
+    # `Cluster` records the head's address in Ray's default temp dir, whatever `temp_dir` says,
+    # and fails on a machine where no Ray has run yet (that directory is missing).
+    Path(get_ray_address_file(None)).parent.mkdir(parents=True, exist_ok=True)
     cluster = Cluster(
         initialize_head=True,
         head_node_args={
