@@ -74,7 +74,7 @@ TOOLS = [{"type": "function", "function": {
 KINDS = ("completion", "completion_stream", "completion_n2", "chat_tools", "chat_json_stream")
 CHAOS = ("instance", "router", "redis", "node")
 HEAL_S = 180.0
-RSS_SAMPLE_S = 5.0
+MEMORY_SAMPLE_S = 5.0
 MIN_STRETCH_S = 60.0
 KILL_WINDOW_S = 2.0  # a killed router replica's connections break within this
 WARMUP_S = 60.0  # a process's first minute (model load, first compilations) is not growth
@@ -318,31 +318,46 @@ def processes(up: UpCluster) -> dict[int, str]:
     return named
 
 
-def rss_mb(pids: dict[int, str]) -> dict[str, tuple[int, float]]:
-    """name -> (pid, RSS in MB) of each process of `pids` still running."""
+def memory_mb(pids: dict[int, str]) -> dict[str, tuple[int, float, float]]:
+    """name -> (pid, RSS, private memory) in MB of each process of `pids` still running.
+    Private is RSS less the pages it shares with files and other processes (libraries, the
+    shared-memory segments of the transfers and the storage tier, which fill up to their size
+    as they are touched): what a leak grows."""
     sizes = {}
     for pid, name in pids.items():
         try:
-            sizes[name] = (pid, psutil.Process(pid).memory_info().rss / 2**20)
+            memory = psutil.Process(pid).memory_info()
         except psutil.NoSuchProcess:
             continue
+        sizes[name] = (pid, memory.rss / 2**20, (memory.rss - memory.shared) / 2**20)
     return sizes
 
 
-class RssSampler:
-    """Every RSS_SAMPLE_S, the RSS of every process of the cluster by name (`processes`): one
-    the chaos restarted is a new incarnation (pid) under the same name. A name's growth is its
-    last incarnation's over the second half of the run (the first half includes warm-up:
-    caches, allocator arenas) less the incarnation's first WARMUP_S, where that leaves at least
-    MIN_STRETCH_S."""
+def slope_per_h(points: list[tuple[float, float]]) -> float:
+    """The least-squares slope of (seconds, MB) points, in MB per hour: unlike the first and
+    last samples' difference, a step (a new peer's connection buffers) is weighed by how long
+    the process stayed up after it, and one noisy sample does not decide it."""
+    times = [t for t, _ in points]
+    mean_t = sum(times) / len(times)
+    mean_y = sum(y for _, y in points) / len(points)
+    spread = sum((t - mean_t) ** 2 for t in times)
+    return 3600 * sum((t - mean_t) * (y - mean_y) for t, y in points) / spread
+
+
+class MemorySampler:
+    """Every MEMORY_SAMPLE_S, the RSS and private memory of every process of the cluster by
+    name (`processes`): one the chaos restarted is a new incarnation (pid) under the same name.
+    A name's growth is its last incarnation's over the second half of the run (the first half
+    includes warm-up: caches, allocator arenas, a request history filling to its capacity)
+    less the incarnation's first WARMUP_S, where that leaves at least MIN_STRETCH_S."""
 
     def __init__(self, up: UpCluster) -> None:
         self.up = up
-        self.samples: list[tuple[float, dict[str, tuple[int, float]]]] = []
+        self.samples: list[tuple[float, dict[str, tuple[int, float, float]]]] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
-    def __enter__(self) -> "RssSampler":
+    def __enter__(self) -> "MemorySampler":
         self._thread.start()
         return self
 
@@ -354,29 +369,33 @@ class RssSampler:
     def _run(self) -> None:
         while True:
             self._sample()
-            if self._stop.wait(RSS_SAMPLE_S):
+            if self._stop.wait(MEMORY_SAMPLE_S):
                 return
 
     def _sample(self) -> None:
         try:
-            self.samples.append((time.monotonic(), rss_mb(processes(self.up))))
+            self.samples.append((time.monotonic(), memory_mb(processes(self.up))))
         except (psutil.Error, grpc.RpcError):  # mid-kill: the next sample
             return
 
     def at_start(self) -> dict[str, float]:
-        return {name: round(rss, 1) for name, (_, rss) in self.samples[0][1].items()}
+        return {name: round(rss, 1) for name, (_, rss, _) in self.samples[0][1].items()}
 
-    def growth_mb_per_h(self) -> dict[str, float]:
+    def growth(self) -> dict[str, dict[str, float]]:
+        """name -> the RSS and private memory growth in MB/h, and the minutes measured."""
         middle = (self.samples[0][0] + self.samples[-1][0]) / 2
         growth = {}
-        for name, (pid, _) in self.samples[-1][1].items():
-            seen = [(t, by_name[name][1]) for t, by_name in self.samples
-                    if by_name.get(name, (0, 0.0))[0] == pid]  # fmt: skip
+        for name, (pid, _, _) in self.samples[-1][1].items():
+            seen = [(t, by_name[name]) for t, by_name in self.samples
+                    if name in by_name and by_name[name][0] == pid]  # fmt: skip
             warm = max(middle, seen[0][0] + WARMUP_S)  # a restarted process warms up again
-            stretch = [(t, rss) for t, rss in seen if t >= warm]
+            stretch = [(t, sizes) for t, sizes in seen if t >= warm]
             if len(stretch) >= 2 and stretch[-1][0] - stretch[0][0] >= MIN_STRETCH_S:
-                hours = (stretch[-1][0] - stretch[0][0]) / 3600
-                growth[name] = round((stretch[-1][1] - stretch[0][1]) / hours, 1)
+                growth[name] = {
+                    "rss_mb_per_h": round(slope_per_h([(t, m[1]) for t, m in stretch]), 1),
+                    "private_mb_per_h": round(slope_per_h([(t, m[2]) for t, m in stretch]), 1),
+                    "minutes": round((stretch[-1][0] - stretch[0][0]) / 60, 1),
+                }
         return growth
 
 
@@ -416,7 +435,7 @@ def soak(args: argparse.Namespace, workdir: Path, nodes: RayNodes) -> dict[str, 
         chaos = Chaos(up, nodes, rng)
         schedule: list[str] = []  # rounds of every kind of kill, each round in random order
         end = time.monotonic() + minutes * 60
-        with RssSampler(up) as rss, Load(up, model, args.clients, seed) as load:
+        with MemorySampler(up) as memory, Load(up, model, args.clients, seed) as load:
             while time.monotonic() + interval < end:
                 time.sleep(interval)
                 schedule = schedule or rng.sample(CHAOS, len(CHAOS))
@@ -443,8 +462,8 @@ def soak(args: argparse.Namespace, workdir: Path, nodes: RayNodes) -> dict[str, 
         "by_kind": {k: sum(o.kind == k for o in outcomes) for k in KINDS},
         "kills": [vars(k) for k in chaos.kills],
         "leaks": left,
-        "rss_mb_at_start": rss.at_start(),
-        "rss_growth_mb_per_h": rss.growth_mb_per_h(),
+        "rss_mb_at_start": memory.at_start(),
+        "memory_growth": memory.growth(),
     }
 
 
@@ -466,15 +485,14 @@ def main() -> None:
         ["kind", "target", "healed s"],
         [[k["kind"], k["target"], k["healed_s"]] for k in results["kills"]],
     )
+    growth = results["memory_growth"]
     print_table(
-        "RSS growth over the second half (each process's last incarnation; short runs: noise)",
-        ["process", "RSS MB at start", "MB/h"],
-        [
-            [n, results["rss_mb_at_start"].get(n, "-"), v]
-            for n, v in results["rss_growth_mb_per_h"].items()
-        ],
-    )
-    growth = results["rss_growth_mb_per_h"].values()
+        "Memory growth over the second half (each process's last incarnation, less its first "
+        "minute; least-squares slope)",
+        ["process", "RSS MB at start", "RSS MB/h", "private MB/h", "minutes measured"],
+        [[name, results["rss_mb_at_start"].get(name, "-"), g["rss_mb_per_h"],
+          g["private_mb_per_h"], g["minutes"]] for name, g in growth.items()],
+    )  # fmt: skip
     metrics = {
         "started": results["started"],
         "succeeded": results["succeeded"],
@@ -482,7 +500,10 @@ def main() -> None:
         "failed_other": sum(results["failed_by_reason"].values()) - allowed,
         "wrong": results["wrong"],
         "leaks": len(results["leaks"]),
-        "rss_growth_mb_per_h_max": max(growth, default=0.0),
+        "rss_growth_mb_per_h_max": max((g["rss_mb_per_h"] for g in growth.values()), default=0.0),
+        "private_growth_mb_per_h_max": max(
+            (g["private_mb_per_h"] for g in growth.values()), default=0.0
+        ),
         "kills": len(results["kills"]),
     }
     finish(NAME, args, results, metrics)

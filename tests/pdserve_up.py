@@ -6,11 +6,12 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import grpc
 import httpx
@@ -148,6 +149,12 @@ def pdserve_up(
             if word.startswith("metrics=")
         ]
         [router_url] = [line.split()[2] for line in lines if line.startswith("router")]
+        # The rest of stdout (Ray prints the actors' stdout there) into up.out: a pipe nobody
+        # reads fills (64 KiB, half an hour of a soak) and `up`'s next print blocks for good.
+        drain = threading.Thread(
+            target=_copy, args=(process.stdout, workdir / "up.out"), daemon=True
+        )
+        drain.start()
         cluster = UpCluster(process, config, env, lines, router_url, instances, metrics)
         yield cluster
     finally:
@@ -166,3 +173,10 @@ def pdserve_up(
                 raise
             assert returncode == 0, f"`pdserve up` exited with {returncode} (see {log.name})"
         log.close()
+
+
+def _copy(stream: IO[str], path: Path) -> None:
+    with path.open("w") as out:
+        for line in stream:
+            out.write(line)
+            out.flush()
