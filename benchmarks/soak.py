@@ -18,9 +18,9 @@ the cluster to heal.
 Reports: requests started, succeeded, failed by reason — the only failure allowed is a request
 in flight through a router replica when it was killed (its connection breaks) — wrong answers
 (must be 0), leaks once the load stops (instances holding requests, reservations or blocks,
-routers with requests in flight: must be 0), and the RSS growth per hour of each process (its
-last incarnation, if the chaos restarted it) over the second half of the run (the first half
-warms up).
+routers with requests in flight: must be 0), and the growth per hour of each process's RSS
+and private memory (RSS less shared pages), over the second half of its life (the first
+warms up), of its incarnation measured longest if the chaos restarted it.
 
 RESULT: `started`, `succeeded`, `failed_allowed`, `failed_other` (must be 0), `wrong` (must be
 0), `leaks` (must be 0), `rss_growth_mb_per_h_max`, `kills`.
@@ -344,12 +344,26 @@ def slope_per_h(points: list[tuple[float, float]]) -> float:
     return 3600 * sum((t - mean_t) * (y - mean_y) for t, y in points) / spread
 
 
+def _second_half(
+    points: list[tuple[float, float, float]],
+) -> list[tuple[float, float, float]]:
+    """The samples of the second half of an incarnation's life, none of its first WARMUP_S
+    (at least its last sample)."""
+    born, last = points[0][0], points[-1][0]
+    since = max(born + WARMUP_S, (born + last) / 2)
+    return [p for p in points if p[0] >= since] or points[-1:]
+
+
 class MemorySampler:
     """Every MEMORY_SAMPLE_S, the RSS and private memory of every process of the cluster by
     name (`processes`): one the chaos restarted is a new incarnation (pid) under the same name.
-    A name's growth is its last incarnation's over the second half of the run (the first half
-    includes warm-up: caches, allocator arenas, a request history filling to its capacity)
-    less the incarnation's first WARMUP_S, where that leaves at least MIN_STRETCH_S."""
+
+    A leak grows a process for as long as it lives; warm-up (model load, caches and allocator
+    arenas, connections to peers, a request history filling to its capacity) is over after a
+    few minutes. So an incarnation is measured over the second half of its life, and not before
+    WARMUP_S; a name's growth is that of its incarnation measured longest (at least
+    MIN_STRETCH_S). Under this chaos an instance lives minutes: its last incarnation may be a
+    minute old when the run ends, and would measure nothing but its warm-up."""
 
     def __init__(self, up: UpCluster) -> None:
         self.up = up
@@ -381,22 +395,42 @@ class MemorySampler:
     def at_start(self) -> dict[str, float]:
         return {name: round(rss, 1) for name, (_, rss, _) in self.samples[0][1].items()}
 
+    def incarnations(self) -> dict[tuple[str, int], list[tuple[float, float, float]]]:
+        """(name, pid) -> its (seconds since the first sample, RSS MB, private MB) samples."""
+        start = self.samples[0][0]
+        seen: dict[tuple[str, int], list[tuple[float, float, float]]] = {}
+        for t, by_name in self.samples:
+            for name, (pid, rss, private) in by_name.items():
+                seen.setdefault((name, pid), []).append((t - start, rss, private))
+        return seen
+
     def growth(self) -> dict[str, dict[str, float]]:
-        """name -> the RSS and private memory growth in MB/h, and the minutes measured."""
-        middle = (self.samples[0][0] + self.samples[-1][0]) / 2
+        """name -> the RSS and private memory growth in MB/h of its incarnation measured
+        longest, the minutes measured and lived, and how many incarnations it had."""
+        by_name: dict[str, list[list[tuple[float, float, float]]]] = {}
+        for (name, _), points in self.incarnations().items():
+            by_name.setdefault(name, []).append(points)
         growth = {}
-        for name, (pid, _, _) in self.samples[-1][1].items():
-            seen = [(t, by_name[name]) for t, by_name in self.samples
-                    if name in by_name and by_name[name][0] == pid]  # fmt: skip
-            warm = max(middle, seen[0][0] + WARMUP_S)  # a restarted process warms up again
-            stretch = [(t, sizes) for t, sizes in seen if t >= warm]
-            if len(stretch) >= 2 and stretch[-1][0] - stretch[0][0] >= MIN_STRETCH_S:
+        for name, incarnations in by_name.items():
+            stretches = [(points, _second_half(points)) for points in incarnations]
+            points, stretch = max(stretches, key=lambda s: s[1][-1][0] - s[1][0][0])
+            if stretch[-1][0] - stretch[0][0] >= MIN_STRETCH_S:
                 growth[name] = {
-                    "rss_mb_per_h": round(slope_per_h([(t, m[1]) for t, m in stretch]), 1),
-                    "private_mb_per_h": round(slope_per_h([(t, m[2]) for t, m in stretch]), 1),
+                    "rss_mb_per_h": round(slope_per_h([(t, r) for t, r, _ in stretch]), 1),
+                    "private_mb_per_h": round(slope_per_h([(t, p) for t, _, p in stretch]), 1),
                     "minutes": round((stretch[-1][0] - stretch[0][0]) / 60, 1),
+                    "lived_minutes": round((points[-1][0] - points[0][0]) / 60, 1),
+                    "incarnations": len(incarnations),
                 }
         return growth
+
+    def trace(self, every: int = 6) -> dict[str, list[list[float]]]:
+        """Every `every`-th sample of each incarnation, `name pid` -> [[s, RSS, private]]: the
+        figures behind `growth`, for a reader to check."""
+        return {
+            f"{name} {pid}": [[round(v, 1) for v in p] for p in points[::every]]
+            for (name, pid), points in self.incarnations().items()
+        }
 
 
 # -- the run --------------------------------------------------------------------------------
@@ -464,6 +498,7 @@ def soak(args: argparse.Namespace, workdir: Path, nodes: RayNodes) -> dict[str, 
         "leaks": left,
         "rss_mb_at_start": memory.at_start(),
         "memory_growth": memory.growth(),
+        "memory_trace": memory.trace(),
     }
 
 
@@ -487,11 +522,13 @@ def main() -> None:
     )
     growth = results["memory_growth"]
     print_table(
-        "Memory growth over the second half (each process's last incarnation, less its first "
-        "minute; least-squares slope)",
-        ["process", "RSS MB at start", "RSS MB/h", "private MB/h", "minutes measured"],
+        "Memory growth (each process's incarnation measured longest, over the second half of its "
+        "life; least-squares slope)",
+        ["process", "RSS MB at start", "RSS MB/h", "private MB/h", "minutes measured",
+         "minutes lived", "incarnations"],
         [[name, results["rss_mb_at_start"].get(name, "-"), g["rss_mb_per_h"],
-          g["private_mb_per_h"], g["minutes"]] for name, g in growth.items()],
+          g["private_mb_per_h"], g["minutes"], g["lived_minutes"], g["incarnations"]]
+         for name, g in growth.items()],
     )  # fmt: skip
     metrics = {
         "started": results["started"],
