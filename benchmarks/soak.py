@@ -23,7 +23,7 @@ and private memory (RSS less shared pages), over the second half of its life (th
 warms up), of its incarnation measured longest if the chaos restarted it.
 
 RESULT: `started`, `succeeded`, `failed_allowed`, `failed_other` (must be 0), `wrong` (must be
-0), `leaks` (must be 0), `rss_growth_mb_per_h_max`, `kills`.
+0), `leaks` (must be 0), `rss_growth_mb_per_h_max`, `private_growth_mb_per_h_max`, `kills`.
 """
 
 import argparse
