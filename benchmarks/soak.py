@@ -252,7 +252,7 @@ class Chaos:
         lost = [n for n, i in self.up.list_instances().items() if i.node == node.node_id]
         self.nodes.kill(node)
         at = time.monotonic()
-        self.nodes.workers.append(self.nodes.cluster.add_node(num_cpus=2))  # room to re-place
+        self.nodes.add(num_cpus=2)  # room to re-place
         wait_for(lambda: all(alive_again(self.up, n, pids[n]) for n in lost), HEAL_S)
         return Kill("node", f"{node.node_id[:8]} ({', '.join(lost) or 'no instance'})", at,
                     time.monotonic() - at)  # fmt: skip

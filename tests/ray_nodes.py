@@ -37,6 +37,24 @@ class RayNodes:
         [node] = [n for n in self.workers if n.node_id == node_id]
         return node
 
+    def add(self, num_cpus: int, tries: int = 3) -> Any:
+        """A fresh worker node of `num_cpus` CPUs. Ray gives a new raylet 30 s to register
+        with the GCS, which a loaded small machine can miss (a 30-minute soak did once, after
+        seven node losses): another try then, up to `tries` in all. A raylet that missed its
+        start is reaped with this process."""
+        for attempt in range(1, tries):
+            try:
+                node = self.cluster.add_node(num_cpus=num_cpus)
+                break
+            except Exception as error:  # Ray raises a bare Exception for the timeout
+                if "timed out during startup" not in str(error):
+                    raise
+                print(f"a new Ray node did not start (try {attempt}): {error}", flush=True)
+        else:
+            node = self.cluster.add_node(num_cpus=num_cpus)
+        self.workers.append(node)
+        return node
+
     def kill(self, node: Any) -> None:
         """Lose `node` whole: SIGKILL its raylet and every process it started, no goodbye to
         the GCS (which notices by the missed heartbeats)."""
