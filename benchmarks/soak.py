@@ -31,6 +31,7 @@ import json
 import os
 import random
 import shutil
+import statistics
 import sys
 import tempfile
 import threading
@@ -337,11 +338,8 @@ def slope_per_h(points: list[tuple[float, float]]) -> float:
     """The least-squares slope of (seconds, MB) points, in MB per hour: unlike the first and
     last samples' difference, a step (a new peer's connection buffers) is weighed by how long
     the process stayed up after it, and one noisy sample does not decide it."""
-    times = [t for t, _ in points]
-    mean_t = sum(times) / len(times)
-    mean_y = sum(y for _, y in points) / len(points)
-    spread = sum((t - mean_t) ** 2 for t in times)
-    return 3600 * sum((t - mean_t) * (y - mean_y) for t, y in points) / spread
+    times, sizes = zip(*points, strict=True)
+    return 3600 * statistics.linear_regression(times, sizes).slope
 
 
 def _second_half(
