@@ -827,13 +827,14 @@ class ClusterConfig:
 
     At shutdown new requests get 503 meanwhile."""
     max_restarts: int = 5
-    """Times a dead instance is recreated within `restart_window_s`; then `up` reports it and
-    serves with what is left."""
+    """Times a dead instance (or router replica) is recreated within `restart_window_s`; then
+    `up` reports it and serves with what is left."""
     restart_window_s: float | None = 600.0
-    """The window `max_restarts` counts restarts in: an instance not restarted for this long
-    has its whole budget again (null: a lifetime budget)."""
+    """The window `max_restarts` counts restarts in: an instance (or router replica) not
+    restarted for this long has its whole budget again (null: a lifetime budget)."""
     restart_backoff_s: float = 1.0
-    """Wait before recreating a dead instance; it doubles after each failed try."""
+    """Wait before recreating a dead instance (or router replica); it doubles after each failed
+    try."""
 
     def __post_init__(self) -> None:
         _check_choices(self, "cluster")

@@ -319,8 +319,8 @@ def _serve_cluster(
         )
         running.replicas = RouterReplicas(
             router.router, router.port, config.engine, config.observability, secret,
-            tls_files(config), config.max_restarts, config.restart_backoff_s,
-            config.drain_timeout_s, on_change=lambda: changed(),
+            tls_files(config), config.max_restarts, config.restart_window_s,
+            config.restart_backoff_s, config.drain_timeout_s, on_change=lambda: changed(),
         )  # fmt: skip
         running.replicas.start()
     publish = TargetPublisher(cluster, router, targets_path, running.router_processes)

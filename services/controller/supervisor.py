@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from pdserve.errors import ClusterError
 from services.controller.cluster import Cluster
+from services.restarts import RestartBudget
 from services.router.router import Router
 
 logger = logging.getLogger(__name__)
@@ -47,7 +48,7 @@ class Supervisor:
         self._report = report  # one line for the operator (stderr)
         self._clock = clock
         self._down: dict[str, _Down] = {}
-        self._tries: dict[str, list[float]] = {}  # name -> when each restart was tried
+        self._budgets: dict[str, RestartBudget] = {}
 
     def check(self) -> None:
         """Notice newly dead instances, then retry the restarts that are due."""
@@ -83,17 +84,17 @@ class Supervisor:
             del self._down[name]
             self.router.metrics.dead_instances.set(len(self._down))
             return
-        tries = self._recent_tries(name)
-        if len(tries) >= self.cluster.config.max_restarts:
+        config = self.cluster.config
+        budget = self._budgets.setdefault(
+            name, RestartBudget(config.max_restarts, config.restart_window_s, self._clock)
+        )
+        if not budget.spend():
             down.given_up = True
-            window = self.cluster.config.restart_window_s
-            within = f" in the last {window:g} s" if window is not None else ""
             self._report(
-                f"instance {name} is dead and its restart budget is spent ({len(tries)} restarts "
-                f"tried{within}, cluster.max_restarts); serving without it"
+                f"instance {name} is dead and its restart budget is spent "
+                f"({budget.spent_text()}); serving without it"
             )
             return
-        tries.append(self._clock())  # a try counts, whether it succeeds or fails
         try:
             restarted = self.cluster.restart_instance(name)
         except ClusterError as e:
@@ -111,12 +112,3 @@ class Supervisor:
         self._report(
             f"instance {name} restarted at {restarted.address} (restart {restarted.restarts})"
         )
-
-    def _recent_tries(self, name: str) -> list[float]:
-        """When `name`'s restarts were tried within `cluster.restart_window_s` (all of them
-        without a window); older ones are forgotten."""
-        window = self.cluster.config.restart_window_s
-        now = self._clock()
-        tries = [t for t in self._tries.get(name, []) if window is None or now - t < window]
-        self._tries[name] = tries
-        return tries

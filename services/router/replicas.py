@@ -12,9 +12,11 @@ subscriptions close); the next connections go to the others.
 The primary's view of the cluster (`View`: the members of each role, the drained ones, the
 prefill policy) is the one the admin API changes; `RouterReplicas` sends it to every replica
 whenever it changes (checked every `SYNC_S`) and to a replica as it starts. The same thread
-restarts a dead replica after `restart_backoff_s`, doubling after each death, at most
-`max_restarts` times (`cluster.*`, as for instances). Each replica serves its own metrics on a
-port of its own (`metrics_address`), which Prometheus discovery lists with the replica's name.
+restarts a dead replica after `restart_backoff_s` (doubling after each failed start), at most
+`max_restarts` times within `restart_window_s` (`cluster.*`, as for instances: a crash loop is
+given up; a replica lost now and then is always restarted, as soon as the first time). Each
+replica serves its own metrics on a port of its own (`metrics_address`), which Prometheus
+discovery lists with the replica's name.
 """
 
 import contextlib
@@ -34,6 +36,7 @@ from pdserve.config import EngineConfig, ObservabilityConfig, RouterConfig
 from pdserve.errors import ClusterError
 from pdserve.metrics import serve_metrics
 from pdserve.rpc.tls import TlsFiles
+from services.restarts import RestartBudget
 from services.router.membership import Role
 from services.router.router import Router
 
@@ -114,13 +117,14 @@ class RouterMetricsCollector(Collector):
 
 
 class _Replica:
-    def __init__(self, index: int) -> None:
+    def __init__(self, index: int, budget: RestartBudget) -> None:
         self.info = ReplicaInfo(f"router-{index}")
         self.index = index
         self.process: Any = None  # multiprocessing's SpawnProcess
         self.conn: Connection | None = None
         self.restart_at: float | None = None  # dead: when to start it again
         self.backoff_s = 0.0
+        self.budget = budget
 
 
 class RouterReplicas:
@@ -135,6 +139,7 @@ class RouterReplicas:
         secret: str,
         tls: TlsFiles | None,
         max_restarts: int,
+        restart_window_s: float | None,
         restart_backoff_s: float,
         drain_timeout_s: float,
         on_change: Callable[[], None] = lambda: None,
@@ -145,11 +150,13 @@ class RouterReplicas:
             0, replace(router.config, port=port), engine, observability, secret, tls,
             View.of(router), router.config.host, drain_timeout_s,
         )  # fmt: skip
-        self._max_restarts = max_restarts
         self._backoff_s = restart_backoff_s
         self._on_change = on_change
         self._context = multiprocessing.get_context("spawn")
-        self._replicas = [_Replica(i) for i in range(1, router.config.replicas)]
+        self._replicas = [
+            _Replica(i, RestartBudget(max_restarts, restart_window_s))
+            for i in range(1, router.config.replicas)
+        ]
         self._view = self._spec.view
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="router-replicas", daemon=True)
@@ -234,29 +241,35 @@ class RouterReplicas:
             except OSError:
                 self._died(replica)
         if replica.restart_at is not None and time.monotonic() >= replica.restart_at:
-            replica.restart_at = None
-            info.restarts += 1
-            try:
-                self._start(replica)
-                self._wait_ready(replica)
-            except ClusterError as e:
-                logger.error("%s", e)
-                self._died(replica)
-                return
-            self._on_change()
+            self._restart(replica)
 
     def _died(self, replica: _Replica) -> None:
-        info = replica.info
-        info.alive = False
-        code = replica.process.exitcode
-        if info.restarts >= self._max_restarts:
-            logger.error("router replica %s died (exit %s) and used its %d restarts: the other "
-                         "replicas serve on", info.name, code, self._max_restarts)  # fmt: skip
-        else:
-            replica.backoff_s = replica.backoff_s * 2 if replica.backoff_s else self._backoff_s
+        replica.info.alive = False
+        replica.backoff_s = self._backoff_s
+        replica.restart_at = time.monotonic() + replica.backoff_s
+        logger.warning("router replica %s died (exit %s); restarting it in %.1f s",
+                       replica.info.name, replica.process.exitcode, replica.backoff_s)  # fmt: skip
+        self._on_change()
+
+    def _restart(self, replica: _Replica) -> None:
+        replica.restart_at = None
+        if not replica.budget.spend():
+            logger.error("router replica %s is dead and its restart budget is spent (%s): the "
+                         "other replicas serve on", replica.info.name,
+                         replica.budget.spent_text())  # fmt: skip
+            return
+        replica.info.restarts += 1
+        try:
+            self._start(replica)
+            self._wait_ready(replica)
+        except ClusterError as e:
+            if replica.process.is_alive():  # started, but never said it serves
+                replica.process.kill()
+                replica.process.join(5)
+            replica.backoff_s = max(2 * replica.backoff_s, 0.5)
             replica.restart_at = time.monotonic() + replica.backoff_s
-            logger.warning("router replica %s died (exit %s); restarting it in %.1f s",
-                           info.name, code, replica.backoff_s)  # fmt: skip
+            logger.error("%s; next try in %.1f s", e, replica.backoff_s)
+            return
         self._on_change()
 
 
