@@ -4,9 +4,11 @@ no thread and a step's outputs cost no thread hop. Same deadlines, credentials a
 as the blocking clients of `pdserve.rpc.clients`.
 
 Channels belong to the event loop that created them: an `AioChannelPool` is used from one
-loop (the router's HTTP server's).
+loop (the router's HTTP server's), but for `forget`.
 """
 
+import asyncio
+import contextlib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -47,6 +49,8 @@ class AioChannelPool:
         self._tls = tls
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._stubs: dict[str, Stubs] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None  # the one its channels belong to
+        self._closing: set[asyncio.Task[None]] = set()
         self.metadata: tuple[tuple[str, str], ...] = (
             ((AUTHORIZATION, f"Bearer {secret}"),) if secret else ()
         )
@@ -67,6 +71,7 @@ class AioChannelPool:
     def get(self, address: str) -> grpc.aio.Channel:
         channel = self._channels.get(address)
         if channel is None:
+            self._loop = asyncio.get_running_loop()
             if self._tls is not None:
                 credentials, options = self._tls.channel_credentials(CHANNEL_OPTIONS)
                 channel = grpc.aio.secure_channel(address, credentials, options=options)
@@ -75,11 +80,29 @@ class AioChannelPool:
             self._channels[address] = channel
         return channel
 
+    def forget(self, address: str) -> None:
+        """Close `address`'s channel and drop its stubs, from any thread (on the loop, soon);
+        a later `get` dials it anew. For a peer that is gone: its channel would dial it every
+        second for ever."""
+        if self._loop is None:  # no channel yet
+            return
+        with contextlib.suppress(RuntimeError):  # the loop is closed: its channels with it
+            self._loop.call_soon_threadsafe(self._forget, address)
+
+    def _forget(self, address: str) -> None:
+        self._stubs.pop(address, None)
+        channel = self._channels.pop(address, None)
+        if channel is not None:
+            task = asyncio.ensure_future(channel.close())
+            self._closing.add(task)
+            task.add_done_callback(self._closing.discard)
+
     async def close(self) -> None:
         self._stubs = {}
         channels, self._channels = list(self._channels.values()), {}
         for channel in channels:
             await channel.close()
+        await asyncio.gather(*self._closing)
 
 
 class AioClients:

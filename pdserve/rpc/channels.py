@@ -31,6 +31,8 @@ SERVER_OPTIONS = [
     ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
     ("grpc.http2.max_ping_strikes", 0),
 ]
+# a forgotten channel is closed this much later (see `ChannelPool.forget`)
+CLOSE_FORGOTTEN_AFTER_S = 5.0
 
 
 class ChannelPool:
@@ -43,6 +45,7 @@ class ChannelPool:
         self._tls = tls
         self._channels: dict[str, grpc.Channel] = {}
         self._lock = threading.Lock()
+        self.close_forgotten_after_s = CLOSE_FORGOTTEN_AFTER_S
 
     @property
     def secret(self) -> str | None:
@@ -64,6 +67,18 @@ class ChannelPool:
                     channel = authenticated_channel(channel, self._secret)
                 self._channels[address] = channel
             return channel
+
+    def forget(self, address: str) -> None:
+        """Drop `address`'s channel: a later `get` dials it anew; the channel itself is closed
+        `close_forgotten_after_s` later (calls still on it are cancelled). For a peer that is
+        gone: its channel would dial it every second for ever. The wait is for whoever took
+        the channel just before: a call started on a closed channel crashes grpcio 1.85."""
+        with self._lock:
+            channel = self._channels.pop(address, None)
+        if channel is not None:
+            closing = threading.Timer(self.close_forgotten_after_s, channel.close)
+            closing.daemon = True
+            closing.start()
 
     def close(self) -> None:
         with self._lock:

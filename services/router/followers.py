@@ -45,19 +45,26 @@ class _Threads:
     def __init__(self) -> None:
         self.stopped = threading.Event()
         self._threads: list[threading.Thread] = []
+        self._lock = threading.Lock()
 
     def spawn(self, target: Callable[..., None], *args: object) -> None:
         thread = threading.Thread(target=target, args=args, daemon=True)
         thread.start()
-        self._threads.append(thread)
+        with self._lock:
+            # those of forgotten instances have ended: one per restart would pile up
+            self._threads = [t for t in self._threads if t.is_alive()]
+            self._threads.append(thread)
 
     def stop(self) -> None:
         self.stopped.set()
-        for thread in self._threads:
+        with self._lock:
+            threads = list(self._threads)
+        for thread in threads:
             thread.join(5)
 
     def alive(self) -> bool:
-        return any(thread.is_alive() for thread in self._threads)
+        with self._lock:
+            return any(thread.is_alive() for thread in self._threads)
 
 
 @dataclass(slots=True)
@@ -118,6 +125,7 @@ class KVEventFollower:
         """Drop `address`'s view now and end its subscription."""
         with self._lock:
             self._followed.pop(address, None)
+            self._epochs.pop(address, None)
             stream = self._streams.pop(address, None)
         if stream is not None:
             stream.cancel()

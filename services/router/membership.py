@@ -54,6 +54,10 @@ class Membership:
         with self._lock:
             return tuple(self._members[role])
 
+    def __contains__(self, address: object) -> bool:
+        with self._lock:
+            return any(address in members for members in self._members.values())
+
     def is_drained(self, address: str) -> bool:
         with self._lock:
             return address in self._drained

@@ -205,6 +205,11 @@ class PDClient:
         await asyncio.gather(*self._aborting, return_exceptions=True)
         await self.aio.channels.close()
 
+    def forget(self, address: str) -> None:
+        """Close both channels to `address` (from any thread): for an instance that is gone."""
+        self.channels.forget(address)
+        self.aio.channels.forget(address)
+
     def close(self) -> None:
         self.channels.close()
 

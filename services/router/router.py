@@ -48,6 +48,10 @@ from services.router.timeline import RecentRequests, RequestRecord
 
 logger = logging.getLogger(__name__)
 
+# a removed instance's channels are closed this long after it left routing (a role change adds
+# it back meanwhile), once no request of this router holds it any more
+RELEASE_CHANNELS_AFTER_S = 30.0
+
 
 class Router:
     def __init__(
@@ -92,6 +96,7 @@ class Router:
         self._transcripts: dict[str, Transcript] = {}  # every request being generated
         self._draining = False  # shutting down: new requests are refused, in-flight ones finish
         self._stopped = threading.Event()
+        self.release_channels_after_s = RELEASE_CHANNELS_AFTER_S
 
     # -- lifecycle ----------------------------------------------------------------------------
 
@@ -120,6 +125,23 @@ class Router:
         self.kv_events.forget(address)
         self.attempts.routing.breakers.forget(address)
         self.metrics.forget_instance(address)
+        self._release_channels_later(address)
+
+    def _release_channels_later(self, address: str) -> None:
+        timer = threading.Timer(self.release_channels_after_s, self._release_channels, (address,))
+        timer.daemon = True
+        timer.start()
+
+    def _release_channels(self, address: str) -> None:
+        """Close the channels to a removed instance (a channel to a peer that is gone dials it
+        every second for ever), unless it was added back; later while a request still holds
+        it (a stream migrating away from it)."""
+        if self._stopped.is_set() or address in self.membership:
+            return
+        if self.attempts.load.load_of(address).in_flight_requests:
+            self._release_channels_later(address)
+            return
+        self.client.forget(address)
 
     def set_policy(self, name: str) -> str:
         """Switch the prefill routing policy; returns the previous one. Raises ConfigError."""
