@@ -92,6 +92,9 @@ logger = logging.getLogger(__name__)
 INSTANCE_SERVICE = "pdserve.v1.InstanceService"
 READ_KV_METHOD = "/pdserve.v1.DecodeService/ReadKV"
 PULL_KV_TIMEOUT_S = 30.0  # a pull that takes longer is cut, and the rest computed
+# a channel to a peer unused this long is closed (a peer's calls take seconds; a dead one's
+# channel would hold memory for good)
+FORGET_PEER_CHANNELS_AFTER_S = 900.0
 
 
 @dataclass(slots=True)
@@ -227,7 +230,8 @@ class InstanceRuntime:
         over mutual TLS."""
         events = KVEventBroadcaster()
         mailbox = Mailbox()
-        channels = ChannelPool(secret, tls)
+        # peers come and go (a restarted one at a new address); every call to one is short
+        channels = ChannelPool(secret, tls, forget_unused_after_s=FORGET_PEER_CHANNELS_AFTER_S)
         engine = LLMEngine.from_config(
             config,
             event_sink=events.publish,

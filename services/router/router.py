@@ -133,9 +133,8 @@ class Router:
         timer.start()
 
     def _release_channels(self, address: str) -> None:
-        """Close the channels to a removed instance (a channel to a peer that is gone dials it
-        every second for ever), unless it was added back; later while a request still holds
-        it (a stream migrating away from it)."""
+        """Close the channels to a removed instance (see `ChannelPool.forget`), unless it was
+        added back; later while a request still holds it (a stream migrating away from it)."""
         if self._stopped.is_set() or address in self.membership:
             return
         if self.attempts.load.load_of(address).in_flight_requests:

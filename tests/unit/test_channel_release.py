@@ -1,5 +1,6 @@
-"""A removed instance's channels are closed: a channel to a peer that is gone dials it every
-second for ever (and holds memory), and every restart leaves one behind at the old address.
+"""Channels to peers that are gone are closed: a restarted instance comes back at a new address,
+and the old address's channel would hold memory for good and dial it every second for half
+an hour.
 
 The blocking pools here are anonymous: a call on a closed channel with the credentials'
 interceptor crashes grpcio (which is why a forgotten channel is closed only later)."""
@@ -126,3 +127,20 @@ def test_a_channel_stays_open_while_its_instance_is_back_or_a_request_holds_it(
         assert eventually(lambda: closed(channel))
     finally:
         routed.stop()
+
+
+def test_an_instance_s_pool_forgets_the_channels_nobody_took_for_a_while() -> None:
+    now = [0.0]
+    pool = ChannelPool(forget_unused_after_s=60, clock=lambda: now[0])
+    pool.close_forgotten_after_s = 0
+    try:
+        gone, busy = stub(pool.get(NOBODY)), stub(pool.get(OTHER))
+        now[0] = 50.0
+        pool.get(OTHER)  # taken again: its minute starts over
+        now[0] = 100.0
+        same = stub(pool.get(OTHER))  # the sweep: NOBODY was last taken 100 s ago
+        assert eventually(lambda: closed(gone))
+        assert not closed(busy) and not closed(same)
+        assert not closed(stub(pool.get(NOBODY)))  # dialled anew
+    finally:
+        pool.close()
