@@ -9,13 +9,13 @@ loop (the router's HTTP server's), but for `forget`.
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 import grpc
 
 from pdserve.rpc.auth import AUTHORIZATION
-from pdserve.rpc.channels import CHANNEL_OPTIONS
+from pdserve.rpc.channels import CHANNEL_OPTIONS, CLOSE_FORGOTTEN_AFTER_S
 from pdserve.rpc.clients import DEFAULT_DEADLINES, Deadlines, Metadata
 from pdserve.rpc.status import error_from_rpc
 from pdserve.rpc.tls import TlsFiles
@@ -80,20 +80,23 @@ class AioChannelPool:
             self._channels[address] = channel
         return channel
 
-    def forget(self, address: str) -> None:
-        """Close `address`'s channel and drop its stubs, from any thread (on the loop, soon);
-        a later `get` dials it anew. For a peer that is gone: its channel would dial it every
-        second for ever."""
+    def forget(self, address: str, keep: Callable[[], bool] = lambda: False) -> None:
+        """From any thread: on the loop, soon, unless `keep()` then says its peer is back, drop
+        `address`'s channel and stubs (a later `get` dials it anew) and close the channel,
+        letting calls still on it finish for `CLOSE_FORGOTTEN_AFTER_S`. For a peer that is
+        gone (see `ChannelPool.forget`)."""
         if self._loop is None:  # no channel yet
             return
         with contextlib.suppress(RuntimeError):  # the loop is closed: its channels with it
-            self._loop.call_soon_threadsafe(self._forget, address)
+            self._loop.call_soon_threadsafe(self._forget, address, keep)
 
-    def _forget(self, address: str) -> None:
+    def _forget(self, address: str, keep: Callable[[], bool]) -> None:
+        if keep():
+            return
         self._stubs.pop(address, None)
         channel = self._channels.pop(address, None)
         if channel is not None:
-            task = asyncio.ensure_future(channel.close())
+            task = asyncio.ensure_future(channel.close(grace=CLOSE_FORGOTTEN_AFTER_S))
             self._closing.add(task)
             task.add_done_callback(self._closing.discard)
 

@@ -87,13 +87,16 @@ class ChannelPool:
             self._close_later(forgotten)
         return channel
 
-    def forget(self, address: str) -> None:
-        """Drop `address`'s channel: a later `get` dials it anew; the channel itself is closed
-        `close_forgotten_after_s` later (calls still on it are cancelled). For a peer that is
-        gone: its channel holds ~30 KB for good and dials it every second until gRPC's idle
-        timeout (30 min). The wait is for whoever took the channel just before: a call started
-        on a closed channel crashes grpcio 1.85."""
+    def forget(self, address: str, keep: Callable[[], bool] = lambda: False) -> None:
+        """Drop `address`'s channel, unless `keep()` (asked under the pool's lock: no `get`
+        runs meanwhile) says its peer is back: a later `get` dials it anew; the channel itself
+        is closed `close_forgotten_after_s` later (calls still on it are cancelled). For a peer
+        that is gone: its channel holds ~30 KB for good and dials it every second until gRPC's
+        idle timeout (30 min). The wait is for whoever took the channel just before: a call
+        started on a closed channel crashes grpcio 1.85."""
         with self._lock:
+            if keep():
+                return
             channel = self._channels.pop(address, None)
             self._taken.pop(address, None)
         if channel is not None:

@@ -43,8 +43,14 @@ class _Client:
         self, address: str, channels: ChannelPool, deadlines: Deadlines = DEFAULT_DEADLINES
     ) -> None:
         self.address = address
-        self._channel = channels.get(address)
+        self._channels = channels
         self.deadlines = deadlines
+
+    @property
+    def _channel(self) -> grpc.Channel:
+        """Taken from the pool at each call: a client kept across a request's steps never
+        calls on a channel the pool forgot (and closed) meanwhile."""
+        return self._channels.get(self.address)
 
     def _call(self, method: Any, message: Any, timeout: float, metadata: Metadata = ()) -> Any:
         try:

@@ -14,7 +14,7 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -205,10 +205,11 @@ class PDClient:
         await asyncio.gather(*self._aborting, return_exceptions=True)
         await self.aio.channels.close()
 
-    def forget(self, address: str) -> None:
-        """Close both channels to `address` (from any thread): for an instance that is gone."""
-        self.channels.forget(address)
-        self.aio.channels.forget(address)
+    def forget(self, address: str, keep: Callable[[], bool] = lambda: False) -> None:
+        """Close both channels to `address` (from any thread) unless `keep()`, asked as each
+        is dropped, says the instance is back: for an instance that is gone."""
+        self.channels.forget(address, keep)
+        self.aio.channels.forget(address, keep)
 
     def close(self) -> None:
         self.channels.close()

@@ -140,7 +140,7 @@ class Router:
         if self.attempts.load.load_of(address).in_flight_requests:
             self._release_channels_later(address)
             return
-        self.client.forget(address)
+        self.client.forget(address, keep=lambda: address in self.membership)
 
     def set_policy(self, name: str) -> str:
         """Switch the prefill routing policy; returns the previous one. Raises ConfigError."""

@@ -16,8 +16,10 @@ import pytest
 from credentials import SECRET
 
 from pdserve.config import EngineConfig, RouterConfig
+from pdserve.errors import InstanceUnavailableError
 from pdserve.rpc.aio import AioChannelPool
 from pdserve.rpc.channels import ChannelPool
+from pdserve.rpc.clients import InstanceClient
 from pdserve.v1 import common_pb2, common_pb2_grpc
 from services.router.membership import Membership
 from services.router.model_info import model_info
@@ -63,6 +65,8 @@ def test_a_forgotten_channel_is_closed_later_and_a_new_one_dialled_on_the_next_u
         assert eventually(lambda: closed(fresh))
         assert not closed(other) and not closed(stub(pool.get(NOBODY)))
         pool.forget("127.0.0.1:3")  # never dialled: nothing to do
+        pool.forget(OTHER, keep=lambda: True)  # its peer is back
+        assert not closed(other)
     finally:
         pool.close()
 
@@ -75,7 +79,11 @@ def test_an_asyncio_channel_is_forgotten_from_another_thread_on_its_own_loop() -
         forgetting.start()
         forgetting.join()
         await asyncio.sleep(0)  # the loop runs the callback the thread queued, then this
-        assert pool.stubs(NOBODY).instance is not old
+        fresh = pool.stubs(NOBODY).instance
+        assert fresh is not old
+        pool.forget(NOBODY, keep=lambda: True)  # its peer is back
+        await asyncio.sleep(0)
+        assert pool.stubs(NOBODY).instance is fresh
         await pool.close()  # also waits for the forgotten channel's close
         with pytest.raises(grpc.aio.UsageError):
             await old.GetStats(common_pb2.StatsRequest(), timeout=1)
@@ -142,5 +150,22 @@ def test_an_instance_s_pool_forgets_the_channels_nobody_took_for_a_while() -> No
         assert eventually(lambda: closed(gone))
         assert not closed(busy) and not closed(same)
         assert not closed(stub(pool.get(NOBODY)))  # dialled anew
+    finally:
+        pool.close()
+
+
+def test_a_client_kept_across_a_forget_calls_on_a_fresh_channel() -> None:
+    """A prefill keeps its decode's client for a whole request: a call it makes after the pool
+    forgot and closed the channel goes out on a new one (building a stub on the closed one
+    would crash the process)."""
+    pool = ChannelPool()
+    pool.close_forgotten_after_s = 0
+    try:
+        client = InstanceClient(NOBODY, pool)
+        old = stub(pool.get(NOBODY))
+        pool.forget(NOBODY)
+        assert eventually(lambda: closed(old))
+        with pytest.raises(InstanceUnavailableError):
+            client.stats()
     finally:
         pool.close()
