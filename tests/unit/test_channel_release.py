@@ -7,13 +7,12 @@ interceptor crashes grpcio (which is why a forgotten channel is closed only late
 
 import asyncio
 import threading
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import grpc
 import pytest
 from credentials import SECRET
+from waiting import wait_for
 
 from pdserve.config import EngineConfig, RouterConfig
 from pdserve.errors import InstanceUnavailableError
@@ -45,13 +44,6 @@ def closed(instance: common_pb2_grpc.InstanceServiceStub) -> bool:
     raise AssertionError("nothing listens there, yet the call succeeded")
 
 
-def eventually(done: Callable[[], bool], timeout_s: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while not done() and time.monotonic() < deadline:
-        time.sleep(0.01)
-    return done()
-
-
 def test_a_forgotten_channel_is_closed_later_and_a_new_one_dialled_on_the_next_use() -> None:
     pool = ChannelPool()
     try:
@@ -62,7 +54,7 @@ def test_a_forgotten_channel_is_closed_later_and_a_new_one_dialled_on_the_next_u
         fresh = stub(pool.get(NOBODY))
         pool.close_forgotten_after_s = 0
         pool.forget(NOBODY)
-        assert eventually(lambda: closed(fresh))
+        wait_for(lambda: closed(fresh))
         assert not closed(other) and not closed(stub(pool.get(NOBODY)))
         pool.forget("127.0.0.1:3")  # never dialled: nothing to do
         pool.forget(OTHER, keep=lambda: True)  # its peer is back
@@ -107,7 +99,7 @@ def test_a_removed_instance_s_channel_is_closed_after_a_while(tiny_model_dir: Pa
         removed = stub(routed.client.channels.get(NOBODY))
         other = stub(routed.client.channels.get(OTHER))
         routed.remove_instance(NOBODY)
-        assert eventually(lambda: closed(removed))
+        wait_for(lambda: closed(removed))
         assert not closed(other)
     finally:
         routed.stop()
@@ -132,7 +124,7 @@ def test_a_channel_stays_open_while_its_instance_is_back_or_a_request_holds_it(
         assert not closed(channel)
         lease.release()
         routed._release_channels(NOBODY)
-        assert eventually(lambda: closed(channel))
+        wait_for(lambda: closed(channel))
     finally:
         routed.stop()
 
@@ -147,7 +139,7 @@ def test_an_instance_s_pool_forgets_the_channels_nobody_took_for_a_while() -> No
         pool.get(OTHER)  # taken again: its minute starts over
         now[0] = 100.0
         same = stub(pool.get(OTHER))  # the sweep: NOBODY was last taken 100 s ago
-        assert eventually(lambda: closed(gone))
+        wait_for(lambda: closed(gone))
         assert not closed(busy) and not closed(same)
         assert not closed(stub(pool.get(NOBODY)))  # dialled anew
     finally:
@@ -164,7 +156,7 @@ def test_a_client_kept_across_a_forget_calls_on_a_fresh_channel() -> None:
         client = InstanceClient(NOBODY, pool)
         old = stub(pool.get(NOBODY))
         pool.forget(NOBODY)
-        assert eventually(lambda: closed(old))
+        wait_for(lambda: closed(old))
         with pytest.raises(InstanceUnavailableError):
             client.stats()
     finally:
