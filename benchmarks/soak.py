@@ -18,9 +18,10 @@ the cluster to heal.
 Reports: requests started, succeeded, failed by reason — the only failure allowed is a request
 in flight through a router replica when it was killed (its connection breaks) — wrong answers
 (must be 0), leaks once the load stops (instances holding requests, reservations or blocks,
-routers with requests in flight: must be 0), and the growth per hour of each process's RSS
-and private memory (RSS less shared pages), over the second half of its life (the first
-warms up), of its incarnation measured longest if the chaos restarted it.
+routers with requests in flight, KV cache segments of killed instances left in /dev/shm: must
+be 0), and the growth per hour of each process's RSS and private memory (RSS less shared
+pages), over the second half of its life (the first warms up), of its incarnation measured
+longest if the chaos restarted it.
 
 RESULT: `started`, `succeeded`, `failed_allowed`, `failed_other` (must be 0), `wrong` (must be
 0), `leaks` (must be 0), `rss_growth_mb_per_h_max`, `private_growth_mb_per_h_max`, `kills`.
@@ -45,6 +46,7 @@ import httpx
 import psutil
 from _common import finish, parse_args, print_table
 
+from pdserve.model.shm_segments import left_behind
 from pdserve.rpc.auth import secret_file
 from pdserve.v1 import admin_pb2
 
@@ -299,6 +301,7 @@ def leaks(up: UpCluster) -> list[str]:
             metrics = scrape_metrics(f"http://{replica.metrics_address}")
             if sum(v for k, v in metrics.items() if k.startswith("pdserve_router_in_flight")):
                 found.append(f"{replica.name}: requests in flight")
+        found.extend(f"{path}: its process is gone" for path in left_behind())
         return not found
 
     deadline = time.monotonic() + 60

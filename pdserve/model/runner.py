@@ -6,7 +6,6 @@ import logging
 import math
 import os
 import time
-import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 from multiprocessing import shared_memory
@@ -18,6 +17,7 @@ from pdserve.model.batch import BlockTables, token_index
 from pdserve.model.graphs import Capture, DecodeGraphs, cuda_capture
 from pdserve.model.llama import CausalLM
 from pdserve.model.parallel import StepInputs, StepSender
+from pdserve.model.shm_segments import claim, new_name, release, remove_orphans
 from pdserve.model.staging import (
     DEFAULT_STAGING_BYTES,
     CudaStreams,
@@ -78,12 +78,14 @@ class ModelRunner:
         kv_cache: torch.Tensor,
         segment: shared_memory.SharedMemory | None = None,
         staging_bytes: int = DEFAULT_STAGING_BYTES,
+        segment_claim: int | None = None,
     ) -> None:
         self.model = model
         self.kv_cache = kv_cache
         self.block_size = kv_cache.shape[3]
         self.device = kv_cache.device
         self.segment = segment  # the KV cache's shared-memory segment, if it lives in one
+        self._segment_claim = segment_claim  # `shm_segments.claim` on it
         streams = CudaStreams(self.device) if self.device.type == "cuda" else None
         self.stager = KVStager(kv_cache, streams, staging_bytes)  # every block <-> host copy
         self.block_tables = BlockTables(self.device)  # rows by sequence id, across steps
@@ -109,23 +111,29 @@ class ModelRunner:
         layout = model.kv_layout(dtype)
         shape, dtype = layout.shape(num_blocks, block_size), layout.dtype
         nbytes = math.prod(shape) * layout.element_size
-        if shared and device.type == "cpu" and not _shm_has_room(nbytes):
-            logger.warning(
-                "/dev/shm cannot hold the %d-byte KV cache: keeping it private (no shm transfers)",
-                nbytes,
-            )
-            shared = False
+        if shared and device.type == "cpu":
+            remove_orphans()  # before measuring the room: a killed instance's cache takes some
+            if not _shm_has_room(nbytes):
+                logger.warning(
+                    "/dev/shm cannot hold the %d-byte KV cache: keeping it private "
+                    "(no shm transfers)",
+                    nbytes,
+                )
+                shared = False
         if not shared or device.type != "cpu":
             return cls(model, torch.zeros(shape, dtype=dtype, device=device), None, staging_bytes)
-        segment = shared_memory.SharedMemory(
-            name=f"pdserve-kv-{os.getpid()}-{uuid.uuid4().hex[:8]}", create=True, size=nbytes
-        )
+        segment = shared_memory.SharedMemory(name=new_name("kv"), create=True, size=nbytes)
+        held = claim(segment.name)
+        if held is None:  # another pid namespace's sweep removed it before the claim
+            segment.close()
+            return cls(model, torch.zeros(shape, dtype=dtype, device=device))
         if not _allocate_pages(segment.name, nbytes):
             segment.close()
             segment.unlink()
+            release(held)
             return cls(model, torch.zeros(shape, dtype=dtype, device=device))
         raw = torch.frombuffer(segment.buf, dtype=torch.uint8)[:nbytes]  # zeroed by the OS
-        return cls(model, raw.view(dtype).view(shape), segment)
+        return cls(model, raw.view(dtype).view(shape), segment, segment_claim=held)
 
     def close(self) -> None:
         """Stop the tensor-parallel workers (and remove their KV segments); remove the KV
@@ -140,6 +148,8 @@ class ModelRunner:
         if self.segment is not None:
             self.segment.unlink()
             self.segment = None
+            release(self._segment_claim)
+            self._segment_claim = None
 
     def attach_ranks(
         self, tp: StepSender, others: Sequence[torch.Tensor], segments: Sequence[str]

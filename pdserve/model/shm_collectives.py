@@ -21,12 +21,13 @@ import mmap
 import os
 import platform
 import time
-import uuid
 from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
 import torch
+
+from pdserve.model.shm_segments import SHM_DIR, claim, new_name, release, running
 
 SLOT_BYTES = 4 * 2**20  # per rank and parity: larger tensors go through gloo
 _LINE = 8  # int64s per cache line: each counter on a line of its own
@@ -55,17 +56,23 @@ class ShmCollectives:
         self._slots = data.view(2, size, SLOT_BYTES)
         self._seq = 0
         self._pids: list[int] = []
+        self._claim: int | None = None  # rank 0, until every rank mapped it
 
     @classmethod
     def create(cls, size: int) -> "ShmCollectives":
         """Rank 0: a new segment (its name goes to the others through the group's store)."""
-        path = Path("/dev/shm") / f"pdserve-tp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        path = SHM_DIR / new_name("tp")
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
+            held = claim(path.name)
             os.posix_fallocate(fd, 0, _HEADER + 2 * size * SLOT_BYTES)
         finally:
             os.close(fd)
-        return cls(path, 0, size, owner=True)
+        if held is None:
+            raise OSError(f"shared-memory segment {path} was removed as it was created")
+        collectives = cls(path, 0, size, owner=True)
+        collectives._claim = held
+        return collectives
 
     def register(self, pids: Sequence[int]) -> None:
         """Every rank's process id, by rank (for the liveness checks)."""
@@ -126,7 +133,7 @@ class ShmCollectives:
 
     def _check_peers(self, waited_s: float, timeout_s: float) -> None:
         late = [r for r in range(self.size) if self._counters[r * _LINE] < self._seq]
-        gone = [r for r in late if r < len(self._pids) and not _alive(self._pids[r])]
+        gone = [r for r in late if r < len(self._pids) and not running(self._pids[r])]
         if gone:
             raise PeerGone(f"rank {gone[0]}'s process is gone")
         if waited_s >= timeout_s:
@@ -139,18 +146,11 @@ class ShmCollectives:
             with contextlib.suppress(FileNotFoundError):
                 self.path.unlink()
             self.owner = False
+            release(self._claim)
+            self._claim = None
 
     def close(self) -> None:
         """Unmap (and remove the name if it is still there). Idempotent."""
         with contextlib.suppress(BufferError, ValueError):
             self._map.close()
         self.forget_name()
-
-
-def _alive(pid: int) -> bool:
-    """Whether process `pid` runs (a zombie, dead but not yet reaped, does not)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat.rpartition(")")[2].split()[0] != "Z"

@@ -12,6 +12,7 @@ import mmap
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
 
 import numpy as np
 
@@ -97,36 +98,68 @@ def send_by_rank(
     return TransferResult(len(block_ids), len(block_ids) * size, time.perf_counter() - start)
 
 
+class _Segment:
+    """A decode instance's KV cache segment mapped here, and how many writes are under way."""
+
+    def __init__(self, path: Path) -> None:
+        with open(path, "r+b") as f:
+            self.mapping = mmap.mmap(f.fileno(), 0)
+        self.address = int(np.frombuffer(self.mapping, dtype=np.uint8).ctypes.data)
+        self.path = path
+        self.writers = 0
+
+
 class ShmKVTransport(KVTransport):
-    """Thread-safe (the KVTransport contract): request threads send concurrently."""
+    """Thread-safe (the KVTransport contract): request threads send concurrently.
+
+    A decode segment stays mapped while its name is in /dev/shm. Its owner removes the name
+    when it stops, and so does the next instance to start on the host if the owner was
+    killed (`pdserve.model.shm_segments`). Each new mapping first unmaps the segments whose
+    name has gone and that no write is using. Otherwise every decode restart would leave a
+    mapping here, and the mapping would keep the dead cache's memory.
+    """
 
     name = "shm"
 
     def __init__(self, channels: ChannelPool, stall_timeout_s: float = 10.0) -> None:
         self._channels = channels
         self._stall_timeout_s = stall_timeout_s
-        self._segments: dict[str, tuple[mmap.mmap, int]] = {}  # name -> (mapping, address)
+        self._segments: dict[str, _Segment] = {}
         self._lock = threading.Lock()
 
     def can_reach(self, target: KVTarget) -> bool:
         ranks = target.endpoints.ranks or (target.endpoints,)
         return all(bool(e.shm_name) and e.host_id == host_id() for e in ranks)
 
-    def _attach(self, name: str) -> int:
-        """The address where decode's KV cache segment `name` is mapped in this process."""
+    @contextlib.contextmanager
+    def _mapped(self, name: str) -> Iterator[int]:
+        """The address where decode's KV cache segment `name` is mapped in this process, kept
+        mapped until the block ends."""
         with self._lock:
-            entry = self._segments.get(name)
-            if entry is None:
+            segment = self._segments.get(name)
+            if segment is None:
+                self._unmap_gone()
                 # mapped directly (not multiprocessing's SharedMemory, whose resource tracker
                 # would unlink the owner's segment when this process exits)
                 try:
-                    with open(f"/dev/shm/{name.lstrip('/')}", "r+b") as f:
-                        mapping = mmap.mmap(f.fileno(), 0)
+                    segment = _Segment(Path("/dev/shm") / name.lstrip("/"))
                 except OSError as e:
                     raise KVTransferError(f"cannot attach decode's KV segment {name}: {e}") from e
-                entry = (mapping, int(np.frombuffer(mapping, dtype=np.uint8).ctypes.data))
-                self._segments[name] = entry
-            return entry[1]
+                self._segments[name] = segment
+            segment.writers += 1
+        try:
+            yield segment.address
+        finally:
+            with self._lock:
+                segment.writers -= 1
+
+    def _unmap_gone(self) -> None:
+        """Under the lock: unmap the segments whose name has gone and that no write uses."""
+        for name, segment in list(self._segments.items()):
+            if segment.writers == 0 and not segment.path.exists():
+                with contextlib.suppress(BufferError):  # a view still alive: mapped till exit
+                    segment.mapping.close()
+                del self._segments[name]
 
     def send_blocks(
         self, target: KVTarget, source: KVSource, block_ids: Sequence[int]
@@ -150,16 +183,16 @@ class ShmKVTransport(KVTransport):
     def _write(self, target: KVTarget, blocks: Sequence[memoryview]) -> None:
         check_bounds(target, len(blocks), [len(b) for b in blocks])
         target.check_deadline()
-        cache = self._attach(target.endpoints.shm_name)
         size = target.block_bytes
         sources = [address_of(b) for b in blocks]
-        for block_id, count, source in copy_runs(target.block_ids, sources, size):
-            ctypes.memmove(cache + block_id * size, source, count * size)  # GIL released
+        with self._mapped(target.endpoints.shm_name) as cache:
+            for block_id, count, source in copy_runs(target.block_ids, sources, size):
+                ctypes.memmove(cache + block_id * size, source, count * size)  # GIL released
 
     def close(self) -> None:
         with self._lock:
-            for mapping, _ in self._segments.values():
+            for segment in self._segments.values():
                 # BufferError: a tensor view is still alive; the mapping goes at exit
                 with contextlib.suppress(BufferError):
-                    mapping.close()
+                    segment.mapping.close()
             self._segments.clear()

@@ -3,10 +3,14 @@ decode instance (its KV cache in shared memory and registered with its Mooncake 
 bytes land in the reserved blocks whether decode's block ids follow each other or not, and
 Mooncake writes runs of blocks consecutive on both sides as single transfers."""
 
+import multiprocessing
 import os
 import random
+import signal
+import threading
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 from credentials import SECRET, channels
@@ -15,6 +19,7 @@ from pdserve.config import DecodeConfig, EngineConfig, TransferConfig
 from pdserve.engine import LLMEngine, SamplingParams
 from pdserve.errors import KVTransferError
 from pdserve.instance.convert import endpoints_from_proto, generate_request
+from pdserve.rpc.server import AioServer
 from pdserve.transfer.base import KVTarget, KVTransport
 from pdserve.transfer.direct import ShmKVTransport, address_of
 from pdserve.transfer.mooncake import MooncakeEngine, MooncakeKVTransport, plan_writes
@@ -22,22 +27,27 @@ from pdserve.v1 import common_pb2, common_pb2_grpc, decode_pb2, decode_pb2_grpc
 from services.decode.instance import DecodeInstance
 from services.decode.servicer import serve_decode
 
+if TYPE_CHECKING:
+    from multiprocessing.queues import Queue
+
 BLOCK_SIZE = 16
 NUM_BLOCKS = 64
 SUBSCRIBER = "router-1"
 
 
-@pytest.fixture
-def decode(tiny_model_dir: Path) -> Iterator[tuple[DecodeInstance, str]]:
-    engine = EngineConfig(
-        model=str(tiny_model_dir), num_kv_blocks=NUM_BLOCKS, enable_prefix_caching=False
-    )
-    instance, server, port = serve_decode(
+def serve(model_dir: str, secret: str) -> tuple[DecodeInstance, AioServer, int]:
+    engine = EngineConfig(model=model_dir, num_kv_blocks=NUM_BLOCKS, enable_prefix_caching=False)
+    return serve_decode(
         engine,
         DecodeConfig(),
         transfer=TransferConfig(transport="mooncake"),  # its engine too, on loopback
-        secret=SECRET,
+        secret=secret,
     )
+
+
+@pytest.fixture
+def decode(tiny_model_dir: Path) -> Iterator[tuple[DecodeInstance, str]]:
+    instance, server, port = serve(str(tiny_model_dir), SECRET)
     try:
         yield instance, f"127.0.0.1:{port}"
     finally:
@@ -198,3 +208,49 @@ def test_the_shared_kv_cache_has_its_pages_from_the_start(
     nbytes = runner.kv_cache.numel() * runner.kv_cache.element_size()
     stat = os.stat(f"/dev/shm/{runner.segment.name.lstrip('/')}")
     assert stat.st_blocks * 512 >= nbytes
+
+
+def serve_until_killed(model_dir: str, secret: str, started: "Queue[tuple[int, str, int]]") -> None:
+    """A decode instance in a process of its own: (port, KV segment, block bytes) to `started`."""
+    instance, _, port = serve(model_dir, secret)
+    runner = instance.runtime.engine.runner
+    assert runner.segment is not None
+    started.put((port, runner.segment.name, instance.runtime.stager.block_bytes))
+    threading.Event().wait()
+
+
+def test_a_killed_decodes_kv_cache_is_freed_once_another_starts(tiny_model_dir: Path) -> None:
+    """A decode instance SIGKILLed after a prefill wrote into its KV cache: the next instance
+    to start on the host removes the cache's segment, and the prefill drops its mapping of it
+    as it maps the new instance's (else the dead cache's memory would stay taken)."""
+    context = multiprocessing.get_context("spawn")
+    started: Queue[tuple[int, str, int]] = context.Queue()
+    child = context.Process(target=serve_until_killed, args=(str(tiny_model_dir), SECRET, started))
+    child.start()
+    port, dead_segment, block_bytes = started.get(timeout=120)
+    sender = Sender("shm", f"127.0.0.1:{port}", block_bytes)
+    try:
+        sender.transport.send(sender.reserve("before", 2), sender.blocks[:2])
+        assert dead_segment in Path("/proc/self/maps").read_text()
+        assert child.pid is not None
+        os.kill(child.pid, signal.SIGKILL)
+        child.join()
+        assert (Path("/dev/shm") / dead_segment).exists()  # nobody could remove it
+        instance, server, new_port = serve(str(tiny_model_dir), SECRET)
+        try:
+            assert not (Path("/dev/shm") / dead_segment).exists()
+            after = Sender("shm", f"127.0.0.1:{new_port}", block_bytes)
+            try:
+                sender.transport.send(after.reserve("after", 2), sender.blocks[:2])
+            finally:
+                after.close()
+            assert dead_segment not in Path("/proc/self/maps").read_text()
+            assert received(instance, "after") == [bytes(b) for b in sender.blocks[:2]]
+        finally:
+            server.stop(0).wait()
+            instance.stop()
+    finally:
+        sender.close()
+        if child.is_alive():
+            child.kill()
+            child.join()
