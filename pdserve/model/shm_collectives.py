@@ -63,14 +63,18 @@ class ShmCollectives:
         """Rank 0: a new segment (its name goes to the others through the group's store)."""
         path = SHM_DIR / new_name("tp")
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        held = claim(path.name)
         try:
-            held = claim(path.name)
+            if held is None:
+                raise OSError(f"shared-memory segment {path} was removed as it was created")
             os.posix_fallocate(fd, 0, _HEADER + 2 * size * SLOT_BYTES)
+            collectives = cls(path, 0, size, owner=True)
+        except OSError:
+            path.unlink(missing_ok=True)
+            release(held)
+            raise
         finally:
             os.close(fd)
-        if held is None:
-            raise OSError(f"shared-memory segment {path} was removed as it was created")
-        collectives = cls(path, 0, size, owner=True)
         collectives._claim = held
         return collectives
 
