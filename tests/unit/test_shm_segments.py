@@ -66,16 +66,18 @@ def test_a_segment_whose_owner_was_killed_is_removed(made: list[Path]) -> None:
     finally:
         child.send_signal(signal.SIGKILL)
         child.wait()
-    removed, freed = remove_orphans()
+    remove_orphans()  # (another test's instance may have run it first)
     assert not path.exists()
-    assert removed >= 1 and freed >= 4096
 
 
 def test_a_claimed_segment_stays_though_its_pid_is_not_running_here(made: list[Path]) -> None:
     """An owner in another pid namespace sharing /dev/shm: its pid means nothing here."""
-    path = segment(made, f"pdserve-kv-{dead_pid()}-0123abcd")
-    held = claim(path.name)
+    unnamed = segment(made, new_name("unnamed"))  # claimed before it matches a sweep's pattern
+    held = claim(unnamed.name)
     assert held is not None
+    path = SHM_DIR / f"pdserve-kv-{dead_pid()}-0123abcd"
+    unnamed.rename(path)
+    made.append(path)
     try:
         remove_orphans()
         assert path.exists()
