@@ -198,6 +198,13 @@ class EngineConfig:
 
     Set 1 when several instances share a small machine: OpenMP threads that spin against each
     other cost 10× or more."""
+    onednn_cache_entries: int = 128
+    """CPU: compiled matrix kernels oneDNN keeps per process (0: none).
+
+    oneDNN compiles a kernel for each weight shape and number of batch rows, 0.3 to 0.6 MB
+    each. torch's default of 1024 grows a CPU instance by up to about 0.5 GB, a little more
+    with each new batch size, for hours. 128 was as fast on varied batches
+    (`benchmarks/kernel_cache.py`). The first engine of a process sets it for the process."""
     tensor_parallel_size: int = 1
     """Ranks (one device each) one instance's model is split across.
 
@@ -242,6 +249,10 @@ class EngineConfig:
             if value is not None and value <= 0:
                 raise ConfigError(f"engine.{name} must be positive, got {value}")
         _check_choices(self, "engine")
+        if self.onednn_cache_entries < 0:
+            raise ConfigError(
+                f"engine.onednn_cache_entries must be >= 0, got {self.onednn_cache_entries}"
+            )
         if not self.lrfu_half_life_s > 0 or self.lrfu_score_capacity < 1:
             raise ConfigError(
                 "engine.lrfu_half_life_s must be positive and engine.lrfu_score_capacity >= 1"

@@ -49,6 +49,7 @@ from pdserve.kvcache.manager import KVCacheManager
 from pdserve.model.attention import make_backend
 from pdserve.model.config import ModelConfig
 from pdserve.model.graphs import Capture, capture_sizes
+from pdserve.model.linear import limit_kernel_caches
 from pdserve.model.loader import LoadedModel, load_model
 from pdserve.model.memory import (
     KVPlan,
@@ -691,6 +692,7 @@ def load_and_size(
     collectives run."""
     if config.torch_threads is not None:
         torch.set_num_threads(config.torch_threads)
+    limit_kernel_caches(config.onednn_cache_entries)
     device = torch.device(config.device)
     device_memory = cuda_free_at_start(device) if device.type == "cuda" else None
     if device.type == "cuda":  # before any weight is read

@@ -1,6 +1,7 @@
 """The dense compute primitives every layer shares: the fused SiLU-and-multiply, and linear
 weights packed once for oneDNN's CPU matrix kernels."""
 
+import os
 from typing import Any
 
 import torch
@@ -48,6 +49,17 @@ class PackedLinear(nn.Module):
             x, self.packed, self.bias, "none", [], ""
         )
         return out
+
+
+ONEDNN_CACHE_VARIABLES = ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")
+
+
+def limit_kernel_caches(entries: int) -> None:
+    """Keep at most `entries` compiled kernels in each of oneDNN's two caches (its own, and
+    ideep's in torch), which `_linear_pointwise` fills with one kernel per input shape. Each
+    reads its size once per process, at its first use: call this before loading a model."""
+    for name in ONEDNN_CACHE_VARIABLES:
+        os.environ[name] = str(entries)
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:

@@ -293,3 +293,10 @@ def test_a_fraction_of_a_gpu_and_roles_without_replicas_are_fine(tmp_path: Path)
     )
     config = load_cluster_config(path, env={})
     assert (config.prefill.num_gpus, config.engine.device) == (0.5, "cuda")
+
+
+def test_onednn_cache_entries_may_be_zero_not_negative(tmp_path: Path) -> None:
+    assert load_cluster_config(_yaml(tmp_path, "engine:\n  onednn_cache_entries: 0\n"), env={})
+    path = _yaml(tmp_path, "engine:\n  onednn_cache_entries: -1\n")
+    with pytest.raises(ConfigError, match=r"engine\.onednn_cache_entries must be >= 0, got -1"):
+        load_cluster_config(path, env={})
