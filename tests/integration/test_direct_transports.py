@@ -242,10 +242,11 @@ def test_a_killed_decodes_kv_cache_is_freed_once_another_starts(tiny_model_dir: 
             after = Sender("shm", f"127.0.0.1:{new_port}", block_bytes)
             try:
                 sender.transport.send(after.reserve("after", 2), sender.blocks[:2])
+                # before the subscription closes: decode then drops the request's blocks
+                assert received(instance, "after") == [bytes(b) for b in sender.blocks[:2]]
             finally:
                 after.close()
             assert dead_segment not in Path("/proc/self/maps").read_text()
-            assert received(instance, "after") == [bytes(b) for b in sender.blocks[:2]]
         finally:
             server.stop(0).wait()
             instance.stop()
