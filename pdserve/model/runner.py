@@ -17,7 +17,14 @@ from pdserve.model.batch import BlockTables, token_index
 from pdserve.model.graphs import Capture, DecodeGraphs, cuda_capture
 from pdserve.model.llama import CausalLM
 from pdserve.model.parallel import StepInputs, StepSender
-from pdserve.model.shm_segments import claim, new_name, release, remove_orphans
+from pdserve.model.shm_segments import (
+    SHM_DIR,
+    claim,
+    new_name,
+    release,
+    remove_orphans,
+    segment_path,
+)
 from pdserve.model.staging import (
     DEFAULT_STAGING_BYTES,
     CudaStreams,
@@ -43,7 +50,7 @@ class SequenceChunk:
 def _shm_has_room(nbytes: int) -> bool:
     """Whether /dev/shm has `nbytes` free (touching pages beyond its size would kill us)."""
     try:
-        stats = os.statvfs("/dev/shm")
+        stats = os.statvfs(SHM_DIR)
     except OSError:
         return False
     return stats.f_bavail * stats.f_frsize >= nbytes
@@ -54,7 +61,7 @@ def _allocate_pages(name: str, nbytes: int) -> bool:
     later, and touching a page it cannot back then kills the process (SIGBUS). Also keeps page
     allocation and zeroing off the KV transfer path. False (and a warning) when it has no room."""
     try:
-        fd = os.open(f"/dev/shm/{name.lstrip('/')}", os.O_RDWR)
+        fd = os.open(segment_path(name), os.O_RDWR)
         try:
             os.posix_fallocate(fd, 0, nbytes)
         finally:
@@ -143,7 +150,7 @@ class ModelRunner:
             self.tp = None
         for name in self.rank_segments:  # a worker that was killed could not
             with contextlib.suppress(FileNotFoundError):
-                os.unlink(f"/dev/shm/{name.lstrip('/')}")
+                os.unlink(segment_path(name))
         self.rank_segments = []
         if self.segment is not None:
             self.segment.unlink()

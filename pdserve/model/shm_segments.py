@@ -32,6 +32,11 @@ SHM_DIR = Path("/dev/shm")
 _NAME = re.compile(r"pdserve-(kv|tp)-(\d+)-[0-9a-f]+")
 
 
+def segment_path(name: str) -> Path:
+    """Where segment `name` (with or without multiprocessing's leading slash) lives."""
+    return SHM_DIR / name.lstrip("/")
+
+
 def new_name(kind: str) -> str:
     """A fresh segment name for this process: `pdserve-<kind>-<pid>-<random>`."""
     return f"pdserve-{kind}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
@@ -41,7 +46,7 @@ def claim(name: str) -> int | None:
     """Hold a shared lock on segment `name` for this process's life (or until `release`);
     returns the lock's file descriptor, or None if the name no longer names the segment this
     process opened (a sweep of another pid namespace removed it before the claim)."""
-    path = SHM_DIR / name.lstrip("/")
+    path = segment_path(name)
     try:
         fd = os.open(path, os.O_RDONLY)
     except FileNotFoundError:

@@ -34,6 +34,8 @@ from typing import Protocol
 
 import torch
 
+from pdserve.model.shm_segments import segment_path
+
 logger = logging.getLogger(__name__)
 
 DEFAULT_STAGING_BYTES = 256 * 2**20  # pinned host memory per instance on CUDA
@@ -452,7 +454,7 @@ def map_segment(name: str, like: torch.Tensor) -> torch.Tensor:
     """Another process's KV cache segment `name` (shared memory), shaped and typed as `like`.
     Mapped directly: multiprocessing's SharedMemory would register it with this process's
     resource tracker, which unlinks the owner's segment when this process exits."""
-    with open(f"/dev/shm/{name.lstrip('/')}", "r+b") as f:
+    with open(segment_path(name), "r+b") as f:
         mapping = mmap.mmap(f.fileno(), 0)
     raw = torch.frombuffer(mapping, dtype=torch.uint8)[: like.numel() * like.element_size()]
     return raw.view(like.dtype).view(like.shape)

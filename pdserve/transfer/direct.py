@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from pdserve.errors import KVTransferError, PdserveError
+from pdserve.model.shm_segments import segment_path
 from pdserve.rpc.channels import ChannelPool
 from pdserve.rpc.clients import Deadlines, DecodeClient
 from pdserve.transfer.base import KVSource, KVTarget, KVTransport, TransferResult, host_id
@@ -142,7 +143,7 @@ class ShmKVTransport(KVTransport):
                 # mapped directly (not multiprocessing's SharedMemory, whose resource tracker
                 # would unlink the owner's segment when this process exits)
                 try:
-                    segment = _Segment(Path("/dev/shm") / name.lstrip("/"))
+                    segment = _Segment(segment_path(name))
                 except OSError as e:
                     raise KVTransferError(f"cannot attach decode's KV segment {name}: {e}") from e
                 self._segments[name] = segment
