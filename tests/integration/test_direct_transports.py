@@ -19,6 +19,7 @@ from pdserve.config import DecodeConfig, EngineConfig, TransferConfig
 from pdserve.engine import LLMEngine, SamplingParams
 from pdserve.errors import KVTransferError
 from pdserve.instance.convert import endpoints_from_proto, generate_request
+from pdserve.model.shm_segments import segment_path
 from pdserve.rpc.server import AioServer
 from pdserve.transfer.base import KVTarget, KVTransport
 from pdserve.transfer.direct import ShmKVTransport, address_of
@@ -206,7 +207,7 @@ def test_the_shared_kv_cache_has_its_pages_from_the_start(
     runner = instance.runtime.engine.runner
     assert runner.segment is not None
     nbytes = runner.kv_cache.numel() * runner.kv_cache.element_size()
-    stat = os.stat(f"/dev/shm/{runner.segment.name.lstrip('/')}")
+    stat = os.stat(segment_path(runner.segment.name))
     assert stat.st_blocks * 512 >= nbytes
 
 
@@ -235,10 +236,10 @@ def test_a_killed_decodes_kv_cache_is_freed_once_another_starts(tiny_model_dir: 
         assert child.pid is not None
         os.kill(child.pid, signal.SIGKILL)
         child.join()
-        assert (Path("/dev/shm") / dead_segment).exists()  # nobody could remove it
+        assert segment_path(dead_segment).exists()  # nobody could remove it
         instance, server, new_port = serve(str(tiny_model_dir), SECRET)
         try:
-            assert not (Path("/dev/shm") / dead_segment).exists()
+            assert not segment_path(dead_segment).exists()
             after = Sender("shm", f"127.0.0.1:{new_port}", block_bytes)
             try:
                 sender.transport.send(after.reserve("after", 2), sender.blocks[:2])

@@ -8,7 +8,6 @@ import contextlib
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
 
 import httpx
 import pytest
@@ -128,9 +127,11 @@ def test_api_keys_are_required_and_their_owners_take_turns_in_the_queue(
         order: list[str] = []
         admit = stack.router.admit
 
-        async def admit_in_order(*args: Any) -> None:
-            await admit(*args)
-            order.append(args[-1])  # the key's name
+        async def admit_in_order(
+            generations: int, prompt_tokens: int, user: str = "", priority: int = 0, key: str = ""
+        ) -> None:
+            await admit(generations, prompt_tokens, user, priority, key)
+            order.append(key)
 
         stack.router.admit = admit_in_order
 

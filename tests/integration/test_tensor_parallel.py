@@ -36,6 +36,7 @@ from pdserve.engine import LLMEngine, SamplingParams
 from pdserve.engine.tensor_parallel import LocalWorkers, Rendezvous
 from pdserve.errors import ConfigError, TensorParallelError
 from pdserve.model.runner import SequenceChunk
+from pdserve.model.shm_segments import segment_path
 from pdserve.storage import StorageTier
 from services.controller.cluster import Cluster
 
@@ -316,7 +317,7 @@ def test_a_failing_rank_fails_the_requests_with_a_typed_error_never_hangs(
         )
     )
     pid = _worker(engine)
-    segments = [Path("/dev/shm") / name for name in engine.runner.rank_segments]
+    segments = [segment_path(name) for name in engine.runner.rank_segments]
     assert segments and all(path.exists() for path in segments)
     try:
         assert engine.generate(prompts(1, 20), GREEDY)[0].finish_reason == "length"
